@@ -1,0 +1,45 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export RAY_AUTH_MODE ?= disabled
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export RAY_DEDUP_LOGS ?= 0
+
+.PHONY: venv demo test lint format bench clean
+
+venv: $(STAMP)
+
+# torch first, pinned, from the CPU build on disk; then the rest under constraints that keep it.
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+$(VENV)/.bench: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check hybridflow tests benchmarks examples
+	$(BIN)/ruff format --check hybridflow tests benchmarks examples
+
+format: $(STAMP)
+	$(BIN)/ruff format hybridflow tests benchmarks examples
+	$(BIN)/ruff check --fix hybridflow tests benchmarks examples
+
+test: lint
+	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+bench: $(VENV)/.bench
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,16 @@
+"""`make bench`: run every benchmarks/bench_*.py in turn; each prints its own table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+here = Path(__file__).parent
+failed = []
+for script in sorted(here.glob("bench_*.py")):
+    print(f"\n=== {script.name} ===", flush=True)
+    if subprocess.call([sys.executable, str(script)]) != 0:
+        failed.append(script.name)
+if failed:
+    sys.exit(f"benchmarks failed: {failed}")

@@ -1,0 +1,58 @@
+"""The `hybridflow` console script: one subcommand per user task.
+
+Each subcommand lives in the package area that owns it and exposes `add_arguments(parser)` and
+`run(args) -> int`; this file only wires them up, importing lazily so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("hybridflow.trainers.cli", "run an algorithm from a YAML config with dotted overrides"),
+    "eval": ("hybridflow.trainers.eval_cli", "validation only, from a checkpoint or an HF directory"),
+    "export": ("hybridflow.checkpoint.export_cli", "checkpoint -> plain HF directory"),
+    "config": ("hybridflow.config.cli", "show the fully resolved config with every default"),
+    "data": ("hybridflow.data.cli", "preprocess datasets (gsm8k, math) into Parquet"),
+    "report": ("hybridflow.logging.report", "plot a run directory's metrics to PNG and HTML"),
+    "plan": ("hybridflow.planner.cli", "auto-mapping: choose placement and parallelism"),
+    "calibrate": ("hybridflow.planner.calibrate", "measure this machine vs the planner's predictions"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training of LLMs (HybridFlow).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        if "--help" in sys.argv or "-h" in sys.argv or name in sys.argv[1:2]:
+            try:
+                importlib.import_module(module).add_arguments(p)
+            except ModuleNotFoundError as e:
+                if e.name and e.name.startswith("hybridflow"):
+                    p.set_defaults(_missing=str(e))
+                else:
+                    raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:])
+    if not args.command:
+        parser.print_help()
+        return 0
+    if getattr(args, "_missing", None):
+        print(f"hybridflow {args.command}: not available in this build ({args._missing})", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

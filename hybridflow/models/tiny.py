@@ -1,0 +1,96 @@
+"""Tiny models and a locally built tokenizer, for tests, demos and benchmarks (nothing is downloaded).
+
+The tokenizer is character level (digits, operators, letters, punctuation) built with `tokenizers`
+and saved as an ordinary HF tokenizer directory with a chat template, so every code path that loads
+a real model (`AutoTokenizer.from_pretrained(dir)`, `apply_chat_template`) is the one exercised.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>"]
+CHARS = string.digits + string.ascii_letters + " +-*/=?.,:;!()[]<>#'\"\n_%$"
+
+# A minimal chat template in the HF (jinja) format: `<|user|>text<|assistant|>`.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>"
+    "{% else %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# name -> (hidden, layers, heads, kv_heads, intermediate). "tiny" is ~0.1M params, "small" ~1M,
+# "medium" ~25M: the sizes the benchmarks name.
+SIZES = {
+    "tiny": (64, 2, 4, 2, 128),
+    "small": (128, 4, 4, 2, 384),
+    "medium": (512, 8, 8, 4, 1536),
+}
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<pad>",
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_config(size: str = "tiny", arch: str = "llama", vocab_size: int | None = None, **overrides):
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
+    hidden, layers, heads, kv_heads, inter = SIZES[size]
+    vocab_size = vocab_size or len(SPECIAL_TOKENS) + len(set(CHARS))
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "gpt2":
+        kw = dict(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024, n_inner=inter)
+    else:  # llama / qwen2 / mistral share these names
+        kw = dict(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            intermediate_size=inter,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+        )
+    kw.update(common)
+    kw.update(overrides)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def build_tiny_model(size: str = "tiny", arch: str = "llama", seed: int = 0, **overrides):
+    config = build_tiny_config(size, arch, **overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_tiny_model(path: str | os.PathLike, size: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
+    """Build a tiny model + tokenizer and save both as a normal HF directory; returns the path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(size, arch, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    build_char_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,30 @@
+"""Shared fixtures. One local Ray cluster per test session (starting Ray costs seconds)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster with 8 logical CPUs (more than the 2 cores, so 4-8 rank groups fit)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    # Left running for the rest of the session; tests needing their own cluster call ray.shutdown().
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama + char tokenizer saved as a normal HF directory."""
+    from hybridflow.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), size="tiny", arch="llama", seed=0)
