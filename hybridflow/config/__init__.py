@@ -1,0 +1,69 @@
+"""Typed configuration: the component dataclasses, the YAML/override loader and the checks.
+
+from hybridflow.config import load_config
+cfg = load_config("examples/configs/grpo_tiny.yaml", ["actor.optim.lr=1e-5"])
+cfg.actor.optim.lr, cfg.rollout.n, cfg.run_dir
+"""
+
+from hybridflow.config.loader import (
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    leaf_paths,
+    load_config,
+    parse_override,
+)
+from hybridflow.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    DPOConfig,
+    HybridFlowConfig,
+    KLConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RefConfig,
+    ResourcesConfig,
+    RewardConfig,
+    RolloutConfig,
+    RolloutValConfig,
+    SafeRLHFConfig,
+    SFTConfig,
+    TrainerConfig,
+)
+from hybridflow.config.validate import collect_errors, model_max_positions, resolve_config, validate_config
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "ConfigError",
+    "CriticConfig",
+    "DPOConfig",
+    "DataConfig",
+    "HybridFlowConfig",
+    "KLConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RefConfig",
+    "ResourcesConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RolloutValConfig",
+    "SFTConfig",
+    "SafeRLHFConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "collect_errors",
+    "config_from_dict",
+    "config_to_dict",
+    "leaf_paths",
+    "load_config",
+    "model_max_positions",
+    "parse_override",
+    "resolve_config",
+    "validate_config",
+]

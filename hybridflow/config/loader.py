@@ -1,0 +1,266 @@
+"""Load the config tree from YAML plus dotted overrides, with errors that name the key.
+
+A thin loader over dataclasses rather than OmegaConf structured configs: the few features needed
+(merge, dotted overrides, type checks) fit here, and the errors can name the full key path, the
+expected type, the bad value and -- for typos -- the nearest valid key, all at once rather than the
+first only.
+
+Order: dataclass defaults <- YAML file <- overrides (`actor.optim.lr=1e-5`, values parsed as YAML
+flow scalars/lists/maps) -> typed tree -> `resolve_config` (derived values) -> `validate_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from hybridflow.config.schema import HybridFlowConfig
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; `errors` lists them, each naming its key."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        head = "invalid config" if len(errors) == 1 else f"invalid config ({len(errors)} problems)"
+        super().__init__(head + ":\n  - " + "\n  - ".join(self.errors))
+
+
+# ---- schema introspection ----------------------------------------------------------------------
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def leaf_paths(cls=HybridFlowConfig, prefix: str = "") -> list[str]:
+    """Every settable dotted key under `cls` (nested configs expand, their own key included)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        path = prefix + f.name
+        tp = _hints(cls)[f.name]
+        out.append(path)
+        if dataclasses.is_dataclass(tp):
+            out.extend(leaf_paths(tp, path + "."))
+    return out
+
+
+def _suggest(key: str, path: str, candidates: list[str]) -> str:
+    """' (did you mean 'actor.optim.lr'?)' from siblings first, then from any key with a close last part."""
+    prefix = path.rpartition(".")[0]
+    near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if near:
+        return f" (did you mean '{prefix + '.' if prefix else ''}{near[0]}'?)"
+    # a key at the wrong depth ('actor.lr'): prefer a close last part under the same section
+    everywhere = leaf_paths()
+    section = path.partition(".")[0]
+    ranked = sorted(everywhere, key=lambda p: (p.partition(".")[0] != section, len(p)))
+    last_parts = [p.rpartition(".")[2] for p in ranked]
+    near = difflib.get_close_matches(key, last_parts, n=1, cutoff=0.75)
+    if near:
+        return f" (did you mean '{ranked[last_parts.index(near[0])]}'?)"
+    near = difflib.get_close_matches(path, everywhere, n=1, cutoff=0.6)
+    return f" (did you mean '{near[0]}'?)" if near else ""
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+# ---- coercion ----------------------------------------------------------------------------------
+def _coerce(value: Any, tp, path: str, errors: list[str]) -> Any:
+    """Return `value` converted to `tp`, or append an error naming `path` and return None."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path, errors) if len(inner) == 1 else value
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value) and isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+            return None
+        return _build(tp, value, path, errors)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, tuple):
+            value = list(value)
+        if isinstance(value, str) and item_tp is str:
+            value = [value]  # `data.train_files=a.parquet` means a one-element list
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected list[{_type_name(item_tp)}], got {value!r}")
+            return None
+        return [_coerce(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected a mapping, got {value!r}")
+            return None
+        return dict(value)
+    bad = f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        errors.append(bad)
+        return None
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        errors.append(bad)
+        return None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads `1e-5` (no dot) as a string; accept it as the number it obviously is.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        errors.append(bad)
+        return None
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        errors.append(bad)
+        return None
+    return value
+
+
+def _build(cls, data: dict, path: str, errors: list[str]):
+    """Instantiate dataclass `cls` from the defaults updated with `data` (a possibly partial mapping)."""
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in hints:
+            errors.append(f"unknown key '{full}'{_suggest(str(key), full, names)}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            # nested partial mapping: start from this field's own default (e.g. critic lr=1e-5)
+            default = next(f for f in dataclasses.fields(cls) if f.name == key).default_factory()
+            base = config_to_dict(default)
+            kwargs[key] = _build(tp, _deep_merge(base, value), full, errors)
+        else:
+            kwargs[key] = _coerce(value, tp, full, errors)
+    return cls(**{k: v for k, v in kwargs.items() if v is not None or _allows_none(hints[k])})
+
+
+def _allows_none(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# ---- public API --------------------------------------------------------------------------------
+def config_to_dict(cfg) -> dict:
+    """A plain nested dict (YAML-ready) of a config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict | None, cls=HybridFlowConfig):
+    """Build a typed config from a nested mapping; raises ConfigError listing every bad key/value."""
+    errors: list[str] = []
+    cfg = _build(cls, data or {}, "", errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'actor.optim.lr=1e-5' -> ('actor.optim.lr', 1e-5). Values are YAML flow values ([a, b], {k: v})."""
+    key, sep, raw = item.partition("=")
+    key = key.strip().lstrip("+")  # tolerate Hydra's '+key=value'
+    if not sep or not key:
+        raise ConfigError([f"override {item!r} is not of the form key.path=value"])
+    raw = raw.strip()
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw  # e.g. an unquoted string with a colon; the type check decides
+    return key, value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Return `data` with each dotted override set (unknown keys are reported later, by full path)."""
+    out = _deep_merge({}, data)
+    for item in overrides:
+        key, value = parse_override(item)
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"config file {str(path)!r} does not exist"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"])
+    return data
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    resolve: bool = True,
+    validate: bool = True,
+    check_model: bool = True,
+) -> HybridFlowConfig:
+    """defaults <- YAML `path` <- `overrides`, typed, resolved and validated (raises ConfigError).
+
+    check_model: read model.path/config.json (when it exists) to check lengths against the context.
+    """
+    from hybridflow.config.validate import resolve_config, validate_config
+
+    data = load_yaml(path) if path else {}
+    cfg = config_from_dict(apply_overrides(data, overrides))
+    if resolve:
+        cfg = resolve_config(cfg)
+    if validate:
+        validate_config(cfg, check_model=check_model)
+    return cfg

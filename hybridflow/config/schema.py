@@ -1,0 +1,328 @@
+"""The configuration tree: one dataclass per component, composed into `HybridFlowConfig`.
+
+This file is the single source of truth for every setting (STYLE §6): YAML files and dotted CLI
+overrides are checked against these classes, `hybridflow config show` prints them, and
+`hybridflow config --help` lists each field's help string. Names follow verl without its sprawl.
+
+Conventions:
+- Sizes are global unless the name ends in `_per_device`.
+- Batch sizes in `data`, `actor.ppo_mini_batch_size` and `critic.ppo_mini_batch_size` count prompts
+  (verl's convention): each prompt carries `rollout.n` responses, so a mini-batch holds
+  `ppo_mini_batch_size * rollout.n` sequences. Micro-batch sizes count sequences.
+- 0 (or "") means "derive it" where a help string says so; `resolve_config` fills those in, so the
+  trainer reads concrete values.
+- A field with `choices` metadata is checked by `validate_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    """A dataclass field carrying its help string (and allowed values) in metadata."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _sub(cls, help: str, **kwargs):
+    """A nested component config."""
+    return field(default_factory=lambda: cls(**kwargs), metadata={"help": help})
+
+
+ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "dpo", "sft")
+# algorithm name -> advantage estimator (None: offline algorithms without advantages)
+ADV_ESTIMATORS = {
+    "ppo": "gae",
+    "grpo": "grpo",
+    "remax": "remax",
+    "rloo": "rloo",
+    "reinforce_pp": "reinforce_pp",
+    "safe_rlhf": "gae",
+    "dpo": "none",
+    "sft": "none",
+}
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "mse", "kl", "full")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+# ---- shared pieces -----------------------------------------------------------------------------
+@dataclass
+class OptimConfig:
+    """AdamW with warmup and a decay schedule."""
+
+    lr: float = _f(1e-6, "peak learning rate")
+    weight_decay: float = _f(0.01, "AdamW weight decay")
+    betas: list[float] = _f([0.9, 0.999], "AdamW (beta1, beta2)")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    warmup_steps: int = _f(0, "linear warmup from 0 to lr over this many optimizer steps")
+    schedule: str = _f("constant", "lr schedule after warmup", choices=("constant", "linear", "cosine"))
+    min_lr_ratio: float = _f(0.0, "final lr as a fraction of lr for linear/cosine schedules")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = no clipping)")
+
+
+@dataclass
+class ParallelConfig:
+    """Training/inference parallelism of one model's worker group (SPEC §4)."""
+
+    tp: int = _f(1, "tensor-parallel size")
+    pp: int = _f(1, "pipeline-parallel size")
+    dp: int = _f(0, "data-parallel size (0 = derive: the group's devices / (tp * pp))")
+
+
+# ---- algorithm ---------------------------------------------------------------------------------
+@dataclass
+class KLConfig:
+    """KL penalty folded into the reward (PPO-style, per token)."""
+
+    in_reward: bool = _f(False, "subtract coef * KL(actor || reference) from the token-level reward")
+    coef: float = _f(0.001, "initial KL coefficient (beta)")
+    kind: str = _f("low_var_kl", "KL estimator", choices=KL_KINDS)
+    controller: str = _f(
+        "fixed", "keep coef fixed or adapt it toward `target` (Ziegler et al.)", choices=("fixed", "adaptive")
+    )
+    target: float = _f(0.1, "target KL for the adaptive controller")
+    horizon: int = _f(10000, "horizon (in samples) of the adaptive controller")
+
+
+@dataclass
+class SafeRLHFConfig:
+    """Safe-RLHF: reward minus lambda * cost, with a Lagrange multiplier learned by gradient ascent."""
+
+    cost_limit: float = _f(0.0, "the expected cost the policy must stay below")
+    lambda_init: float = _f(1.0, "initial Lagrange multiplier")
+    lambda_lr: float = _f(0.01, "learning rate of the Lagrange multiplier")
+    lambda_max: float = _f(100.0, "upper clamp of the Lagrange multiplier (it is always >= 0)")
+
+
+@dataclass
+class DPOConfig:
+    """Direct Preference Optimization (offline: chosen/rejected pairs, no generation)."""
+
+    beta: float = _f(0.1, "inverse temperature of the implicit reward")
+    label_smoothing: float = _f(
+        0.0, "conservative DPO: assumed probability that a preference label is flipped"
+    )
+    loss_type: str = _f("sigmoid", "DPO loss variant", choices=("sigmoid", "ipo", "hinge"))
+    reference_free: bool = _f(False, "ignore the reference model (implicit reference = uniform)")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on (prompt, response) pairs; loss on response tokens only."""
+
+    max_length: int = _f(
+        0, "max prompt + response tokens (0 = data.max_prompt_length + rollout.response_length)"
+    )
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = _f("ppo", "the RL algorithm", choices=ALGORITHMS)
+    adv_estimator: str = _f(
+        "",
+        "advantage estimator ('' = derive from name: ppo/safe_rlhf->gae, grpo->grpo, remax, rloo, "
+        "reinforce_pp; dpo/sft->none)",
+        choices=("", *sorted(set(ADV_ESTIMATORS.values()))),
+    )
+    gamma: float = _f(1.0, "discount factor")
+    lam: float = _f(1.0, "GAE lambda")
+    norm_by_std: bool = _f(True, "GRPO: divide group-centred rewards by the group std (False = Dr. GRPO)")
+    kl: KLConfig = _sub(KLConfig, "KL penalty in the reward")
+    use_kl_loss: bool = _f(False, "add a KL(actor || reference) term to the actor loss (GRPO-style)")
+    kl_loss_coef: float = _f(0.001, "weight of the KL loss term")
+    kl_loss_kind: str = _f("low_var_kl", "KL estimator of the KL loss", choices=KL_KINDS)
+    entropy_coeff: float = _f(0.0, "entropy bonus weight in the actor loss")
+    safe_rlhf: SafeRLHFConfig = _sub(SafeRLHFConfig, "Safe-RLHF settings")
+    dpo: DPOConfig = _sub(DPOConfig, "DPO settings")
+    sft: SFTConfig = _sub(SFTConfig, "SFT settings")
+
+
+# ---- models and data ---------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    path: str = _f("", "local HF directory of the policy (actor; also the reference and the default critic)")
+    tokenizer_path: str = _f("", "tokenizer directory ('' = path)")
+    critic_path: str = _f("", "critic initialisation ('' = path; the value head is new)")
+    reward_model_path: str = _f("", "HF sequence-classification reward model (reward.kind=model)")
+    cost_model_path: str = _f("", "cost model for Safe-RLHF")
+    trust_remote_code: bool = _f(False, "allow custom modelling code shipped in the model directories")
+    dtype: str = _f(
+        "auto",
+        "parameter dtype (auto = bfloat16 on GPU, float32 on CPU)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _f(
+        [], "Parquet/JSONL files with verl columns (prompt, data_source, reward_model, ...)"
+    )
+    val_files: list[str] = _f([], "validation files (same format)")
+    dataset: str = _f("", "registered dataset used when train_files is empty, e.g. 'synthetic:arithmetic'")
+    dataset_kwargs: dict[str, Any] = _f({}, "keyword arguments of the registered dataset (e.g. num_samples)")
+    prompt_key: str = _f("prompt", "column holding the prompt: chat messages or plain text")
+    response_key: str = _f("response", "SFT: column holding the target response")
+    chosen_key: str = _f("chosen", "DPO: column holding the preferred response")
+    rejected_key: str = _f("rejected", "DPO: column holding the dispreferred response")
+    apply_chat_template: bool = _f(True, "render prompts with the tokenizer's chat template")
+    max_prompt_length: int = _f(512, "max prompt tokens")
+    truncation: str = _f(
+        "error",
+        "what to do with longer prompts: fail, keep the left/right part, or drop them (count logged)",
+        choices=("error", "left", "right", "filter"),
+    )
+    on_malformed: str = _f(
+        "error", "a malformed row fails the load, or is skipped and reported", choices=("error", "skip")
+    )
+    train_batch_size: int = _f(8, "prompts per training step (each gets rollout.n responses)")
+    val_batch_size: int = _f(0, "prompts per validation batch (0 = the whole validation set at once)")
+    shuffle: bool = _f(True, "shuffle the training set every epoch (seeded, resumable)")
+    seed: int = _f(1, "shuffle seed")
+
+
+# ---- workers -----------------------------------------------------------------------------------
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = _sub(OptimConfig, "actor optimizer")
+    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n sequences)")
+    ppo_epochs: int = _f(1, "passes over each rollout batch")
+    micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
+    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
+    clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low")
+    clip_ratio_high: float = _f(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (raise for DAPO clip-higher)")
+    clip_ratio_c: float = _f(3.0, "dual-clip constant for negative advantages (> 1)")
+    loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
+    parallel: ParallelConfig = _sub(ParallelConfig, "actor training parallelism")
+
+
+@dataclass
+class RolloutValConfig:
+    """Sampling used for validation (greedy by default so acc@1 is deterministic)."""
+
+    n: int = _f(1, "responses per validation prompt (mean@n is logged when > 1)")
+    temperature: float = _f(0.0, "0 = greedy")
+    top_k: int = _f(-1, "-1 = off")
+    top_p: float = _f(1.0, "nucleus sampling threshold")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = _f(1, "responses sampled per prompt (GRPO/RLOO need >= 2)")
+    temperature: float = _f(1.0, "sampling temperature (0 = greedy)")
+    top_k: int = _f(-1, "top-k sampling (-1 = off)")
+    top_p: float = _f(1.0, "nucleus sampling threshold")
+    response_length: int = _f(512, "max new tokens per response")
+    engine: str = _f("builtin", "generation engine", choices=("builtin", "vllm", "sglang"))
+    tg: int = _f(1, "generation tensor-parallel size (3D-HybridEngine; must divide actor tp*pp with pg)")
+    pg: int = _f(1, "generation pipeline-parallel size")
+    micro_batch_size_per_device: int = _f(0, "prompts per generate() call on one device (0 = all at once)")
+    gpu_memory_utilization: float = _f(0.5, "vllm/sglang: fraction of device memory for weights + KV cache")
+    val: RolloutValConfig = _sub(RolloutValConfig, "validation sampling")
+
+
+@dataclass
+class CriticConfig:
+    optim: OptimConfig = _sub(OptimConfig, "critic optimizer", lr=1e-5)
+    ppo_mini_batch_size: int = _f(0, "prompts per critic optimizer step (0 = actor.ppo_mini_batch_size)")
+    ppo_epochs: int = _f(0, "passes over each rollout batch (0 = actor.ppo_epochs)")
+    micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
+    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
+    cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value")
+    loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
+    parallel: ParallelConfig = _sub(ParallelConfig, "critic training parallelism")
+
+
+@dataclass
+class RefConfig:
+    micro_batch_size_per_device: int = _f(8, "sequences per log-prob forward on one device")
+    offload: bool = _f(False, "keep parameters on CPU between calls")
+    parallel: ParallelConfig = _sub(ParallelConfig, "reference inference parallelism")
+
+
+@dataclass
+class RewardConfig:
+    kind: str = _f("rule", "rule function(s) or a reward model", choices=("rule", "model"))
+    fn: str = _f(
+        "", "rule reward: 'path/to/file.py:function_name' or a registered name ('' = by data_source)"
+    )
+    fn_kwargs: dict[str, Any] = _f({}, "extra keyword arguments passed to the reward function")
+    timeout_s: float = _f(10.0, "per-call time limit of a rule reward function")
+    num_workers: int = _f(1, "processes scoring rule rewards in parallel")
+    on_error: str = _f(
+        "score",
+        "a raising/hanging reward fn: report it and give `error_score`, or abort the run",
+        choices=("score", "raise"),
+    )
+    error_score: float = _f(0.0, "score given to a sample whose reward function failed")
+    micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
+    parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
+
+
+# ---- cluster and run ---------------------------------------------------------------------------
+@dataclass
+class ResourcesConfig:
+    placement: str = _f(
+        "colocate",
+        "colocate (all models share all devices), split (actor+ref | critic+reward), auto (planner), "
+        "or a plan file written by `hybridflow plan`",
+    )
+    device: str = _f("auto", "auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    n_gpus_per_node: int = _f(1, "devices per node (on CPU: worker processes per node)")
+    nnodes: int = _f(1, "number of nodes")
+    ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
+    ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
+
+    @property
+    def num_devices(self) -> int:
+        return self.n_gpus_per_node * self.nnodes
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _f(0, "training steps (0 = derive from total_epochs)")
+    total_epochs: int = _f(1, "passes over the training set when total_steps = 0")
+    val_every: int = _f(0, "validate every N steps (0 = only before training and at the end)")
+    val_before_train: bool = _f(True, "validate once before the first step")
+    val_generations_to_log: int = _f(4, "validation samples shown in the generations table")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)")
+    resume: str = _f("auto", "auto = continue from the latest checkpoint, never, or a checkpoint path")
+    output_dir: str = _f("runs", "runs are written to output_dir/experiment_name")
+    experiment_name: str = _f("default", "name of this run's directory and of the tracking run")
+    project_name: str = _f("hybridflow", "wandb project / mlflow experiment")
+    loggers: list[str] = _f(["console", "jsonl"], f"metric sinks, any of {list(LOGGERS)}")
+    seed: int = _f(1, "global seed (model init, sampling, dropout)")
+
+
+@dataclass
+class HybridFlowConfig:
+    """Everything one run needs. Load with `load_config(path, overrides)`."""
+
+    algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "the algorithm and its loss settings")
+    model: ModelConfig = _sub(ModelConfig, "model directories")
+    data: DataConfig = _sub(DataConfig, "prompt datasets")
+    actor: ActorConfig = _sub(ActorConfig, "policy training")
+    rollout: RolloutConfig = _sub(RolloutConfig, "generation")
+    critic: CriticConfig = _sub(CriticConfig, "value model training (PPO, Safe-RLHF)")
+    ref: RefConfig = _sub(RefConfig, "reference policy inference")
+    reward: RewardConfig = _sub(RewardConfig, "reward computation")
+    resources: ResourcesConfig = _sub(ResourcesConfig, "devices, placement and the Ray cluster")
+    trainer: TrainerConfig = _sub(TrainerConfig, "steps, validation, checkpoints, logging")
+
+    @property
+    def run_dir(self) -> str:
+        import os
+
+        return os.path.join(self.trainer.output_dir, self.trainer.experiment_name)
