@@ -1,0 +1,140 @@
+"""The generation-engine interface and the pure functions that shape its input and output batches.
+
+The interface is deliberately as small as vLLM's offline API (`generate(prompts, sampling_params)`,
+`load_weights(iter)`), so an engine backed by vLLM or SGLang can stand in for the built-in one: it
+only has to turn its token lists into the same verl-named Batch with `build_rollout_batch`.
+
+Input batch:  `input_ids`, `attention_mask` (B, Lp), left-padded prompts; any other fields ride along.
+Output batch (B * n rows, samples of one prompt adjacent: a, a, b, b):
+  prompts (B*n, Lp)            the input_ids, left-padded
+  responses (B*n, Lr)          generated ids, right-padded with pad id, Lr = max_new_tokens
+  input_ids (B*n, Lp + Lr)     cat(prompts, responses)
+  attention_mask (B*n, Lp+Lr)  cat(prompt mask, response_mask)
+  position_ids (B*n, Lp + Lr)  cumsum of the prompt mask - 1, then +1 per response slot (verl)
+  response_mask (B*n, Lr)      1 up to and including the stop token, 0 after
+  rollout_log_probs (B*n, Lr)  float32 log-prob of each sampled token (see sampling.py), 0 on padding
+plus every other input field repeated n times, and meta["temperature"] = the log-prob temperature.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.rollout.params import SamplingParams
+
+PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
+
+
+class GenerationEngine(ABC):
+    """Turns a batch of prompts into a batch of rollouts."""
+
+    @abstractmethod
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """See the module docstring for the input and output fields."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite the engine's weights from (HF parameter name, full tensor) pairs."""
+
+
+def check_prompt_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (input_ids, attention_mask) after checking shapes and left padding."""
+    for key in ("input_ids", "attention_mask"):
+        if key not in batch.tensors:
+            raise KeyError(f"generate: the prompt batch needs tensor field {key!r}; it has {batch.keys()}")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if ids.dim() != 2 or ids.shape != mask.shape:
+        raise ValueError(
+            f"generate: input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} must be (B, L)"
+        )
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"generate: empty prompt batch {tuple(ids.shape)}")
+    if not bool(mask[:, -1].all()):
+        raise ValueError(
+            "generate: prompts must be left-padded (the last column of attention_mask must be all 1); "
+            "tokenize with padding_side='left'"
+        )
+    return ids, mask
+
+
+def prompt_position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """mask: (B, L) 0/1 -> position ids (B, L): 0 on padding, 0.. on real tokens (HF and verl)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def build_rollout_batch(
+    batch: Batch,
+    responses: torch.Tensor,
+    response_lengths: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    params: SamplingParams,
+    pad_token_id: int,
+) -> Batch:
+    """Assemble the verl-named output batch.
+
+    batch:             the input prompt batch (B rows)
+    responses:         (B*n, Lr) int64, row i*n+j is sample j of prompt i; anything past the length is
+                       overwritten with pad_token_id here
+    response_lengths:  (B*n,) number of valid tokens per row (stop token included)
+    rollout_log_probs: (B*n, Lr) float; zeroed past the length here
+    """
+    n = params.n
+    prompts = batch["input_ids"].repeat_interleave(n, 0)
+    prompt_mask = batch["attention_mask"].repeat_interleave(n, 0)
+    bn, lr = responses.shape
+    if bn != prompts.shape[0]:
+        raise ValueError(
+            f"build_rollout_batch: {bn} response rows for {prompts.shape[0]} prompt rows (n={n})"
+        )
+    response_mask = torch.arange(lr, device=responses.device)[None, :] < response_lengths[:, None]
+    responses = responses.masked_fill(~response_mask, pad_token_id)
+    rollout_log_probs = rollout_log_probs.float().masked_fill(~response_mask, 0.0)
+    response_mask = response_mask.to(prompt_mask.dtype)
+    prompt_pos = prompt_position_ids(prompt_mask)
+    response_pos = prompt_pos[:, -1:] + torch.arange(1, lr + 1, device=prompt_pos.device)[None, :]
+
+    rest = Batch(
+        {k: v for k, v in batch.tensors.items() if k not in PROMPT_FIELDS},
+        dict(batch.non_tensors),
+        dict(batch.meta),
+    ).repeat(n, interleave=True)
+    tensors = dict(rest.tensors)
+    tensors.update(
+        prompts=prompts,
+        responses=responses,
+        input_ids=torch.cat([prompts, responses], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        position_ids=torch.cat([prompt_pos, response_pos], dim=1),
+        response_mask=response_mask,
+        rollout_log_probs=rollout_log_probs,
+    )
+    meta = dict(rest.meta)
+    meta["temperature"] = params.logprob_temperature
+    return Batch(tensors, rest.non_tensors, meta)
+
+
+def load_named_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy (name, tensor) pairs into the model's parameters/buffers in place; returns how many.
+
+    In place, so every view of the model (the training actor, a generation engine on it) sees them.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    count = 0
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name not in params:
+                close = [k for k in params if k.split(".")[-2:] == name.split(".")[-2:]][:3]
+                raise KeyError(f"load_weights: model has no parameter {name!r}; similar names: {close}")
+            target = params[name]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
+                )
+            target.copy_(tensor)
+            count += 1
+    return count

@@ -1,0 +1,147 @@
+"""The built-in generation engine: batched prefill + incremental decode on the actor's own model.
+
+It holds a reference to the HF model it is given (the training actor's) and reads its parameters at
+every `generate`, so there is no weight copy when training and generation share a device and layout
+(SPEC §4). Llama / Qwen2 / Mistral run on a lean functional forward with a static KV cache
+(`llama_decoder.py`); other architectures fall back to the HF forward (`hf_decoder.py`).
+
+Finished rows stop costing compute: when the finished rows still in the decode batch reach
+`compact_fraction` of it, they are dropped and the KV cache is compacted. A dead row costs 1/b of a
+step per step while compaction costs about one step's cache traffic, hence a threshold, not eagerness.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.rollout.base import (
+    GenerationEngine,
+    build_rollout_batch,
+    check_prompt_batch,
+    load_named_weights,
+    prompt_position_ids,
+)
+from hybridflow.rollout.hf_decoder import HFDecoder
+from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
+from hybridflow.rollout.params import SamplingParams
+from hybridflow.rollout.sampling import sample_next
+
+
+@dataclass
+class BuiltinEngineConfig:
+    """Knobs of the built-in engine (sampling itself is per call, in SamplingParams)."""
+
+    backend: str = "auto"
+    """"functional" (Llama family only), "hf" (any causal LM) or "auto" (functional when supported)."""
+    compact_fraction: float = 0.125
+    """Drop finished rows from the decode batch once they are this fraction of it (0 = at once)."""
+    pad_token_id: int | None = None
+    """Pad id for responses; None: the model config's pad_token_id, else its eos, else 0."""
+
+
+class BuiltinEngine(GenerationEngine):
+    """`generate(batch, params) -> Batch` on `model`'s own weights (see rollout/base.py for fields)."""
+
+    def __init__(self, model: torch.nn.Module, config: BuiltinEngineConfig | None = None):
+        self.model = model
+        self.config = config or BuiltinEngineConfig()
+        if self.config.backend not in ("auto", "functional", "hf"):
+            raise ValueError(
+                f"BuiltinEngineConfig.backend must be auto/functional/hf, got {self.config.backend!r}"
+            )
+        cfg = model.config
+        pad = self.config.pad_token_id
+        if pad is None:
+            pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(cfg.eos_token_id)
+        self.pad_token_id = 0 if pad is None else int(pad)
+        self.last_stats: dict[str, float] = {}
+
+    def _decoder(self, max_len: int):
+        backend = self.config.backend
+        reason = unsupported_reason(self.model, max_len)
+        if backend == "functional" and reason is not None:
+            raise ValueError(
+                f"BuiltinEngine: functional backend cannot run this model: {reason}; use backend='hf'"
+            )
+        if backend == "hf" or reason is not None:
+            return HFDecoder(self.model)
+        return LlamaFamilyDecoder(self.model)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self.model, weights)
+
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        ids, mask = check_prompt_batch(batch)
+        device = next(self.model.parameters()).device
+        start = time.perf_counter()
+        with torch.inference_mode():
+            responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params)
+        out_device = ids.device
+        self.last_stats = {
+            "rollout/seconds": time.perf_counter() - start,
+            "rollout/response_tokens": float(lengths.sum()),
+            "rollout/prompt_tokens": float(mask.sum()) * params.n,
+        }
+        return build_rollout_batch(
+            batch,
+            responses.to(out_device),
+            lengths.to(out_device),
+            logps.to(out_device),
+            params,
+            self.pad_token_id,
+        )
+
+    def _generate(self, ids, mask, params: SamplingParams):
+        """ids, mask: (B, Lp) on the model's device. Returns responses (B*n, Lr), lengths (B*n,),
+        log-probs (B*n, Lr); entries past a row's length are garbage (masked by build_rollout_batch)."""
+        b0, lp = ids.shape
+        n, lr = params.n, params.max_new_tokens
+        total, device = b0 * n, ids.device
+        stop = torch.tensor(params.stop_ids(self.model.config.eos_token_id), dtype=torch.long, device=device)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=device).manual_seed(params.seed)
+        pos = prompt_position_ids(mask)
+        next_pos = (pos[:, -1] + 1).repeat_interleave(n)  # (B*n,)
+
+        decoder = self._decoder(lp + lr)
+        decoder.start(total, lp + lr, int(next_pos.max()) + lr)
+        logits = decoder.prefill(ids, mask, pos, repeat=n).repeat_interleave(n, 0)
+
+        responses = torch.full((total, lr), self.pad_token_id, dtype=torch.long, device=device)
+        logps = torch.zeros(total, lr, dtype=torch.float32, device=device)
+        lengths = torch.full((total,), lr, dtype=torch.long, device=device)
+        rows = torch.arange(total, device=device)  # original row of each decode-batch row
+        alive = torch.ones(total, dtype=torch.bool, device=device)
+        for t in range(lr):
+            tokens, lp_t = sample_next(logits, params, gen)
+            responses[rows, t] = tokens
+            logps[rows, t] = lp_t
+            if stop.numel():
+                done = alive & torch.isin(tokens, stop)
+                lengths[rows[done]] = t + 1
+                alive &= ~done
+            if t == lr - 1:
+                break
+            n_alive = int(alive.sum())
+            if n_alive == 0:
+                break
+            if rows.shape[0] - n_alive > self.config.compact_fraction * rows.shape[0]:
+                keep = alive.nonzero().squeeze(1)
+                decoder.select(keep)
+                rows, tokens, alive, next_pos = rows[keep], tokens[keep], alive[keep], next_pos[keep]
+            logits = decoder.decode(tokens, next_pos)
+            next_pos = next_pos + 1
+        decoder.release()
+        return responses, lengths, logps
+
+
+def _first(x):
+    if isinstance(x, (list, tuple)):
+        return x[0] if x else None
+    return x

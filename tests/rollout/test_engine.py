@@ -1,0 +1,195 @@
+"""Built-in generation engine against HF `generate` and HF forward, on real tiny models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model
+from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
+
+TEXTS = ["hello world", "1+2=", "abc", "The quick brown fox jumps", "x", "What is 12*3?"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        arch: build_tiny_model("tiny", arch, seed=0).eval() for arch in ("llama", "qwen2", "mistral", "gpt2")
+    }
+
+
+def prompt_batch(tokenizer, texts=TEXTS) -> Batch:
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    return Batch.from_dict(
+        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]},
+        {"uid": np.arange(len(texts)), "prompt_text": np.array(texts, dtype=object)},
+    )
+
+
+def hf_generate(model, batch: Batch, max_new_tokens: int, eos) -> torch.Tensor:
+    out = model.generate(
+        batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    resp = out[:, batch["input_ids"].shape[1] :]
+    return torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=0)
+
+
+def hf_log_probs(model, out: Batch, temperature: float) -> torch.Tensor:
+    """Per-token log-probs of out's responses from one plain HF forward over (prompt, response)."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
+    lp = out["prompts"].shape[1]
+    logits = logits[:, lp - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
+def test_greedy_matches_hf_generate(models, tokenizer, arch):
+    """Token for token, with an EOS that fires mid-way for some rows and never for others."""
+    model, batch = models[arch], prompt_batch(tokenizer)
+    engine = BuiltinEngine(model)
+    free = engine.generate(batch, SamplingParams(max_new_tokens=24, do_sample=False, eos_token_ids=()))
+    assert torch.equal(free["responses"], hf_generate(model, batch, 24, None))
+    # Pick as EOS a token that row 0 produces at step 6: some rows then stop early, some do not.
+    eos = int(free["responses"][0, 6])
+    out = engine.generate(batch, SamplingParams(max_new_tokens=24, do_sample=False, eos_token_ids=(eos,)))
+    assert torch.equal(out["responses"], hf_generate(model, batch, 24, eos))
+    lengths = out["response_mask"].sum(1)
+    assert lengths.min() < 24 and int(lengths[0]) <= 7
+
+
+def test_functional_backend_used_for_llama_family(models):
+    from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder
+
+    for arch in ("llama", "qwen2", "mistral"):
+        assert isinstance(BuiltinEngine(models[arch])._decoder(64), LlamaFamilyDecoder)
+    with pytest.raises(ValueError, match="functional backend cannot run"):
+        BuiltinEngine(models["gpt2"], BuiltinEngineConfig(backend="functional"))._decoder(64)
+
+
+def test_output_fields_and_eos(models, tokenizer):
+    batch = prompt_batch(tokenizer)
+    lr = 32
+    out = BuiltinEngine(models["llama"]).generate(
+        batch, SamplingParams(max_new_tokens=lr, temperature=1.0, stop_token_ids=(7, 8, 9, 10, 11), seed=3)
+    )
+    b, lp = batch["input_ids"].shape
+    assert out["responses"].shape == (b, lr) and out["input_ids"].shape == (b, lp + lr)
+    assert torch.equal(out["prompts"], batch["input_ids"])
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], 1))
+    assert torch.equal(out["attention_mask"], torch.cat([batch["attention_mask"], out["response_mask"]], 1))
+    pos = out["position_ids"]
+    assert torch.equal(pos[:, lp:], pos[:, lp - 1 : lp] + torch.arange(1, lr + 1))
+    stop = torch.tensor([2, 7, 8, 9, 10, 11])
+    lengths = out["response_mask"].sum(1)
+    assert lengths.min() < lr, "with 6 stop tokens of ~90, some row must stop early"
+    for i in range(b):
+        n = int(lengths[i])
+        assert torch.equal(out["response_mask"][i, :n], torch.ones(n, dtype=out["response_mask"].dtype))
+        assert not out["response_mask"][i, n:].any()
+        row = out["responses"][i]
+        assert not torch.isin(row[: n - 1], stop).any(), "a stop token inside the response"
+        if n < lr:
+            assert bool(torch.isin(row[n - 1], stop)), "stopped early without a stop token"
+        assert (row[n:] == 0).all() and (out["rollout_log_probs"][i, n:] == 0).all()
+    assert list(out["uid"]) == list(range(b)) and out.meta["temperature"] == 1.0
+
+
+def test_n_samples_interleaved_and_seeded(models, tokenizer):
+    batch = prompt_batch(tokenizer)
+    engine = BuiltinEngine(models["qwen2"])
+    params = SamplingParams(max_new_tokens=16, n=3, temperature=1.0, seed=11, eos_token_ids=())
+    out = engine.generate(batch, params)
+    b = len(batch)
+    assert len(out) == 3 * b
+    assert torch.equal(out["prompts"], batch["input_ids"].repeat_interleave(3, 0))
+    assert list(out["uid"]) == [i for i in range(b) for _ in range(3)]
+    assert list(out["prompt_text"][:3]) == [TEXTS[0]] * 3
+    resp = out["responses"].view(b, 3, -1)
+    assert all(not torch.equal(resp[i, 0], resp[i, 1]) for i in range(b)), "samples of a prompt must differ"
+    again = engine.generate(batch, params)
+    assert torch.equal(again["responses"], out["responses"])
+    assert torch.equal(again["rollout_log_probs"], out["rollout_log_probs"])
+    other = engine.generate(batch, SamplingParams(max_new_tokens=16, n=3, seed=12, eos_token_ids=()))
+    assert not torch.equal(other["responses"], out["responses"])
+
+
+@pytest.mark.parametrize("arch,temperature", [("llama", 0.7), ("qwen2", 1.3), ("gpt2", 1.0)])
+def test_rollout_log_probs_match_hf_forward(models, tokenizer, arch, temperature):
+    model = models[arch]
+    out = BuiltinEngine(model).generate(
+        prompt_batch(tokenizer), SamplingParams(max_new_tokens=20, temperature=temperature, top_k=20, seed=5)
+    )
+    ref = hf_log_probs(model, out, temperature)
+    mask = out["response_mask"].bool()
+    assert out.meta["temperature"] == temperature
+    torch.testing.assert_close(out["rollout_log_probs"][mask], ref[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_log_probs_at_temperature_one(models, tokenizer):
+    out = BuiltinEngine(models["llama"]).generate(
+        prompt_batch(tokenizer), SamplingParams(max_new_tokens=12, do_sample=False, temperature=0.5)
+    )
+    assert out.meta["temperature"] == 1.0
+    mask = out["response_mask"].bool()
+    torch.testing.assert_close(
+        out["rollout_log_probs"][mask], hf_log_probs(models["llama"], out, 1.0)[mask], atol=1e-4, rtol=1e-4
+    )
+
+
+def test_compaction_does_not_change_greedy_output(models, tokenizer):
+    batch = prompt_batch(tokenizer, TEXTS * 3)
+    params = SamplingParams(max_new_tokens=30, do_sample=False, stop_token_ids=(7, 8, 9, 10, 11, 12))
+    outs = [
+        BuiltinEngine(models["llama"], BuiltinEngineConfig(compact_fraction=f)).generate(batch, params)
+        for f in (0.0, 0.5, 1.0)
+    ]
+    lengths = outs[0]["response_mask"].sum(1)
+    assert lengths.min() < lengths.max(), "rows must finish at different steps for this test to mean anything"
+    for o in outs[1:]:
+        assert torch.equal(o["responses"], outs[0]["responses"])
+        torch.testing.assert_close(o["rollout_log_probs"], outs[0]["rollout_log_probs"])
+
+
+def test_top_k_one_equals_greedy(models, tokenizer):
+    batch, engine = prompt_batch(tokenizer), BuiltinEngine(models["mistral"])
+    greedy = engine.generate(batch, SamplingParams(max_new_tokens=12, do_sample=False))
+    top1 = engine.generate(batch, SamplingParams(max_new_tokens=12, temperature=0.8, top_k=1, seed=0))
+    assert torch.equal(greedy["responses"], top1["responses"])
+
+
+def test_load_weights_runs_new_weights_in_place(tokenizer):
+    a, b = build_tiny_model("tiny", "llama", seed=1).eval(), build_tiny_model("tiny", "llama", seed=2).eval()
+    batch, params = (
+        prompt_batch(tokenizer),
+        SamplingParams(max_new_tokens=10, do_sample=False, eos_token_ids=()),
+    )
+    engine = BuiltinEngine(a)
+    before = engine.generate(batch, params)["responses"]
+    expected = BuiltinEngine(b).generate(batch, params)["responses"]
+    assert not torch.equal(before, expected)
+    engine.load_weights(b.state_dict().items())
+    assert torch.equal(engine.generate(batch, params)["responses"], expected)
+    with pytest.raises(KeyError, match="no parameter"):
+        engine.load_weights([("model.layers.0.nope.weight", torch.zeros(1))])
+
+
+def test_rejects_right_padded_prompts(models):
+    ids = torch.tensor([[5, 6, 7], [5, 0, 0]])
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": (ids != 0).long()})
+    with pytest.raises(ValueError, match="left-padded"):
+        BuiltinEngine(models["llama"]).generate(batch, SamplingParams(max_new_tokens=2))
