@@ -1,0 +1,78 @@
+"""RL algorithms as pure tensor functions: advantage estimators, losses, KL, Safe-RLHF, masked statistics.
+
+No process groups, no configs, no models: drivers and workers call these on tensors. Files:
+  advantages.py  GAE (PPO), GRPO / Dr.GRPO, RLOO, ReMax, REINFORCE++
+  losses.py      PPO clipped policy loss (dual clip), clipped value loss, loss aggregation modes
+  kl.py          KL estimators k1/k2/k3/abs, KL-in-reward, KL loss, fixed / adaptive KL controllers
+  safe_rlhf.py   reward & cost advantages, Lagrange multiplier update, combined advantage
+  utils.py       masked mean / var / whiten, entropy and log-probs from logits, explained variance
+"""
+
+from hybridflow.algorithms.advantages import (
+    compute_discounted_returns,
+    compute_gae,
+    compute_grpo_advantages,
+    compute_reinforce_pp_advantages,
+    compute_remax_advantages,
+    compute_rloo_advantages,
+)
+from hybridflow.algorithms.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    kl_loss,
+    kl_penalty,
+)
+from hybridflow.algorithms.losses import AGG_MODES, aggregate_loss, policy_loss, value_loss
+from hybridflow.algorithms.safe_rlhf import (
+    combine_reward_cost_advantages,
+    compute_safe_rlhf_advantages,
+    update_lagrange_multiplier,
+)
+from hybridflow.algorithms.utils import (
+    entropy_from_logits,
+    explained_variance,
+    group_index,
+    log_probs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    place_score_on_last_token,
+    sequence_scores,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "combine_reward_cost_advantages",
+    "compute_discounted_returns",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "compute_reinforce_pp_advantages",
+    "compute_remax_advantages",
+    "compute_rloo_advantages",
+    "compute_safe_rlhf_advantages",
+    "entropy_from_logits",
+    "explained_variance",
+    "group_index",
+    "kl_loss",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "place_score_on_last_token",
+    "policy_loss",
+    "sequence_scores",
+    "update_lagrange_multiplier",
+    "value_loss",
+]
