@@ -1,0 +1,42 @@
+"""Errors a worker group raises on the driver: which group, which rank, which method, and why.
+
+Ray reports a failed actor task as RayTaskError (with the remote traceback) and a dead process as
+ActorDiedError; both are re-raised here with the worker group's vocabulary so a user reading the
+driver's traceback knows where to look.
+"""
+
+from __future__ import annotations
+
+import ray.exceptions
+
+
+class WorkerError(RuntimeError):
+    """A worker method raised. `remote_traceback` is the worker-side traceback as text."""
+
+    def __init__(self, group: str, rank: int, method: str, remote_traceback: str):
+        self.group, self.rank, self.method, self.remote_traceback = group, rank, method, remote_traceback
+        super().__init__(
+            f"worker group {group!r}, rank {rank}, method {method!r} raised:\n{remote_traceback}"
+        )
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process died (crash, OOM kill, os._exit) while running a method."""
+
+    def __init__(self, group: str, rank: int, method: str, detail: str):
+        self.group, self.rank, self.method = group, rank, method
+        super().__init__(
+            f"worker group {group!r}: the process of rank {rank} died during {method!r} "
+            f"(the group is unusable; shut it down and rebuild it). Ray said: {detail}"
+        )
+
+
+def raise_worker_error(e: Exception, group: str, rank: int, method: str):
+    """Re-raise a Ray failure from one rank as WorkerError / WorkerDiedError."""
+    if isinstance(e, ray.exceptions.RayTaskError):
+        raise WorkerError(group, rank, method, str(e)) from e
+    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        raise WorkerDiedError(
+            group, rank, method, str(e).strip().splitlines()[0] if str(e) else repr(e)
+        ) from e
+    raise e

@@ -1,0 +1,102 @@
+"""Future: the result of a non-blocking group call (`@register(..., blocking=False)`).
+
+A Future holds, per rank, two object refs: the output's row count and the output itself. `get()`
+waits for every rank (reporting the first failure at once, even while other ranks still hang in a
+collective), then fetches only the collected ranks' outputs. Passed as an argument to another
+group's method, a Future of a sharded protocol is never fetched by the driver: each consumer rank
+receives the refs and cuts out its own shard (process.FutureShard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from hybridflow.controller.errors import raise_worker_error
+from hybridflow.controller.protocols import GroupView, ProtocolSpec
+
+
+class Future:
+    """Outputs of one call on a worker group, still in the object store."""
+
+    def __init__(
+        self,
+        group_name: str,
+        method: str,
+        ranks: list[int],
+        size_refs: list,
+        out_refs: list,
+        protocol: ProtocolSpec,
+        view: GroupView,
+        collect_ranks: list[int] | None,
+    ):
+        self.group_name, self.method = group_name, method
+        self._ranks = ranks  # ranks the call ran on, aligned with size_refs / out_refs
+        self._size_refs, self._out_refs = size_refs, out_refs
+        self._protocol, self._view = protocol, view
+        self._collect_ranks = collect_ranks  # sharded protocols: one rank per shard, in shard order
+        self._done = False
+        self._value: Any = None
+
+    @property
+    def sharded(self) -> bool:
+        return self._collect_ranks is not None
+
+    def collected_refs(self) -> tuple[list, list]:
+        """(size refs, output refs) of the collected ranks in shard order (sharded futures only)."""
+        pos = {r: i for i, r in enumerate(self._ranks)}
+        idx = [pos[r] for r in self._collect_ranks]
+        return [self._size_refs[i] for i in idx], [self._out_refs[i] for i in idx]
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(list(self._size_refs), num_returns=len(self._size_refs), timeout=0)
+        return len(ready) == len(self._size_refs)
+
+    def wait(self) -> None:
+        """Block until every rank finished; raise WorkerError / WorkerDiedError on the first failure."""
+        wait_all(self._size_refs, self._ranks, self.group_name, self.method)
+
+    def get(self):
+        """The collected result (as the blocking call would have returned it)."""
+        if not self._done:
+            self.wait()
+            if self.sharded:
+                _, refs = self.collected_refs()
+                outputs = ray.get(refs)
+            else:
+                got = dict(zip(self._ranks, ray.get(self._out_refs)))
+                outputs = [got.get(r) for r in range(self._view.world_size)]
+            self._value = self._protocol.collect(self._view, outputs)
+            self._done = True
+        return self._value
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "pending"
+        return f"Future({self.group_name}.{self.method}, {state})"
+
+
+def wait_all(refs: list, ranks: list[int], group: str, method: str) -> list:
+    """ray.get(refs), but the first rank to fail is reported at once (others may be stuck in a
+    collective waiting for it), as WorkerError / WorkerDiedError naming group, rank and method."""
+    pending = dict(zip(refs, ranks))
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            rank = pending.pop(ref)
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 — re-raised with group/rank/method
+                raise_worker_error(e, group, rank, method)
+    return ray.get(list(refs))
+
+
+def get(x):
+    """Resolve a Future (or a list / dict of them); anything else is returned unchanged."""
+    if isinstance(x, Future):
+        return x.get()
+    if isinstance(x, (list, tuple)):
+        return type(x)(get(v) for v in x)
+    if isinstance(x, dict):
+        return {k: get(v) for k, v in x.items()}
+    return x

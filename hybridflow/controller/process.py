@@ -1,0 +1,169 @@
+"""WorkerProcess: the Ray actor behind one rank of a worker group (one process per device).
+
+It owns the torch.distributed membership and hosts one or more Worker instances ("roles"), so
+colocated roles share the process, the device and the process group. Every group call arrives as
+`execute(role, method, args, kwargs, pad)`, which
+
+1. resolves argument placeholders *inside the worker*: a shard the driver put in the object store,
+   or a slice of another group's outputs (a future) cut out here, so the data never passes through
+   the driver;
+2. calls the method;
+3. drops the rows produced by padding (the driver padded the batch to a multiple of the dp size);
+4. returns (n_rows, output) as two objects (num_returns=2), so the driver can learn output sizes
+   without fetching outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.controller.layout import shard_indices
+from hybridflow.controller.worker import WorkerContext, set_worker_context
+
+
+@dataclass(frozen=True)
+class PutShard:
+    """A shard the driver put in the object store once (shared by all ranks of a tp/pp group)."""
+
+    ref: list  # [ObjectRef], nested so Ray does not resolve it before the call
+    pad: int
+
+
+@dataclass(frozen=True)
+class FutureShard:
+    """Shard `shard` of `n_shards` of another call's collected outputs, cut out by the consumer.
+
+    size_refs / out_refs: the producer's collected ranks in shard order (sizes are ints).
+    n_shards = 0 means "the whole output" (a broadcast of a future).
+    """
+
+    size_refs: list
+    out_refs: list
+    shard: int
+    n_shards: int
+
+
+def resolve(arg):
+    """-> (value, pad rows) for placeholders; (arg, 0) for anything else."""
+    if isinstance(arg, PutShard):
+        return ray.get(arg.ref[0]), arg.pad
+    if isinstance(arg, FutureShard):
+        return _resolve_future_shard(arg)
+    return arg, 0
+
+
+def _resolve_future_shard(f: FutureShard) -> tuple[Batch, int]:
+    sizes = ray.get(f.size_refs)
+    if any(s is None for s in sizes):
+        raise TypeError("a future passed on as a batch must come from a method returning a Batch")
+    offsets = np.cumsum([0, *sizes])
+    total = int(offsets[-1])
+    if f.n_shards == 0:
+        rows, pad = slice(0, total), 0
+    else:
+        rows, pad = shard_indices(total, f.n_shards, f.shard)
+    idx = np.arange(total)[rows] if isinstance(rows, slice) else rows
+    if len(idx) == 0:
+        return ray.get(f.out_refs[0]).index(slice(0, 0)), 0
+    owner = np.searchsorted(offsets, idx, side="right") - 1  # producer shard holding each row
+    needed = sorted(set(owner.tolist()))
+    parts = dict(zip(needed, ray.get([f.out_refs[i] for i in needed])))
+    pieces, start = [], 0
+    # Consecutive rows from the same producer shard become one slice (a view, no copy).
+    while start < len(idx):
+        p = owner[start]
+        stop = start
+        while stop < len(idx) and owner[stop] == p and idx[stop] == idx[start] + (stop - start):
+            stop += 1
+        lo = int(idx[start] - offsets[p])
+        pieces.append(parts[p].index(slice(lo, lo + stop - start)))
+        start = stop
+    out = pieces[0] if len(pieces) == 1 else Batch.concat(pieces)
+    return out, pad
+
+
+def drop_padding(output, n_in: int, pad: int, method: str):
+    """Drop the output rows that padding rows produced (proportionally: k output rows per input row)."""
+    if not pad or n_in == 0:
+        return output
+    if isinstance(output, (Batch, torch.Tensor, list)):
+        n_out = len(output)
+        if (n_out * pad) % n_in:
+            raise ValueError(
+                f"{method}: returned {n_out} rows for an input of {n_in} rows ({pad} of them padding); "
+                "cannot tell which output rows are padding — return a whole multiple of the input rows"
+            )
+        keep = n_out - n_out * pad // n_in
+        if isinstance(output, Batch):
+            return output.index(slice(0, keep))
+        return output[:keep]
+    return output  # e.g. a metrics dict: padding rows were counted, as in verl
+
+
+class WorkerProcess:
+    """One rank's process. Created by WorkerGroup through ray.remote(...).options(placement)."""
+
+    def __init__(self, group_name: str, rank: int, world_size: int, local_rank: int, use_gpu: bool):
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        self.group_name, self.rank, self.world_size = group_name, rank, world_size
+        self.local_rank, self.use_gpu = local_rank, use_gpu
+        self.roles: dict[str, object] = {}
+
+    def master_address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, addr: str, port: int, timeout_s: float) -> int:
+        import datetime
+
+        import torch.distributed as dist
+
+        device = "cuda:0" if self.use_gpu else "cpu"
+        if self.use_gpu:
+            torch.cuda.set_device(0)
+        backend = "nccl" if self.use_gpu else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        node = ray.get_runtime_context().get_node_id()
+        ctx = WorkerContext(
+            self.group_name, self.rank, self.world_size, self.local_rank, node, device, backend
+        )
+        set_worker_context(ctx)
+        return os.getpid()
+
+    def add_role(self, role: str, cls, kwargs: dict) -> None:
+        self.roles[role] = cls(**kwargs)
+
+    def get_layouts(self, role: str, name: str | None):
+        return self.roles[role].get_layout(name)
+
+    def execute(self, role: str, method: str, args: tuple, kwargs: dict, pad: int | None = None):
+        pads = []
+        args = tuple(_take(resolve(a), pads) for a in args)
+        kwargs = {k: _take(resolve(v), pads) for k, v in kwargs.items()}
+        n_in = next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
+        out = getattr(self.roles[role], method)(*args, **kwargs)
+        out = drop_padding(out, n_in, pad if pad is not None else (pads[0] if pads else 0), method)
+        size = len(out) if isinstance(out, Batch) else None
+        return size, out
+
+
+def _take(resolved, pads: list):
+    value, pad = resolved
+    if isinstance(value, Batch):
+        pads.append(pad)
+    return value

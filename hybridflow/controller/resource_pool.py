@@ -1,0 +1,123 @@
+"""ResourcePool: a named set of devices, reserved as one Ray placement group with one bundle per device.
+
+Models given the same pool are colocated (they share its devices); different pools are disjoint, so
+their worker groups run concurrently (SPEC §3). Without GPUs each "device" is a CPU bundle, which
+is how the whole system runs and is tested on a laptop.
+
+Ranks are ordered by node (all bundles of the first node, then the next, ...) so that a worker
+group's rank order, and hence its mesh, is stable and node-local ranks are consecutive.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+
+def ensure_ray(**init_kwargs) -> None:
+    """Start (or join, when RAY_ADDRESS is set) a Ray cluster if this process has none yet."""
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        init_kwargs.setdefault("include_dashboard", False)
+        ray.init(**init_kwargs)
+
+
+class ResourcePool:
+    """A set of `n_devices` devices reserved on the cluster.
+
+    n_devices:  how many devices (GPUs, or CPU slots when use_gpu is False).
+    name:       shown in errors and in the demo's "what ran where" output.
+    use_gpu:    None = GPUs if the cluster has any; True/False to force.
+    cpus_per_device: CPUs reserved with each device (each worker process gets them).
+    strategy:   Ray placement strategy: "PACK" (fill nodes in turn, spill over) or "SPREAD"/"STRICT_*".
+    max_processes_per_device: how many separate worker processes (of different groups not built with
+                create_colocated_groups) may share one device; each takes 1/this of the bundle.
+    timeout_s:  how long to wait for the reservation before failing with what is free.
+    """
+
+    def __init__(
+        self,
+        n_devices: int,
+        name: str = "pool",
+        use_gpu: bool | None = None,
+        cpus_per_device: float = 1.0,
+        strategy: str = "PACK",
+        max_processes_per_device: int = 4,
+        timeout_s: float = 60.0,
+    ):
+        if n_devices < 1:
+            raise ValueError(f"ResourcePool {name!r}: n_devices must be >= 1, got {n_devices}")
+        ensure_ray()
+        total = ray.cluster_resources()
+        self.name = name
+        self.n_devices = n_devices
+        self.use_gpu = bool(total.get("GPU", 0) >= 1) if use_gpu is None else use_gpu
+        self.cpus_per_device = cpus_per_device
+        self.max_processes_per_device = max_processes_per_device
+        _check_fits(name, n_devices, self.use_gpu, cpus_per_device, total)
+
+        bundle = {"CPU": cpus_per_device, **({"GPU": 1} if self.use_gpu else {})}
+        self.placement_group = placement_group([dict(bundle) for _ in range(n_devices)], strategy=strategy)
+        if not self.placement_group.wait(timeout_s):
+            free = ray.available_resources()
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"ResourcePool {name!r}: could not reserve {n_devices} x {bundle} within {timeout_s:.0f}s; "
+                f"free now: CPU={free.get('CPU', 0):g} GPU={free.get('GPU', 0):g} "
+                f"(other pools hold the rest? call .shutdown() on pools you no longer need)"
+            )
+        self.bundle_of_rank, self.node_of_rank = _order_by_node(self.placement_group)
+
+    @property
+    def world_size(self) -> int:
+        return self.n_devices
+
+    @property
+    def nodes(self) -> list[str]:
+        """Distinct node ids in rank order."""
+        return list(dict.fromkeys(self.node_of_rank))
+
+    def actor_resources(self) -> dict:
+        """Resources one worker process takes from its bundle (a fraction, so groups can share)."""
+        share = 1.0 / self.max_processes_per_device
+        return {"num_cpus": self.cpus_per_device * share, "num_gpus": share if self.use_gpu else 0}
+
+    def shutdown(self) -> None:
+        """Release the reservation (kill the pool's worker groups first)."""
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+    def __enter__(self) -> ResourcePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU"
+        return f"ResourcePool({self.name!r}, {self.n_devices} x {kind}, nodes={len(self.nodes)})"
+
+
+def _check_fits(name: str, n: int, use_gpu: bool, cpus: float, total: dict) -> None:
+    have_cpu, have_gpu = total.get("CPU", 0), total.get("GPU", 0)
+    nodes = len([node for node in ray.nodes() if node.get("Alive")])
+    asked = f"{n} GPU device(s) + {n * cpus:g} CPU" if use_gpu else f"{n} CPU device(s) of {cpus:g} CPU each"
+    if (use_gpu and have_gpu < n) or have_cpu < n * cpus:
+        hint = "" if use_gpu or have_gpu else " (no GPUs found: the pool uses CPU bundles)"
+        raise ValueError(
+            f"ResourcePool {name!r} asks for {asked}, but the cluster has {have_gpu:g} GPU and "
+            f"{have_cpu:g} CPU in total on {nodes} node(s){hint}. Ask for fewer devices or add nodes."
+        )
+
+
+def _order_by_node(pg) -> tuple[list[int], list[str]]:
+    """Bundle indices grouped by node (nodes in order of their first bundle), with each rank's node."""
+    bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
+    first: dict[str, int] = {}
+    for b in sorted(bundle_nodes):
+        first.setdefault(bundle_nodes[b], b)
+    order = sorted(bundle_nodes, key=lambda b: (first[bundle_nodes[b]], b))
+    return order, [bundle_nodes[b] for b in order]
