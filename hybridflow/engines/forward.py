@@ -1,0 +1,131 @@
+"""The forward passes RL needs, on top of a plain HF model: response log-probs (+ entropy),
+per-token values, last-token scores.
+
+Why a wrapper module (`RLForward`) rather than calling the HF model: the HF causal-LM forward
+materialises logits for every position, (batch, seq, vocab). We only need the response positions,
+and not even those all at once: `chunked_log_probs` runs lm_head + log_softmax over chunks of the
+sequence, and under autograd recomputes each chunk in backward (activation checkpointing), so at
+most (batch, chunk, vocab) logits exist at a time. The wrapper is also the FSDP root (see
+parallelize.py), so the embeddings, final norm and heads it touches are unsharded by the root's
+hooks even though we call the backbone and the heads separately.
+
+Alignment (verl's): with L = Lp + Lr and responses the last Lr columns of input_ids, the token at
+position t is predicted from the hidden state at t-1, so response log-probs read hidden[:, -Lr-1:-1];
+critic values use the same positions (the value of the state before each response token).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hybridflow.models.hf import model_kind, scalar_head
+
+
+def _log_probs_chunk(hidden, weight, bias, labels, temperature: float, with_entropy: bool):
+    """hidden (B, C, H), labels (B, C) -> log_probs (B, C) [, entropy (B, C)], all fp32."""
+    logits = F.linear(hidden, weight, bias).float()  # (B, C, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)  # (B, C)
+    log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return log_probs, None
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return log_probs, entropy
+
+
+def chunked_log_probs(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `labels` under lm_head(hidden) / temperature, computed `chunk_size` positions at a time.
+
+    hidden: (B, T, H) hidden states predicting labels (B, T). Returns (log_probs (B, T), entropy (B, T) or None).
+    """
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    lps, ents = [], []
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for s in range(0, hidden.shape[1], chunk_size):
+        args = (
+            hidden[:, s : s + chunk_size],
+            weight,
+            bias,
+            labels[:, s : s + chunk_size],
+            temperature,
+            with_entropy,
+        )
+        if needs_grad:  # drop the chunk's logits after forward; recompute them in backward
+            lp, ent = checkpoint(_log_probs_chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = _log_probs_chunk(*args)
+        lps.append(lp)
+        ents.append(ent)
+    log_probs = torch.cat(lps, dim=1)
+    return log_probs, (torch.cat(ents, dim=1) if with_entropy else None)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) mask -> (B,) index of the last attended position (works for left and right padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (attention_mask.long() * positions).argmax(-1)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) -> (B, L) positions counting only attended tokens (0 on left padding)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class RLForward(nn.Module):
+    """Wraps a plain HF model (causal LM, token- or sequence-classification) and returns what RL needs.
+
+    forward(input_ids (B, L), attention_mask (B, L), position_ids (B, L), response_length Lr) -> dict:
+      causal_lm: "log_probs" (B, Lr) [+ "entropy" (B, Lr)]
+      critic:    "values" (B, Lr)
+      reward:    "scores" (B,) read at the last attended token
+    """
+
+    def __init__(self, model: nn.Module, logits_chunk_size: int = 256):
+        super().__init__()
+        self.model = model
+        self.kind = model_kind(model)
+        self.logits_chunk_size = logits_chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_length: int,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        out = self.model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state  # (B, L, H)
+        if self.kind == "reward":
+            last = last_token_index(attention_mask)
+            h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, H)
+            return {"scores": scalar_head(self.model)(h_last).squeeze(-1).float()}
+        h_resp = hidden[:, -response_length - 1 : -1]  # (B, Lr, H): states before each response token
+        if self.kind == "critic":
+            return {"values": scalar_head(self.model)(h_resp).squeeze(-1).float()}
+        log_probs, entropy = chunked_log_probs(
+            h_resp,
+            self.model.get_output_embeddings(),
+            input_ids[:, -response_length:],
+            self.logits_chunk_size,
+            temperature,
+            with_entropy,
+        )
+        outputs = {"log_probs": log_probs}
+        if entropy is not None:
+            outputs["entropy"] = entropy
+        return outputs

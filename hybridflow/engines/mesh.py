@@ -1,0 +1,42 @@
+"""The device mesh of a worker group: a 2-D ("dp", "tp") DeviceMesh over the default process group.
+
+Layout: tp is the fastest-varying axis, so consecutive ranks form a TP group (the paper's
+convention: with 8 ranks and tp=4, TP groups are [0-3] and [4-7]). pp is kept in ParallelConfig
+but must be 1, so the mesh is 2-D. gloo on CPU, NCCL on GPU: the backend is whatever the default
+group was initialised with (`init_process_group`), usually by the worker group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybridflow.engines.config import ParallelConfig
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def build_mesh(parallel: ParallelConfig) -> DeviceMesh | None:
+    """A ("dp", "tp") mesh over the default group, or None when no process group is initialised
+    (single-process use: the model then runs unsharded)."""
+    if not dist.is_available() or not dist.is_initialized():
+        if parallel.world_size != 1:
+            raise RuntimeError(
+                f"ParallelConfig(tp={parallel.tp}, dp={parallel.dp}) needs {parallel.world_size} ranks but no "
+                "process group is initialised; call torch.distributed.init_process_group first"
+            )
+        return None
+    world = dist.get_world_size()
+    if world != parallel.world_size:
+        raise ValueError(
+            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}, dp={parallel.dp}) covers {parallel.world_size} "
+            f"ranks but the process group has {world}; make tp * pp * dp equal the world size"
+        )
+    return init_device_mesh(device_type(), (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))

@@ -1,0 +1,75 @@
+"""Optimizer, LR schedule and global gradient-norm clipping that work on plain, FSDP2 and DTensor-TP params.
+
+Why our own clipping: after TP + FSDP2 a model holds DTensors on two meshes (2-D ("dp","tp") for TP
+params, 1-D "dp" for the rest); `torch.nn.utils.clip_grad_norm_` stacks per-param norms and cannot
+mix meshes. We take the norm per (mesh, placements) group, reduce each to a full value, and combine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hybridflow.engines.config import OptimConfig
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    # foreach=False: the foreach kernels reject lists mixing DTensors of different meshes.
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then constant or cosine."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def global_grad_norm(params) -> torch.Tensor:
+    """L2 norm of all gradients together, as a plain scalar tensor equal on every rank."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("local",)
+        groups[key].append(g)
+    total_sq = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.detach().float().cpu() ** 2
+    return total_sq.sqrt()
+
+
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most max_norm (<= 0: only measure). Returns the
+    norm before clipping. Non-finite norms leave gradients untouched (the caller skips the step)."""
+    params = list(params)
+    norm = global_grad_norm(params)
+    if max_norm > 0 and torch.isfinite(norm):
+        coef = float(max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,394 @@
+"""TrainEngine: one model (actor, critic, reference or reward) on one worker-group rank.
+
+Role workers call a small API (STYLE §7: learning stays apart from sampling):
+  compute_log_probs(batch)  -> (log_probs (B, Lr), entropy (B, Lr) | None)   causal LMs
+  compute_values(batch)     -> values (B, Lr)                                  critics
+  compute_scores(batch)     -> scores (B,)                                     reward / cost models
+  train_step(batch, loss_fn) -> metrics dict (one optimizer step over the whole batch)
+  full_state_dict() / iter_full_state_dict() / load_full_state_dict() / save_hf(path)
+  save_checkpoint(dir) / load_checkpoint(dir)   (sharded, torch.distributed.checkpoint)
+  offload() / reload()
+
+Batch fields (preamble): input_ids = cat(prompts, responses) (B, Lp + Lr), attention_mask,
+optional position_ids, responses (B, Lr), response_mask (B, Lr).
+
+Loss scaling under gradient accumulation: loss_fn returns the *mean* loss of its micro-batch
+(token-mean over response_mask, or sequence-mean); the engine weights micro-batch i by
+n_i * dp / N, where n_i is its token (or sequence) count and N the count over the whole global
+batch (all dp ranks). FSDP averages gradients over dp, so the result is the global mean whatever the
+micro-batch split or the dp size: 1x8 == 8x1 == 2 ranks x 4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hybridflow.batch import Batch
+from hybridflow.engines.config import EngineConfig
+from hybridflow.engines.forward import RLForward, position_ids_from_mask
+from hybridflow.engines.mesh import build_mesh, device_type
+from hybridflow.engines.micro_batch import (
+    pad_response_aligned,
+    plan_micro_batches,
+    response_length,
+    restore_order,
+    split_micro_batches,
+)
+from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from hybridflow.engines.parallelize import hf_layout_transforms, parallelize
+from hybridflow.models.hf import model_kind, save_hf_model
+
+LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainEngine:
+    """Wraps a plain HF model: applies TP/AC/FSDP2 per `config.parallel`, owns optimizer + schedule.
+
+    model: a plain HF model on CPU (`load_causal_lm` / `load_critic` / `load_reward_model`).
+    trainable: False for reference / reward models (no optimizer state is allocated).
+    The default process group (if any) must span exactly config.parallel.world_size ranks.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, trainable: bool = True):
+        self.config = config or EngineConfig()
+        self.kind = model_kind(model)
+        self.mesh = build_mesh(self.config.parallel)
+        self.device = (
+            torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else None
+        )
+        self.device = self.device or torch.device("cpu")
+        on_gpu = self.device.type == "cuda"
+        param_dtype = torch.bfloat16 if on_gpu and self.config.mixed_precision == "bf16" else None
+        # Without FSDP (single process) mixed precision comes from autocast instead of the FSDP policy.
+        self._autocast = param_dtype if (param_dtype is not None and self.mesh is None) else None
+        self.hf_model = model.to(self.device)
+        self.module = RLForward(model, self.config.logits_chunk_size)
+        parallelize(
+            self.module,
+            model,
+            self.mesh,
+            gradient_checkpointing=self.config.gradient_checkpointing,
+            param_dtype=param_dtype if self.mesh is not None else None,
+            reduce_dtype=torch.float32 if param_dtype is not None and self.mesh is not None else None,
+        )
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)
+            self.scheduler = build_scheduler(self.optimizer, self.config.optim)
+        self.global_step = 0
+        self._offloaded = False
+        if self.config.offload:
+            self.offload()
+
+    # ---- process-group helpers -------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size() if self.mesh is not None else 1
+
+    def _all_reduce(self, value: float, op, group=None) -> float:
+        if self.mesh is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=group)
+        return float(t.item())
+
+    def _plan(self, batch: Batch, micro_batch_size: int | None, max_tokens: int | None) -> list[list[int]]:
+        """Micro-batch row groups, with the same count on every rank (FSDP collectives run per pass)."""
+        if micro_batch_size is None and max_tokens is None:
+            max_tokens = self.config.max_tokens_per_micro_batch or None
+            micro_batch_size = None if max_tokens else self.config.micro_batch_size_per_device
+        groups = plan_micro_batches(batch, micro_batch_size, max_tokens)
+        count = int(self._all_reduce(len(groups), dist.ReduceOp.MAX))
+        if count != len(groups):
+            groups = plan_micro_batches(batch, micro_batch_size, max_tokens, num_micro_batches=count)
+        return groups
+
+    @contextlib.contextmanager
+    def _phase(self):
+        """Bring offloaded state back for the duration of a call, and offload again if configured."""
+        self.reload()
+        try:
+            yield
+        finally:
+            if self.config.offload:
+                self.offload()
+
+    # ---- forward passes --------------------------------------------------------------------------
+    def _forward(self, mb: Batch, temperature: float = 1.0, with_entropy: bool = False) -> dict:
+        ids = mb["input_ids"].to(self.device)
+        attn = mb["attention_mask"].to(self.device)
+        pos = (
+            mb["position_ids"].to(self.device)
+            if "position_ids" in mb.tensors
+            else position_ids_from_mask(attn)
+        )
+        ctx = (
+            torch.autocast(self.device.type, dtype=self._autocast)
+            if self._autocast
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            return self.module(ids, attn, pos, response_length(mb), temperature, with_entropy)
+
+    @torch.no_grad()
+    def _infer(self, batch, keys, micro_batch_size, max_tokens, **forward_kwargs) -> dict[str, torch.Tensor]:
+        with self._phase():
+            self.module.eval()
+            lr = response_length(batch)
+            groups = self._plan(batch, micro_batch_size, max_tokens)
+            chunks = defaultdict(list)
+            for mb in split_micro_batches(batch, groups):
+                out = self._forward(mb, **forward_kwargs)
+                for k in keys:
+                    v = out[k].float().cpu()
+                    chunks[k].append(pad_response_aligned(v, lr) if v.dim() == 2 else v)
+            return {k: restore_order(chunks[k], groups) for k in keys}
+
+    def compute_log_probs(
+        self,
+        batch: Batch,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs (B, Lr) of `responses` (and entropy (B, Lr)); 0 on padded positions
+        beyond each micro-batch's longest response. Micro-batching defaults to the engine config."""
+        self._require("causal_lm", "compute_log_probs")
+        keys = ["log_probs", "entropy"] if with_entropy else ["log_probs"]
+        out = self._infer(
+            batch, keys, micro_batch_size, max_tokens, temperature=temperature, with_entropy=with_entropy
+        )
+        return out["log_probs"], out.get("entropy")
+
+    def compute_values(
+        self, batch: Batch, micro_batch_size: int | None = None, max_tokens: int | None = None
+    ):
+        """Critic values (B, Lr): the value of the state before each response token."""
+        self._require("critic", "compute_values")
+        return self._infer(batch, ["values"], micro_batch_size, max_tokens)["values"]
+
+    def compute_scores(
+        self, batch: Batch, micro_batch_size: int | None = None, max_tokens: int | None = None
+    ):
+        """Reward / cost model scores (B,), read at each sequence's last attended token."""
+        self._require("reward", "compute_scores")
+        return self._infer(batch, ["scores"], micro_batch_size, max_tokens)["scores"]
+
+    def _require(self, kind: str, what: str) -> None:
+        if self.kind != kind:
+            raise TypeError(f"{what} needs a {kind} model, but this engine holds a {self.kind} model")
+
+    # ---- training ----------------------------------------------------------------------------------
+    def train_step(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
+        loss_weighting: str = "tokens",
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over `batch` (this rank's share of a global mini-batch):
+        forward_backward + optimizer_step. Returns loss/metrics, grad_norm, lr, step_skipped."""
+        with self._phase():
+            metrics = self.forward_backward(
+                batch, loss_fn, with_entropy, temperature, loss_weighting, micro_batch_size, max_tokens
+            )
+            metrics.update(self.optimizer_step())
+        return metrics
+
+    def forward_backward(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
+        loss_weighting: str = "tokens",
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+    ) -> dict[str, float]:
+        """Accumulate gradients of the global-mean loss over `batch`'s micro-batches (grads are reset first).
+
+        loss_fn(outputs, micro_batch) -> (loss, metrics): outputs holds "log_probs" (b, lr) [+ "entropy"]
+        for a causal LM or "values" (b, lr) for a critic, aligned with micro_batch's (trimmed) response
+        fields; loss is the micro-batch mean (per token if loss_weighting="tokens", per sequence if
+        "sequences"). Returns the token/sequence-weighted local mean of loss and of each metric.
+        """
+        if self.optimizer is None:
+            raise RuntimeError(
+                "training call on an engine built with trainable=False (reference / reward model)"
+            )
+        if loss_weighting not in ("tokens", "sequences"):
+            raise ValueError(f"loss_weighting must be 'tokens' or 'sequences', got {loss_weighting!r}")
+        with self._phase():
+            self.module.train()
+            groups = self._plan(batch, micro_batch_size, max_tokens)
+            mbs = split_micro_batches(batch, groups)
+            counts = [self._count(mb, loss_weighting) for mb in mbs]
+            local_total = sum(counts)
+            global_total = self._all_reduce(local_total, dist.ReduceOp.SUM, self._dp_group())
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = defaultdict(float)
+            for mb, n in zip(mbs, counts):
+                out = self._forward(mb, temperature, with_entropy)
+                loss, metrics = loss_fn(out, mb)
+                (loss * (n * self.dp_size / max(global_total, 1e-8))).backward()
+                share = n / max(local_total, 1e-8)
+                sums["loss"] += float(loss.detach()) * share
+                for k, v in metrics.items():
+                    sums[k] += float(v.detach() if isinstance(v, torch.Tensor) else v) * share
+            return dict(sums)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip by the global grad norm, step AdamW (skipped if the norm is not finite) and the LR schedule."""
+        with self._phase():
+            grad_norm = clip_grad_norm_(self.module.parameters(), self.config.optim.grad_clip)
+            finite = bool(torch.isfinite(grad_norm))
+            if finite:
+                self.optimizer.step()
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.global_step += 1
+        return {"grad_norm": float(grad_norm), "lr": lr, "step_skipped": float(not finite)}
+
+    def _dp_group(self):
+        return self.mesh.get_group("dp") if self.mesh is not None else None
+
+    @staticmethod
+    def _count(mb: Batch, loss_weighting: str) -> float:
+        if loss_weighting == "sequences":
+            return float(len(mb))
+        if "response_mask" in mb.tensors:
+            return float(mb["response_mask"].sum())
+        return float(mb["attention_mask"][:, -response_length(mb) :].sum())
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def iter_full_state_dict(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs, gathered from the shards one tensor at a time (all ranks must
+        iterate: each gather is a collective). Names and layouts are those of the HF checkpoint."""
+        transforms = hf_layout_transforms(self.hf_model)
+        with self._phase():
+            for name, t in self.hf_model.state_dict().items():
+                if isinstance(t, DTensor):
+                    t = t.full_tensor()
+                if name in transforms:
+                    dim, perm = transforms[name]
+                    t = t.index_select(dim, torch.argsort(perm).to(t.device))
+                yield name, t.detach().to(device)
+
+    def full_state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        return dict(self.iter_full_state_dict(device))
+
+    def iter_full_grads(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, full gradient) after forward_backward; collective like iter_full_state_dict."""
+        transforms = hf_layout_transforms(self.hf_model)
+        for name, p in self.hf_model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if name in transforms:
+                dim, perm = transforms[name]
+                g = g.index_select(dim, torch.argsort(perm).to(g.device))
+            yield name, g.detach().to(device)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy full HF-layout tensors into this rank's shards (every rank passes the same dict)."""
+        transforms = hf_layout_transforms(self.hf_model)
+        targets = self.hf_model.state_dict(keep_vars=True)
+        missing = [k for k in targets if k not in state_dict]
+        if missing:
+            raise KeyError(
+                f"load_full_state_dict: missing {missing[:5]} (and {max(len(missing) - 5, 0)} more)"
+            )
+        with self._phase():
+            for name, target in targets.items():
+                full = state_dict[name].to(self.device, target.dtype)
+                if name in transforms:
+                    dim, perm = transforms[name]
+                    full = full.index_select(dim, perm.to(full.device))
+                if isinstance(target, DTensor):
+                    local = distribute_tensor(full, target.device_mesh, target.placements).to_local()
+                    target.to_local().copy_(local)
+                else:
+                    target.copy_(full)
+
+    def save_hf(self, path, tokenizer=None) -> None:
+        """Write the full model as an HF directory (safetensors) from rank 0; a collective call."""
+        state_dict = self.full_state_dict("cpu")
+        if self.mesh is None or dist.get_rank() == 0:
+            fresh = type(self.hf_model)(self.hf_model.config)  # unsharded, un-permuted twin to save from
+            fresh.load_state_dict(state_dict)
+            save_hf_model(fresh, path, tokenizer)
+        if self.mesh is not None:
+            dist.barrier()
+
+    # ---- resume ------------------------------------------------------------------------------------
+    def save_checkpoint(self, path) -> None:
+        """Sharded model + optimizer + scheduler state via torch.distributed.checkpoint (collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._checkpoint_state(), checkpoint_id=str(path))
+
+    def load_checkpoint(self, path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self._checkpoint_state()
+        with self._phase():
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(self.module, state["model"])
+            if self.optimizer is not None:
+                set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+                self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = int(state["global_step"])
+
+    def _checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        with self._phase():
+            state = {"model": get_model_state_dict(self.module), "global_step": self.global_step}
+            if self.optimizer is not None:
+                state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+                state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    # ---- offload -----------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move params and optimizer state to CPU so a colocated model can use the device.
+        On CPU this is a no-op: the state already lives in host memory, a copy would only cost time."""
+        if self.device.type == "cpu" or self._offloaded:
+            return
+        self._move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def reload(self) -> None:
+        """Bring offloaded params and optimizer state back to the device (no-op if not offloaded)."""
+        if not self._offloaded:
+            return
+        self._move(self.device)
+        self._offloaded = False
+
+    def _move(self, device: torch.device) -> None:
+        self.module.to(device)  # FSDP2 modules move their sharded parameters
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and not (
+                        k == "step" and v.dim() == 0 and v.device.type == "cpu"
+                    ):
+                        state[k] = v.to(device, non_blocking=True)
+
+    def num_params(self) -> int:
+        return sum(math.prod(p.shape) for p in self.hf_model.parameters())

@@ -1,0 +1,56 @@
+"""Synthetic RL batches (left-padded prompts, right-padded responses) and losses shared by engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.batch import Batch
+
+
+def make_rl_batch(vocab_size: int, batch_size: int = 8, lp: int = 6, lr: int = 8, seed: int = 0) -> Batch:
+    """Random tokens with random valid prompt lengths (1..lp) and response lengths (1..lr)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(1, lp + 1, (batch_size,), generator=g)
+    resp_lens = torch.randint(1, lr + 1, (batch_size,), generator=g)
+    pm = (torch.arange(lp)[None] >= lp - prompt_lens[:, None]).long()
+    rm = (torch.arange(lr)[None] < resp_lens[:, None]).long()
+    prompts = torch.randint(3, vocab_size, (batch_size, lp), generator=g) * pm
+    responses = torch.randint(3, vocab_size, (batch_size, lr), generator=g) * rm
+    attn = torch.cat([pm, rm], 1)
+    return Batch.from_dict(
+        dict(
+            prompts=prompts,
+            responses=responses,
+            input_ids=torch.cat([prompts, responses], 1),
+            attention_mask=attn,
+            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+            response_mask=rm,
+            advantages=torch.randn(batch_size, lr, generator=g) * rm,
+        )
+    )
+
+
+def pg_loss(outputs, mb):
+    """A token-mean policy-gradient-like loss (exercises log-probs, advantages and masking)."""
+    mask = mb["response_mask"].float()
+    loss = -(outputs["log_probs"] * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"neg_lp": float(-(outputs["log_probs"].detach() * mask).sum() / mask.sum().clamp(min=1))}
+
+
+def reference_log_probs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain HF forward (full logits): log-probs and entropy of the responses, (B, Lr)."""
+    lr = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = (
+            model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+            )
+            .logits[:, -lr - 1 : -1]
+            .float()
+        )
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
