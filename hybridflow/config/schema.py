@@ -47,8 +47,9 @@ ADV_ESTIMATORS = {
     "dpo": "none",
     "sft": "none",
 }
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "mse", "kl", "full")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# kept equal to hybridflow.algorithms (kl.KL_KINDS, losses.AGG_MODES) without importing torch here
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 

@@ -148,3 +148,13 @@ def test_cli_show(capsys):
     assert shown["rollout"]["n"] == 6 and shown["algorithm"]["adv_estimator"] == "grpo"
     assert main(["config", "show", str(EXAMPLES / "grpo_tiny.yaml"), "rollout.m=6"]) == 2
     assert "did you mean 'rollout.n'" in capsys.readouterr().err
+
+
+def test_choices_match_the_algorithms():
+    """The config checks names without importing torch; they must agree with what the code accepts."""
+    from hybridflow.algorithms.kl import KL_KINDS
+    from hybridflow.algorithms.losses import AGG_MODES
+    from hybridflow.config import schema
+
+    assert set(schema.KL_KINDS) == set(KL_KINDS)
+    assert set(schema.LOSS_AGG_MODES) == set(AGG_MODES)

@@ -1,0 +1,148 @@
+"""GSM8K and MATH -> verl-style Parquet, from local copies of their standard files.
+
+GSM8K: JSONL rows {question, answer}, the answer ending in '#### <number>'.
+MATH (Hendrycks): one JSON object per problem file (train/<subject>/<n>.json) or JSONL rows, with
+{problem, solution, level, type}; the answer is the last \\boxed{...} in the solution.
+Output rows carry data_source, prompt (one user message with verl's instruction), ability,
+reward_model {style: rule, ground_truth}, extra_info {split, index, ...} -- the columns the prompt
+dataset reads and the rule rewards route on (data_source 'openai/gsm8k' and
+'DigitalLearningGmbH/MATH-lighteval', as in verl).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from hybridflow.data.files import DatasetError, read_rows, where, write_parquet
+
+GSM8K_SOURCE = "openai/gsm8k"
+MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def extract_gsm8k_answer(answer: str) -> str:
+    """'... #### 1,234' -> '1234' (commas dropped, as verl does)."""
+    match = _GSM8K_ANSWER.search(answer)
+    if match is None:
+        raise ValueError("answer has no '#### <number>' line")
+    return match.group(1).replace(",", "").rstrip(".")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}, or '\\boxed 5'), with nested braces."""
+    idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if idx < 0:
+        return None
+    rest = text[idx:]
+    if rest.startswith("\\boxed "):  # '\boxed 5' form: up to the next '$' or whitespace
+        return rest[len("\\boxed ") :].split("$")[0].split()[0]
+    start = rest.find("{")
+    if start < 0:
+        return None
+    depth = 0
+    for j, ch in enumerate(rest[start:], start=start):
+        depth += (ch == "{") - (ch == "}")
+        if depth == 0:
+            return rest[start + 1 : j]
+    return None  # unbalanced braces
+
+
+def gsm8k_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
+    rows, bad = [], []
+    for i, rec in read_rows(path):
+        try:
+            if isinstance(rec, ValueError):
+                raise rec
+            if not isinstance(rec, dict) or not isinstance(rec.get("question"), str):
+                raise ValueError("expected {'question': str, 'answer': str}")
+            answer = rec.get("answer")
+            if not isinstance(answer, str):
+                raise ValueError("missing 'answer' text")
+            truth = extract_gsm8k_answer(answer)
+        except ValueError as e:
+            bad.append(f"{where(path, i)}: {e}")
+            continue
+        rows.append(
+            {
+                "data_source": GSM8K_SOURCE,
+                "prompt": [{"role": "user", "content": f"{rec['question']} {GSM8K_INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": truth},
+                "extra_info": {
+                    "split": split,
+                    "index": len(rows),
+                    "question": rec["question"],
+                    "answer": answer,
+                },
+            }
+        )
+        if limit and len(rows) >= limit:
+            break
+    _fail_on(bad)
+    return rows
+
+
+def _math_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl", ".parquet"))
+        if not files:
+            raise DatasetError(f"{path}: no .json/.jsonl/.parquet files found")
+        return files
+    return [path]
+
+
+def math_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
+    """Rows from a MATH file or a directory tree of per-problem .json files (sorted, so stable)."""
+    rows, bad = [], []
+    for file in _math_files(Path(path)):
+        for i, rec in read_rows(file):
+            try:
+                if isinstance(rec, ValueError):
+                    raise rec
+                if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str):
+                    raise ValueError("expected {'problem': str, 'solution': str}")
+                solution = rec.get("solution")
+                truth = last_boxed(solution) if isinstance(solution, str) else None
+                if truth is None:
+                    raise ValueError("solution has no \\boxed{...} answer")
+            except ValueError as e:
+                bad.append(f"{where(file, i)}: {e}")
+                continue
+            rows.append(
+                {
+                    "data_source": MATH_SOURCE,
+                    "prompt": [{"role": "user", "content": f"{rec['problem']} {MATH_INSTRUCTION}"}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": truth},
+                    "extra_info": {
+                        "split": split,
+                        "index": len(rows),
+                        "level": str(rec.get("level", "")),
+                        "type": str(rec.get("type", "")),
+                    },
+                }
+            )
+            if limit and len(rows) >= limit:
+                _fail_on(bad)
+                return rows
+    _fail_on(bad)
+    return rows
+
+
+def _fail_on(bad: list[str]) -> None:
+    if bad:
+        shown = "\n  ".join(bad[:10]) + (f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise DatasetError(f"{len(bad)} malformed row(s):\n  {shown}")
+
+
+def preprocess(kind: str, input_path, output_path, split: str = "train", limit: int = 0) -> tuple[Path, int]:
+    """Write `kind` ('gsm8k' or 'math') rows from input_path to Parquet; -> (path, rows written)."""
+    rows = {"gsm8k": gsm8k_rows, "math": math_rows}[kind](input_path, split, limit)
+    if not rows:
+        raise DatasetError(f"{input_path}: no rows")
+    return write_parquet(rows, output_path), len(rows)
