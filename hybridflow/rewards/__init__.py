@@ -1,0 +1,48 @@
+"""Rule rewards for verifiable tasks, and the executor that runs them safely over a batch.
+
+Files:
+  gsm8k.py        GSM8K final-answer match (`#### 42`, or the last number in flexible mode)
+  math_answer.py  MATH answer equivalence: \\boxed{} extraction, normalisation, math-verify fallback
+  arithmetic.py   exact match for the synthetic arithmetic task (hybridflow/data/synthetic.py)
+  formats.py      format rewards (think/answer tags, `####` marker, \\boxed{})
+  registry.py     reward functions by data_source name; user functions from 'file.py:function_name'
+  executor.py     RewardExecutor: a process pool with per-sample timeouts and reported failures
+  _worker.py      the worker process the executor starts
+
+Kept free of torch imports so reward worker processes start in a fraction of a second.
+"""
+
+from hybridflow.rewards.executor import (
+    RewardConfig,
+    RewardError,
+    RewardExecutor,
+    RewardFunctionError,
+    RewardResult,
+)
+from hybridflow.rewards.formats import FORMATS, format_reward
+from hybridflow.rewards.registry import (
+    batched_reward,
+    default_compute_score,
+    get_reward_fn,
+    list_rewards,
+    load_reward_fn,
+    register_reward,
+    to_score,
+)
+
+__all__ = [
+    "FORMATS",
+    "RewardConfig",
+    "RewardError",
+    "RewardExecutor",
+    "RewardFunctionError",
+    "RewardResult",
+    "batched_reward",
+    "default_compute_score",
+    "format_reward",
+    "get_reward_fn",
+    "list_rewards",
+    "load_reward_fn",
+    "register_reward",
+    "to_score",
+]

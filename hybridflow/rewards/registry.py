@@ -1,0 +1,200 @@
+"""Reward functions by name: built-ins registered per `data_source`, user functions loaded from a file.
+
+The calling convention is verl's, so reward files written for verl work unchanged:
+  per-sample: fn(data_source, solution_str, ground_truth, extra_info=None, **fn_kwargs) -> float | {"score": float, ...}
+  batched:    fn(data_sources, solution_strs, ground_truths, extra_infos, **fn_kwargs) -> list of the above
+A function is batched when it carries `batched = True` (the `batched_reward` decorator sets it) or the
+reward config says so. Arguments are passed by keyword.
+
+A reward spec (RewardConfig.fn) is one of: "" (dispatch on each sample's data_source), a registered
+name ("gsm8k", "math", "synthetic:arithmetic", ...), "path/to/file.py:function_name", or
+"package.module:function_name". Specs are strings so worker processes can resolve them themselves
+(user functions need not be picklable).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from hybridflow.rewards import arithmetic, gsm8k, math_answer
+from hybridflow.rewards.formats import format_reward
+
+__all__ = [
+    "register_reward",
+    "batched_reward",
+    "get_reward_fn",
+    "list_rewards",
+    "default_compute_score",
+    "load_reward_fn",
+    "is_builtin_spec",
+    "to_score",
+    "run_per_sample",
+    "run_batched",
+]
+
+RewardFn = Callable[..., Any]
+# (index, data_source, solution_str, ground_truth, extra_info): one sample as the executor passes it.
+Item = tuple[int, Any, str, Any, Any]
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(*names: str):
+    """Decorator registering a per-sample reward fn(data_source, solution_str, ground_truth, extra_info, **kw)."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        for name in names:
+            _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def batched_reward(fn: RewardFn) -> RewardFn:
+    """Mark a user reward function as batched (it receives lists and returns a list of scores)."""
+    fn.batched = True
+    return fn
+
+
+@register_reward("gsm8k", "openai/gsm8k")
+def _gsm8k(data_source, solution_str, ground_truth, extra_info=None, method="strict", format_score=0.0):
+    return gsm8k.compute_score(solution_str, ground_truth, method=method, format_score=format_score)
+
+
+@register_reward(
+    "math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math500"
+)
+def _math(data_source, solution_str, ground_truth, extra_info=None, use_math_verify=True):
+    return math_answer.compute_score(solution_str, ground_truth, use_math_verify=use_math_verify)
+
+
+@register_reward("synthetic:arithmetic", "arithmetic")
+def _arithmetic(data_source, solution_str, ground_truth, extra_info=None, mode="exact"):
+    return arithmetic.compute_score(solution_str, ground_truth, mode=mode)
+
+
+@register_reward("format")
+def _format(data_source, solution_str, ground_truth, extra_info=None, fmt="think_answer"):
+    return format_reward(solution_str, fmt)
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The registered per-sample reward function for a data_source (case-insensitive), or a clear error."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    lowered = {k.lower(): v for k, v in _REGISTRY.items()}
+    if name.lower() in lowered:
+        return lowered[name.lower()]
+    near = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise KeyError(
+        f"no reward function registered for data_source {name!r}{hint}; registered: {list_rewards()}. "
+        "Register one with @register_reward(name) or set reward.fn='path/to/file.py:function_name'"
+    )
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, **fn_kwargs):
+    """Dispatch on data_source to the registered function (verl's default_compute_score)."""
+    return get_reward_fn(str(data_source))(data_source, solution_str, ground_truth, extra_info, **fn_kwargs)
+
+
+def is_builtin_spec(spec: str) -> bool:
+    """True for "" and registered names: trusted code that may run in-process without a timeout guard."""
+    return spec == "" or spec in _REGISTRY or spec.lower() in {k.lower() for k in _REGISTRY}
+
+
+def _load_from_file(path: str, name: str) -> RewardFn:
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reward function file {path!r} does not exist (reward.fn='{path}:{name}')")
+    # A stable, path-derived module name: two files both called reward.py must not collide.
+    mod_name = "hybridflow_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return _get_attr(module, name, path)
+
+
+def _get_attr(module, name: str, where: str) -> RewardFn:
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        candidates = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
+        near = difflib.get_close_matches(name, candidates, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise AttributeError(f"{where} has no function {name!r}{hint}; callables there: {sorted(candidates)}")
+    return fn
+
+
+def load_reward_fn(spec: str) -> tuple[RewardFn, bool]:
+    """Resolve a reward spec (see the module docstring) to (function, declared_batched)."""
+    if spec == "":
+        return default_compute_score, False
+    if is_builtin_spec(spec):
+        return get_reward_fn(spec), False
+    if ":" not in spec:
+        near = difflib.get_close_matches(spec, list(_REGISTRY), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(
+            f"reward.fn={spec!r} is neither a registered reward{hint} nor 'path/to/file.py:function_name'; "
+            f"registered: {list_rewards()}"
+        )
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py") or os.sep in target or os.path.isfile(target):
+        fn = _load_from_file(target, name)
+    else:
+        fn = _get_attr(importlib.import_module(target), name, f"module {target!r}")
+    return fn, bool(getattr(fn, "batched", False))
+
+
+def to_score(value: Any) -> float:
+    """A reward function's return value as a finite float; raises on anything else (never guesses)."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"reward function returned a dict without a 'score' key: {sorted(value)}")
+        value = value["score"]
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"reward function returned {type(value).__name__} {value!r}; expected a number"
+        ) from None
+    if not math.isfinite(score):
+        raise ValueError(f"reward function returned a non-finite score {score}")
+    return score
+
+
+def run_per_sample(fn, item: Item, fn_kwargs: dict) -> float:
+    _, data_source, solution_str, ground_truth, extra_info = item
+    return to_score(
+        fn(
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **fn_kwargs,
+        )
+    )
+
+
+def run_batched(fn, items: list[Item], fn_kwargs: dict) -> list[float]:
+    out = fn(
+        data_sources=[it[1] for it in items],
+        solution_strs=[it[2] for it in items],
+        ground_truths=[it[3] for it in items],
+        extra_infos=[it[4] for it in items],
+        **fn_kwargs,
+    )
+    out = list(out)
+    if len(out) != len(items):
+        raise ValueError(f"batched reward function returned {len(out)} scores for {len(items)} samples")
+    return [to_score(v) for v in out]
