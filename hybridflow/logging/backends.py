@@ -1,0 +1,229 @@
+"""Metric sinks behind the Tracker: console (progress bar), JSONL, TensorBoard, wandb, MLflow.
+
+Each backend has `log(metrics, step)`, `log_table(name, rows, step)` and `close()`. wandb and MLflow
+are imported only when configured, and a missing package is a clear error naming the config key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+# metrics shown on the console line / progress bar, first match wins (verl names as fallbacks)
+REWARD_KEYS = ("reward/mean", "critic/score/mean", "critic/rewards/mean")
+THROUGHPUT_KEYS = ("perf/throughput",)
+
+
+class TrackerError(RuntimeError):
+    pass
+
+
+def _first(metrics: dict, keys) -> float | None:
+    return next((metrics[k] for k in keys if k in metrics), None)
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class ConsoleBackend:
+    """A live tqdm bar (step, ETA, reward, throughput) on a terminal; one line per step otherwise,
+    so captured logs (CI, `make demo | tee`) stay readable."""
+
+    def __init__(self, total_steps: int | None = None, initial_step: int = 0, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.initial = total_steps, initial_step
+        self.start = time.monotonic()
+        self.bar = None
+        if total_steps and getattr(self.stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_steps, initial=initial_step, file=self.stream, desc="train", unit="step"
+            )
+
+    def _postfix(self, metrics: dict) -> dict:
+        out = {}
+        reward = _first(metrics, REWARD_KEYS)
+        if reward is not None:
+            out["reward"] = f"{reward:.3f}"
+        for k, v in metrics.items():
+            if k.startswith("val/") and k.endswith("acc@1"):
+                out[k.removeprefix("val/").removesuffix("/acc@1") + " acc"] = f"{v:.3f}"
+        tput = _first(metrics, THROUGHPUT_KEYS)
+        if tput is not None:
+            out["tok/s"] = f"{tput:.0f}"
+        return out
+
+    def log(self, metrics: dict, step: int) -> None:
+        post = self._postfix(metrics)
+        if self.bar is not None:
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(step - self.bar.n)
+            return
+        done = step - self.initial
+        per_step = (time.monotonic() - self.start) / max(done, 1)
+        parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
+        parts += [f"{k} {v}" for k, v in post.items()]
+        parts.append(f"{per_step:.2f} s/step")
+        if self.total:
+            parts.append(f"eta {_fmt_time(per_step * (self.total - step))}")
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        if not rows:
+            return
+        table = Table(title=f"{name} (step {step})", show_lines=False)
+        columns = list(rows[0])
+        for c in columns:
+            table.add_column(c, overflow="fold", max_width=60)
+        for r in rows:
+            table.add_row(*(str(r.get(c, "")) for c in columns))
+        if self.bar is not None:
+            self.bar.clear()
+        Console(file=self.stream, width=160).print(table)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class JsonlBackend:
+    """run_dir/metrics.jsonl ({"step": s, ...} per line) and run_dir/generations.jsonl.
+
+    On resume from step k, lines after k (written before a crash, after the last checkpoint) are
+    dropped, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, resume_step: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.gen_path = Path(run_dir) / "generations.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            for p in (self.path, self.gen_path):
+                if p.exists():
+                    keep = [
+                        ln
+                        for ln in p.read_text().splitlines()
+                        if ln and json.loads(ln)["step"] <= resume_step
+                    ]
+                    p.write_text("".join(ln + "\n" for ln in keep))
+        self.f = open(self.path, "a")
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.f.flush()
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        with open(self.gen_path, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, "table": name, **r}, default=str) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class TensorBoardBackend:
+    def __init__(self, run_dir: str | os.PathLike):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        if not rows:
+            return
+        cols = list(rows[0])
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in cols) + " |" for r in rows]
+        self.writer.add_text(name, "\n".join(lines), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _require(package: str):
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise TrackerError(
+            f"trainer.loggers includes {package!r} but the {package} package is not installed; "
+            f"`pip install {package}` or remove {package!r} from trainer.loggers"
+        ) from None
+
+
+class WandbBackend:
+    def __init__(self, run_dir, project: str, name: str, config: dict | None):
+        self.wandb = _require("wandb")
+        self.run = self.wandb.init(project=project, name=name, config=config, dir=str(run_dir))
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        if rows:
+            cols = list(rows[0])
+            table = self.wandb.Table(columns=cols, data=[[str(r.get(c, "")) for c in cols] for r in rows])
+            self.run.log({name: table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowBackend:
+    _BAD = re.compile(r"[^0-9A-Za-z_\-. /]")  # characters MLflow rejects in metric names (e.g. '@')
+
+    def __init__(self, run_dir, project: str, name: str, config: dict | None):
+        self.mlflow = _require("mlflow")
+        self.mlflow.set_experiment(project)
+        self.run = self.mlflow.start_run(run_name=name)
+        if config:
+            flat = _flatten(config)
+            self.mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.mlflow.log_metrics({self._BAD.sub("_", k): v for k, v in metrics.items()}, step=step)
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        if rows:
+            data = {c: [str(r.get(c, "")) for r in rows] for c in rows[0]}
+            self.mlflow.log_table(data=data, artifact_file=f"{name}/step_{step}.json")
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def to_float(v) -> float | None:
+    """A metric value as a float (tensors, numpy scalars, ints), or None if not numeric."""
+    if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:
+        v = v.item()
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return float(v)
+    return None
