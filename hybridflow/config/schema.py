@@ -17,7 +17,7 @@ Conventions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 def _f(default, help: str, choices: tuple | None = None):
@@ -259,14 +259,18 @@ class RewardConfig:
         "", "rule reward: 'path/to/file.py:function_name' or a registered name ('' = by data_source)"
     )
     fn_kwargs: dict[str, Any] = _f({}, "extra keyword arguments passed to the reward function")
-    timeout_s: float = _f(10.0, "per-call time limit of a rule reward function")
-    num_workers: int = _f(1, "processes scoring rule rewards in parallel")
+    batched: Optional[bool] = _f(None, "fn takes whole lists (true) or one sample (false); null = fn.batched")
+    timeout_s: float = _f(10.0, "seconds one sample may take (hangs are killed and reported)")
+    num_workers: int = _f(1, "processes scoring rule rewards (0 = built-ins in-process)")
+    chunk_size: int = _f(0, "samples per chunk sent to a worker (0 = automatic)")
     on_error: str = _f(
         "score",
-        "a raising/hanging reward fn: report it and give `error_score`, or abort the run",
-        choices=("score", "raise"),
+        "a raising/hanging reward fn is always reported (sample id + traceback); then it scores "
+        "`error_score` (score), 0 (zero), or aborts the run (raise)",
+        choices=("score", "zero", "raise"),
     )
     error_score: float = _f(0.0, "score given to a sample whose reward function failed")
+    max_logged_errors: int = _f(5, "failures per batch logged with their full traceback (all are counted)")
     micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
 

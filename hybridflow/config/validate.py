@@ -119,7 +119,8 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         "trainer.val_every": t.val_every,
         "trainer.save_every": t.save_every,
         "actor.max_tokens_per_micro_batch": act.max_tokens_per_micro_batch,
-        "reward.num_workers": cfg.reward.num_workers - 1,
+        "reward.num_workers": cfg.reward.num_workers,
+        "reward.chunk_size": cfg.reward.chunk_size,
     }.items():
         if v < 0:
             errors.append(f"{key}: must be >= 0, got {v}")

@@ -158,3 +158,16 @@ def test_choices_match_the_algorithms():
 
     assert set(schema.KL_KINDS) == set(KL_KINDS)
     assert set(schema.LOSS_AGG_MODES) == set(AGG_MODES)
+
+
+def test_reward_section_feeds_the_reward_executor():
+    from hybridflow.rewards.executor import RewardConfig
+
+    cfg = load_config(
+        None, [*BASE, "reward.batched=true", "reward.on_error=raise", "reward.timeout_s=2"], check_model=False
+    )
+    rc = RewardConfig.from_any(cfg.reward)
+    assert (rc.batched, rc.on_error, rc.timeout_s) == (True, "raise", 2.0)
+    assert load_config(None, [*BASE, "reward.batched=null"], check_model=False).reward.batched is None
+    shared = set(RewardConfig.__dataclass_fields__) - {"startup_timeout_s"}
+    assert shared <= {f.name for f in dataclasses.fields(type(cfg.reward))}
