@@ -2,7 +2,7 @@
 
 No process groups, no configs, no models: drivers and workers call these on tensors. Files:
   advantages.py  GAE (PPO), GRPO / Dr.GRPO, RLOO, ReMax, REINFORCE++
-  losses.py      PPO clipped policy loss (dual clip), clipped value loss, loss aggregation modes
+  losses.py      PPO clipped policy loss (dual clip), clipped value loss, DPO loss, loss aggregation
   kl.py          KL estimators k1/k2/k3/abs, KL-in-reward, KL loss, fixed / adaptive KL controllers
   safe_rlhf.py   reward & cost advantages, Lagrange multiplier update, combined advantage
   utils.py       masked mean / var / whiten, entropy and log-probs from logits, explained variance
@@ -25,7 +25,14 @@ from hybridflow.algorithms.kl import (
     kl_loss,
     kl_penalty,
 )
-from hybridflow.algorithms.losses import AGG_MODES, aggregate_loss, policy_loss, value_loss
+from hybridflow.algorithms.losses import (
+    AGG_MODES,
+    DPO_LOSS_TYPES,
+    aggregate_loss,
+    dpo_loss,
+    policy_loss,
+    value_loss,
+)
 from hybridflow.algorithms.safe_rlhf import (
     combine_reward_cost_advantages,
     compute_safe_rlhf_advantages,
@@ -46,6 +53,7 @@ from hybridflow.algorithms.utils import (
 
 __all__ = [
     "AGG_MODES",
+    "DPO_LOSS_TYPES",
     "KL_KINDS",
     "AdaptiveKLController",
     "FixedKLController",
@@ -60,6 +68,7 @@ __all__ = [
     "compute_remax_advantages",
     "compute_rloo_advantages",
     "compute_safe_rlhf_advantages",
+    "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "group_index",

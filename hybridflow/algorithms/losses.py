@@ -8,12 +8,14 @@ would force a device sync per micro-batch; the worker converts once per step).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hybridflow.algorithms.utils import masked_mean
 
-__all__ = ["AGG_MODES", "aggregate_loss", "policy_loss", "value_loss"]
+__all__ = ["AGG_MODES", "DPO_LOSS_TYPES", "aggregate_loss", "policy_loss", "value_loss", "dpo_loss"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
@@ -110,3 +112,46 @@ def value_loss(
         clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
     metrics = {"vf_clipfrac": clipfrac.detach(), "vpred_mean": masked_mean(values, mask).detach()}
     return 0.5 * aggregate_loss(per_token, mask, agg), metrics
+
+
+def dpo_loss(
+    chosen_log_probs: torch.Tensor,
+    rejected_log_probs: torch.Tensor,
+    ref_chosen_log_probs: torch.Tensor,
+    ref_rejected_log_probs: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+    reference_free: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO (Rafailov et al. 2023) on sequence log-probs: each input (B,), the response-token sum.
+
+    h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r))   (reference terms 0 if reference_free)
+      sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (eps = label_smoothing, cDPO)
+      ipo:     (h - 1 / (2 beta))^2                                         (Azar et al. 2023)
+      hinge:   relu(1 - beta h)                                             (SLiC)
+    Returns (mean loss, metrics: rewards_chosen, rewards_rejected, rewards_margin, rewards_accuracy),
+    the implicit rewards being beta * (log pi - log ref).
+    """
+    if reference_free:
+        ref_chosen_log_probs = torch.zeros_like(chosen_log_probs)
+        ref_rejected_log_probs = torch.zeros_like(rejected_log_probs)
+    chosen_ratio = chosen_log_probs - ref_chosen_log_probs
+    rejected_ratio = rejected_log_probs - ref_rejected_log_probs
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose one of {DPO_LOSS_TYPES}")
+    chosen_rewards, rejected_rewards = (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+    metrics = {
+        "rewards_chosen": chosen_rewards.mean(),
+        "rewards_rejected": rejected_rewards.mean(),
+        "rewards_margin": (chosen_rewards - rejected_rewards).mean(),
+        "rewards_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+    }
+    return losses.mean(), metrics

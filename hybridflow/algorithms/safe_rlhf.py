@@ -10,6 +10,8 @@ lambda exactly 0 while the constraint holds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hybridflow.algorithms.advantages import compute_gae
@@ -21,9 +23,14 @@ __all__ = [
 ]
 
 
-def update_lagrange_multiplier(lmbda: float, mean_cost: float, cost_limit: float, lr: float) -> float:
-    """lambda <- max(0, lambda + lr * (mean_cost - cost_limit)): grows while the cost exceeds its limit."""
-    return max(0.0, float(lmbda) + lr * (float(mean_cost) - cost_limit))
+def update_lagrange_multiplier(
+    lmbda: float, mean_cost: float, cost_limit: float, lr: float, lambda_max: float = math.inf
+) -> float:
+    """lambda <- max(0, lambda + lr * (mean_cost - cost_limit)): grows while the cost exceeds its limit.
+
+    lambda_max optionally caps it, so a long violation cannot make the reward term vanish entirely.
+    """
+    return min(lambda_max, max(0.0, float(lmbda) + lr * (float(mean_cost) - cost_limit)))
 
 
 def combine_reward_cost_advantages(

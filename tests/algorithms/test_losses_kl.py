@@ -16,6 +16,7 @@ from hybridflow.algorithms import (
     combine_reward_cost_advantages,
     compute_gae,
     compute_safe_rlhf_advantages,
+    dpo_loss,
     entropy_from_logits,
     explained_variance,
     group_index,
@@ -208,3 +209,30 @@ def test_group_index_numbering():
     assert idx.tolist() == [0, 1, 0, 2] and n == 3
     idx, n = group_index(torch.tensor([5, 5, 2]))
     assert n == 2 and idx[0] == idx[1] != idx[2]
+
+
+def test_dpo_loss_by_hand():
+    pc, pr = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
+    rc, rr = torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0])
+    # h = (pc - pr) - (rc - rr) = [2, -1]; beta = 0.5 -> beta h = [1, -0.5]
+    loss, m = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    expected = (-math.log(1 / (1 + math.exp(-1.0))) - math.log(1 / (1 + math.exp(0.5)))) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert m["rewards_accuracy"].item() == 0.5
+    torch.testing.assert_close(m["rewards_margin"], torch.tensor(0.25))  # mean of beta h
+    loss_ls, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=1.0)  # fully flipped labels
+    expected_ls = (-math.log(1 / (1 + math.exp(1.0))) - math.log(1 / (1 + math.exp(-0.5)))) / 2
+    assert loss_ls.item() == pytest.approx(expected_ls, rel=1e-5)
+    assert dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="hinge")[0].item() == pytest.approx((0 + 1.5) / 2)
+    assert dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo")[0].item() == pytest.approx((1 + 4) / 2)
+    # reference_free ignores the reference log-probs: other references give the same loss.
+    other_ref = torch.tensor([-9.0, 3.0])
+    free, _ = dpo_loss(pc, pr, other_ref, rr, beta=0.5, reference_free=True)
+    assert free.item() == pytest.approx(expected, rel=1e-5)
+    assert dpo_loss(pc, pr, other_ref, rr, beta=0.5)[0].item() != pytest.approx(expected, rel=1e-3)
+    with pytest.raises(ValueError, match="sigmoid"):
+        dpo_loss(pc, pr, rc, rr, loss_type="kto")
+
+
+def test_lagrange_multiplier_cap():
+    assert update_lagrange_multiplier(9.0, mean_cost=5.0, cost_limit=0.0, lr=1.0, lambda_max=10.0) == 10.0
