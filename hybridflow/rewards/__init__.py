@@ -21,6 +21,7 @@ from hybridflow.rewards.executor import (
 )
 from hybridflow.rewards.formats import FORMATS, format_reward
 from hybridflow.rewards.registry import (
+    absolute_spec,
     batched_reward,
     default_compute_score,
     get_reward_fn,
@@ -37,6 +38,7 @@ __all__ = [
     "RewardExecutor",
     "RewardFunctionError",
     "RewardResult",
+    "absolute_spec",
     "batched_reward",
     "default_compute_score",
     "format_reward",

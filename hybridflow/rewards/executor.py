@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hybridflow.rewards.registry import Item, is_builtin_spec, load_reward_fn, run_per_sample
+from hybridflow.rewards.registry import Item, absolute_spec, is_builtin_spec, load_reward_fn, run_per_sample
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +154,7 @@ class _Worker:
 
     def kill(self) -> None:
         try:
-            os.killpg(self.proc.pid, 9)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
@@ -201,9 +202,12 @@ class _WorkerPool:
 
         def fail(w: _Worker, kind: str, message: str) -> None:
             # The sample(s) in flight fail; the rest of the chunk goes back to the queue.
-            assert w.chunk is not None
+            if w.chunk is None:  # died between chunks: nothing was lost, just replace it
+                self._replace(w)
+                return
             failed = w.chunk if batched else [w.chunk[w.next]]
-            errors.extend(RewardError(it[0], "", kind, message) for it in failed)
+            preview = "" if batched else f" (response starts {failed[0][2][:80]!r})"
+            errors.extend(RewardError(it[0], "", kind, message + preview) for it in failed)
             rest = [] if batched else w.chunk[w.next + 1 :]
             if rest:
                 pending.appendleft(rest)
@@ -272,8 +276,8 @@ class RewardExecutor:
 
     def __init__(self, config: RewardConfig | None = None, **overrides: Any):
         cfg = config or RewardConfig()
-        if overrides:
-            cfg = RewardConfig(**{**cfg.__dict__, **overrides})
+        # Workers get an absolute path: they resolve the spec themselves, possibly after a chdir.
+        cfg = RewardConfig(**{**cfg.__dict__, **overrides, "fn": absolute_spec(overrides.get("fn", cfg.fn))})
         if cfg.num_workers < 0 or cfg.timeout_s <= 0:
             raise ValueError(
                 f"reward num_workers must be >= 0 and timeout_s > 0 (got {cfg.num_workers}, {cfg.timeout_s})"
@@ -375,7 +379,13 @@ class RewardExecutor:
             return {}, []
         if self._pool is None:
             self._pool = _WorkerPool(self.cfg, max(1, self.cfg.num_workers))
-        return self._pool.run(items, self.batched)
+        try:
+            return self._pool.run(items, self.batched)
+        except BaseException:
+            # Workers may still be busy with chunks of this batch; their late results must not leak
+            # into the next call, so the pool is discarded.
+            self.close()
+            raise
 
     def _report(self, errors: list[RewardError], n: int) -> None:
         for e in errors[: self.cfg.max_logged_errors]:

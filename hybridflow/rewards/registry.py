@@ -33,6 +33,7 @@ __all__ = [
     "list_rewards",
     "default_compute_score",
     "load_reward_fn",
+    "absolute_spec",
     "is_builtin_spec",
     "to_score",
     "run_per_sample",
@@ -133,6 +134,19 @@ def _get_attr(module, name: str, where: str) -> RewardFn:
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise AttributeError(f"{where} has no function {name!r}{hint}; callables there: {sorted(candidates)}")
     return fn
+
+
+def absolute_spec(spec: str) -> str:
+    """'rel/file.py:fn' -> '/abs/rel/file.py:fn'; other specs unchanged.
+
+    Resolve specs on the driver before they travel: Ray workers run in another working directory.
+    """
+    if is_builtin_spec(spec) or ":" not in spec:
+        return spec
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py") or os.sep in target or os.path.isfile(target):
+        return f"{os.path.abspath(os.path.expanduser(target))}:{name}"
+    return spec
 
 
 def load_reward_fn(spec: str) -> tuple[RewardFn, bool]:

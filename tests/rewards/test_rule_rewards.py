@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.rewards import (
+    absolute_spec,
     arithmetic,
     default_compute_score,
     format_reward,
@@ -130,3 +131,12 @@ def test_to_score_rejects_bad_values():
         to_score(float("nan"))
     with pytest.raises(TypeError, match="'score' key"):
         to_score({"acc": 1.0})
+
+
+def test_absolute_spec(tmp_path, monkeypatch):
+    (tmp_path / "r.py").write_text("def f(**kw):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    assert absolute_spec("r.py:f") == f"{tmp_path}/r.py:f"
+    assert absolute_spec("gsm8k") == "gsm8k" and absolute_spec("") == ""
+    assert absolute_spec("synthetic:arithmetic") == "synthetic:arithmetic"
+    assert absolute_spec("hybridflow.rewards.arithmetic:compute_score").startswith("hybridflow.")
