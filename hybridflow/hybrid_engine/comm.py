@@ -1,0 +1,101 @@
+"""Counted collectives and an allocation ledger: the measured side of the switch's cost accounting.
+
+Bytes are counted at the call, from the tensors actually passed, under the usual bandwidth model of each
+collective (the one Table 2 of the paper uses):
+- all-gather over n ranks of a c-byte slot: every rank receives (n-1)*c and sends (n-1)*c (ring);
+- broadcast of b bytes: every non-root rank receives b; the root sends b per receiver;
+- gather of c-byte slots to a root: the root receives (n-1)*c, every other member sends c.
+
+Peak memory: CPU tensors have no allocator statistics, so every buffer the switch creates comes from
+`MemoryLedger.empty` and is returned with `release`; the ledger keeps the running and peak byte counts.
+Views (the generation weights are views into gathered buffers) cost nothing and are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: int = 0
+
+
+class CountedComm:
+    """Thin wrapper over torch.distributed collectives that adds up the bytes each call moves."""
+
+    def __init__(self):
+        self.stats = CommStats()
+
+    def reset(self) -> None:
+        self.stats = CommStats()
+
+    def all_gather_into(self, output: torch.Tensor, slot: torch.Tensor, group) -> None:
+        """output = cat of every member's `slot` (slot may be this member's own part of output)."""
+        n = dist.get_world_size(group)
+        if output.numel() != n * slot.numel():
+            raise ValueError(
+                f"all-gather output has {output.numel()} elements, expected {n} x {slot.numel()}"
+            )
+        if n > 1:
+            dist.all_gather_single(output, slot, group=group)
+        moved = (n - 1) * _nbytes(slot)
+        self._count(moved, moved)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group=None) -> None:
+        """Broadcast from global rank `src` to every member of `group`."""
+        n = dist.get_world_size(group)
+        if n > 1:
+            dist.broadcast(tensor, src=src, group=group)
+        if dist.get_rank() == src:
+            self._count(sent=(n - 1) * _nbytes(tensor), received=0)
+        else:
+            self._count(sent=0, received=_nbytes(tensor))
+
+    def gather(self, slot: torch.Tensor, output: torch.Tensor | None, dst: int, group) -> None:
+        """Gather every member's `slot` into `output` (cat order = group order) on global rank `dst`."""
+        n = dist.get_world_size(group)
+        if dist.get_rank() == dst:
+            parts = list(output.chunk(n))
+            if n > 1:
+                dist.gather(slot, parts, dst=dst, group=group)
+            elif parts[0].data_ptr() != slot.data_ptr():
+                parts[0].copy_(slot)
+            self._count(sent=0, received=(n - 1) * _nbytes(slot))
+        else:
+            dist.gather(slot, None, dst=dst, group=group)
+            self._count(sent=_nbytes(slot), received=0)
+
+    def _count(self, sent: int, received: int) -> None:
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += received
+        self.stats.calls += 1
+
+
+class MemoryLedger:
+    """Running and peak bytes of the buffers a switch allocates (CPU has no memory_allocated())."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=device)
+        self.current += _nbytes(t)
+        self.peak = max(self.peak, self.current)
+        return t
+
+    def release(self, t: torch.Tensor) -> None:
+        self.current -= _nbytes(t)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
