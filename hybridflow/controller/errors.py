@@ -7,7 +7,11 @@ driver's traceback knows where to look.
 
 from __future__ import annotations
 
+import re
+
 import ray.exceptions
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class WorkerError(RuntimeError):
@@ -16,7 +20,7 @@ class WorkerError(RuntimeError):
     def __init__(self, group: str, rank: int, method: str, remote_traceback: str):
         self.group, self.rank, self.method, self.remote_traceback = group, rank, method, remote_traceback
         super().__init__(
-            f"worker group {group!r}, rank {rank}, method {method!r} raised:\n{remote_traceback}"
+            f"worker group {group!r}, rank {rank}, method {method!r} raised; remote traceback:\n{remote_traceback}"
         )
 
 
@@ -34,7 +38,8 @@ class WorkerDiedError(RuntimeError):
 def raise_worker_error(e: Exception, group: str, rank: int, method: str):
     """Re-raise a Ray failure from one rank as WorkerError / WorkerDiedError."""
     if isinstance(e, ray.exceptions.RayTaskError):
-        raise WorkerError(group, rank, method, str(e)) from e
+        text = getattr(e, "traceback_str", None) or str(e)
+        raise WorkerError(group, rank, method, _ANSI.sub("", text).strip()) from e
     if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
         raise WorkerDiedError(
             group, rank, method, str(e).strip().splitlines()[0] if str(e) else repr(e)

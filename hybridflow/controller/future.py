@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from hybridflow.controller.errors import raise_worker_error
+from hybridflow.controller.errors import WorkerDiedError, WorkerError, raise_worker_error
 from hybridflow.controller.protocols import GroupView, ProtocolSpec
 
 
@@ -55,7 +55,16 @@ class Future:
 
     def wait(self) -> None:
         """Block until every rank finished; raise WorkerError / WorkerDiedError on the first failure."""
-        wait_all(self._size_refs, self._ranks, self.group_name, self.method)
+        try:
+            wait_all(self._size_refs, self._ranks, self.group_name, self.method)
+        except (WorkerError, WorkerDiedError) as e:
+            # Mark the failed rank's output as seen, or Ray logs it again as an "unhandled error".
+            ray.wait([self._out_refs[self._ranks.index(e.rank)]], timeout=0)
+            try:
+                ray.get(self._out_refs[self._ranks.index(e.rank)], timeout=0)
+            except Exception:  # noqa: BLE001 — the same failure, already being raised
+                pass
+            raise
 
     def get(self):
         """The collected result (as the blocking call would have returned it)."""
