@@ -1,0 +1,206 @@
+"""`hybridflow plan`: run the auto-mapping planner from the command line and print the plan.
+
+    hybridflow plan --model-size 13B --gpus 128 --gpu a100-80 [--algorithm ppo] [--explain] [--output plan.yaml]
+
+`--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
+actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
+which stages the winner gains and loses time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from hybridflow.planner.dataflow import ALGORITHMS, STAGES, build_dataflow
+from hybridflow.planner.plan import Plan, build_plan
+from hybridflow.planner.search import bell_number, search
+from hybridflow.planner.specs import DEVICES, ClusterSpec, ModelSpec, WorkloadSpec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    m = parser.add_argument_group("models")
+    m.add_argument(
+        "--model-size", default="7B", help="actor size as a parameter count: 7B, 13B, 34B, 70B, 350M"
+    )
+    m.add_argument(
+        "--model-config", default=None, help="HF config.json (or model dir) instead of --model-size"
+    )
+    m.add_argument("--critic-size", default=None, help="critic size (default: the actor's)")
+    m.add_argument("--reward-size", default=None, help="reward (and cost) model size (default: the actor's)")
+    m.add_argument("--algorithm", default="ppo", choices=ALGORITHMS, help="built-in dataflow")
+    m.add_argument(
+        "--no-reward-model", action="store_true", help="rule-based reward: no reward model to place"
+    )
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=8, help="number of devices")
+    c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
+    c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
+    w = parser.add_argument_group("workload (defaults: the paper's setting)")
+    defaults = WorkloadSpec()
+    w.add_argument("--prompts", type=int, default=defaults.prompts, help="global batch of prompts")
+    w.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt)
+    w.add_argument("--prompt-len", type=int, default=defaults.prompt_len)
+    w.add_argument("--response-len", type=int, default=defaults.response_len)
+    w.add_argument("--ppo-epochs", type=int, default=defaults.ppo_epochs)
+    w.add_argument(
+        "--mini-batches", type=int, default=defaults.mini_batches, help="optimizer steps per epoch"
+    )
+    o = parser.add_argument_group("output")
+    o.add_argument("--explain", action="store_true", help="compare with colocate / split / standalone")
+    o.add_argument("--top", type=int, default=5, help="alternatives to list")
+    o.add_argument("--output", default=None, help="write the plan to this .yaml/.yml or .json file")
+
+
+def plan_from_args(args) -> tuple[Plan, float]:
+    """(plan, search seconds) for parsed CLI arguments."""
+    if args.model_config:
+        actor = ModelSpec.from_hf_config(args.model_config)
+    else:
+        actor = ModelSpec.from_param_count(args.model_size)
+    critic = ModelSpec.from_param_count(args.critic_size) if args.critic_size else None
+    reward = ModelSpec.from_param_count(args.reward_size) if args.reward_size else None
+    dataflow = build_dataflow(
+        args.algorithm,
+        actor,
+        critic=critic,
+        reward=reward,
+        reward_model=not args.no_reward_model,
+        samples_per_prompt=args.samples_per_prompt,
+    )
+    cluster = ClusterSpec.build(args.gpu, args.gpus, args.devices_per_node)
+    wl = WorkloadSpec(
+        prompts=args.prompts,
+        samples_per_prompt=args.samples_per_prompt,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        ppo_epochs=args.ppo_epochs,
+        mini_batches=args.mini_batches,
+    )
+    start = time.perf_counter()
+    results = search(dataflow, cluster, wl)
+    seconds = time.perf_counter() - start
+    return build_plan(dataflow, cluster, wl, results), seconds
+
+
+def _fmt_placement(placement, allocation) -> str:
+    return " | ".join(f"{'+'.join(s)}:{n}" for s, n in zip(placement, allocation))
+
+
+def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None = None) -> None:
+    from rich.table import Table
+
+    models = ", ".join(sorted({m.model for m in plan.models}))
+    took = (
+        f", searched {len(plan.alternatives)} placements in {search_seconds:.2f} s" if search_seconds else ""
+    )
+    console.print(
+        f"[bold]{plan.algorithm.upper()}[/] {models} on {plan.num_devices} x {plan.device}: "
+        f"[bold]{plan.strategy}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
+        f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
+    )
+    t = Table(title="models", title_justify="left")
+    for col in ("role", "pool", "devices", "train (p,t,d)", "gen (pg,tg)", "ckpt", "offload"):
+        t.add_column(col, overflow="fold")
+    for s in STAGES:
+        t.add_column(f"{s} s", justify="right")
+    t.add_column("switch s", justify="right")
+    t.add_column("GiB/device", justify="right")
+    for m in plan.models:
+        gen = f"({m.pg},{m.tg})" if m.stage_seconds["generation"] > 0 else "-"
+        gen += f" x{m.waves} waves" if m.waves > 1 else ""
+        t.add_row(
+            m.role, m.pool, str(m.n_devices), f"({m.p},{m.t},{m.d})", gen,
+            "yes" if m.checkpoint else "no", "yes" if m.offload else "no",
+            *(f"{m.stage_seconds[s]:.2f}" for s in STAGES),
+            f"{m.switch_seconds:.2f}", f"{m.persistent_gib:.1f}+{m.transient_gib:.1f}",
+        )  # fmt: skip
+    console.print(t)
+    t = Table(title="stages (pools run in parallel; models inside a pool take turns)", title_justify="left")
+    t.add_column("pool")
+    t.add_column("devices", justify="right")
+    for s in STAGES:
+        t.add_column(f"{s} s", justify="right")
+    t.add_column("peak GiB/device", justify="right")
+    for p in plan.pools:
+        t.add_row(
+            p.name, str(p.n_devices), *(f"{p.stage_seconds[s]:.2f}" for s in STAGES), f"{p.peak_gib:.1f}"
+        )
+    t.add_row("[bold]iteration[/]", "", *(f"[bold]{plan.stage_seconds[s]:.2f}[/]" for s in STAGES), "")
+    console.print(t)
+    t = Table(title=f"best {top} placements (each with its best allocation)", title_justify="left")
+    for col in ("rank", "strategy", "pools:devices", "iteration s", "vs best"):
+        t.add_column(col, justify="right" if col in ("rank", "iteration s", "vs best") else "left")
+    for i, a in enumerate(plan.alternatives[:top]):
+        ratio = a.iteration_seconds / plan.iteration_seconds
+        t.add_row(
+            str(i + 1),
+            a.strategy,
+            _fmt_placement(a.placement, a.allocation),
+            f"{a.iteration_seconds:.1f}",
+            f"{ratio:.3f}x",
+        )
+    console.print(t)
+
+
+def explain(plan: Plan, console) -> None:
+    """The winner against the paper's fixed strategies, stage by stage."""
+    from rich.table import Table
+
+    best = plan.alternatives[0]
+    fixed: dict = {}  # best result per strategy: alternatives are ranked, the first seen is the best
+    for a in plan.alternatives:
+        fixed.setdefault(a.strategy, a)
+    t = Table(
+        title="why this plan: the fixed strategies, each with its best allocation", title_justify="left"
+    )
+    for col in ("strategy", "pools:devices", *(f"{s} s" for s in STAGES), "iteration s", "vs plan"):
+        t.add_column(col, justify="left" if col in ("strategy", "pools:devices") else "right")
+    rows = [("plan: " + best.strategy, best)]
+    rows += [
+        (k, fixed[k]) for k in ("colocate", "split", "standalone") if k in fixed and fixed[k] is not best
+    ]
+    for name, a in rows:
+        t.add_row(
+            name, _fmt_placement(a.placement, a.allocation), *(f"{a.stage_seconds[s]:.2f}" for s in STAGES),
+            f"{a.iteration_seconds:.1f}", f"{a.iteration_seconds / best.iteration_seconds:.3f}x",
+        )  # fmt: skip
+    console.print(t)
+    for k in ("colocate", "split", "standalone"):
+        if k not in fixed:
+            console.print(f"- {k}: does not fit on this cluster")
+            continue
+        a = fixed[k]
+        if a is best:
+            console.print(f"- {k}: this is the plan")
+            continue
+        delta = {s: a.stage_seconds[s] - best.stage_seconds[s] for s in STAGES}
+        loses = [f"{s} +{v:.1f} s" for s, v in delta.items() if v > 0.05]
+        gains = [f"{s} {v:.1f} s" for s, v in delta.items() if v < -0.05]
+        console.print(
+            f"- {k} is {a.iteration_seconds / best.iteration_seconds:.2f}x the plan's time: slower in "
+            f"{', '.join(loses) or 'no stage'}; faster in {', '.join(gains) or 'no stage'}"
+        )
+    n_roles = len(plan.models)
+    console.print(
+        f"searched all {bell_number(n_roles)} placements of {n_roles} models; a placement missing above "
+        "cannot fit in memory"
+    )
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    console = Console(width=160)
+    try:
+        plan, seconds = plan_from_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        console.print(f"[red]hybridflow plan: {e}[/]")
+        return 2
+    print_plan(plan, console, args.top, seconds)
+    if args.explain:
+        explain(plan, console)
+    if args.output:
+        path = plan.save(args.output)
+        console.print(f"plan written to {path}")
+    return 0

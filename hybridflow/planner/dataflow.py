@@ -1,0 +1,113 @@
+"""The RL dataflow as the planner sees it: which models exist and what each does in which stage.
+
+An iteration is three stages that run one after another (SPEC §2): generation, preparation
+(experience making: forward passes of critic / reference / reward) and training. Within a stage,
+models on different device pools run in parallel and models sharing a pool run one after another,
+which is all the planner needs to know about dependencies.
+
+The built-in dataflows follow the paper's evaluation: PPO (actor, critic, reference, reward), ReMax
+(no critic, one extra greedy response per prompt), GRPO (no critic, n responses per prompt) and
+Safe-RLHF (PPO plus a cost model; the paper counts 5 models, so its cost critic is folded into the
+critic). Like verl, the actor recomputes the log-probs of its own samples in preparation
+(`old_log_probs`) rather than trusting the generation engine's numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from hybridflow.planner.specs import ModelSpec
+
+STAGES = ("generation", "preparation", "training")
+WORK_KINDS = ("generate", "infer", "train")  # per stage, what a model does in it
+
+
+@dataclass(frozen=True)
+class ModelTask:
+    """One model of the dataflow and the work it does per iteration."""
+
+    role: str  # actor, critic, reference, reward, cost
+    spec: ModelSpec
+    work: tuple[tuple[str, str], ...]  # (stage, kind) pairs, e.g. (("training", "train"),)
+    # sequences generated per prompt in the generation stage, relative to the workload's
+    # samples_per_prompt (ReMax adds one greedy response: factor (n + 1) / n)
+    generation_factor: float = 1.0
+
+    def kinds(self) -> set[str]:
+        return {k for _, k in self.work}
+
+    @property
+    def trains(self) -> bool:
+        return "train" in self.kinds()
+
+    @property
+    def generates(self) -> bool:
+        return "generate" in self.kinds()
+
+
+@dataclass(frozen=True)
+class Dataflow:
+    """An algorithm's models, in a fixed order (the order fixes the plan's tie-breaking)."""
+
+    algorithm: str
+    models: tuple[ModelTask, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        roles = [m.role for m in self.models]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"dataflow {self.algorithm!r} has duplicate roles {roles}")
+        if not self.models:
+            raise ValueError(f"dataflow {self.algorithm!r} has no models")
+        for m in self.models:
+            for stage, kind in m.work:
+                if stage not in STAGES or kind not in WORK_KINDS:
+                    raise ValueError(f"{m.role}: unknown work ({stage!r}, {kind!r}); stages are {STAGES}")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(m.role for m in self.models)
+
+    def model(self, role: str) -> ModelTask:
+        for m in self.models:
+            if m.role == role:
+                return m
+        raise KeyError(f"dataflow {self.algorithm!r} has no model {role!r}; it has {self.roles}")
+
+
+_ACTOR = (("generation", "generate"), ("preparation", "infer"), ("training", "train"))
+_CRITIC = (("preparation", "infer"), ("training", "train"))
+_INFER = (("preparation", "infer"),)
+
+
+def build_dataflow(
+    algorithm: str,
+    actor: ModelSpec,
+    critic: ModelSpec | None = None,
+    reference: ModelSpec | None = None,
+    reward: ModelSpec | None = None,
+    reward_model: bool = True,
+    samples_per_prompt: int = 1,
+) -> Dataflow:
+    """The dataflow of a built-in algorithm; unspecified models default to the actor's size.
+
+    `reward_model=False` means a rule-based reward (no model to place), as GRPO usually uses.
+    `samples_per_prompt` only matters for ReMax (its extra greedy sample per prompt).
+    """
+    algorithm = algorithm.lower().replace("_", "-")
+    critic, reference, reward = critic or actor, reference or actor, reward or actor
+    models = [ModelTask("actor", actor, _ACTOR)]
+    if algorithm in ("ppo", "safe-rlhf"):
+        models.append(ModelTask("critic", critic, _CRITIC))
+    elif algorithm not in ("grpo", "remax"):
+        raise ValueError(f"no built-in dataflow for {algorithm!r}; choose one of {ALGORITHMS}")
+    models.append(ModelTask("reference", reference, _INFER))
+    if reward_model:
+        models.append(ModelTask("reward", reward, _INFER))
+    if algorithm == "safe-rlhf":
+        models.append(ModelTask("cost", reward, _INFER))
+    if algorithm == "remax":
+        models[0] = replace(models[0], generation_factor=(samples_per_prompt + 1) / samples_per_prompt)
+    return Dataflow(algorithm, tuple(models))
+
+
+ALGORITHMS = ("ppo", "grpo", "remax", "safe-rlhf")

@@ -1,0 +1,192 @@
+"""Latency of one model's work per iteration, from FLOPs, bytes and link speeds (seconds).
+
+- Training and inference are compute-bound: matmul FLOPs at the device's reached efficiency, plus
+  tensor-parallel collectives per layer (intra-node), the 1F1B pipeline bubble (m + p - 1 slots for m
+  micro-batches), and for training one gradient all-reduce per mini-batch over the data-parallel
+  group. That all-reduce is not overlapped with compute here; across nodes all of a node's devices
+  share its NICs, which is what stops training from scaling strongly on the paper's 200 Gbps network.
+- Generation is memory-bound per decode step: each step reads the replica's weight shard and the KV
+  cache of its sequences, and pays two TP all-reduces per layer, mostly latency; prefill is
+  compute-bound. Pipeline stages run one after another for a single batch, so pg saves memory only.
+- The actor's train -> generate switch costs what SPEC §4 Table 2 says each method moves.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hybridflow.planner.memory import GRAD_BYTES_PER_PARAM
+from hybridflow.planner.specs import DeviceSpec, ModelSpec, WorkloadSpec
+
+
+def collective_time(dev: DeviceSpec, nbytes: float, ranks: int, bandwidth: float, kind: str = "all_reduce"):
+    """Ring collective: all-reduce moves 2(n-1)/n of the buffer per rank, all-gather (n-1)/n."""
+    if ranks <= 1:
+        return 0.0
+    factor = 2 if kind == "all_reduce" else 1
+    steps = factor * (ranks - 1)
+    return steps * (nbytes / ranks / (bandwidth * dev.comm_efficiency) + dev.comm_latency_s)
+
+
+def dp_bandwidth(dev: DeviceSpec, devices_per_node: int, p: int, t: int, d: int) -> float:
+    """Per-rank bandwidth of a data-parallel ring laid out with TP innermost, then DP, then PP.
+
+    If the DP group spans nodes, each node's NIC carries one ring hop for every DP group that has
+    ranks on the node (devices_per_node / ranks_of_one_group_per_node of them).
+    """
+    group_stride = t  # consecutive DP ranks are t devices apart
+    if group_stride * d <= devices_per_node:
+        return dev.intra_node_bandwidth
+    ranks_per_node = max(1, devices_per_node // group_stride)
+    groups_sharing_nic = devices_per_node / ranks_per_node
+    return min(dev.intra_node_bandwidth, dev.inter_node_bandwidth / groups_sharing_nic)
+
+
+def _tp_bandwidth(dev: DeviceSpec, devices_per_node: int, t: int) -> float:
+    return dev.intra_node_bandwidth if t <= devices_per_node else dev.inter_node_bandwidth / devices_per_node
+
+
+def _matmul_time(dev: DeviceSpec, flops: float) -> float:
+    return flops / (dev.peak_flops * dev.compute_efficiency)
+
+
+def training_time(
+    spec: ModelSpec,
+    dev: DeviceSpec,
+    wl: WorkloadSpec,
+    devices_per_node: int,
+    p: int,
+    t: int,
+    d: int,
+    checkpoint: bool,
+) -> float:
+    """Training stage of one model: epochs * mini-batches * (pipelined micro-batches + grad sync)."""
+    s, mbs = wl.seq_len, wl.micro_batch_size
+    seqs_per_replica = math.ceil(wl.sequences / wl.mini_batches / d)
+    m = math.ceil(seqs_per_replica / mbs)
+    passes = 4 if checkpoint else 3  # forward + backward (2x) [+ recomputed forward]
+    flops = mbs * s * spec.forward_flops_per_token(s / 2) * passes / (p * t)
+    layers = spec.num_layers / p
+    act_bytes = mbs * s * spec.hidden * dev.bytes_per_param
+    tp_comm = (
+        layers * (2 * passes) * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
+    )
+    pp_comm = 2 * act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
+    slot = _matmul_time(dev, flops) + tp_comm + pp_comm + layers * passes * dev.layer_overhead_s
+    pipeline = (m + p - 1) * slot
+    grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
+    sync = collective_time(dev, grads, d, dp_bandwidth(dev, devices_per_node, p, t, d))
+    optimizer_step = 2 * (16 * spec.num_params / (p * t * d)) / (dev.hbm_bandwidth * dev.memory_efficiency)
+    return wl.ppo_epochs * wl.mini_batches * (pipeline + sync + optimizer_step)
+
+
+def inference_time(
+    spec: ModelSpec, dev: DeviceSpec, wl: WorkloadSpec, devices_per_node: int, p: int, t: int, d: int
+) -> float:
+    """One forward pass over every (prompt, response) sequence of the iteration."""
+    s, mbs = wl.seq_len, wl.inference_micro_batch_size
+    seqs_per_replica = math.ceil(wl.sequences / d)
+    mbs = min(mbs, seqs_per_replica)
+    m = math.ceil(seqs_per_replica / mbs)
+    flops = mbs * s * spec.forward_flops_per_token(s / 2) / (p * t)
+    layers = spec.num_layers / p
+    act_bytes = mbs * s * spec.hidden * dev.bytes_per_param
+    tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
+    pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
+    slot = _matmul_time(dev, flops) + tp_comm + pp_comm + layers * dev.layer_overhead_s
+    return (m + p - 1) * slot
+
+
+def generation_time(
+    spec: ModelSpec,
+    dev: DeviceSpec,
+    wl: WorkloadSpec,
+    devices_per_node: int,
+    n_devices: int,
+    pg: int,
+    tg: int,
+    generation_factor: float = 1.0,
+    waves: int = 1,
+) -> float:
+    """Prefill plus `response_len` decode steps on n_devices / (pg*tg) replicas (all in parallel).
+
+    A replica whose KV cache cannot hold all its sequences at once runs them in `waves` rounds
+    (what a paged-KV engine degrades to), rereading the weights for every round's steps.
+    """
+    replicas = n_devices // (pg * tg)
+    b = math.ceil(math.ceil(wl.sequences * generation_factor / replicas) / waves)
+    lp, lr = wl.prompt_len, wl.response_len
+    bw_tp = _tp_bandwidth(dev, devices_per_node, tg)
+    L = spec.num_layers
+    # prefill: compute-bound over the prompts; the pg stages run in turn, so only tg divides the work
+    prefill_flops = b * lp * spec.forward_flops_per_token(lp / 2) / tg
+    prefill = _matmul_time(dev, prefill_flops) + 2 * L * collective_time(
+        dev, b * lp * spec.hidden * dev.bytes_per_param, tg, bw_tp
+    )
+    prefill += L * dev.layer_overhead_s
+    # decode: per step, read weights + KV cache (at the average context) once
+    context = lp + lr / 2
+    weights = spec.num_params * dev.bytes_per_param / tg
+    kv = b * context * spec.kv_bytes_per_token(dev.bytes_per_param) / min(tg, spec.num_kv_heads)
+    memory = (weights + kv) / (dev.hbm_bandwidth * dev.memory_efficiency)
+    compute = _matmul_time(dev, b * spec.forward_flops_per_token(context) / tg)
+    comm = 2 * L * collective_time(dev, b * spec.hidden * dev.bytes_per_param, tg, bw_tp)
+    comm += (pg - 1) * dev.comm_latency_s
+    step = max(memory, compute) + comm + L * dev.layer_overhead_s + dev.decode_step_overhead_s
+    return waves * (prefill + lr * step)
+
+
+SWITCH_METHODS = ("hybridflow", "hybridflow-v", "all-gather", "two-copies")
+
+
+def switch_bytes(method: str, actor_bytes: float, p: int, t: int, d: int, pg: int, tg: int) -> float:
+    """Bytes one device receives to go from training (p, t, d) to generation (pg, tg): SPEC §4 Table 2.
+
+    hybridflow: all-gather inside the micro-DP group (dg = p*t/(pg*tg)) of the missing shards;
+    hybridflow-v: vanilla regrouping, gather the whole model over the model-parallel group;
+    all-gather: DeepSpeed-Chat, gather everything from every rank; two-copies: OpenRLHF, a full
+    weight transfer into a second actor copy.
+    """
+    M = actor_bytes
+    if method == "hybridflow":
+        dg = (p * t) // (pg * tg)
+        return (dg - 1) / (p * t) * M
+    if method == "hybridflow-v":
+        return (t * p - 1) / (t * p) * M
+    if method == "all-gather":
+        return (t * p * d - 1) / (t * p * d) * M
+    if method == "two-copies":
+        return M
+    raise ValueError(f"unknown switch method {method!r}; choose one of {SWITCH_METHODS}")
+
+
+def switch_time(
+    spec: ModelSpec,
+    dev: DeviceSpec,
+    devices_per_node: int,
+    p: int,
+    t: int,
+    d: int,
+    pg: int,
+    tg: int,
+    method: str = "hybridflow",
+) -> float:
+    """Train -> generate transition time of the actor (generate -> train just drops the extra shards)."""
+    nbytes = switch_bytes(method, spec.num_params * dev.bytes_per_param, p, t, d, pg, tg)
+    if nbytes <= 0:
+        return 0.0
+    # Ranks are laid out TP innermost, then DP, then PP; the gather stays inside a node only if every
+    # shard it needs does: TP neighbours are adjacent, pipeline neighbours t*d ranks apart.
+    if method == "hybridflow":
+        group = (p * t) // (pg * tg)
+        span = (t * d * (p // pg - 1) + t) if p > pg else t
+    elif method == "hybridflow-v":
+        group = p * t
+        span = t * d * (p - 1) + t
+    else:
+        group = span = p * t * d
+    if span <= devices_per_node:
+        bw = dev.intra_node_bandwidth
+    else:
+        bw = dev.inter_node_bandwidth / devices_per_node
+    return nbytes / (bw * dev.comm_efficiency) + math.log2(max(group, 2)) * dev.comm_latency_s

@@ -1,0 +1,245 @@
+"""What the planner plans for: model shapes, devices and clusters, and the RL workload.
+
+Everything here is a frozen dataclass so a spec can key the planner's caches and a plan can be
+reproduced from its inputs. Model shapes come from a parameter count ("13B", using the Llama-2 /
+CodeLlama shapes the paper measured, or a Llama-like aspect ratio for other sizes) or from an HF
+`config.json`. The device catalogue holds datasheet numbers; the efficiency factors are what a
+well-tuned stack reaches on them (`hybridflow calibrate` shows how far this machine is from its entry).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape; all the simulator needs to count bytes and FLOPs."""
+
+    name: str  # label shown in plans, e.g. "13B"
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads for grouped-query attention (shrinks the KV cache)
+    ffn_hidden: int  # gated (SwiGLU) MLP width: 3 matrices of hidden x ffn_hidden
+    vocab_size: int = 32000
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def layer_params(self) -> int:
+        kv = self.num_kv_heads * self.head_dim
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn_hidden
+
+    @property
+    def num_params(self) -> int:
+        """Parameters including untied input embedding and LM head."""
+        return self.num_layers * self.layer_params + 2 * self.vocab_size * self.hidden
+
+    def kv_bytes_per_token(self, bytes_per_value: int) -> int:
+        """K and V for every layer: 2 * layers * kv_heads * head_dim values per token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
+
+    def forward_flops_per_token(self, context: float) -> float:
+        """Matmul FLOPs of one forward pass per token attending to `context` earlier tokens."""
+        dense = 2 * (self.num_layers * self.layer_params + self.vocab_size * self.hidden)
+        attention = 4 * self.num_layers * self.hidden * context  # QK^T and AV
+        return dense + attention
+
+    @classmethod
+    def from_param_count(cls, size: str | float | int, vocab_size: int = 32000) -> ModelSpec:
+        """`"13B"`, `"350M"`, `7e9`: the paper's shapes for 7B/13B/34B/70B, else a Llama-like shape."""
+        n = parse_param_count(size)
+        for known in KNOWN_SHAPES.values():
+            if abs(known.num_params - n) / n < 0.08:
+                return known
+        # Llama keeps layers ~ hidden / 128 and 128-wide heads, so params ~ 12 h^3 / 128 (+ embeddings).
+        hidden = max(128, 128 * round((n * 128 / 12) ** (1 / 3) / 128))
+        layers = max(1, round((n - 2 * vocab_size * hidden) / (12 * hidden * hidden)))
+        heads = hidden // 128
+        ffn = 256 * math.ceil(8 * hidden / 3 / 256)
+        return cls(_format_count(n), layers, hidden, heads, heads, ffn, vocab_size)
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> ModelSpec:
+        """Read a Hugging Face `config.json` (a file or the model directory holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no HF config at {path}; pass a model directory or its config.json")
+        return cls.from_config_dict(json.loads(path.read_text()), source=str(path))
+
+    @classmethod
+    def from_config_dict(cls, cfg: dict, source: str = "config") -> ModelSpec:
+        """The shape fields of an HF config (Llama/Qwen2/Mistral or GPT-2 names)."""
+        get = lambda *keys, default=None: next((cfg[k] for k in keys if cfg.get(k) is not None), default)  # noqa: E731
+        hidden = get("hidden_size", "n_embd", "d_model")
+        layers = get("num_hidden_layers", "n_layer", "num_layers")
+        heads = get("num_attention_heads", "n_head")
+        if not (hidden and layers and heads):
+            raise ValueError(f"{source}: need hidden_size, num_hidden_layers and num_attention_heads")
+        spec = cls(
+            name="hf",
+            num_layers=int(layers),
+            hidden=int(hidden),
+            num_heads=int(heads),
+            num_kv_heads=int(get("num_key_value_heads", default=heads)),
+            ffn_hidden=int(get("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden),
+            vocab_size=int(get("vocab_size", default=32000)),
+        )
+        return replace(spec, name=_format_count(spec.num_params))
+
+
+KNOWN_SHAPES = {  # Llama-2 7B/13B/70B and CodeLlama-34B (GQA), the models of the paper's evaluation
+    "7B": ModelSpec("7B", 32, 4096, 32, 32, 11008),
+    "13B": ModelSpec("13B", 40, 5120, 40, 40, 13824),
+    "34B": ModelSpec("34B", 48, 8192, 64, 8, 22016),
+    "70B": ModelSpec("70B", 80, 8192, 64, 8, 28672),
+}
+
+_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def parse_param_count(size: str | float | int) -> float:
+    if isinstance(size, (int, float)):
+        if size <= 0:
+            raise ValueError(f"parameter count must be positive, got {size}")
+        return float(size)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMBT]?)\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read model size {size!r}; write e.g. '13B', '350M' or 7e9")
+    return parse_param_count(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+
+
+def _format_count(n: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or a CPU 'device') and the links around it. Bandwidths in bytes/s."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: float  # dense matmul FLOP/s in the compute dtype
+    hbm_bandwidth: float  # device memory bandwidth
+    intra_node_bandwidth: float  # per device, one direction (NVLink; shared memory for CPU)
+    inter_node_bandwidth: float  # per NODE, one direction (all devices of a node share the NICs)
+    host_bandwidth: float  # device <-> host memory (PCIe), for optimizer offload
+    devices_per_node: int = 8
+    bytes_per_param: int = 2  # bf16 weights/activations on GPUs; fp32 on CPU
+    compute_efficiency: float = 0.5  # reached fraction of peak in big matmuls (MFU of a tuned stack)
+    memory_efficiency: float = 0.7  # reached fraction of HBM bandwidth in decode
+    comm_efficiency: float = 0.8  # reached fraction of link bandwidth in collectives
+    comm_latency_s: float = 2e-5  # per collective, small messages (dominates decode TP all-reduces)
+    layer_overhead_s: float = 0.0  # fixed cost per layer per forward (kernel launch, Python dispatch)
+    decode_step_overhead_s: float = (
+        0.0  # generation engine's fixed cost per decode step (sampling, scheduling)
+    )
+    usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers
+
+
+_A100 = dict(
+    peak_flops=312e12,
+    intra_node_bandwidth=300e9,
+    inter_node_bandwidth=25e9,  # 200 Gbps per server, the paper's cluster
+    host_bandwidth=25e9,
+)
+_H100 = dict(peak_flops=989e12, intra_node_bandwidth=450e9, inter_node_bandwidth=400e9, host_bandwidth=50e9)
+
+DEVICES = {
+    "a100-40": DeviceSpec("a100-40", 40 * GiB, hbm_bandwidth=1.555e12, **_A100),
+    "a100-80": DeviceSpec("a100-80", 80 * GiB, hbm_bandwidth=2.039e12, **_A100),
+    "h100": DeviceSpec("h100", 80 * GiB, hbm_bandwidth=3.35e12, **_H100),
+    "h200": DeviceSpec("h200", 141e9, hbm_bandwidth=4.8e12, **_H100),
+    # One single-threaded worker process running eager PyTorch in fp32 (~1 AVX2 core); the per-layer
+    # and per-decode-step overheads are Python and op dispatch, which dominate for the tiny models.
+    "cpu": DeviceSpec(
+        "cpu",
+        8 * GiB,
+        peak_flops=100e9,
+        hbm_bandwidth=20e9,
+        intra_node_bandwidth=5e9,
+        inter_node_bandwidth=1.25e9,
+        host_bandwidth=20e9,
+        devices_per_node=2,
+        bytes_per_param=4,
+        compute_efficiency=0.3,
+        memory_efficiency=0.5,
+        comm_latency_s=1e-4,
+        layer_overhead_s=1e-3,
+        decode_step_overhead_s=5e-3,  # HF generate's per-token Python loop, measured on the dev machine
+    ),
+}
+
+
+def get_device(name: str) -> DeviceSpec:
+    key = name.lower().replace("_", "-")
+    if key not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; the catalogue has {sorted(DEVICES)}")
+    return DEVICES[key]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """`num_devices` devices of one kind, `devices_per_node` to a node."""
+
+    device: DeviceSpec
+    num_devices: int
+    devices_per_node: int = 8
+
+    def __post_init__(self):
+        if self.num_devices < 1:
+            raise ValueError(f"cluster needs at least one device, got num_devices={self.num_devices}")
+        if self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
+
+    @classmethod
+    def build(cls, device: str | DeviceSpec, num_devices: int, devices_per_node: int | None = None):
+        dev = get_device(device) if isinstance(device, str) else device
+        return cls(dev, num_devices, devices_per_node or dev.devices_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        return math.ceil(self.num_devices / self.devices_per_node)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """One RL iteration's amount of work. Defaults are the paper's setting (sec. 8.1)."""
+
+    prompts: int = 1024  # global batch of prompts per iteration
+    samples_per_prompt: int = 1  # responses per prompt (GRPO's group size)
+    prompt_len: int = 1024  # tokens
+    response_len: int = 1024  # tokens
+    ppo_epochs: int = 1  # passes over the batch in the training stage
+    mini_batches: int = 8  # optimizer steps per epoch (each one a gradient sync); PPO mini-batch 128
+    micro_batch_size: int = 1  # sequences per device per forward/backward in training
+    inference_micro_batch_size: int = 8  # sequences per device per forward in inference
+
+    def __post_init__(self):
+        for field in ("prompts", "samples_per_prompt", "prompt_len", "response_len", "ppo_epochs"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"WorkloadSpec.{field} must be >= 1, got {getattr(self, field)}")
+        if self.mini_batches < 1 or self.micro_batch_size < 1 or self.inference_micro_batch_size < 1:
+            raise ValueError("WorkloadSpec: mini_batches and micro batch sizes must be >= 1")
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len

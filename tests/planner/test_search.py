@@ -1,0 +1,111 @@
+"""Search: set partitions, the allocation branch and bound against plain enumeration, pool choices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridflow.planner import (
+    ClusterSpec,
+    ModelSpec,
+    WorkloadSpec,
+    bell_number,
+    build_dataflow,
+    set_partitions,
+)
+from hybridflow.planner.parallel import enumerate_options
+from hybridflow.planner.search import (
+    best_allocation,
+    exhaustive_allocation,
+    pool_candidates,
+    pool_choice,
+    search,
+)
+
+
+@pytest.mark.parametrize("n, expected", [(1, 1), (2, 2), (3, 5), (4, 15), (5, 52)])
+def test_set_partitions_are_the_bell_numbers(n, expected):
+    parts = list(set_partitions(range(n)))
+    assert len(parts) == expected == bell_number(n)
+    canon = {frozenset(frozenset(s) for s in p) for p in parts}
+    assert len(canon) == expected  # all distinct
+    for p in parts:  # each is a partition: every item exactly once, no empty set
+        assert sorted(x for s in p for x in s) == list(range(n))
+        assert all(s for s in p)
+    assert parts[0] == (tuple(range(n)),)  # everything colocated comes first
+
+
+def _cluster_and_flow(size, gpus, algorithm="ppo", device="a100-80"):
+    return build_dataflow(algorithm, ModelSpec.from_param_count(size)), ClusterSpec.build(device, gpus)
+
+
+@pytest.mark.parametrize(
+    "size, gpus, algorithm, prunes",
+    [
+        ("7B", 16, "ppo", True),
+        ("13B", 16, "ppo", False),
+        ("70B", 40, "ppo", True),
+        ("7B", 14, "safe-rlhf", True),
+        ("1B", 10, "grpo", False),
+    ],
+)
+def test_branch_and_bound_equals_exhaustive_search(size, gpus, algorithm, prunes):
+    """Pruned search (dominated device counts dropped, bounds) finds exactly the exhaustive optimum."""
+    dataflow, cluster = _cluster_and_flow(size, gpus, algorithm)
+    wl = WorkloadSpec()
+    compared, dropped = 0, 0
+    for placement in set_partitions(dataflow.roles):
+        tasks = [tuple(dataflow.model(r) for r in s) for s in placement]
+        pruned = [pool_candidates(t, cluster, wl, gpus, prune=True) for t in tasks]
+        full = [pool_candidates(t, cluster, wl, gpus, prune=False) for t in tasks]
+        dropped += sum(len(f.ns) - len(q.ns) for f, q in zip(full, pruned))
+        fast = best_allocation(pruned, gpus)
+        slow = exhaustive_allocation(full, gpus)
+        assert (fast is None) == (slow is None), placement
+        if fast is not None:
+            compared += 1
+            assert fast[0] == pytest.approx(slow[0], rel=1e-12), placement
+            assert sum(int(c.ns[i]) for c, i in zip(pruned, fast[1])) <= gpus
+    assert compared >= 3
+    assert (dropped > 0) == prunes  # where counts are dominated, pruning was exercised
+
+
+def test_pool_choice_is_the_best_fitting_combination():
+    """The depth-first choice over Pareto fronts equals brute force over every option of every model."""
+    dataflow, cluster = _cluster_and_flow("13B", 16)
+    wl = WorkloadSpec()
+    budget = cluster.device.memory_bytes * cluster.device.usable_memory_fraction
+    tasks = (dataflow.model("actor"), dataflow.model("critic"), dataflow.model("reward"))
+    for n in (8, 16):
+        # every combination of every option (not only the Pareto fronts), as one numpy grid
+        every = [enumerate_options(t, cluster, wl, n) for t in tasks]
+        grids = [
+            np.array([(o.total_time, o.persistent_bytes, o.transient_bytes) for o in opts]) for opts in every
+        ]
+        a, c, r = grids[0][:, None, None], grids[1][None, :, None], grids[2][None, None, :]
+        total = a[..., 0] + c[..., 0] + r[..., 0]
+        mem = a[..., 1] + c[..., 1] + r[..., 1] + np.maximum(np.maximum(a[..., 2], c[..., 2]), r[..., 2])
+        best = np.where(mem <= budget, total, np.inf).min()
+        choice = pool_choice(tasks, cluster, wl, n)
+        assert np.isfinite(best) and choice is not None
+        assert sum(o.total_time for o in choice) == pytest.approx(best, rel=1e-12)
+        assert sum(o.persistent_bytes for o in choice) + max(o.transient_bytes for o in choice) <= budget
+
+
+def test_iteration_cost_is_sum_over_stages_of_max_over_pools(paper_plan):
+    p = paper_plan("13B", 128)
+    assert len(p.pools) >= 2  # non-colocated here, so the max matters
+    for stage, seconds in p.stage_seconds.items():
+        per_pool = [sum(p.model(r).stage_seconds[stage] for r in pool.roles) for pool in p.pools]
+        assert seconds == pytest.approx(max(per_pool))
+    assert p.iteration_seconds == pytest.approx(sum(p.stage_seconds.values()))
+    # alternatives are ranked and the winner is first
+    times = [a.iteration_seconds for a in p.alternatives]
+    assert times == sorted(times) and times[0] == pytest.approx(p.iteration_seconds)
+
+
+def test_safe_rlhf_searches_all_52_placements():
+    dataflow, cluster = _cluster_and_flow("7B", 32, "safe-rlhf")
+    results = search(dataflow, cluster, WorkloadSpec())
+    assert len(dataflow.roles) == 5
+    assert len(results) == 52  # 32 x 80 GB holds every placement of five 7B models
