@@ -1,0 +1,121 @@
+"""A role's part of a checkpoint, written by every rank of its worker group (a collective call).
+
+    <step>/<role>/dcp/             model + optimizer + LR scheduler + global_step, sharded per rank
+                                   (torch.distributed.checkpoint via TrainEngine.save_checkpoint)
+    <step>/<role>/hf/              full weights as an HF directory (config + safetensors, + tokenizer
+                                   when given), written by rank 0; what `export_hf` copies
+    <step>/<role>/rng/rank_R.json  each rank's RNG states (python, numpy, torch, CUDA)
+    <step>/<role>/engine.json      layout it was saved with (kind, world size, tp, dp, step)
+
+Why both DCP and a full copy: DCP is the exact, memory-bounded, resharding-capable format for
+resume (each rank writes and reads only its own shards; FSDP2 DTensors on gloo or NCCL, any dp size on
+reload); the HF copy makes export a file copy and lets `transformers` open any checkpoint directly.
+The copy costs one extra set of weights on disk (optimizer state is already 2x that); pass
+`hf_weights=False` to skip it for very large models (export then needs a checkpoint that has it).
+All ranks must see the same directory (a shared filesystem across nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hybridflow.checkpoint.manager import CheckpointError, atomic_write_text
+from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
+
+log = logging.getLogger(__name__)
+
+ENGINE_JSON = "engine.json"
+
+
+def _rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save_engine_state(
+    engine, directory: str | os.PathLike, rank: int | None = None, *, tokenizer=None, hf_weights: bool = True
+) -> Path:
+    """Save a TrainEngine's model, optimizer, scheduler and this rank's RNG states under `directory`
+    (typically `<checkpoint temp dir>/actor`). Collective: every rank of the engine's group calls it.
+    rank: this process's rank in the group (default: torch.distributed rank, or 0)."""
+    directory = Path(directory)
+    rank = _rank(rank)
+    (directory / "rng").mkdir(parents=True, exist_ok=True)
+    rng = capture_rng_state()
+    atomic_write_text(directory / "rng" / f"rank_{rank}.json", json.dumps(rng))
+    engine.save_checkpoint(directory / "dcp")
+    if hf_weights:
+        engine.save_hf(directory / "hf", tokenizer)
+    # save_hf builds a fresh model on rank 0 (random init draws numbers): put the generators back, so
+    # saving has no effect on the run and a resumed run continues from exactly this state.
+    restore_rng_state(rng)
+    if rank == 0:
+        par = engine.config.parallel
+        info = {
+            "kind": engine.kind,
+            "model_class": type(engine.hf_model).__name__,
+            "world_size": par.world_size,
+            "tp": par.tp,
+            "dp": par.dp,
+            "global_step": engine.global_step,
+            "trainable": engine.optimizer is not None,
+            "hf_weights": hf_weights,
+        }
+        atomic_write_text(directory / ENGINE_JSON, json.dumps(info, indent=1))
+    _barrier()
+    return directory
+
+
+def read_engine_info(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / ENGINE_JSON
+    if not path.is_file():
+        raise CheckpointError(
+            f"{directory} is not an engine checkpoint (no {ENGINE_JSON}); pass <step_dir>/<role>, "
+            "e.g. checkpoints/step_10/actor"
+        )
+    return json.loads(path.read_text())
+
+
+def load_engine_state(
+    engine, directory: str | os.PathLike, rank: int | None = None, *, restore_rng: bool = True
+) -> dict:
+    """Restore what `save_engine_state` wrote into an engine built the same way (same model class;
+    the dp size may differ: DCP reshards, but then RNG states cannot be matched per rank and are
+    left alone, with a warning). Collective. Returns the saved engine.json info."""
+    directory = Path(directory)
+    rank = _rank(rank)
+    info = read_engine_info(directory)
+    if info["kind"] != engine.kind:
+        raise CheckpointError(f"{directory} holds a {info['kind']} model, this engine a {engine.kind} model")
+    if info["tp"] != engine.config.parallel.tp and info["model_class"].startswith("GPT2"):
+        # GPT-2's fused qkv is stored column-permuted per tp (parallelize.py); DCP cannot undo that.
+        raise CheckpointError(
+            f"{directory} was saved with tp={info['tp']}; a GPT-2 model must resume with the same tp "
+            f"(now {engine.config.parallel.tp})"
+        )
+    engine.load_checkpoint(directory / "dcp")
+    if restore_rng:
+        rng_file = directory / "rng" / f"rank_{rank}.json"
+        if info["world_size"] == engine.config.parallel.world_size and rng_file.is_file():
+            restore_rng_state(json.loads(rng_file.read_text()))
+        else:
+            log.warning(
+                "%s: saved with %d ranks, loading on %d: RNG states not restored (random draws will "
+                "differ from the uninterrupted run)",
+                directory,
+                info["world_size"],
+                engine.config.parallel.world_size,
+            )
+    _barrier()
+    return info

@@ -1,0 +1,36 @@
+"""`hybridflow export RUN_DIR_or_CKPT --output DIR [--step N] [--role actor|critic]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source", help="a run directory (its latest checkpoint) or a checkpoints/step_N directory"
+    )
+    parser.add_argument("--output", "-o", required=True, help="directory to write the HF model to")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument(
+        "--role", default="actor", choices=["actor", "critic"], help="which model to export (default: actor)"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: the one saved with the checkpoint)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridflow.checkpoint.export import export_hf
+    from hybridflow.checkpoint.manager import CheckpointError
+
+    try:
+        out = export_hf(
+            args.source, args.output, args.tokenizer, step=args.step, role=args.role, overwrite=args.overwrite
+        )
+    except (CheckpointError, FileExistsError) as e:
+        print(f"hybridflow export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.role} to {out} (load with AutoModelForCausalLM.from_pretrained)")
+    return 0

@@ -1,0 +1,165 @@
+"""CheckpointManager: atomic commit under a simulated crash, keep-last-K, the `latest` pointer, resume
+resolution and manifest validation; trainer state and RNG round trips. No model involved."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    load_trainer_state,
+    read_manifest,
+    restore_rng_state,
+    save_trainer_state,
+)
+
+
+def _save(manager: CheckpointManager, step: int, payload: str = "x") -> None:
+    with manager.writing(step, meta={"note": payload}) as tmp:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "weights.bin").write_text(payload * step)
+        save_trainer_state(tmp, {"step": step})
+
+
+def _visible(manager: CheckpointManager) -> list[str]:
+    return sorted(p.name for p in manager.dir.iterdir())
+
+
+def test_crash_inside_writer_keeps_previous_checkpoint(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    _save(manager, 1)
+    with pytest.raises(RuntimeError, match="worker died"):
+        with manager.writing(2) as tmp:
+            (tmp / "actor").mkdir()
+            (tmp / "actor" / "weights.bin").write_text("half")
+            raise RuntimeError("worker died mid-save")
+    assert _visible(manager) == ["latest", "step_1"]  # no step_2, no temp dir left behind
+    assert (manager.dir / "latest").read_text().strip() == "step_1"
+    assert manager.latest_step() == 1 and manager.resolve("auto") == manager.step_dir(1)
+
+    # A hard crash (no cleanup at all): the half-written temp dir stays hidden and is swept by begin().
+    tmp = manager.begin(2)
+    (tmp / "trainer_state.json").write_text('{"step": 2')
+    assert manager.steps() == [1] and manager.latest_step() == 1
+    _save(manager, 2)
+    assert _visible(manager) == ["latest", "step_1", "step_2"]
+    assert load_trainer_state(manager.resolve("auto")) == {"step": 2}
+
+
+def test_incomplete_step_dir_is_ignored_and_refused(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    (manager.dir / "step_9").mkdir()  # e.g. copied by hand, no manifest
+    assert manager.steps() == [1] and manager.latest_step() == 1
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        manager.resolve(str(manager.dir / "step_9"))
+
+
+def test_keep_last_k_and_pointer(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in range(1, 6):
+        _save(manager, step)
+    assert _visible(manager) == ["latest", "step_4", "step_5"]
+    keep_all = CheckpointManager(tmp_path / "all", keep_last=0)
+    for step in (10, 20, 30):
+        _save(keep_all, step)
+    assert keep_all.steps() == [10, 20, 30]
+    # Re-saving an existing step (resumed from an earlier one) replaces it whole.
+    _save(keep_all, 20, payload="y")
+    assert (keep_all.step_dir(20) / "actor" / "weights.bin").read_text() == "y" * 20
+    assert keep_all.latest_step() == 20  # the last committed, not the largest number
+
+
+def test_resolve_auto_never_step_and_paths(tmp_path):
+    manager = CheckpointManager(tmp_path / "run", keep_last=0)
+    assert manager.resolve("auto") is None and manager.latest_step() is None  # fresh run
+    for step in (1, 2, 3):
+        _save(manager, step)
+    assert manager.resolve("auto") == manager.step_dir(3)
+    assert manager.resolve("never") is None and manager.resolve(None) is None
+    assert manager.resolve("2") == manager.resolve("step_2") == manager.step_dir(2)
+    assert manager.resolve(str(manager.step_dir(1))) == manager.step_dir(1)
+    assert manager.resolve(str(tmp_path / "run")) == manager.step_dir(3)  # a run dir: its latest
+    (manager.dir / "latest").unlink()  # pointer lost: the newest complete checkpoint
+    assert manager.resolve("auto") == manager.step_dir(3)
+    (manager.dir / "latest").write_text("step_77\n")  # stale pointer
+    assert manager.latest_step() == 3
+    with pytest.raises(CheckpointError, match=r"does not exist.*available steps in .*\[1, 2, 3\]"):
+        manager.resolve(str(tmp_path / "nowhere"))
+    with pytest.raises(CheckpointError, match=r"trainer.resume='8'.*\[1, 2, 3\]"):
+        manager.resolve("8")
+
+
+def test_manifest_records_parts_and_validation_names_what_is_missing(tmp_path):
+    manager = CheckpointManager(tmp_path, config={"lr": 1e-5, "n": 4})
+    _save(manager, 3)
+    step_dir = manager.step_dir(3)
+    m = manager.validate(step_dir, require=["actor", "trainer_state.json"])
+    assert m["step"] == 3 and m["meta"] == {"note": "x"} and m["hybridflow_version"]
+    assert m["config_hash"] == CheckpointManager(tmp_path, config={"n": 4, "lr": 1e-5}).config_hash
+    assert m["config_hash"] != CheckpointManager(tmp_path, config={"n": 5, "lr": 1e-5}).config_hash
+    assert m["parts"]["actor"]["files"] == {"weights.bin": 3}
+    with pytest.raises(CheckpointError, match="no 'critic' part"):
+        manager.validate(step_dir, require=["critic"])
+    (step_dir / "actor" / "weights.bin").write_text("x")  # truncated
+    with pytest.raises(CheckpointError, match="weights.bin has 1 bytes, manifest says 3"):
+        read_manifest(step_dir)
+    (step_dir / "actor" / "weights.bin").unlink()
+    with pytest.raises(CheckpointError, match="part 'actor' is missing file"):
+        read_manifest(step_dir)
+    with pytest.raises(CheckpointError, match="empty checkpoint"):
+        with manager.writing(4):
+            pass
+
+
+def test_trainer_state_round_trip_is_exact(tmp_path):
+    state = {
+        "step": 7,
+        "dataloader": {"epoch": 1, "position": 24, "seed": 3},
+        "kl_coef": 0.1 + 0.2,  # not representable exactly: must come back bit-identical
+        "lagrange": np.float32(0.25),
+        "history": torch.tensor([1.5, -2.0]),
+        "rng": capture_rng_state(),
+    }
+    save_trainer_state(tmp_path, state)
+    back = load_trainer_state(tmp_path)
+    assert back["kl_coef"] == 0.1 + 0.2 and back["lagrange"] == 0.25 and back["history"] == [1.5, -2.0]
+    assert back["dataloader"] == state["dataloader"]
+    with pytest.raises(TypeError, match="object is not JSON-serialisable"):
+        save_trainer_state(tmp_path, {"bad": object()})
+    with pytest.raises(CheckpointError, match="no trainer_state.json"):
+        load_trainer_state(tmp_path / "elsewhere")
+
+
+def _draws():
+    return (
+        [random.random() for _ in range(3)],
+        np.random.rand(3).tolist(),
+        np.random.randn(1).tolist(),
+        torch.rand(3).tolist(),
+        torch.randint(0, 1000, (4,)).tolist(),
+    )
+
+
+def test_rng_restore_reproduces_draws():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    _draws()
+    state = json.loads(json.dumps(capture_rng_state()))  # survives JSON
+    first = _draws()
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    assert _draws() != first
+    restore_rng_state(state)
+    assert _draws() == first
+    with pytest.raises(ValueError, match="lacks"):
+        restore_rng_state({"python": state["python"]})
