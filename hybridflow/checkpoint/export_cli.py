@@ -32,5 +32,5 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, FileExistsError) as e:
         print(f"hybridflow export: {e}", file=sys.stderr)
         return 2
-    print(f"exported {args.role} to {out} (load with AutoModelForCausalLM.from_pretrained)")
+    print(f"exported {args.role} to {out} (loads with transformers from_pretrained)")
     return 0
