@@ -1,0 +1,159 @@
+"""Benchmark the single controller's overheads: dispatch of an empty call, and moving batches.
+
+1. Dispatch: median wall time of an empty ONE_TO_ALL call on groups of 1, 2, 4, 8 workers, next to a
+   raw Ray baseline (one empty actor call per worker, then ray.get of all).
+2. Throughput (GB/s) of a float32 batch of 1 MB / 64 MB / 512 MB:
+   - driver -> group: a DP_PROTO call on 2 workers (split, put once per shard, each rank fetches its
+     shard); baseline: ray.put of the same bytes + one raw actor that ray.gets them.
+   - group -> group: a Future from a 2-rank producer group consumed by a 2-rank group on another pool
+     (each consumer rank fetches its shard from the producers' outputs); baseline: a raw actor returns
+     the array, another raw actor ray.gets it. Producer compute is excluded in both.
+   Ratios are ours / baseline (1.0 = as fast as raw Ray; < 1 slower).
+
+    .venv/bin/python benchmarks/bench_controller.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import ray
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from hybridflow.batch import Batch  # noqa: E402
+from hybridflow.controller import Protocol, ResourcePool, Worker, WorkerGroup, register  # noqa: E402
+
+MB = 1 << 20
+
+
+class BenchWorker(Worker):
+    @register(Protocol.ONE_TO_ALL)
+    def noop(self):
+        return None
+
+    @register(Protocol.DP_PROTO)
+    def receive(self, batch: Batch) -> int:
+        return int(batch["data"].shape[0])
+
+    @register(Protocol.DP_PROTO, blocking=False)
+    def make(self, spec: Batch, cols: int) -> Batch:
+        return Batch({"data": torch.ones(len(spec), cols)})
+
+
+@ray.remote(num_cpus=0)
+class RawActor:
+    def noop(self):
+        return None
+
+    def make(self, rows: int, cols: int):
+        return np.ones((rows, cols), dtype=np.float32)
+
+    def fetch(self, refs) -> int:
+        return int(ray.get(refs[0]).shape[0])
+
+
+def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def bench_dispatch(sizes: list[int], repeats: int) -> list[tuple]:
+    rows = []
+    for n in sizes:
+        pool = ResourcePool(n, name=f"dispatch{n}")
+        group = WorkerGroup(BenchWorker, pool)
+        raws = [RawActor.remote() for _ in range(n)]
+        ray.get([a.noop.remote() for a in raws])
+        ours = _median_ms(group.noop, repeats)
+        raw = _median_ms(lambda raws=raws: ray.get([a.noop.remote() for a in raws]), repeats)
+        rows.append((n, ours, raw))
+        group.shutdown()
+        pool.shutdown()
+        for a in raws:
+            ray.kill(a)
+    return rows
+
+
+def bench_transfer(sizes_mb: list[int], repeats: dict[int, int]) -> list[tuple]:
+    cols = 256 * 1024 // 4  # 256 KiB rows: 1 MB = 4 rows, 512 MB = 2048 rows
+    pool_a, pool_b = ResourcePool(2, name="producer"), ResourcePool(2, name="consumer")
+    prod, cons = WorkerGroup(BenchWorker, pool_a), WorkerGroup(BenchWorker, pool_b)
+    raw_a, raw_b = RawActor.remote(), RawActor.remote()
+    rows = []
+    for mb in sizes_mb:
+        n_rows, reps = mb * MB // (cols * 4), repeats[mb]
+        nbytes = n_rows * cols * 4
+        batch = Batch({"data": torch.ones(n_rows, cols)})
+        arr = batch["data"].numpy()
+        d2g = _median_ms(lambda batch=batch: cons.receive(batch), reps, warmup=1)
+        d2g_raw = _median_ms(lambda arr=arr: ray.get(raw_b.fetch.remote([ray.put(arr)])), reps, warmup=1)
+
+        def group_to_group(n_rows=n_rows) -> float:
+            fut = prod.make(Batch({"i": torch.arange(n_rows)}), cols)
+            fut.wait()  # producer compute excluded
+            t0 = time.perf_counter()
+            cons.receive(fut)
+            return time.perf_counter() - t0
+
+        def raw_to_raw(n_rows=n_rows) -> float:
+            ref = raw_a.make.remote(n_rows, cols)
+            ray.wait([ref])
+            t0 = time.perf_counter()
+            ray.get(raw_b.fetch.remote([ref]))
+            return time.perf_counter() - t0
+
+        g2g = statistics.median(group_to_group() for _ in range(reps)) * 1e3
+        g2g_raw = statistics.median(raw_to_raw() for _ in range(reps)) * 1e3
+        rows.append((mb, nbytes, d2g, d2g_raw, g2g, g2g_raw))
+        del batch, arr
+    for g in (prod, cons):
+        g.shutdown()
+    for p in (pool_a, pool_b):
+        p.shutdown()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, no 512 MB")
+    args = parser.parse_args()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    repeats = 20 if args.quick else 50
+    sizes_mb = [1, 64] if args.quick else [1, 64, 512]
+    dispatch = bench_dispatch([1, 2, 4, 8], repeats)
+    transfer = bench_transfer(sizes_mb, {1: 20, 64: 5, 512: 2})
+    ray.shutdown()
+
+    print(f"\nMachine: {os.cpu_count()} cores, CPU only; torch {torch.__version__}, ray {ray.__version__}\n")
+    print("| workers | empty call, ours (median ms) | raw Ray calls (median ms) | ours / raw |")
+    print("|---|---|---|---|")
+    for n, ours, raw in dispatch:
+        print(f"| {n} | {ours:.2f} | {raw:.2f} | {ours / raw:.2f}x |")
+    print(
+        "\n| batch | driver->group GB/s | raw put/get GB/s | ratio | group->group GB/s | raw GB/s | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for mb, nbytes, d2g, d2g_raw, g2g, g2g_raw in transfer:
+        gbs = [nbytes / (t / 1e3) / 1e9 for t in (d2g, d2g_raw, g2g, g2g_raw)]
+        print(
+            f"| {mb} MB | {gbs[0]:.2f} | {gbs[1]:.2f} | {gbs[0] / gbs[1]:.2f} "
+            f"| {gbs[2]:.2f} | {gbs[3]:.2f} | {gbs[2] / gbs[3]:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
