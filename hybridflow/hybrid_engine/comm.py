@@ -13,6 +13,7 @@ Views (the generation weights are views into gathered buffers) cost nothing and 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     calls: int = 0
+    seconds: float = 0.0  # wall time spent inside the collectives
 
 
 class CountedComm:
@@ -42,16 +44,19 @@ class CountedComm:
             raise ValueError(
                 f"all-gather output has {output.numel()} elements, expected {n} x {slot.numel()}"
             )
+        start = time.perf_counter()
         if n > 1:
             dist.all_gather_single(output, slot, group=group)
+        self.stats.seconds += time.perf_counter() - start
         moved = (n - 1) * _nbytes(slot)
         self._count(moved, moved)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None) -> None:
         """Broadcast from global rank `src` to every member of `group`."""
-        n = dist.get_world_size(group)
+        n, start = dist.get_world_size(group), time.perf_counter()
         if n > 1:
             dist.broadcast(tensor, src=src, group=group)
+        self.stats.seconds += time.perf_counter() - start
         if dist.get_rank() == src:
             self._count(sent=(n - 1) * _nbytes(tensor), received=0)
         else:
@@ -59,7 +64,7 @@ class CountedComm:
 
     def gather(self, slot: torch.Tensor, output: torch.Tensor | None, dst: int, group) -> None:
         """Gather every member's `slot` into `output` (cat order = group order) on global rank `dst`."""
-        n = dist.get_world_size(group)
+        n, start = dist.get_world_size(group), time.perf_counter()
         if dist.get_rank() == dst:
             parts = list(output.chunk(n))
             if n > 1:
@@ -70,6 +75,7 @@ class CountedComm:
         else:
             dist.gather(slot, None, dst=dst, group=group)
             self._count(sent=_nbytes(slot), received=0)
+        self.stats.seconds += time.perf_counter() - start
 
     def _count(self, sent: int, received: int) -> None:
         self.stats.bytes_sent += sent

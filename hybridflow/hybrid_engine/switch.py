@@ -122,6 +122,7 @@ class SwitchStats:
     peak_extra_bytes: int  # most bytes held beyond the training shard during the switch
     resident_extra_bytes: int  # bytes held beyond the training shard while training (two_copy's copy)
     seconds: float
+    comm_seconds: float = 0.0  # part of `seconds` spent inside the collectives
 
 
 class HybridEngine:
@@ -230,6 +231,7 @@ class HybridEngine:
             self.ledger.peak,
             resident,
             time.perf_counter() - start,
+            self.comm.stats.seconds,
         )
         return self.weights
 
