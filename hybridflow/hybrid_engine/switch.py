@@ -16,6 +16,9 @@
 Departure from the paper, on purpose: in "allgather" and "vanilla" the generation weights are views into
 the gathered full model, which is kept until generate -> train (peak = M, as Table 2 says); copying the
 generation shard out and freeing the rest would lower the steady state but raise the peak to M + M/(tg pg).
+And in "hybridflow" a rank's own slot of each gathered bucket is a copy of its training shard (M/(tp)
+per rank): the training engine owns those tensors and keeps them, so the paper's "redundant copy 0" would
+need the training engine to hand its storage over during generation. The peak stays M/(tg pg).
 Generation weights are returned as `{name: [chunk, ...]}`, chunks along the weight's TP split dim (or flat
 chunks of a norm), which the TP forward in `tp_generate` consumes without concatenating them.
 """
