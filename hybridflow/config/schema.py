@@ -100,6 +100,9 @@ class SafeRLHFConfig:
     lambda_init: float = _f(1.0, "initial Lagrange multiplier")
     lambda_lr: float = _f(0.01, "learning rate of the Lagrange multiplier")
     lambda_max: float = _f(100.0, "upper clamp of the Lagrange multiplier (it is always >= 0)")
+    cost_fn: str = _f(
+        "", "rule cost: a registered name or 'path/to/file.py:function_name' ('' = model.cost_model_path)"
+    )
 
 
 @dataclass

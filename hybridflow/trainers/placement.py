@@ -1,0 +1,135 @@
+"""Which resource pool each model's worker group runs on, and building those groups (SPEC §3).
+
+A `Placement` names pools (name -> device count) and assigns each role to one. Roles on the same
+pool are colocated: they share one process per device (create_colocated_groups) and take turns;
+roles on different pools run in separate processes on disjoint devices.
+
+Roles: "actor_rollout" (ActorRolloutRefWorker with actor + rollout), "ref", "critic",
+"cost_critic", "reward" (reward model), "cost" (cost model). A ref on the actor's pool joins the
+actor's worker instance (one process, two engines), as verl's ActorRolloutRefWorker does.
+
+From the config (`resources.placement`): "colocate" puts every role on one pool of all devices;
+"split" puts actor + ref on one half and critic + reward (+ cost) on the other. Placement from a
+planner plan file (`hybridflow plan`) is not wired yet: pass a Placement built from the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups
+from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+
+ROLES = ("actor_rollout", "ref", "critic", "cost_critic", "reward", "cost")
+
+
+@dataclass
+class Placement:
+    """pools: pool name -> devices; roles: role -> pool name (roles not listed go to `default_pool`)."""
+
+    pools: dict[str, int]
+    roles: dict[str, str] = field(default_factory=dict)
+    default_pool: str = ""
+
+    def pool_of(self, role: str) -> str:
+        pool = self.roles.get(role, self.default_pool or next(iter(self.pools)))
+        if pool not in self.pools:
+            raise ValueError(
+                f"placement: role {role!r} is on pool {pool!r}, which is not one of {list(self.pools)}"
+            )
+        return pool
+
+    @property
+    def num_devices(self) -> int:
+        return sum(self.pools.values())
+
+    @classmethod
+    def from_config(cls, cfg) -> Placement:
+        n, kind = cfg.resources.num_devices, cfg.resources.placement
+        if kind == "colocate":
+            return cls({"global": n})
+        if kind == "split":
+            if n < 2:
+                raise ValueError(
+                    "resources.placement=split needs at least 2 devices (actor+ref | critic+reward)"
+                )
+            half = n // 2
+            return cls(
+                {"actor": n - half, "critic": half},
+                {"actor_rollout": "actor", "ref": "actor", "critic": "critic", "cost_critic": "critic",
+                 "reward": "critic", "cost": "critic"},
+            )  # fmt: skip
+        raise NotImplementedError(
+            f"resources.placement={kind!r}: placement from the planner ('auto' or a plan file) is not wired "
+            "into the trainer yet; use colocate or split, or pass a Placement to the trainer"
+        )
+
+
+def _use_gpu(cfg) -> bool | None:
+    return {"cpu": False, "cuda": True}.get(cfg.resources.device)
+
+
+def build_worker_groups(
+    cfg, placement: Placement, roles: dict[str, dict]
+) -> tuple[dict[str, WorkerGroup], list]:
+    """Create pools and worker groups for `roles` (role -> extra init kwargs), then init every model.
+
+    Returns (groups by role, pools). groups["ref"] is groups["actor_rollout"] when they share a pool.
+    """
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        raise ValueError(f"unknown roles {unknown}; known: {ROLES}")
+    by_pool: dict[str, list[str]] = {}
+    for role in roles:
+        by_pool.setdefault(placement.pool_of(role), []).append(role)
+    actor_pool = placement.pool_of("actor_rollout") if "actor_rollout" in roles else None
+    pools, groups = [], {}
+    try:
+        for name, pool_roles in by_pool.items():
+            pool = ResourcePool(placement.pools[name], name=name, use_gpu=_use_gpu(cfg))
+            pools.append(pool)
+            specs = {}
+            for role in pool_roles:
+                if role == "ref" and name == actor_pool:
+                    continue  # joins the actor's worker instance below
+                specs[role] = _spec(cfg, role, roles[role], with_ref=("ref" in roles and name == actor_pool))
+            made = create_colocated_groups(pool, specs, group_name=f"{name}:{'+'.join(specs)}")
+            groups.update(made)
+        if "ref" in roles and placement.pool_of("ref") == actor_pool:
+            groups["ref"] = groups["actor_rollout"]
+        for role in ROLES:  # actor first: colocated models are built in a fixed order on every rank
+            if role in groups and not (role == "ref" and groups["ref"] is groups.get("actor_rollout")):
+                groups[role].init_model()
+    except BaseException:
+        shutdown(groups, pools)
+        raise
+    return groups, pools
+
+
+def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
+    if role == "actor_rollout":
+        worker_roles = ("actor", "rollout", "ref") if with_ref else ("actor", "rollout")
+        return ActorRolloutRefWorker, {"config": cfg, "roles": worker_roles, **kwargs}
+    if role == "ref":
+        return ActorRolloutRefWorker, {"config": cfg, "roles": ("ref",), **kwargs}
+    if role == "critic":
+        return CriticWorker, {"config": cfg, **kwargs}
+    if role == "cost_critic":
+        return CriticWorker, {"config": cfg, "name": "cost_critic", "values_key": "cost_values",
+                              "returns_key": "cost_returns", **kwargs}  # fmt: skip
+    if role == "reward":
+        return RewardModelWorker, {"config": cfg, "model_path": cfg.model.reward_model_path, **kwargs}
+    return RewardModelWorker, {
+        "config": cfg,
+        "model_path": cfg.model.cost_model_path,
+        "score_key": "cost_scores",
+        **kwargs,
+    }
+
+
+def shutdown(groups: dict[str, WorkerGroup], pools: list) -> None:
+    """Kill every group's processes, then release the pools."""
+    for g in groups.values():
+        g.shutdown()  # colocated groups share processes; a second shutdown is a no-op
+    for p in pools:
+        p.shutdown()

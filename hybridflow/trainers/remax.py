@@ -1,0 +1,27 @@
+"""ReMax (Li et al. 2023): PPO without a critic; one extra *greedy* generation per prompt is scored
+and its reward is the baseline of that prompt's sampled responses."""
+
+from __future__ import annotations
+
+from hybridflow.algorithms import compute_remax_advantages
+from hybridflow.batch import Batch
+from hybridflow.trainers.ppo import PPOTrainer
+
+
+class ReMaxTrainer(PPOTrainer):
+    name = "remax"
+    use_critic = False
+
+    def generate(self, prompts: Batch) -> Batch:
+        batch = super().generate(prompts)
+        with self.timers("gen_baseline"):
+            greedy = self.actor.generate_sequences(prompts, sampling={"n": 1, "temperature": 0.0})
+            baseline = self.score(greedy)
+        batch["reward_baselines"] = baseline.repeat_interleave(len(batch) // len(prompts))
+        return batch
+
+    def compute_advantages(self, batch: Batch) -> Batch:
+        batch["advantages"], batch["returns"] = compute_remax_advantages(
+            batch["token_level_rewards"], batch["reward_baselines"], batch["response_mask"]
+        )
+        return batch

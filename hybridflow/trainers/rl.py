@@ -1,0 +1,147 @@
+"""The phases every online RL driver is made of, as small methods on the controller.
+
+A driver's `train_step` strings them together (ppo.py is the full list); variants override one or
+two phases (grpo.py: advantages; remax.py: generation + advantages; safe_rlhf.py: values, reward,
+critic update, advantages). Each phase takes the batch and returns it with new fields:
+
+  generate           prompts -> rollouts (responses, response_mask, rollout_log_probs, response_text)
+  old_log_probs      old_log_probs: the rollout's own log-probs when the update is on-policy
+                     (ppo_epochs == 1 and one mini-batch: the policy has not moved since sampling, so a
+                     recompute would give the same numbers — verl's shortcut), else an actor forward
+  ref_log_probs      ref_log_probs, when a KL term needs them
+  values             values from the critic
+  reward             scores (B,), token_level_scores, token_level_rewards (KL-shaped if kl.in_reward)
+  update_critic / update_actor   the worker groups' training loops; return metrics
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algorithms import apply_kl_penalty, build_kl_controller
+from hybridflow.batch import Batch
+from hybridflow.trainers.base import Trainer
+from hybridflow.trainers.metrics import data_metrics
+from hybridflow.workers import token_level
+
+
+class RLTrainer(Trainer):
+    """Shared phases of online RL. Class attributes say which models an algorithm uses."""
+
+    use_critic = False
+
+    def __init__(self, config, placement=None):
+        super().__init__(config, placement)
+        k = self.cfg.algorithm.kl
+        self.kl_ctrl = build_kl_controller(k.controller, k.coef, k.target, k.horizon)
+        self.metrics: dict = {}
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    @property
+    def uses_ref(self) -> bool:
+        a = self.cfg.algorithm
+        return a.kl.in_reward or a.use_kl_loss
+
+    @property
+    def num_mini_batches(self) -> int:
+        return max(1, self.cfg.data.train_batch_size // self.cfg.actor.ppo_mini_batch_size)
+
+    @property
+    def optim_steps_per_step(self) -> int:
+        return self.num_mini_batches * self.cfg.actor.ppo_epochs
+
+    def roles(self) -> dict[str, dict]:
+        steps = self.total_steps * self.optim_steps_per_step
+        roles = {"actor_rollout": {"total_optim_steps": steps}}
+        if self.uses_ref:
+            roles["ref"] = {}
+        if self.use_critic:
+            c = self.cfg.critic
+            critic_steps = (
+                self.total_steps
+                * max(1, self.cfg.data.train_batch_size // c.ppo_mini_batch_size)
+                * c.ppo_epochs
+            )
+            roles["critic"] = {"total_optim_steps": critic_steps}
+        if self.cfg.reward.kind == "model":
+            roles["reward"] = {}
+        return roles
+
+    @property
+    def critic(self):
+        return self.groups["critic"]
+
+    @property
+    def ref(self):
+        return self.groups["ref"]
+
+    @property
+    def on_policy(self) -> bool:
+        return self.cfg.actor.ppo_epochs == 1 and self.num_mini_batches == 1
+
+    # ---- phases ---------------------------------------------------------------------------------------
+    def generate(self, prompts: Batch) -> Batch:
+        batch = self.actor.generate_sequences(prompts)
+        batch.meta.update(prompts.meta)
+        return batch
+
+    def old_log_probs(self, batch: Batch) -> Batch:
+        if self.on_policy:
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+            return batch
+        return batch.union(self.actor.compute_log_prob(batch))
+
+    def ref_log_probs(self, batch: Batch) -> Batch:
+        return batch.union(self.ref.compute_ref_log_prob(batch)) if self.uses_ref else batch
+
+    def values(self, batch: Batch) -> Batch:
+        return batch.union(self.critic.compute_values(batch))
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        """Sequence scores (B,) from the rule reward or the reward model group."""
+        if self.rule_reward is not None:
+            scores, metrics = self.rule_reward(batch)
+            self.metrics.update(metrics)
+            return scores
+        return self.groups["reward"].compute_reward(batch)["rm_scores"]
+
+    def reward(self, batch: Batch) -> Batch:
+        batch["scores"] = self.score(batch)
+        batch["token_level_scores"] = token_level(batch["scores"], batch["response_mask"])
+        k = self.cfg.algorithm.kl
+        if not k.in_reward:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+            return batch
+        rewards, kl = apply_kl_penalty(
+            batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_probs"],
+            batch["response_mask"], self.kl_ctrl.value, k.kind,
+        )  # fmt: skip
+        self.metrics.update(
+            {"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
+        )
+        self.kl_ctrl.update(float(kl), len(batch))
+        batch["token_level_rewards"] = rewards
+        return batch
+
+    def compute_advantages(self, batch: Batch) -> Batch:
+        raise NotImplementedError
+
+    def update_critic(self, batch: Batch) -> None:
+        self.metrics.update(self.critic.update_critic(batch))
+
+    def update_actor(self, batch: Batch) -> None:
+        self.metrics.update(self.actor.update_actor(batch))
+
+    def finish(self, batch: Batch) -> tuple[Batch, dict]:
+        """Collect this step's metrics (the phases' plus those of the batch)."""
+        metrics, self.metrics = self.metrics, {}
+        metrics.update(data_metrics(batch))
+        return batch, metrics
+
+    # ---- state ------------------------------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        return {"kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        if "kl_ctrl" in state:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])

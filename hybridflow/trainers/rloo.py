@@ -1,0 +1,19 @@
+"""RLOO (Ahmadian et al. 2024): PPO without a critic; the baseline of each sample is the mean score
+of the other samples of its prompt (rollout.n >= 2)."""
+
+from __future__ import annotations
+
+from hybridflow.algorithms import compute_rloo_advantages
+from hybridflow.batch import Batch
+from hybridflow.trainers.ppo import PPOTrainer
+
+
+class RLOOTrainer(PPOTrainer):
+    name = "rloo"
+    use_critic = False
+
+    def compute_advantages(self, batch: Batch) -> Batch:
+        batch["advantages"], batch["returns"] = compute_rloo_advantages(
+            batch["token_level_rewards"], batch["uid"], batch["response_mask"]
+        )
+        return batch

@@ -1,0 +1,78 @@
+"""Safe-RLHF (Dai et al. 2023): PPO with a cost as well as a reward, each with its own critic, and a
+Lagrange multiplier lambda that trades them off: the actor follows (A_r - lambda A_c) / (1 + lambda)
+and lambda rises while the mean cost exceeds algorithm.safe_rlhf.cost_limit (hybridflow/algorithms/
+safe_rlhf.py). The cost is a cost model (model.cost_model_path) or a rule (safe_rlhf.cost_fn).
+
+Edits of PPO: values also from the cost critic, reward also scores the cost, advantages combine the
+two, the critic update also trains the cost critic."""
+
+from __future__ import annotations
+
+from hybridflow.algorithms import compute_safe_rlhf_advantages, update_lagrange_multiplier
+from hybridflow.batch import Batch
+from hybridflow.trainers.ppo import PPOTrainer
+from hybridflow.workers import RuleReward, token_level
+
+
+class SafeRLHFTrainer(PPOTrainer):
+    name = "safe_rlhf"
+    use_critic = True
+
+    def __init__(self, config, placement=None):
+        s = config.algorithm.safe_rlhf
+        if not s.cost_fn and not config.model.cost_model_path:
+            raise ValueError(
+                "safe_rlhf needs a cost: set algorithm.safe_rlhf.cost_fn or model.cost_model_path"
+            )
+        super().__init__(config, placement)
+        self.lagrange = s.lambda_init
+        self.rule_cost = RuleReward(self.cfg.reward, fn=s.cost_fn) if s.cost_fn else None
+
+    def roles(self) -> dict[str, dict]:
+        roles = super().roles()
+        roles["cost_critic"] = roles["critic"]
+        if not self.cfg.algorithm.safe_rlhf.cost_fn:
+            roles["cost"] = {}
+        return roles
+
+    def values(self, batch: Batch) -> Batch:
+        return super().values(batch).union(self.groups["cost_critic"].compute_values(batch))
+
+    def reward(self, batch: Batch) -> Batch:
+        batch = super().reward(batch)
+        if self.rule_cost is not None:
+            batch["costs"] = self.rule_cost(batch)[0]
+        else:
+            batch["costs"] = self.groups["cost"].compute_reward(batch)["cost_scores"]
+        batch["token_level_costs"] = token_level(batch["costs"], batch["response_mask"])
+        return batch
+
+    def compute_advantages(self, batch: Batch) -> Batch:
+        s, a = self.cfg.algorithm.safe_rlhf, self.cfg.algorithm
+        mean_cost = float(batch["costs"].mean())
+        self.lagrange = min(
+            s.lambda_max, update_lagrange_multiplier(self.lagrange, mean_cost, s.cost_limit, s.lambda_lr)
+        )
+        batch["advantages"], batch["returns"], batch["cost_returns"] = compute_safe_rlhf_advantages(
+            batch["token_level_rewards"], batch["values"], batch["token_level_costs"], batch["cost_values"],
+            batch["response_mask"], self.lagrange, a.gamma, a.lam,
+        )  # fmt: skip
+        self.metrics.update({"safe_rlhf/lambda": self.lagrange, "safe_rlhf/cost_mean": mean_cost,
+                             "safe_rlhf/cost_limit": s.cost_limit})  # fmt: skip
+        return batch
+
+    def update_critic(self, batch: Batch) -> None:
+        super().update_critic(batch)
+        self.metrics.update(self.groups["cost_critic"].update_critic(batch))
+
+    def extra_state(self) -> dict:
+        return {**super().extra_state(), "lagrange": self.lagrange}
+
+    def load_extra_state(self, state: dict) -> None:
+        super().load_extra_state(state)
+        self.lagrange = float(state.get("lagrange", self.lagrange))
+
+    def close(self) -> None:
+        if self.rule_cost is not None:
+            self.rule_cost.close()
+        super().close()

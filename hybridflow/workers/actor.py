@@ -1,0 +1,246 @@
+"""ActorRolloutRefWorker: the policy's roles — actor (trains), rollout (generates), ref (frozen copy).
+
+Any subset of the roles runs in one process (verl's hybrid worker). With "actor" and "rollout"
+together, generation runs on the actor's own HF model object, so there is no weight copy: a
+training step changes the very parameters the next generation reads.
+
+Generation and sharded weights: the training engine shards parameters with FSDP2 over dp (and
+DTensor TP over tp). For generation this worker
+  * tp == 1: unshards every FSDP unit in place (FSDP2 `unshard()`), generates, then `reshard()`s —
+    every rank holds the full model for the duration of generation and is its own replica;
+  * tp > 1: gathers the full weights into a plain copy of the model (DeepSpeed-Chat style, memory M)
+    and generates on it.
+The paper's 3D-HybridEngine — regrouping training shards into smaller generation TP groups with
+micro-DP all-gathers, zero redundancy — lives in hybridflow/hybrid_engine/ (switch.py); this worker
+uses the simple transitions above so that every architecture and layout works.
+
+Methods and transfer protocols:
+  init_model                     ONE_TO_ALL       build engines (call once, before anything else)
+  generate_sequences(prompts)    3D_ALL_MICRO_DP  prompts split over generation replicas
+  compute_log_prob(batch)        3D_PROTO "train" -> old_log_probs
+  compute_ref_log_prob(batch)    3D_PROTO "ref"   -> ref_log_probs
+  update_actor(batch)            DP_METRICS       PPO epochs x mini-batches; metrics pooled over ranks
+  train_sft / train_dpo(batch)   DP_METRICS       offline trainers (warm start, preference pairs)
+  save/load_checkpoint, save_hf_model  ONE_TO_ALL (collective)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from hybridflow.batch import Batch
+from hybridflow.controller import Protocol, Worker, register
+from hybridflow.engines import TrainEngine
+from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.rollout import BuiltinEngine, SamplingParams
+from hybridflow.rollout.base import load_named_weights
+from hybridflow.workers.common import (
+    MetricLists,
+    engine_config,
+    iter_mini_batches,
+    seed_everything,
+    set_train_layout,
+)
+from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn, sft_loss
+
+ROLES = ("actor", "rollout", "ref")
+# fields update_actor needs; everything else stays on the controller side
+_ACTOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+class ActorRolloutRefWorker(Worker):
+    """config: the whole HybridFlowConfig; roles: a subset of ("actor", "rollout", "ref");
+    total_optim_steps: optimizer steps of the whole run (for warmup / cosine schedules)."""
+
+    def __init__(self, config, roles=("actor", "rollout"), total_optim_steps: int = 0):
+        bad = [r for r in roles if r not in ROLES]
+        if bad or not roles:
+            raise ValueError(
+                f"ActorRolloutRefWorker roles must be a non-empty subset of {ROLES}, got {roles}"
+            )
+        self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
+        self.actor = self.ref = self.rollout = None
+        self._gen_model = None  # tp > 1 only: a plain full copy for generation
+        self._gen_calls = 0
+        seed = config.trainer.seed
+        self.actor_cfg = engine_config(
+            config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps
+        )
+        self.ref_cfg = engine_config(config.ref, self.world_size, "ref", seed, config.model.dtype)
+        if "actor" in roles:
+            set_train_layout(self, "train", self.actor_cfg.parallel)
+        if "ref" in roles:
+            set_train_layout(self, "ref", self.ref_cfg.parallel)
+        if "rollout" in roles:  # every rank generates with full weights: each is its own replica
+            self.set_layout("rollout", dp_rank=self.rank, dp_size=self.world_size)
+
+    # ---- setup -------------------------------------------------------------------------------------
+    @register(Protocol.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        """Load the models of this worker's roles; returns parameter counts."""
+        m = self.config.model
+        seed_everything(self.config.trainer.seed)
+        self.tokenizer = load_tokenizer(m.tokenizer_path or m.path)
+        info = {}
+        if "actor" in self.roles:
+            self.actor = TrainEngine(load_causal_lm(m.path), self.actor_cfg, trainable=True)
+            info["actor_params"] = self.actor.num_params()
+        if "ref" in self.roles:
+            self.ref = TrainEngine(load_causal_lm(m.path), self.ref_cfg, trainable=False)
+            info["ref_params"] = self.ref.num_params()
+        if "rollout" in self.roles:
+            model = self.actor.hf_model if self.actor is not None else load_causal_lm(m.path).to(self.device)
+            self.rollout = BuiltinEngine(model)
+        return info
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def sampling_params(self, overrides: dict | None = None) -> SamplingParams:
+        r = self.config.rollout
+        kw = dict(n=r.n, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+        kw.update(overrides or {})
+        # per call and per rank, so that ranks draw different samples and reruns repeat exactly
+        seed = self.config.trainer.seed * 1_000_003 + self._gen_calls * 7919 + self.rank
+        return SamplingParams(
+            max_new_tokens=r.response_length, do_sample=kw["temperature"] > 0, seed=seed, **kw
+        )
+
+    @register(Protocol.THREE_D_ALL_MICRO_DP)
+    def generate_sequences(self, prompts: Batch, sampling: dict | None = None) -> Batch:
+        """Prompts (B, Lp) left-padded -> rollouts (B*n rows; fields per hybridflow/rollout/base.py)
+        plus `response_text`. `sampling` overrides rollout settings for this call (n, temperature,
+        top_k, top_p), e.g. greedy validation or ReMax's greedy baseline."""
+        if self.rollout is None:
+            raise RuntimeError(f"generate_sequences needs the 'rollout' role; this worker has {self.roles}")
+        params = self.sampling_params(sampling)
+        self._gen_calls += 1
+        per_call = self.config.rollout.micro_batch_size_per_device or max(len(prompts), 1)
+        with self._generation_weights():
+            outs = [self.rollout.generate(chunk, params) for chunk in prompts.split(per_call)]
+        out = outs[0] if len(outs) == 1 else Batch.concat(outs)
+        out["response_text"] = self.decode(out["responses"], out["response_mask"])
+        return out
+
+    def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        rows = [r[: int(n)].tolist() for r, n in zip(responses, mask.sum(-1))]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    @contextlib.contextmanager
+    def _generation_weights(self):
+        """Full weights on the rollout engine's model for the duration of a generate call."""
+        eng = self.actor
+        if eng is None or eng.mesh is None:
+            yield
+            return
+        eng.reload()
+        try:
+            if eng.mesh["tp"].size() > 1:
+                self._load_gen_copy(eng)
+                yield
+            else:
+                units = [m for m in eng.module.modules() if isinstance(m, FSDPModule)]
+                for u in units:
+                    u.unshard()
+                try:
+                    yield
+                finally:
+                    for u in units:
+                        u.reshard()
+        finally:
+            if eng.config.offload:
+                eng.offload()
+
+    def _load_gen_copy(self, eng: TrainEngine) -> None:
+        if self._gen_model is None:
+            hf = eng.hf_model
+            with torch.device(eng.device):
+                self._gen_model = type(hf)(hf.config).eval()
+            self.rollout = BuiltinEngine(self._gen_model)
+        load_named_weights(self._gen_model, eng.iter_full_state_dict(eng.device))
+
+    # ---- inference ---------------------------------------------------------------------------------
+    @register(Protocol.THREE_D, layout="train")
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Log-probs of the responses under the current actor: Batch(old_log_probs (B, Lr))."""
+        lp, _ = self._engine("actor").compute_log_probs(batch, temperature=batch.meta.get("temperature", 1.0))
+        return Batch({"old_log_probs": lp})
+
+    @register(Protocol.THREE_D, layout="ref")
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Log-probs under the frozen reference (at temperature 1): Batch(ref_log_probs (B, Lr))."""
+        lp, _ = self._engine("ref").compute_log_probs(batch)
+        return Batch({"ref_log_probs": lp})
+
+    # ---- training ----------------------------------------------------------------------------------
+    @register(Protocol.DP_METRICS, layout="train")
+    def update_actor(self, batch: Batch) -> dict:
+        """PPO update: `ppo_epochs` passes, `train_batch_size / ppo_mini_batch_size` optimizer steps each.
+        Needs old_log_probs and advantages (and ref_log_probs with use_kl_loss). Returns actor/* lists."""
+        a, algo = self.config.actor, self.config.algorithm
+        keys = [*_ACTOR_FIELDS, "old_log_probs", "advantages"] + (
+            ["ref_log_probs"] if algo.use_kl_loss else []
+        )
+        loss_fn = actor_loss_fn(a, algo)
+        weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
+        temperature = batch.meta.get("temperature", 1.0)
+        num_mini = max(1, self.config.data.train_batch_size // a.ppo_mini_batch_size)
+        metrics = MetricLists()
+        eng = self._engine("actor")
+        for mb in iter_mini_batches(batch.select(keys), num_mini, a.ppo_epochs, eng.global_step):
+            out = eng.train_step(
+                mb, loss_fn, with_entropy=True, temperature=temperature, loss_weighting=weighting
+            )
+            metrics.add(out, "actor/")
+        return metrics.as_dict()
+
+    @register(Protocol.DP_METRICS, layout="train")
+    def train_sft(self, batch: Batch) -> dict:
+        """One optimizer step of supervised fine-tuning (token-mean NLL of the responses)."""
+        out = self._engine("actor").train_step(batch.select(_ACTOR_FIELDS), sft_loss)
+        return {f"sft/{k}": v for k, v in out.items()}
+
+    @register(Protocol.DP_METRICS, layout="train")
+    def train_dpo(self, batch: Batch) -> dict:
+        """One optimizer step of DPO on interleaved pairs (chosen even rows, rejected odd rows).
+        Micro-batches are fixed and even-sized so a pair never straddles two of them."""
+        dpo = self.config.algorithm.dpo
+        if len(batch) % 2:
+            raise ValueError(
+                f"train_dpo: got {len(batch)} rows on rank {self.rank}; pairs need an even count"
+            )
+        keys = [*_ACTOR_FIELDS] + ([] if dpo.reference_free else ["ref_log_probs"])
+        mbs = self.config.actor.micro_batch_size_per_device
+        out = self._engine("actor").train_step(
+            batch.select(keys),
+            dpo_loss_fn(dpo),
+            loss_weighting="sequences",
+            micro_batch_size=max(2, mbs - mbs % 2),
+        )
+        return {f"dpo/{k}": v for k, v in out.items()}
+
+    def _engine(self, role: str) -> TrainEngine:
+        eng = getattr(self, role)
+        if eng is None:
+            raise RuntimeError(
+                f"this ActorRolloutRefWorker has roles {self.roles}; the call needs the {role!r} role "
+                "(was init_model called?)"
+            )
+        return eng
+
+    # ---- persistence -------------------------------------------------------------------------------
+    @register(Protocol.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded actor state (model + optimizer + schedule) under path/actor (collective)."""
+        self._engine("actor").save_checkpoint(os.path.join(path, "actor"))
+
+    @register(Protocol.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self._engine("actor").load_checkpoint(os.path.join(path, "actor"))
+
+    @register(Protocol.ONE_TO_ALL)
+    def save_hf_model(self, path: str) -> None:
+        """The actor as a plain HF directory (with the tokenizer), written by rank 0 (collective)."""
+        self._engine("actor").save_hf(path, tokenizer=self.tokenizer)

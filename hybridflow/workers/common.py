@@ -1,0 +1,128 @@
+"""What every role worker shares: config-tree -> EngineConfig, layouts, the PPO mini-batch loop, metrics.
+
+Why the mini-batch/epoch loop lives in the worker (SPEC §2, verl's dp_actor): the controller sends a
+whole rollout batch once; each rank splits its own shard into `num_mini_batches` pieces and runs
+`ppo_epochs` passes, one optimizer step per piece. Every rank holds an equal-sized shard (the
+controller pads a batch that does not divide dp), so every rank runs the same number of steps and the
+FSDP collectives line up.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig
+
+
+def engine_parallel(section_parallel, world_size: int, what: str) -> ParallelConfig:
+    """The engine's ParallelConfig for one model on a worker group of `world_size` ranks.
+
+    section_parallel: a config-tree ParallelConfig (dp = 0 means "the rest of the group").
+    """
+    tp, pp, dp = section_parallel.tp, section_parallel.pp, section_parallel.dp
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"{what}.parallel: tp*pp = {tp * pp} does not divide the {world_size} devices of its pool; "
+            "change tp/pp or the pool size"
+        )
+    derived = world_size // (tp * pp)
+    if dp not in (0, derived):
+        raise ValueError(
+            f"{what}.parallel.dp = {dp}, but its pool has {world_size} devices and tp*pp = {tp * pp}, "
+            f"so dp must be {derived} (or 0 to derive it)"
+        )
+    return ParallelConfig(tp=tp, pp=pp, dp=derived)
+
+
+def engine_optim(optim, total_steps: int) -> OptimConfig:
+    """Config-tree OptimConfig -> engine OptimConfig. total_steps: optimizer steps of the whole run."""
+    if optim.schedule == "linear":
+        raise NotImplementedError(
+            "optim.schedule='linear' is not implemented by the training engine; use 'constant' or 'cosine'"
+        )
+    return OptimConfig(
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        warmup_steps=optim.warmup_steps,
+        total_steps=max(total_steps, 1),
+        schedule=optim.schedule,
+        min_lr_ratio=optim.min_lr_ratio,
+        grad_clip=optim.grad_clip,
+    )
+
+
+def engine_config(
+    section,
+    world_size: int,
+    what: str,
+    seed: int,
+    model_dtype: str = "auto",
+    total_steps: int = 0,
+    micro_batch_size_per_device: int | None = None,
+) -> EngineConfig:
+    """An EngineConfig from an actor / critic / ref / reward config section."""
+    optim = getattr(section, "optim", None)
+    return EngineConfig(
+        parallel=engine_parallel(section.parallel, world_size, what),
+        optim=engine_optim(optim, total_steps) if optim is not None else OptimConfig(),
+        micro_batch_size_per_device=micro_batch_size_per_device or section.micro_batch_size_per_device,
+        max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", 0),
+        gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
+        mixed_precision="none" if model_dtype == "float32" else "bf16",
+        offload=getattr(section, "offload", False),
+        seed=seed,
+    )
+
+
+def set_train_layout(worker, name: str, parallel: ParallelConfig) -> None:
+    """Declare layout `name` from an engine mesh (dp, tp), tp fastest-varying (engines/mesh.py)."""
+    r = worker.rank
+    worker.set_layout(
+        name, dp_rank=r // parallel.tp, dp_size=parallel.dp, tp_rank=r % parallel.tp, tp_size=parallel.tp
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def iter_mini_batches(batch: Batch, num_mini_batches: int, epochs: int, seed: int) -> Iterator[Batch]:
+    """`epochs` passes over `batch`, each cut into `num_mini_batches` consecutive pieces.
+
+    The first epoch keeps the row order (so one mini-batch and one epoch is exactly on-policy);
+    later epochs use a seeded permutation, the same on every rank.
+    """
+    n = max(1, min(num_mini_batches, len(batch)))
+    for epoch in range(epochs):
+        rows = batch if epoch == 0 else batch.index(torch.randperm(len(batch), generator=_gen(seed, epoch)))
+        size = -(-len(rows) // n)
+        yield from rows.split(size)
+
+
+def _gen(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1009 + epoch)
+
+
+class MetricLists:
+    """Per-step metric values collected as lists (DP_METRICS pools the lists over ranks and averages)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, metrics: dict, prefix: str = "", rename: dict[str, str] | None = None) -> None:
+        rename = rename or {}
+        for k, v in metrics.items():
+            self.values[prefix + rename.get(k, k)].append(float(v))
+
+    def as_dict(self) -> dict[str, list[float]]:
+        return dict(self.values)

@@ -1,0 +1,100 @@
+"""CriticWorker: the value model (PPO; Safe-RLHF runs two, one for reward and one for cost).
+
+The critic starts from the policy's backbone with a zero value head (`init_critic_from_causal_lm`:
+values start at 0, so the first GAE is the plain discounted return) unless `model.critic_path` is
+already a token-classification checkpoint. `values_key` / `returns_key` name the batch fields this
+critic reads and writes, so a cost critic is the same class with `values_key="cost_values"`.
+
+Methods: init_model (ONE_TO_ALL), compute_values (3D_PROTO), update_critic (DP_METRICS: the
+mini-batch/epoch loop, clipped value loss), save/load_checkpoint (ONE_TO_ALL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridflow.batch import Batch
+from hybridflow.controller import Protocol, Worker, register
+from hybridflow.engines import TrainEngine
+from hybridflow.models import init_critic_from_causal_lm, load_critic
+from hybridflow.workers.common import (
+    MetricLists,
+    engine_config,
+    iter_mini_batches,
+    seed_everything,
+    set_train_layout,
+)
+from hybridflow.workers.losses import critic_loss_fn
+
+_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+def _is_causal_lm_dir(path: str) -> bool:
+    with open(os.path.join(path, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    return any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs)
+
+
+class CriticWorker(Worker):
+    """config: HybridFlowConfig; name: metric prefix ("critic", "cost_critic"); total_optim_steps as
+    for the actor."""
+
+    def __init__(
+        self,
+        config,
+        name: str = "critic",
+        values_key: str = "values",
+        returns_key: str = "returns",
+        total_optim_steps: int = 0,
+    ):
+        self.config, self.name = config, name
+        self.values_key, self.returns_key = values_key, returns_key
+        self.engine_cfg = engine_config(
+            config.critic,
+            self.world_size,
+            "critic",
+            config.trainer.seed,
+            config.model.dtype,
+            total_optim_steps,
+        )
+        set_train_layout(self, "train", self.engine_cfg.parallel)
+        self.engine = None
+
+    @register(Protocol.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        seed_everything(self.config.trainer.seed)
+        path = self.config.model.critic_path or self.config.model.path
+        model = (
+            init_critic_from_causal_lm(path, seed=self.config.trainer.seed)
+            if _is_causal_lm_dir(path)
+            else load_critic(path)
+        )
+        self.engine = TrainEngine(model, self.engine_cfg, trainable=True)
+        return {f"{self.name}_params": self.engine.num_params()}
+
+    @register(Protocol.THREE_D)
+    def compute_values(self, batch: Batch) -> Batch:
+        """Per-token values (B, Lr) under `values_key`."""
+        return Batch({self.values_key: self.engine.compute_values(batch)})
+
+    @register(Protocol.DP_METRICS, layout="train")
+    def update_critic(self, batch: Batch) -> dict:
+        """Clipped value regression on `returns_key` over critic.ppo_epochs x mini-batches."""
+        c = self.config.critic
+        keys = [*_FIELDS, self.values_key, self.returns_key]
+        loss_fn = critic_loss_fn(c, self.values_key, self.returns_key)
+        weighting = "tokens" if c.loss_agg_mode == "token-mean" else "sequences"
+        num_mini = max(1, self.config.data.train_batch_size // c.ppo_mini_batch_size)
+        metrics = MetricLists()
+        for mb in iter_mini_batches(batch.select(keys), num_mini, c.ppo_epochs, self.engine.global_step):
+            metrics.add(self.engine.train_step(mb, loss_fn, loss_weighting=weighting), f"{self.name}/")
+        return metrics.as_dict()
+
+    @register(Protocol.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        self.engine.save_checkpoint(os.path.join(path, self.name))
+
+    @register(Protocol.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self.engine.load_checkpoint(os.path.join(path, self.name))
