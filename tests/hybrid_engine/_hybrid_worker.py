@@ -30,8 +30,10 @@ from hybridflow.hybrid_engine import (
 )
 from hybridflow.hybrid_engine.sharding import reference_generation_shard, tp_slice
 
-# tiny Llama with 4 KV heads and a vocab divisible by 8, so t=4 and the 8-way ZeRO slabs split evenly
-MODEL_OVERRIDES = dict(num_key_value_heads=4, vocab_size=96)
+# tiny Llama with 4 KV heads and a vocab divisible by 8, so t=4 and the 8-way ZeRO slabs split evenly.
+# initializer_range 0.2 (HF default 0.02): at 0.02 attention is nearly uniform and greedy tokens do not
+# notice a broken RoPE or head layout; at 0.2 such a bug changes almost every token.
+MODEL_OVERRIDES = dict(num_key_value_heads=4, vocab_size=96, initializer_range=0.2)
 LR, MAX_NEW, BUCKET_BYTES = 0.5, 6, 64 << 10  # a bucket smaller than one layer: several buckets per switch
 
 
