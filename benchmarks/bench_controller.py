@@ -4,10 +4,11 @@
    raw Ray baseline (one empty actor call per worker, then ray.get of all).
 2. Throughput (GB/s) of a float32 batch of 1 MB / 64 MB / 512 MB:
    - driver -> group: a DP_PROTO call on 2 workers (split, put once per shard, each rank fetches its
-     shard); baseline: ray.put of the same bytes + one raw actor that ray.gets them.
+     shard); baseline: ray.put of the same bytes + one raw actor that ray.gets them (and copies them
+     into writable memory, as any consumer that computes on them must; Batch does the same).
    - group -> group: a Future from a 2-rank producer group consumed by a 2-rank group on another pool
      (each consumer rank fetches its shard from the producers' outputs); baseline: a raw actor returns
-     the array, another raw actor ray.gets it. Producer compute is excluded in both.
+     the array, another raw actor ray.gets (and copies) it. Producer compute is excluded in both.
    Ratios are ours / baseline (1.0 = as fast as raw Ray; < 1 slower).
 
     .venv/bin/python benchmarks/bench_controller.py [--quick]
@@ -56,7 +57,9 @@ class RawActor:
         return np.ones((rows, cols), dtype=np.float32)
 
     def fetch(self, refs) -> int:
-        return int(ray.get(refs[0]).shape[0])
+        # ray.get of a numpy array is a zero-copy view of read-only shared memory; a consumer that
+        # computes on (writes) the data needs its own copy, which Batch makes when it is unpickled.
+        return int(np.array(ray.get(refs[0]), copy=True).shape[0])
 
 
 def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
@@ -143,7 +146,7 @@ def main() -> int:
     for n, ours, raw in dispatch:
         print(f"| {n} | {ours:.2f} | {raw:.2f} | {ours / raw:.2f}x |")
     print(
-        "\n| batch | driver->group GB/s | raw put/get GB/s | ratio | group->group GB/s | raw GB/s | ratio |"
+        "\n| batch | driver->group GB/s | raw put/get GB/s | ratio | group->group GB/s | raw actor->actor GB/s | ratio |"
     )
     print("|---|---|---|---|---|---|---|")
     for mb, nbytes, d2g, d2g_raw, g2g, g2g_raw in transfer:

@@ -2,7 +2,7 @@
 
 It owns the torch.distributed membership and hosts one or more Worker instances ("roles"), so
 colocated roles share the process, the device and the process group. Every group call arrives as
-`execute(role, method, args, kwargs, pad)`, which
+`execute(role, method, args, kwargs)`, which
 
 1. resolves argument placeholders *inside the worker*: a shard the driver put in the object store,
    or a slice of another group's outputs (a future) cut out here, so the data never passes through
@@ -151,13 +151,13 @@ class WorkerProcess:
     def get_layouts(self, role: str, name: str | None):
         return self.roles[role].get_layout(name)
 
-    def execute(self, role: str, method: str, args: tuple, kwargs: dict, pad: int | None = None):
+    def execute(self, role: str, method: str, args: tuple, kwargs: dict):
         pads = []
         args = tuple(_take(resolve(a), pads) for a in args)
         kwargs = {k: _take(resolve(v), pads) for k, v in kwargs.items()}
         n_in = next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
         out = getattr(self.roles[role], method)(*args, **kwargs)
-        out = drop_padding(out, n_in, pad if pad is not None else (pads[0] if pads else 0), method)
+        out = drop_padding(out, n_in, pads[0] if pads else 0, method)
         size = len(out) if isinstance(out, Batch) else None
         return size, out
 

@@ -114,12 +114,13 @@ _ATTR = "__hybridflow_register__"
 
 
 def register(
-    protocol: str | Protocol = Protocol.ALL_TO_ALL, blocking: bool = True, layout: str | None = None
+    protocol: str | Protocol = Protocol.ONE_TO_ALL, blocking: bool = True, layout: str | None = None
 ):
     """Declare how a Worker method's data moves; the WorkerGroup exposes it as a group method.
 
     protocol: a Protocol member or the name of a user protocol (checked when the group is built).
-    blocking: False makes the group method return a Future instead of the collected result.
+    blocking: False makes the group method return a Future instead of the collected result
+              (any single call can also be made non-blocking: `group.method.future(...)`).
     layout:   the named layout (see Worker.set_layout) the protocol reads; defaults per protocol
               ("train" for 3D_PROTO / 3D_PP_ONLY, "rollout" for 3D_ALL_MICRO_DP, none otherwise).
     """

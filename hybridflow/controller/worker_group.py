@@ -53,10 +53,13 @@ class _Processes:
             ).remote(name, rank, n, local[rank], pool.use_gpu)
             for rank, bundle in enumerate(pool.bundle_of_rank)
         ]
-        ranks = list(range(n))
-        (addr, port) = wait_all([self.actors[0].master_address.remote()], [0], name, "<start>")[0]
-        refs = [a.init_distributed.remote(addr, port, dist_timeout_s) for a in self.actors]
-        self.pids = wait_all(refs, ranks, name, "<join process group>")
+        try:
+            (addr, port) = wait_all([self.actors[0].master_address.remote()], [0], name, "<start>")[0]
+            refs = [a.init_distributed.remote(addr, port, dist_timeout_s) for a in self.actors]
+            self.pids = wait_all(refs, list(range(n)), name, "<join process group>")
+        except BaseException:
+            self.kill()
+            raise
 
     def add_role(self, role: str, cls: type, kwargs: dict) -> None:
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
@@ -191,6 +194,10 @@ class _GroupMethod:
 
     def __call__(self, *args, **kwargs):
         return self._group._call(self._method, self.spec, args, kwargs)
+
+    def future(self, *args, **kwargs) -> Future:
+        """This call without blocking, whatever @register said: returns a Future."""
+        return self._group._call(self._method, self.spec, args, kwargs, blocking=False)
 
     def __repr__(self) -> str:
         return f"<group method {self._group.name}.{self._method} [{self.spec.protocol}]>"

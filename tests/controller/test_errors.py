@@ -22,9 +22,11 @@ def test_worker_exception_names_group_rank_method_and_traceback(groups2):
     assert [i["rank"] for i in g.info()] == [0, 1]  # the group is still usable
 
 
-def test_failure_while_peers_wait_in_a_collective_and_worker_death(ray_cluster):
-    with ResourcePool(2, name="doomed") as pool:
-        g = WorkerGroup(DataWorker, pool, group_name="doomed")
+def test_failure_while_peers_wait_in_a_collective_and_worker_death(groups2):
+    # A second, separate group on the same pool: its own processes and process group.
+    g = WorkerGroup(DataWorker, groups2["dp"].pool, group_name="doomed")
+    try:
+        assert set(g.pids).isdisjoint(groups2["dp"].pids)
         t0 = time.perf_counter()
         with pytest.raises(WorkerError) as info:
             g.fail_in_collective(1)  # rank 0 is now stuck in all_reduce: report rank 1 anyway
@@ -34,10 +36,11 @@ def test_failure_while_peers_wait_in_a_collective_and_worker_death(ray_cluster):
             g.die(1)
         assert (died.value.group, died.value.rank, died.value.method) == ("doomed", 1, "die")
         assert "died" in str(died.value)
+    finally:
         g.shutdown()
 
 
-def test_constructor_failure_is_reported_and_cleaned_up(ray_cluster):
+def test_constructor_failure_is_reported_with_rank_and_class(ray_cluster):
     with ResourcePool(1, name="bad") as pool:
         with pytest.raises(WorkerError) as info:
             WorkerGroup(FailingInit, pool)

@@ -51,9 +51,10 @@ def test_future_into_3d_group_and_into_broadcast(groups2, groups4):
 def test_disjoint_pools_run_concurrently(groups2, groups4):
     seconds = 1.5
     t0 = time.perf_counter()
-    a = groups2["dp"].sleep_async(seconds)
-    b = groups4["dp"].sleep_async(seconds)
-    spans = a.get() + b.get()
+    a = groups2["dp"].sleep_async(seconds)  # registered blocking=False
+    b = groups4["dp"].sleep.future(seconds)  # registered blocking, made non-blocking for this call
+    assert isinstance(b, Future)
+    spans = a.get() + [(t0, t0 + seconds) for t0 in b.get()]
     wall = time.perf_counter() - t0
     assert wall < 1.6 * seconds, f"{wall:.2f}s: the two groups ran one after the other"
     latest_start = max(s for s, _ in spans)
