@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
@@ -279,12 +280,7 @@ class TrainEngine:
         transforms = hf_layout_transforms(self.hf_model)
         with self._phase():
             for name, t in self.hf_model.state_dict().items():
-                if isinstance(t, DTensor):
-                    t = t.full_tensor()
-                if name in transforms:
-                    dim, perm = transforms[name]
-                    t = t.index_select(dim, torch.argsort(perm).to(t.device))
-                yield name, t.detach().to(device)
+                yield name, _gather(name, t, transforms, device)
 
     def full_state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         return dict(self.iter_full_state_dict(device))
@@ -295,11 +291,7 @@ class TrainEngine:
         for name, p in self.hf_model.named_parameters():
             if p.grad is None:
                 continue
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            if name in transforms:
-                dim, perm = transforms[name]
-                g = g.index_select(dim, torch.argsort(perm).to(g.device))
-            yield name, g.detach().to(device)
+            yield name, _gather(name, p.grad, transforms, device)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -338,7 +330,8 @@ class TrainEngine:
         """Sharded model + optimizer + scheduler state via torch.distributed.checkpoint (collective)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._checkpoint_state(), checkpoint_id=str(path))
+        with _single_process_dcp(self.mesh is None):
+            dcp.save(self._checkpoint_state(), checkpoint_id=str(path))
 
     def load_checkpoint(self, path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -346,7 +339,8 @@ class TrainEngine:
 
         state = self._checkpoint_state()
         with self._phase():
-            dcp.load(state, checkpoint_id=str(path))
+            with _single_process_dcp(self.mesh is None):
+                dcp.load(state, checkpoint_id=str(path))
             set_model_state_dict(self.module, state["model"])
             if self.optimizer is not None:
                 set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
@@ -392,3 +386,26 @@ class TrainEngine:
 
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.hf_model.parameters())
+
+
+@contextlib.contextmanager
+def _single_process_dcp(active: bool):
+    """DCP warns that it assumes a single process when no group exists; that is the intent here."""
+    with warnings.catch_warnings():
+        if active:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _gather(name: str, t: torch.Tensor, transforms: dict, device) -> torch.Tensor:
+    """Full, HF-layout copy of a (possibly sharded) tensor that never aliases the live one (a 1-rank
+    full_tensor() or a CPU .to() would return the same storage, which training then mutates)."""
+    live = t.to_local() if isinstance(t, DTensor) else t
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    if name in transforms:
+        dim, perm = transforms[name]
+        full = full.index_select(dim, torch.argsort(perm).to(full.device))
+    out = full.detach().to(device)
+    if out.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
+        out = out.clone()
+    return out
