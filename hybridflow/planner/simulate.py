@@ -20,12 +20,13 @@ from hybridflow.planner.specs import DeviceSpec, ModelSpec, WorkloadSpec
 
 
 def collective_time(dev: DeviceSpec, nbytes: float, ranks: int, bandwidth: float, kind: str = "all_reduce"):
-    """Ring collective: all-reduce moves 2(n-1)/n of the buffer per rank, all-gather (n-1)/n."""
+    """Bandwidth term of a ring (all-reduce moves 2(n-1)/n of the buffer per rank, all-gather (n-1)/n)
+    plus a latency term of a tree (log2 n hops), which is what NCCL's small-message algorithms pay."""
     if ranks <= 1:
         return 0.0
     factor = 2 if kind == "all_reduce" else 1
-    steps = factor * (ranks - 1)
-    return steps * (nbytes / ranks / (bandwidth * dev.comm_efficiency) + dev.comm_latency_s)
+    moved = factor * (ranks - 1) / ranks * nbytes
+    return moved / (bandwidth * dev.comm_efficiency) + math.ceil(math.log2(ranks)) * dev.comm_latency_s
 
 
 def dp_bandwidth(dev: DeviceSpec, devices_per_node: int, p: int, t: int, d: int) -> float:
@@ -46,8 +47,13 @@ def _tp_bandwidth(dev: DeviceSpec, devices_per_node: int, t: int) -> float:
     return dev.intra_node_bandwidth if t <= devices_per_node else dev.inter_node_bandwidth / devices_per_node
 
 
-def _matmul_time(dev: DeviceSpec, flops: float) -> float:
-    return flops / (dev.peak_flops * dev.compute_efficiency)
+def _matmul_time(dev: DeviceSpec, flops: float, width: float = math.inf) -> float:
+    """`width` is the narrowest GEMM dimension a device sees (hidden / t): tensor parallelism makes
+    GEMMs skinny, and skinny GEMMs reach less of the peak (half of it at width = gemm_half_width)."""
+    efficiency = dev.compute_efficiency
+    if math.isfinite(width):
+        efficiency *= width / (width + dev.gemm_half_width)
+    return flops / (dev.peak_flops * efficiency)
 
 
 def training_time(
@@ -72,7 +78,9 @@ def training_time(
         layers * (2 * passes) * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     )
     pp_comm = 2 * act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
-    slot = _matmul_time(dev, flops) + tp_comm + pp_comm + layers * passes * dev.layer_overhead_s
+    slot = (
+        _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + layers * passes * dev.layer_overhead_s
+    )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
     sync = collective_time(dev, grads, d, dp_bandwidth(dev, devices_per_node, p, t, d))
@@ -93,7 +101,7 @@ def inference_time(
     act_bytes = mbs * s * spec.hidden * dev.bytes_per_param
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
-    slot = _matmul_time(dev, flops) + tp_comm + pp_comm + layers * dev.layer_overhead_s
+    slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + layers * dev.layer_overhead_s
     return (m + p - 1) * slot
 
 
@@ -120,7 +128,7 @@ def generation_time(
     L = spec.num_layers
     # prefill: compute-bound over the prompts; the pg stages run in turn, so only tg divides the work
     prefill_flops = b * lp * spec.forward_flops_per_token(lp / 2) / tg
-    prefill = _matmul_time(dev, prefill_flops) + 2 * L * collective_time(
+    prefill = _matmul_time(dev, prefill_flops, spec.hidden / tg) + 2 * L * collective_time(
         dev, b * lp * spec.hidden * dev.bytes_per_param, tg, bw_tp
     )
     prefill += L * dev.layer_overhead_s
@@ -129,10 +137,10 @@ def generation_time(
     weights = spec.num_params * dev.bytes_per_param / tg
     kv = b * context * spec.kv_bytes_per_token(dev.bytes_per_param) / min(tg, spec.num_kv_heads)
     memory = (weights + kv) / (dev.hbm_bandwidth * dev.memory_efficiency)
-    compute = _matmul_time(dev, b * spec.forward_flops_per_token(context) / tg)
+    compute = _matmul_time(dev, b * spec.forward_flops_per_token(context) / tg, spec.hidden / tg)
     comm = 2 * L * collective_time(dev, b * spec.hidden * dev.bytes_per_param, tg, bw_tp)
     comm += (pg - 1) * dev.comm_latency_s
-    step = max(memory, compute) + comm + L * dev.layer_overhead_s + dev.decode_step_overhead_s
+    step = (memory**2 + compute**2) ** 0.5 + comm + L * dev.layer_overhead_s + dev.decode_step_overhead_s
     return waves * (prefill + lr * step)
 
 

@@ -142,8 +142,9 @@ class DeviceSpec:
     bytes_per_param: int = 2  # bf16 weights/activations on GPUs; fp32 on CPU
     compute_efficiency: float = 0.5  # reached fraction of peak in big matmuls (MFU of a tuned stack)
     memory_efficiency: float = 0.7  # reached fraction of HBM bandwidth in decode
+    gemm_half_width: float = 256.0  # GEMM width (hidden / t) at which matmuls reach half their efficiency
     comm_efficiency: float = 0.8  # reached fraction of link bandwidth in collectives
-    comm_latency_s: float = 2e-5  # per collective, small messages (dominates decode TP all-reduces)
+    comm_latency_s: float = 1e-5  # per hop of a collective (log2 n hops); dominates decode TP all-reduces
     layer_overhead_s: float = 0.0  # fixed cost per layer per forward (kernel launch, Python dispatch)
     decode_step_overhead_s: float = (
         0.0  # generation engine's fixed cost per decode step (sampling, scheduling)

@@ -1,0 +1,133 @@
+"""Memory model and simulators: hand-computed numbers and the invariants the search relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.planner import ClusterSpec, ModelSpec, WorkloadSpec, auto_parallel, build_dataflow, get_device
+from hybridflow.planner import memory as mem
+from hybridflow.planner import simulate as sim
+from hybridflow.planner.specs import KNOWN_SHAPES
+
+A100 = get_device("a100-80")
+B13 = KNOWN_SHAPES["13B"]
+
+
+def test_shapes_match_the_paper_models():
+    for name, billions in (("7B", 6.74), ("13B", 13.0), ("34B", 33.7), ("70B", 69.0)):
+        assert KNOWN_SHAPES[name].num_params / 1e9 == pytest.approx(billions, abs=0.05)
+    assert ModelSpec.from_param_count("13B") is KNOWN_SHAPES["13B"]
+    other = ModelSpec.from_param_count("350M")
+    assert other.num_params == pytest.approx(350e6, rel=0.15)
+    with pytest.raises(ValueError, match="13B"):
+        ModelSpec.from_param_count("thirteen billion")
+
+
+def test_shape_from_hf_config_dir(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    spec = ModelSpec.from_hf_config(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) - norms
+    assert (spec.num_layers, spec.hidden, spec.num_kv_heads) == (2, 64, 2)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelSpec.from_hf_config(tiny_model_dir / "missing")
+
+
+def test_memory_numbers_by_hand():
+    phi = B13.num_params
+    # d = 1: bf16 weights 2 + fp32 grads 4 + fp32 master and Adam moments 12 = 18 bytes/param
+    assert mem.train_state_bytes(B13, 2, 1, 1, 1) == pytest.approx(18 * phi)
+    # optimizer split over d, weights and grads over p*t
+    assert mem.train_state_bytes(B13, 2, 2, 4, 8) == pytest.approx(6 * phi / 8 + 12 * phi / 64)
+    # KV per token: 2 (K, V) * 40 layers * 5120 * 2 bytes; GQA 34B has 8 KV heads of 128
+    assert B13.kv_bytes_per_token(2) == 2 * 40 * 5120 * 2
+    assert KNOWN_SHAPES["34B"].kv_bytes_per_token(2) == 2 * 48 * 8 * 128 * 2
+    # TP beyond the KV heads replicates them instead of splitting further
+    b34 = KNOWN_SHAPES["34B"]
+    assert mem.kv_cache_bytes(b34, 2, 4, 100, 1, 8) == mem.kv_cache_bytes(b34, 2, 4, 100, 1, 16)
+    # 3D-HybridEngine: gathering for generation adds exactly the missing part of the shard
+    assert mem.generation_extra_weight_bytes(B13, 2, 2, 4, 1, 2) == pytest.approx(2 * phi * (1 / 2 - 1 / 8))
+    ckpt = mem.train_activation_bytes(B13, 2, 2048, 1, 1, 1, 4, True, False)
+    full = mem.train_activation_bytes(B13, 2, 2048, 1, 1, 1, 4, False, False)
+    assert full == pytest.approx(40 * 34 * 2048 * 5120) and ckpt < full / 10
+
+
+def test_switch_bytes_follow_table_2():
+    """SPEC §4 example: training 1-4-2 (p, t, d) to generation pg = 1, tg = 2 (micro-DP dg = 2)."""
+    M = 1000.0
+    assert sim.switch_bytes("hybridflow", M, 1, 4, 2, 1, 2) == pytest.approx(M / 4)  # (dg-1)/(tp)
+    assert sim.switch_bytes("hybridflow-v", M, 1, 4, 2, 1, 2) == pytest.approx(3 * M / 4)  # (tp-1)/tp
+    assert sim.switch_bytes("all-gather", M, 1, 4, 2, 1, 2) == pytest.approx(7 * M / 8)  # (tpd-1)/tpd
+    assert sim.switch_bytes("two-copies", M, 1, 4, 2, 1, 2) == M
+    assert sim.switch_bytes("hybridflow", M, 2, 4, 2, 2, 4) == 0  # same layout: nothing to move
+    with pytest.raises(ValueError, match="hybridflow"):
+        sim.switch_bytes("magic", M, 1, 4, 2, 1, 2)
+
+
+def test_decode_is_memory_bound_by_hand():
+    """One replica, one sequence: each step reads the weights and the KV cache once."""
+    dev = A100
+    wl = WorkloadSpec(prompts=1, prompt_len=1, response_len=1000)
+    t = sim.generation_time(B13, dev, wl, 8, 1, 1, 1)
+    bytes_per_step = B13.num_params * 2 + (1 + 500) * B13.kv_bytes_per_token(2)
+    step = bytes_per_step / (dev.hbm_bandwidth * dev.memory_efficiency)
+    assert t == pytest.approx(1000 * step, rel=0.01)  # prefill of one token is negligible
+
+
+def test_training_is_compute_bound_and_pays_for_communication():
+    wl = WorkloadSpec()
+    t1 = sim.training_time(B13, A100, wl, 8, 1, 8, 1, False)  # one node, no DP sync
+    flops = wl.sequences * wl.seq_len * B13.forward_flops_per_token(wl.seq_len / 2) * 3
+    skinny = (5120 / 8) / (5120 / 8 + A100.gemm_half_width)  # t = 8 makes the GEMMs 640 wide
+    compute = flops / 8 / (A100.peak_flops * A100.compute_efficiency * skinny)
+    assert compute < t1 < 1.4 * compute  # plus TP collectives
+    # the same work on 16 nodes also pays a gradient all-reduce per mini-batch whose 6.5 GB per device
+    # (fp32 grads / t) cross each node's 200 Gbps NIC once per GPU of the node
+    t16 = sim.training_time(B13, A100, wl, 8, 1, 8, 16, False)
+    grads = B13.num_params * 4 / 8
+    ring = (
+        2 * 15 / 16 * grads / (A100.inter_node_bandwidth / 8 * A100.comm_efficiency) + 4 * A100.comm_latency_s
+    )
+    optimizer = [
+        2 * 16 * B13.num_params / (8 * d) / (A100.hbm_bandwidth * A100.memory_efficiency) for d in (1, 16)
+    ]
+    expected = t1 / 16 + wl.mini_batches * (ring + optimizer[1] - optimizer[0] / 16)
+    assert t16 == pytest.approx(expected, rel=1e-9)
+    assert t16 > 1.5 * t1 / 16  # far from linear scaling
+    # activation checkpointing recomputes a forward: 4/3 of the matmul time
+    assert sim.training_time(B13, A100, wl, 8, 1, 8, 1, True) > t1 + compute / 3
+
+
+def test_more_generation_replicas_never_slower_per_step_bytes():
+    wl = WorkloadSpec()
+    times = [sim.generation_time(B13, A100, wl, 8, n, 1, 2) for n in (16, 32, 64, 128)]
+    assert times == sorted(times, reverse=True)
+    # but far from linear: every replica rereads the whole weight shard each step
+    assert times[0] / times[-1] < 8
+
+
+def test_70b_actor_never_fits_on_one_80gb_device():
+    actor = build_dataflow("ppo", ModelSpec.from_param_count("70B")).model("actor")
+    cluster = ClusterSpec.build("a100-80", 128)
+    assert mem.weight_bytes(actor.spec, 2, 1, 1) > A100.memory_bytes  # even bf16 weights alone
+    assert auto_parallel(actor, cluster, WorkloadSpec(), 1) == ()
+    for n in (2, 4, 8, 16):
+        for o in auto_parallel(actor, cluster, WorkloadSpec(), n):
+            assert o.p * o.t > 1 and o.pg * o.tg > 1
+
+
+def test_kv_cache_check_raises_generation_tp():
+    """Only ~20 GB per device is left for the KV cache next to a 13B actor's training state when
+    generating with tg = 1 (it gathers the whole model); raising tg frees weight memory for it."""
+    actor = build_dataflow("ppo", ModelSpec.from_param_count("13B")).model("actor")
+    cluster = ClusterSpec.build("a100-80", 8)
+    wl = WorkloadSpec(prompts=128, prompt_len=1024, response_len=1024)  # ~27 GB of KV per device
+    front = auto_parallel(actor, cluster, wl, 8)
+    one_wave = [o for o in front if o.waves == 1]
+    assert one_wave and min(o.pg * o.tg for o in one_wave) >= 2
+    assert all(o.waves > 1 for o in front if o.pg * o.tg == 1)
+    assert front[0].waves == 1 and front[0].pg * front[0].tg >= 2  # the fastest option raised tg
+    budget = A100.memory_bytes * A100.usable_memory_fraction
+    assert all(o.persistent_bytes + o.transient_bytes <= budget for o in front)

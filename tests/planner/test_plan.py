@@ -1,0 +1,121 @@
+"""Plan output: serialisation, the trainer's resource description, built-in dataflows, the CLI
+commands (`hybridflow plan`, `hybridflow calibrate`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridflow.cli import main
+from hybridflow.planner import (
+    ClusterSpec,
+    ModelSpec,
+    Plan,
+    WorkloadSpec,
+    build_dataflow,
+    plan,
+    plan_to_resources,
+    strategy_name,
+)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_plan_round_trips_through_yaml_and_json(paper_plan, tmp_path, suffix):
+    p = paper_plan("13B", 128)
+    path = p.save(tmp_path / f"plan{suffix}")
+    assert Plan.load(path) == p
+    with pytest.raises(FileNotFoundError, match="hybridflow plan --output"):
+        Plan.load(tmp_path / "missing.yaml")
+
+
+def test_plan_to_resources_describes_pools_and_layouts(paper_plan):
+    p = paper_plan("13B", 128)
+    res = plan_to_resources(p)
+    assert list(res.pools) == [pool.name for pool in p.pools]
+    assert sum(res.pools.values()) <= 128
+    assert set(res.models) == {"actor", "critic", "reference", "reward"}
+    for role, m in res.models.items():
+        assert res.pools[m.pool] == m.n_devices == m.pp * m.tp * m.dp
+        assert role in m.pool.split("+")
+    assert json.loads(json.dumps(res.to_dict())) == res.to_dict()  # plain data
+
+
+def test_builtin_dataflows():
+    b7 = ModelSpec.from_param_count("7B")
+    assert build_dataflow("ppo", b7).roles == ("actor", "critic", "reference", "reward")
+    assert build_dataflow("grpo", b7).roles == ("actor", "reference", "reward")
+    assert build_dataflow("grpo", b7, reward_model=False).roles == ("actor", "reference")
+    assert build_dataflow("safe-rlhf", b7).roles == ("actor", "critic", "reference", "reward", "cost")
+    remax = build_dataflow("remax", b7, samples_per_prompt=4)
+    assert remax.model("actor").generation_factor == pytest.approx(5 / 4)  # one greedy baseline per prompt
+    with pytest.raises(ValueError, match="ppo"):
+        build_dataflow("dpo", b7)
+    with pytest.raises(KeyError, match="critic"):
+        build_dataflow("grpo", b7).model("critic")
+
+
+def test_grpo_and_remax_plans_and_their_costs():
+    """ReMax generates one extra greedy response per prompt, so it cannot be cheaper than GRPO."""
+    cluster = ClusterSpec.build("a100-80", 16)
+    b7 = ModelSpec.from_param_count("7B")
+    wl = WorkloadSpec(samples_per_prompt=4, prompts=256)
+    grpo = plan(build_dataflow("grpo", b7, samples_per_prompt=4), cluster, wl)
+    remax = plan(build_dataflow("remax", b7, samples_per_prompt=4), cluster, wl)
+    assert grpo.stage_seconds["generation"] < remax.stage_seconds["generation"]
+    assert [m.role for m in grpo.models] == ["actor", "reference", "reward"]
+
+
+def test_strategy_names():
+    roles = ["actor", "critic", "reference", "reward"]
+    assert strategy_name([roles], roles) == "colocate"
+    assert strategy_name([["actor"], ["critic"], ["reference"], ["reward"]], roles) == "standalone"
+    assert strategy_name([["critic", "reward"], ["reference", "actor"]], roles) == "split"
+    assert strategy_name([["actor", "reward"], ["critic", "reference"]], roles) == "custom"
+
+
+def test_plan_command_prints_explains_and_writes(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    rc = main(
+        ["plan", "--model-size", "13B", "--gpus", "32", "--gpu", "a100-80", "--explain", "--output", str(out)]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "colocate" in text and "split" in text and "standalone" in text  # --explain's comparison
+    assert "why this plan" in text and "x the plan's time" in text
+    loaded = Plan.load(out)
+    assert loaded.num_devices == 32 and loaded.strategy == "colocate"
+
+
+def test_plan_command_reads_an_hf_config_and_plans_cpu_devices(tiny_model_dir, capsys):
+    args = [
+        "plan",
+        "--model-config",
+        str(tiny_model_dir),
+        "--gpus",
+        "4",
+        "--gpu",
+        "cpu",
+        "--algorithm",
+        "grpo",
+    ]
+    args += ["--prompts", "8", "--prompt-len", "16", "--response-len", "16"]
+    assert main(args) == 0
+    assert "cpu" in capsys.readouterr().out
+
+
+def test_plan_command_reports_what_does_not_fit(capsys):
+    assert main(["plan", "--model-size", "70B", "--gpus", "8"]) == 2
+    assert "add devices" in capsys.readouterr().out
+
+
+def test_calibrate_reports_predicted_measured_and_ratio(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    args = ["calibrate", "--batch", "2", "--prompt-len", "8", "--response-len", "4", "--repeats", "1"]
+    assert main([*args, "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["stages"]) == {"training", "inference", "generation"}
+    for r in result["stages"].values():
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["predicted_s"])
+    assert "measured / predicted" in capsys.readouterr().out
