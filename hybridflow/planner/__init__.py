@@ -22,10 +22,8 @@ from hybridflow.planner.plan import (
     Resources,
     plan,
     plan_to_resources,
-    split_placement,
-    strategy_name,
 )
-from hybridflow.planner.search import bell_number, search, set_partitions
+from hybridflow.planner.search import bell_number, search, set_partitions, split_placement, strategy_name
 from hybridflow.planner.specs import DEVICES, ClusterSpec, DeviceSpec, ModelSpec, WorkloadSpec, get_device
 
 __all__ = [

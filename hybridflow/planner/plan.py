@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hybridflow.planner.dataflow import STAGES, Dataflow
-from hybridflow.planner.search import PlacementResult, search
+from hybridflow.planner.search import PlacementResult, search, strategy_name
 from hybridflow.planner.specs import ClusterSpec, GiB, WorkloadSpec
 
 
@@ -117,24 +117,6 @@ class Plan:
 
             return cls.from_dict(yaml.safe_load(path.read_text()))
         return cls.from_dict(json.loads(path.read_text()))
-
-
-def strategy_name(placement: list[list[str]], roles: list[str]) -> str:
-    """The paper's names for fixed placements (sec. 8.4); anything else is 'custom'."""
-    sets = sorted(sorted(s) for s in placement)
-    if len(sets) == 1:
-        return "colocate"
-    if len(sets) == len(roles):
-        return "standalone"
-    if sets == sorted(sorted(s) for s in split_placement(roles)):
-        return "split"
-    return "custom"
-
-
-def split_placement(roles: list[str]) -> list[list[str]]:
-    """NeMo-Aligner's split: the policy side (actor, reference) and the scoring side (the rest)."""
-    policy = [r for r in roles if r in ("actor", "reference")]
-    return [policy, [r for r in roles if r not in policy]]
 
 
 def _stage_dict(values) -> dict[str, float]:

@@ -282,12 +282,23 @@ def search(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec) -> list[P
     return [x[-1] for x in results]
 
 
-def _named_rank(placement: Placement, roles: tuple[str, ...]) -> int:
+def strategy_name(placement: Sequence[Sequence[str]], roles: Sequence[str]) -> str:
+    """The paper's names for fixed placements (sec. 8.4); anything else is 'custom'."""
     sets = sorted(sorted(s) for s in placement)
-    policy = sorted(r for r in roles if r in ("actor", "reference"))
-    split = sorted([policy, sorted(r for r in roles if r not in policy)])
     if len(sets) == 1:
-        return 0
-    if sets == split:
-        return 1
-    return 2 if len(sets) == len(roles) else 3
+        return "colocate"
+    if len(sets) == len(roles):
+        return "standalone"
+    if sets == sorted(sorted(s) for s in split_placement(roles)):
+        return "split"
+    return "custom"
+
+
+def split_placement(roles: Sequence[str]) -> list[list[str]]:
+    """NeMo-Aligner's split: the policy side (actor, reference) and the scoring side (the rest)."""
+    policy = [r for r in roles if r in ("actor", "reference")]
+    return [policy, [r for r in roles if r not in policy]]
+
+
+def _named_rank(placement: Placement, roles: tuple[str, ...]) -> int:
+    return ("colocate", "split", "standalone", "custom").index(strategy_name(placement, roles))

@@ -80,8 +80,12 @@ class ModelSpec:
 
     @classmethod
     def from_config_dict(cls, cfg: dict, source: str = "config") -> ModelSpec:
-        """The shape fields of an HF config (Llama/Qwen2/Mistral or GPT-2 names)."""
-        get = lambda *keys, default=None: next((cfg[k] for k in keys if cfg.get(k) is not None), default)  # noqa: E731
+        """The shape fields of an HF config (Llama/Qwen2/Mistral or GPT-2 names; GPT-2's two-matrix MLP
+        is counted as a gated one of the same width, overestimating it by half an MLP)."""
+
+        def get(*keys, default=None):
+            return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
         hidden = get("hidden_size", "n_embd", "d_model")
         layers = get("num_hidden_layers", "n_layer", "num_layers")
         heads = get("num_attention_heads", "n_head")
@@ -226,7 +230,7 @@ class WorkloadSpec:
     prompt_len: int = 1024  # tokens
     response_len: int = 1024  # tokens
     ppo_epochs: int = 1  # passes over the batch in the training stage
-    mini_batches: int = 8  # optimizer steps per epoch (each one a gradient sync); PPO mini-batch 128
+    mini_batches: int = 8  # optimizer steps per epoch, each a gradient all-reduce (8 = 128 prompts each)
     micro_batch_size: int = 1  # sequences per device per forward/backward in training
     inference_micro_batch_size: int = 8  # sequences per device per forward in inference
 
