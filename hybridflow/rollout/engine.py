@@ -2,7 +2,8 @@
 
 It holds a reference to the HF model it is given (the training actor's) and reads its parameters at
 every `generate`, so there is no weight copy when training and generation share a device and layout
-(SPEC §4). Llama / Qwen2 / Mistral run on a lean functional forward with a static KV cache
+(SPEC §4). The parameters must be full tensors at that moment: an FSDP2-sharded actor is unsharded
+first (`model.unshard()`), a tensor-parallel one is gathered (3D-HybridEngine resharding). Llama / Qwen2 / Mistral run on a lean functional forward with a static KV cache
 (`llama_decoder.py`); other architectures fall back to the HF forward (`hf_decoder.py`).
 
 Finished rows stop costing compute: when the finished rows still in the decode batch reach
@@ -79,8 +80,15 @@ class BuiltinEngine(GenerationEngine):
         ids, mask = check_prompt_batch(batch)
         device = next(self.model.parameters()).device
         start = time.perf_counter()
-        with torch.inference_mode():
-            responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params)
+        # no_grad, not inference_mode: inference tensors in the output would break the trainer's
+        # backward (embedding saves its indices). eval() turns off dropout for the HF fallback.
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params)
+        finally:
+            self.model.train(was_training)
         out_device = ids.device
         self.last_stats = {
             "rollout/seconds": time.perf_counter() - start,

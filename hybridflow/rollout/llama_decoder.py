@@ -46,17 +46,23 @@ def _norm_eps(mod) -> float:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as HF's LlamaRMSNorm (fp32 statistics), so greedy outputs match HF bit for bit-ish.
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    # HF's LlamaRMSNorm: fp32 statistics, cast back, then scale (that order keeps bf16 results equal).
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rotate_half_matrix(head_dim: int, dtype, device) -> torch.Tensor:
+    """R (head_dim, head_dim) with x @ R == cat(-x2, x1): HF's rotate_half as one exact matmul
+    (one +-1 per column), cheaper on CPU than slice/neg/cat."""
+    half = head_dim // 2
+    r = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
+    idx = torch.arange(half, device=device)
+    r[idx + half, idx] = -1
+    r[idx, idx + half] = 1
+    return r
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(x * cos, x @ rot, sin)
 
 
 def _linear_params(mod) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,6 +122,7 @@ class LlamaFamilyDecoder:
         positions = torch.arange(max_position + 1, device=device)[None]
         cos, sin = self.model.model.rotary_emb(self.embed[:1][None], positions)  # (1, P, head_dim)
         self.cos, self.sin = cos[0], sin[0]
+        self.rot = rotate_half_matrix(self.head_dim, dtype, device)
         self.rows = 0
         self.length = 0
 
@@ -137,7 +144,7 @@ class LlamaFamilyDecoder:
             q = F.linear(h, qw, qb).view(b, s, -1, self.head_dim).transpose(1, 2)
             k = F.linear(h, kw, kb).view(b, s, -1, self.head_dim).transpose(1, 2)
             v = F.linear(h, vw, vb).view(b, s, -1, self.head_dim).transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = _rope(q, cos, sin, self.rot), _rope(k, cos, sin, self.rot)
             kc, vc = self.k_cache[i], self.v_cache[i]
             if repeat > 1:  # prefill once per prompt, cache n copies (n samples per prompt)
                 kc[:rows, :, slot_end - s : slot_end] = k.repeat_interleave(repeat, 0)

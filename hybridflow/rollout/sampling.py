@@ -15,10 +15,12 @@ from hybridflow.rollout.params import SamplingParams
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """logits: (B, V). Keep the k largest per row; others -> -inf. k <= 0 or k >= V is a no-op."""
+    """logits: (B, V). Keep the k largest per row (ties with the k-th kept, as HF); others -> -inf.
+    k <= 0 or k >= V is a no-op."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # (B, 1)
+    # Unsorted top-k plus a min is ~3x cheaper on CPU than the sorted top-k HF uses.
+    kth = torch.topk(logits, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (B, 1)
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -36,6 +38,18 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits: (B, V), -inf where excluded -> tokens (B,) drawn from softmax(logits).
+
+    Inverse-CDF sampling (one uniform per row, cumsum, searchsorted) instead of `torch.multinomial`,
+    which on CPU costs ~15x more for small vocabularies. `right=True` never lands on a zero-mass token.
+    """
+    probs = (logits - logits.amax(-1, keepdim=True)).exp()  # unnormalised, 0 where -inf
+    cdf = probs.cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +60,7 @@ def sample_next(
         tokens = logits.argmax(-1)
         logp = logits.log_softmax(-1)
     else:
-        scaled = logits / params.temperature
+        scaled = logits / params.temperature if params.temperature != 1.0 else logits
         logp = scaled.log_softmax(-1)
-        filtered = apply_top_p(apply_top_k(scaled, params.top_k), params.top_p)
-        probs = filtered.softmax(-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = sample_from_logits(apply_top_p(apply_top_k(scaled, params.top_k), params.top_p), generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -193,3 +193,14 @@ def test_rejects_right_padded_prompts(models):
     batch = Batch.from_dict({"input_ids": ids, "attention_mask": (ids != 0).long()})
     with pytest.raises(ValueError, match="left-padded"):
         BuiltinEngine(models["llama"]).generate(batch, SamplingParams(max_new_tokens=2))
+
+
+def test_outputs_train_and_model_mode_is_restored(tokenizer):
+    """The rollout feeds a training step: its tensors must support backward (no inference tensors)."""
+    model = build_tiny_model("tiny", "llama", seed=3)
+    model.train()
+    out = BuiltinEngine(model).generate(prompt_batch(tokenizer), SamplingParams(max_new_tokens=6, seed=0))
+    assert model.training
+    logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"]).logits
+    logits.float().logsumexp(-1).mean().backward()
+    assert model.lm_head.weight.grad is not None

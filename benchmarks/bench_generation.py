@@ -1,0 +1,148 @@
+"""Generation tokens/s: the built-in engine vs `transformers` `generate`, same model, prompts, lengths and
+sampling settings, in one run.
+
+Both engines sample (temperature 1, top-k 50) from a randomly initialised tiny model, whose next-token
+distribution is near uniform over the ~90-token vocabulary; EOS is the set {eos, 3 more tokens}, so
+each sequence stops at a random, geometrically distributed length (mean ~22 tokens, capped at
+max_new_tokens) the same way for both engines. Tokens/s counts generated tokens up to and including the stop
+token, over wall time of the whole `generate` call (prefill included), best of `--repeats`.
+
+    .venv/bin/python benchmarks/bench_generation.py [--sizes tiny medium] [--batches 16 64] [--threads 1] [--no-stop-rows]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from functools import partial
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.models.tiny import build_tiny_model
+from hybridflow.rollout import BuiltinEngine, SamplingParams
+
+STOP = (2, 10, 20, 30)
+
+
+def make_prompts(batch: int, vocab: int, seed: int) -> Batch:
+    """Random prompts of 8..32 tokens, left-padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 33, (batch,), generator=g)
+    lp = int(lengths.max())
+    ids = torch.randint(5, vocab, (batch, lp), generator=g)
+    mask = (torch.arange(lp)[None, :] >= (lp - lengths)[:, None]).long()
+    return Batch.from_dict({"input_ids": ids * mask, "attention_mask": mask})
+
+
+def generated_tokens(responses: torch.Tensor, stop: tuple[int, ...]) -> int:
+    """Tokens up to and including the first stop token in each row."""
+    if not stop:
+        return responses.numel()
+    hit = torch.isin(responses, torch.tensor(stop))
+    first = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full_like(hit[:, 0], responses.shape[1]))
+    return int(first.sum())
+
+
+def run_hf(model, batch: Batch, max_new: int, stop: tuple[int, ...], seed: int) -> tuple[int, float]:
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    out = model.generate(
+        batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        do_sample=True,
+        temperature=1.0,
+        top_k=50,
+        top_p=1.0,
+        max_new_tokens=max_new,
+        min_new_tokens=0 if stop else max_new,
+        eos_token_id=list(stop) or None,
+        pad_token_id=0,
+    )
+    dt = time.perf_counter() - t
+    return generated_tokens(out[:, batch["input_ids"].shape[1] :], stop), dt
+
+
+def run_builtin(engine, batch: Batch, max_new: int, stop: tuple[int, ...], seed: int) -> tuple[int, float]:
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_k=50, eos_token_ids=stop, seed=seed)
+    t = time.perf_counter()
+    out = engine.generate(batch, params)
+    dt = time.perf_counter() - t
+    return int(out["response_mask"].sum()), dt
+
+
+def measure(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """Run the engines alternately (so load from other processes hits both alike); returns
+    name -> (tokens/s over all repeats, mean response length)."""
+    tokens = dict.fromkeys(fns, 0)
+    seconds = dict.fromkeys(fns, 0.0)
+    for r in range(repeats):
+        for name, fn in fns.items():
+            tok, dt = fn(r)
+            tokens[name] += tok
+            seconds[name] += dt
+    return {name: (tokens[name] / seconds[name], tokens[name] / repeats) for name in fns}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["tiny", "medium"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[16, 64])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared 2-core box)"
+    )
+    ap.add_argument(
+        "--no-stop-rows", action="store_true", help="also run without stop tokens (all rows full)"
+    )
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    stops = {"random": STOP, "none": ()} if args.no_stop_rows else {"random": STOP}
+
+    rows = []
+    for size in args.sizes:
+        model = build_tiny_model(size, "llama", seed=0).eval()
+        params_m = sum(p.numel() for p in model.parameters()) / 1e6
+        engine = BuiltinEngine(model)
+        for batch_size in args.batches:
+            batch = make_prompts(batch_size, model.config.vocab_size, seed=batch_size)
+            for stop_name, stop in stops.items():
+                max_new = args.max_new_tokens
+                with torch.inference_mode():
+                    run_hf(model, batch, 8, stop, 0)  # warm-up
+                    run_builtin(engine, batch, 8, stop, 0)
+                    res = measure(
+                        {
+                            "hf": partial(run_hf, model, batch, max_new, stop),
+                            "builtin": partial(run_builtin, engine, batch, max_new, stop),
+                        },
+                        args.repeats,
+                    )
+                rows.append((size, params_m, batch_size, stop_name, res["hf"], res["builtin"]))
+                print(f"# {rows[-1]}", file=sys.stderr, flush=True)
+
+    print(
+        f"\nGeneration throughput, llama arch, fp32 CPU ({platform.machine()}, {args.threads} threads), "
+        f"torch {torch.__version__}, max_new_tokens={args.max_new_tokens}, temperature 1, top-k 50, "
+        f"prompts 8-32 tokens, stop set {STOP} ('none': no stop, all rows run to the cap), "
+        f"engines alternated, {args.repeats} repeats, tokens/s = all generated tokens / all seconds, "
+        f"load average at the end {os.getloadavg()[0]:.1f}\n"
+    )
+    print(
+        "| model | params | batch | stop | mean len HF / built-in | HF generate tok/s | built-in tok/s | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for size, params_m, b, stop_name, (hf, hf_len), (ours, our_len) in rows:
+        print(
+            f"| {size} | {params_m:.2f}M | {b} | {stop_name} | {hf_len / b:.1f} / {our_len / b:.1f} "
+            f"| {hf:,.0f} | {ours:,.0f} | **{ours / hf:.2f}x** |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
