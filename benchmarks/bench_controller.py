@@ -62,15 +62,20 @@ class RawActor:
         return int(np.array(ray.get(refs[0]), copy=True).shape[0])
 
 
-def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
+def _paired_ms(ours, raw, repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """Median ms of `ours` and `raw`, timed alternately so both see the same (noisy, shared) machine.
+
+    A function may return its own duration in seconds (to exclude set-up such as producer compute).
+    """
     for _ in range(warmup):
-        fn()
-    times = []
+        ours(), raw()
+    times: tuple[list, list] = ([], [])
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for fn, out in ((ours, times[0]), (raw, times[1])):
+            t0 = time.perf_counter()
+            took = fn()
+            out.append(took if isinstance(took, float) else time.perf_counter() - t0)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
 def bench_dispatch(sizes: list[int], repeats: int) -> list[tuple]:
@@ -80,8 +85,9 @@ def bench_dispatch(sizes: list[int], repeats: int) -> list[tuple]:
         group = WorkerGroup(BenchWorker, pool)
         raws = [RawActor.remote() for _ in range(n)]
         ray.get([a.noop.remote() for a in raws])
-        ours = _median_ms(group.noop, repeats)
-        raw = _median_ms(lambda raws=raws: ray.get([a.noop.remote() for a in raws]), repeats)
+        ours, raw = _paired_ms(
+            group.noop, lambda raws=raws: ray.get([a.noop.remote() for a in raws]), repeats
+        )
         rows.append((n, ours, raw))
         group.shutdown()
         pool.shutdown()
@@ -101,8 +107,12 @@ def bench_transfer(sizes_mb: list[int], repeats: dict[int, int]) -> list[tuple]:
         nbytes = n_rows * cols * 4
         batch = Batch({"data": torch.ones(n_rows, cols)})
         arr = batch["data"].numpy()
-        d2g = _median_ms(lambda batch=batch: cons.receive(batch), reps, warmup=1)
-        d2g_raw = _median_ms(lambda arr=arr: ray.get(raw_b.fetch.remote([ray.put(arr)])), reps, warmup=1)
+        d2g, d2g_raw = _paired_ms(
+            lambda batch=batch: cons.receive(batch),
+            lambda arr=arr: ray.get(raw_b.fetch.remote([ray.put(arr)])),
+            reps,
+            warmup=1,
+        )
 
         def group_to_group(n_rows=n_rows) -> float:
             fut = prod.make(Batch({"i": torch.arange(n_rows)}), cols)
@@ -118,8 +128,7 @@ def bench_transfer(sizes_mb: list[int], repeats: dict[int, int]) -> list[tuple]:
             ray.get(raw_b.fetch.remote([ref]))
             return time.perf_counter() - t0
 
-        g2g = statistics.median(group_to_group() for _ in range(reps)) * 1e3
-        g2g_raw = statistics.median(raw_to_raw() for _ in range(reps)) * 1e3
+        g2g, g2g_raw = _paired_ms(group_to_group, raw_to_raw, reps, warmup=1)
         rows.append((mb, nbytes, d2g, d2g_raw, g2g, g2g_raw))
         del batch, arr
     for g in (prod, cons):
@@ -137,7 +146,7 @@ def main() -> int:
     repeats = 20 if args.quick else 50
     sizes_mb = [1, 64] if args.quick else [1, 64, 512]
     dispatch = bench_dispatch([1, 2, 4, 8], repeats)
-    transfer = bench_transfer(sizes_mb, {1: 20, 64: 5, 512: 2})
+    transfer = bench_transfer(sizes_mb, {1: 20, 64: 5, 512: 3})
     ray.shutdown()
 
     print(f"\nMachine: {os.cpu_count()} cores, CPU only; torch {torch.__version__}, ray {ray.__version__}\n")
