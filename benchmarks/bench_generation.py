@@ -3,11 +3,12 @@ sampling settings, in one run.
 
 Both engines sample (temperature 1, top-k 50) from a randomly initialised tiny model, whose next-token
 distribution is near uniform over the ~90-token vocabulary; EOS is the set {eos, 3 more tokens}, so
-each sequence stops at a random, geometrically distributed length (mean ~22 tokens, capped at
-max_new_tokens) the same way for both engines. Tokens/s counts generated tokens up to and including the stop
-token, over wall time of the whole `generate` call (prefill included), best of `--repeats`.
+each sequence stops at a random, geometrically distributed length (mean ~23 tokens, capped at
+max_new_tokens) the same way for both engines. Tokens/s counts generated tokens up to and including
+the stop token, over wall time of whole `generate` calls (prefill included), summed over runs.
 
-    .venv/bin/python benchmarks/bench_generation.py [--sizes tiny medium] [--batches 16 64] [--threads 1] [--no-stop-rows]
+    .venv/bin/python benchmarks/bench_generation.py [--sizes tiny medium] [--batches 16 64]
+        [--threads 1] [--no-stop-rows]
 """
 
 from __future__ import annotations
@@ -74,17 +75,19 @@ def run_builtin(engine, batch: Batch, max_new: int, stop: tuple[int, ...], seed:
     return int(out["response_mask"].sum()), dt
 
 
-def measure(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
-    """Run the engines alternately (so load from other processes hits both alike); returns
-    name -> (tokens/s over all repeats, mean response length)."""
+def measure(fns: dict, repeats: int, min_seconds: float) -> dict[str, tuple[float, float]]:
+    """Run the engines alternately (so load from other processes hits both alike), at least `repeats`
+    times and until every engine has run `min_seconds`; returns name -> (tokens/s, mean tokens/run)."""
     tokens = dict.fromkeys(fns, 0)
     seconds = dict.fromkeys(fns, 0.0)
-    for r in range(repeats):
+    runs = 0
+    while runs < repeats or min(seconds.values()) < min_seconds:
         for name, fn in fns.items():
-            tok, dt = fn(r)
+            tok, dt = fn(runs)
             tokens[name] += tok
             seconds[name] += dt
-    return {name: (tokens[name] / seconds[name], tokens[name] / repeats) for name in fns}
+        runs += 1
+    return {name: (tokens[name] / seconds[name], tokens[name] / runs) for name in fns}
 
 
 def main(argv=None) -> int:
@@ -92,7 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["tiny", "medium"])
     ap.add_argument("--batches", nargs="+", type=int, default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="fewest runs per engine and setting")
+    ap.add_argument("--min-seconds", type=float, default=10.0, help="run each engine at least this long")
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared 2-core box)"
     )
@@ -121,6 +125,7 @@ def main(argv=None) -> int:
                             "builtin": partial(run_builtin, engine, batch, max_new, stop),
                         },
                         args.repeats,
+                        args.min_seconds,
                     )
                 rows.append((size, params_m, batch_size, stop_name, res["hf"], res["builtin"]))
                 print(f"# {rows[-1]}", file=sys.stderr, flush=True)
@@ -129,7 +134,8 @@ def main(argv=None) -> int:
         f"\nGeneration throughput, llama arch, fp32 CPU ({platform.machine()}, {args.threads} threads), "
         f"torch {torch.__version__}, max_new_tokens={args.max_new_tokens}, temperature 1, top-k 50, "
         f"prompts 8-32 tokens, stop set {STOP} ('none': no stop, all rows run to the cap), "
-        f"engines alternated, {args.repeats} repeats, tokens/s = all generated tokens / all seconds, "
+        f"engines alternated, >= {args.repeats} runs and >= {args.min_seconds:.0f} s each, "
+        "tokens/s = all generated tokens / all seconds, "
         f"load average at the end {os.getloadavg()[0]:.1f}\n"
     )
     print(

@@ -43,6 +43,9 @@ class BuiltinEngineConfig:
     """Drop finished rows from the decode batch once they are this fraction of it (0 = at once)."""
     pad_token_id: int | None = None
     """Pad id for responses; None: the model config's pad_token_id, else its eos, else 0."""
+    max_num_seqs: int = 0
+    """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
+    Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
 
 
 class BuiltinEngine(GenerationEngine):
@@ -77,6 +80,14 @@ class BuiltinEngine(GenerationEngine):
         load_named_weights(self.model, weights)
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        check_prompt_batch(batch)
+        limit = self.config.max_num_seqs
+        if limit and len(batch) * params.n > limit:
+            prompts_per_chunk = max(1, limit // params.n)
+            return Batch.concat([self._generate_batch(c, params) for c in batch.split(prompts_per_chunk)])
+        return self._generate_batch(batch, params)
+
+    def _generate_batch(self, batch: Batch, params: SamplingParams) -> Batch:
         ids, mask = check_prompt_batch(batch)
         device = next(self.model.parameters()).device
         start = time.perf_counter()

@@ -204,3 +204,13 @@ def test_outputs_train_and_model_mode_is_restored(tokenizer):
     logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"]).logits
     logits.float().logsumexp(-1).mean().backward()
     assert model.lm_head.weight.grad is not None
+
+
+def test_max_num_seqs_chunks_give_the_same_greedy_rollout(models, tokenizer):
+    batch = prompt_batch(tokenizer)
+    params = SamplingParams(max_new_tokens=10, n=2, do_sample=False, stop_token_ids=(7, 8))
+    full = BuiltinEngine(models["llama"]).generate(batch, params)
+    chunked = BuiltinEngine(models["llama"], BuiltinEngineConfig(max_num_seqs=5)).generate(batch, params)
+    for key in ("responses", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"):
+        torch.testing.assert_close(chunked[key], full[key])
+    assert list(chunked["uid"]) == list(full["uid"])
