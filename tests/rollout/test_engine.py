@@ -214,3 +214,15 @@ def test_max_num_seqs_chunks_give_the_same_greedy_rollout(models, tokenizer):
     for key in ("responses", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"):
         torch.testing.assert_close(chunked[key], full[key])
     assert list(chunked["uid"]) == list(full["uid"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_n_samples_equal_single_sample_repeated(models, tokenizer, arch):
+    """Prefill runs once per prompt and its cache is repeated n times: that must not change anything."""
+    batch, engine = prompt_batch(tokenizer), BuiltinEngine(models[arch])
+    one = engine.generate(batch, SamplingParams(max_new_tokens=10, do_sample=False, stop_token_ids=(7, 8)))
+    three = engine.generate(
+        batch, SamplingParams(max_new_tokens=10, n=3, do_sample=False, stop_token_ids=(7, 8))
+    )
+    assert torch.equal(three["responses"], one["responses"].repeat_interleave(3, 0))
+    torch.testing.assert_close(three["rollout_log_probs"], one["rollout_log_probs"].repeat_interleave(3, 0))
