@@ -154,7 +154,7 @@ def hf_layout_transforms(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer in backward (HF's own switch, so parameter names are unchanged)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_fsdp(

@@ -184,3 +184,14 @@ def test_config_errors_are_clear():
         build_mesh(ParallelConfig(dp=2))
     with pytest.raises(ValueError, match="cosine"):
         OptimConfig(schedule="cosine")
+
+
+def test_activation_checkpointing_gives_the_same_gradients(model_dirs):
+    plain = TrainEngine(load_causal_lm(model_dirs["llama"]))
+    ckpt = TrainEngine(load_causal_lm(model_dirs["llama"]), EngineConfig(gradient_checkpointing=True))
+    assert ckpt.hf_model.is_activation_checkpointing and not plain.hf_model.is_activation_checkpointing
+    batch = make_rl_batch(plain.hf_model.config.vocab_size, batch_size=4, seed=11)
+    _, g_plain = _grads(plain, batch, micro_batch_size=2)
+    _, g_ckpt = _grads(ckpt, batch, micro_batch_size=2)
+    for name, grad in g_plain.items():
+        torch.testing.assert_close(g_ckpt[name], grad, atol=1e-6, rtol=1e-5)
