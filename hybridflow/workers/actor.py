@@ -98,12 +98,15 @@ class ActorRolloutRefWorker(Worker):
         return info
 
     # ---- generation ----------------------------------------------------------------------------------
-    def sampling_params(self, overrides: dict | None = None) -> SamplingParams:
+    def sampling_params(self, overrides: dict | None = None, step: int | None = None) -> SamplingParams:
+        """Rollout settings (+ overrides). The sampling seed depends on (trainer.seed, training step,
+        rank) — not on how many other calls (validation) happened — so ranks draw different samples,
+        reruns repeat exactly, and validating more often does not change the training run."""
         r = self.config.rollout
         kw = dict(n=r.n, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
         kw.update(overrides or {})
-        # per call and per rank, so that ranks draw different samples and reruns repeat exactly
-        seed = self.config.trainer.seed * 1_000_003 + self._gen_calls * 7919 + self.rank
+        call = step if step is not None else 1_000_000 + self._gen_calls
+        seed = self.config.trainer.seed * 1_000_003 + call * 7919 + self.rank
         return SamplingParams(
             max_new_tokens=r.response_length, do_sample=kw["temperature"] > 0, seed=seed, **kw
         )
@@ -115,7 +118,7 @@ class ActorRolloutRefWorker(Worker):
         top_k, top_p), e.g. greedy validation or ReMax's greedy baseline."""
         if self.rollout is None:
             raise RuntimeError(f"generate_sequences needs the 'rollout' role; this worker has {self.roles}")
-        params = self.sampling_params(sampling)
+        params = self.sampling_params(sampling, prompts.meta.get("global_step"))
         self._gen_calls += 1
         per_call = self.config.rollout.micro_batch_size_per_device or max(len(prompts), 1)
         with self._generation_weights():
