@@ -154,6 +154,7 @@ def summarize(algorithm: str, history: list[dict]) -> dict:
         out["cost_first"] = sum(h["safe_rlhf/cost_mean"] for h in first) / len(first)
         out["cost_last"] = sum(h["safe_rlhf/cost_mean"] for h in last) / len(last)
         out["lambda_last"] = steps[-1]["safe_rlhf/lambda"]
+        out["lambda_peak"] = max(h["safe_rlhf/lambda"] for h in steps)
     return out
 
 
@@ -189,8 +190,10 @@ def write_report(path: Path, sft: list[dict], rows: list[dict], command: str, se
         lines += [
             "",
             "Safe-RLHF cost: the share of responses that are not a bare integer (examples/rewards/arithmetic_cost.py),",
-            f"limit 0.1. Mean cost {s['cost_first']:.3f} (first 5 steps) -> {s['cost_last']:.3f} (last 5 steps); "
-            f"Lagrange multiplier at the end: {s['lambda_last']:.3f}.",
+            f"limit 0.1. Mean cost {s['cost_first']:.3f} (first 5 steps) -> {s['cost_last']:.3f} (last 5 steps). The",
+            f"Lagrange multiplier (initial 0) rose to {s['lambda_peak']:.3f} while the cost exceeded the limit and was",
+            f"{s['lambda_last']:.3f} at the end. This cost is partly aligned with the reward (a stray character also",
+            "fails exact match), so the constraint is easy to satisfy here; the run shows the mechanism, not a hard trade-off.",
         ]
     lines += ["", f"Total wall time: {seconds:.0f} s on this machine.", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +203,7 @@ def write_report(path: Path, sft: list[dict], rows: list[dict], command: str, se
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--algorithms", nargs="+", default=list(RL_ALGORITHMS), choices=RL_ALGORITHMS)
-    p.add_argument("--steps", type=int, default=40, help="RL steps per algorithm")
+    p.add_argument("--steps", type=int, default=80, help="RL steps per algorithm")
     p.add_argument("--sft-steps", type=int, default=200)
     p.add_argument("--workdir", default="runs/learning")
     p.add_argument("--out", default="docs/learning.md")

@@ -33,12 +33,12 @@ TRAINERS = {
 }
 
 
-def build_trainer(config, placement: Placement | None = None) -> Trainer:
-    """The trainer of config.algorithm.name, with its worker groups started."""
+def build_trainer(config, placement: Placement | None = None, groups: dict | None = None) -> Trainer:
+    """The trainer of config.algorithm.name, with its worker groups started (or `groups` reused)."""
     name = config.algorithm.name
     if name not in TRAINERS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(TRAINERS)}")
-    return TRAINERS[name](config, placement)
+    return TRAINERS[name](config, placement, groups)
 
 
 __all__ = [

@@ -47,11 +47,14 @@ def start_ray(cfg, num_devices: int) -> None:
 
 class Trainer:
     """Base of every algorithm's trainer. `config`: a HybridFlowConfig; `placement`: pools and roles
-    (default: from resources.placement)."""
+    (default: from resources.placement); `groups`: worker groups of another trainer to drive instead
+    of starting new ones (e.g. comparing advantage estimators on the same workers) — their
+    worker-side settings (models, actor/critic sections, KL loss) are the ones they were built with,
+    and this trainer does not shut them down."""
 
     name = "base"
 
-    def __init__(self, config, placement: Placement | None = None):
+    def __init__(self, config, placement: Placement | None = None, groups: dict | None = None):
         self.cfg = cfg = resolve_config(config)
         validate_config(cfg)
         self.placement = placement or Placement.from_config(cfg)
@@ -63,9 +66,18 @@ class Trainer:
         self.global_step = 0
         self.timers = Timers()
         self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
-        start_ray(cfg, self.placement.num_devices)
-        self.groups, self.pools = build_worker_groups(cfg, self.placement, self.roles())
         self.tracker = None
+        self.owns_groups = groups is None
+        if groups is None:
+            start_ray(cfg, self.placement.num_devices)
+            self.groups, self.pools = build_worker_groups(cfg, self.placement, self.roles())
+        else:
+            missing = [r for r in self.roles() if r not in groups]
+            if missing:
+                raise ValueError(
+                    f"{self.name}: the given worker groups lack roles {missing} (have {sorted(groups)})"
+                )
+            self.groups, self.pools = dict(groups), []
 
     # ---- what a subclass defines -------------------------------------------------------------------
     def roles(self) -> dict[str, dict]:
@@ -227,7 +239,8 @@ class Trainer:
     def close(self) -> None:
         if self.rule_reward is not None:
             self.rule_reward.close()
-        shutdown(self.groups, self.pools)
+        if self.owns_groups:
+            shutdown(self.groups, self.pools)
         self.groups, self.pools = {}, []
 
     def __enter__(self):

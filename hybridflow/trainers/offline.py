@@ -40,8 +40,8 @@ class DPOTrainer(_PairTrainer):
 
     name, kind = "dpo", "dpo"
 
-    def __init__(self, config, placement=None):
-        super().__init__(config, placement)
+    def __init__(self, config, placement=None, groups=None):
+        super().__init__(config, placement, groups)
         p = self.cfg.actor.parallel
         dp = self.placement.pools[self.placement.pool_of("actor_rollout")] // (p.tp * p.pp)
         if self.cfg.data.train_batch_size % dp:

@@ -30,8 +30,8 @@ class RLTrainer(Trainer):
 
     use_critic = False
 
-    def __init__(self, config, placement=None):
-        super().__init__(config, placement)
+    def __init__(self, config, placement=None, groups=None):
+        super().__init__(config, placement, groups)
         k = self.cfg.algorithm.kl
         self.kl_ctrl = build_kl_controller(k.controller, k.coef, k.target, k.horizon)
         self.metrics: dict = {}

@@ -18,13 +18,13 @@ class SafeRLHFTrainer(PPOTrainer):
     name = "safe_rlhf"
     use_critic = True
 
-    def __init__(self, config, placement=None):
+    def __init__(self, config, placement=None, groups=None):
         s = config.algorithm.safe_rlhf
         if not s.cost_fn and not config.model.cost_model_path:
             raise ValueError(
                 "safe_rlhf needs a cost: set algorithm.safe_rlhf.cost_fn or model.cost_model_path"
             )
-        super().__init__(config, placement)
+        super().__init__(config, placement, groups)
         self.lagrange = s.lambda_init
         self.rule_cost = RuleReward(self.cfg.reward, fn=s.cost_fn) if s.cost_fn else None
 

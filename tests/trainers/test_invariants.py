@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -47,21 +48,28 @@ def test_colocated_and_split_placements_give_the_same_losses(ray_cluster, make_c
     assert colocated[1]["critic/vf_loss"] > 0 and colocated[2]["actor/grad_norm"] > 0
 
 
-def test_cli_train_runs_a_config(ray_cluster, tiny_model_dir, tmp_path):
-    cfg = tmp_path / "grpo.yaml"
+def test_cli_trains_dpo_from_a_yaml_config(ray_cluster, tiny_model_dir, tmp_path):
+    """`hybridflow train CONFIG overrides` end to end, with DPO (actor + reference, preference pairs)."""
+    cfg = tmp_path / "dpo.yaml"
     cfg.write_text(
-        "algorithm: {name: grpo}\n"
+        "algorithm: {name: dpo, dpo: {beta: 0.5}}\n"
         f"model: {{path: {tiny_model_dir}}}\n"
-        "data: {dataset: 'synthetic:arithmetic', dataset_kwargs: {num_samples: 16, val_size: 4}, "
-        "max_prompt_length: 16, train_batch_size: 2}\n"
-        "actor: {ppo_mini_batch_size: 2}\n"
-        "rollout: {n: 2, response_length: 3}\n"
+        "data: {dataset: 'synthetic:arithmetic_dpo', dataset_kwargs: {num_samples: 4, val_size: 4},"
+        " max_prompt_length: 16, train_batch_size: 4, shuffle: false}\n"
+        "actor: {ppo_mini_batch_size: 4, micro_batch_size_per_device: 3, optim: {lr: 1.0e-3}}\n"
+        "rollout: {response_length: 3}\n"
         "resources: {device: cpu, n_gpus_per_node: 1}\n"
     )
-    rc = cli_main(["train", str(cfg), "trainer.total_steps=1", f"trainer.output_dir={tmp_path}",
+    rc = cli_main(["train", str(cfg), "trainer.total_steps=2", f"trainer.output_dir={tmp_path}",
                    "trainer.experiment_name=cli", "trainer.loggers=[jsonl]", "reward.num_workers=0"])  # fmt: skip
     assert rc == 0
-    rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
-    steps = {r.get("step") for r in rows}
-    assert {0, 1} <= steps
-    assert (tmp_path / "cli" / "checkpoints" / "global_step_1" / "trainer_state.json").is_file()
+    rows = {
+        r["step"]: r for r in map(json.loads, (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines())
+    }
+    assert {0, 1, 2} <= set(rows) and "val/synthetic:arithmetic/acc@1" in rows[2]
+    # step 1: the actor equals the reference, so the implicit rewards are 0 and the loss is log 2;
+    # step 2 sees the same 4 pairs after one update: the chosen answers now win
+    assert rows[1]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert rows[1]["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-4)
+    assert rows[2]["dpo/reward_margin"] > 0.01 and rows[2]["dpo/loss"] < math.log(2)
+    assert (tmp_path / "cli" / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()

@@ -1,0 +1,92 @@
+"""Pure pieces of the workers, without Ray: config -> engine config, the mini-batch loop, DPO loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config import ParallelConfig, load_config
+from hybridflow.workers.common import engine_config, engine_parallel, iter_mini_batches
+from hybridflow.workers.losses import actor_loss_fn, dpo_loss, dpo_loss_fn
+
+
+def test_engine_parallel_derives_dp_and_rejects_bad_sizes():
+    assert engine_parallel(ParallelConfig(tp=2), 8, "actor").dp == 4
+    assert engine_parallel(ParallelConfig(tp=2, dp=4), 8, "actor").world_size == 8
+    with pytest.raises(ValueError, match="actor.parallel: tp\\*pp = 3 does not divide the 8 devices"):
+        engine_parallel(ParallelConfig(tp=3), 8, "actor")
+    with pytest.raises(ValueError, match="dp must be 2"):
+        engine_parallel(ParallelConfig(tp=2, dp=3), 4, "critic")
+
+
+def test_engine_config_maps_the_config_tree():
+    cfg = load_config(None, ["actor.optim.lr=3e-4", "actor.optim.schedule=cosine", "actor.optim.betas=[0.8, 0.9]",
+                             "actor.micro_batch_size_per_device=5", "model.path=x", "resources.n_gpus_per_node=2"], validate=False)  # fmt: skip
+    ec = engine_config(cfg.actor, 2, "actor", seed=7, total_steps=30)
+    assert (ec.optim.lr, ec.optim.betas, ec.optim.total_steps, ec.optim.schedule) == (
+        3e-4,
+        (0.8, 0.9),
+        30,
+        "cosine",
+    )
+    assert (ec.micro_batch_size_per_device, ec.parallel.dp, ec.seed) == (5, 2, 7)
+    cfg.actor.optim.schedule = "linear"
+    with pytest.raises(NotImplementedError, match="'linear'"):
+        engine_config(cfg.actor, 2, "actor", seed=0)
+
+
+def test_mini_batches_first_epoch_in_order_then_permuted():
+    batch = Batch({"x": torch.arange(6)})
+    pieces = list(iter_mini_batches(batch, num_mini_batches=3, epochs=2, seed=0))
+    assert [p["x"].tolist() for p in pieces[:3]] == [[0, 1], [2, 3], [4, 5]]  # on-policy first pass
+    second = torch.cat([p["x"] for p in pieces[3:]])
+    assert (
+        len(pieces) == 6 and sorted(second.tolist()) == list(range(6)) and second.tolist() != list(range(6))
+    )
+    assert len(list(iter_mini_batches(batch.index(slice(0, 2)), 4, 1, 0))) == 2  # never an empty piece
+
+
+def test_dpo_loss_matches_hand_computed_values():
+    c, r = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
+    rc, rr = torch.tensor([-1.5, -2.0]), torch.tensor([-2.5, -1.5])
+    h = torch.tensor([(-1 + 1.5) - (-3 + 2.5), (-2 + 2.0) - (-1 + 1.5)])  # [1.0, -0.5]
+    loss, m = dpo_loss(c, r, rc, rr, beta=0.1)
+    expect = -torch.nn.functional.logsigmoid(0.1 * h).mean()
+    assert float(loss) == pytest.approx(float(expect))
+    assert float(m["reward_acc"]) == 0.5 and float(m["reward_margin"]) == pytest.approx(0.1 * 0.25)
+    smooth, _ = dpo_loss(c, r, rc, rr, beta=0.1, label_smoothing=0.2)
+    lsig = torch.nn.functional.logsigmoid
+    assert float(smooth) == pytest.approx(float((-0.8 * lsig(0.1 * h) - 0.2 * lsig(-0.1 * h)).mean()))
+    ipo, _ = dpo_loss(c, r, rc, rr, beta=0.5, loss_type="ipo")
+    assert float(ipo) == pytest.approx(((1.0 - 1.0) ** 2 + (-0.5 - 1.0) ** 2) / 2)
+    hinge, _ = dpo_loss(c, r, rc, rr, beta=0.5, loss_type="hinge")
+    assert float(hinge) == pytest.approx((0.5 + 1.25) / 2)
+    with pytest.raises(ValueError, match="unknown DPO loss_type"):
+        dpo_loss(c, r, rc, rr, beta=0.1, loss_type="kto")
+
+
+def test_dpo_loss_fn_pairs_interleaved_rows_and_sums_masked_tokens():
+    cfg = load_config(None, ["model.path=x"], validate=False).algorithm.dpo
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    lp = torch.tensor([[-1.0, -1.0, -9.0], [-0.5, -9.0, -9.0]])  # chosen sum -2, rejected sum -0.5
+    mb = Batch({"response_mask": mask, "ref_log_probs": torch.zeros(2, 3)})
+    loss, _ = dpo_loss_fn(cfg)({"log_probs": lp}, mb)
+    assert float(loss) == pytest.approx(-math.log(1 / (1 + math.exp(-cfg.beta * (-2.0 + 0.5)))))
+
+
+def test_actor_loss_adds_entropy_bonus_and_kl_loss():
+    cfg = load_config(None, ["model.path=x", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.5",
+                             "algorithm.kl_loss_kind=k1", "algorithm.entropy_coeff=0.1"], validate=False)  # fmt: skip
+    mask = torch.ones(2, 2)
+    lp = torch.tensor([[-1.0, -2.0], [-0.5, -1.0]])
+    mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": torch.ones(2, 2),
+                "ref_log_probs": lp - 0.2})  # fmt: skip
+    entropy = torch.full((2, 2), 3.0)
+    loss, m = actor_loss_fn(cfg.actor, cfg.algorithm)({"log_probs": lp, "entropy": entropy}, mb)
+    # ratio 1 -> pg loss = -mean(A) = -1; minus 0.1 * entropy 3; plus 0.5 * k1 KL 0.2
+    assert float(loss) == pytest.approx(-1.0 - 0.3 + 0.1)
+    assert float(m["pg_loss"]) == pytest.approx(-1.0) and float(m["kl_loss"]) == pytest.approx(0.2)
+    assert float(m["entropy"]) == pytest.approx(3.0)
