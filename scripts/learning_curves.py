@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ def common_overrides(model_dir, run_dir: Path, name: str, steps: int) -> list[st
         f"trainer.experiment_name={name}",
         "trainer.resume=never",
         "trainer.seed=1",
+        f"trainer.val_generations_to_log={TASK['val_size']}",  # all of them: see answer_accuracy
     ]
 
 
@@ -136,7 +138,19 @@ def val_acc(row: dict) -> float:
     return row["val/synthetic:arithmetic/acc@1"]
 
 
-def summarize(algorithm: str, history: list[dict]) -> dict:
+def answer_accuracy(run_dir: Path, step: int) -> float:
+    """Share of validation answers whose leading number is right, whatever follows it ("12." counts):
+    separates "knows the sum" from "also stops after it" (the exact-match accuracy)."""
+    from hybridflow.rewards.arithmetic import compute_score
+
+    rows = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] == step]
+    return sum(compute_score(r["response_text"], r["ground_truth"], mode="first_number") for r in rows) / len(
+        rows
+    )
+
+
+def summarize(algorithm: str, history: list[dict], run_dir: Path | None = None) -> dict:
     """Before/after numbers of one run: validation accuracy and the training reward (first / last 5 steps)."""
     steps = [h for h in history if h["step"] > 0]
     first, last = steps[:5], steps[-5:]
@@ -150,6 +164,9 @@ def summarize(algorithm: str, history: list[dict]) -> dict:
         "reward_last": sum(h["reward/mean"] for h in last) / len(last),
         "step_seconds": sum(h["timing_s/step"] for h in steps) / len(steps),
     }
+    if run_dir is not None:
+        out["answer_before"] = answer_accuracy(run_dir, 0)
+        out["answer_after"] = answer_accuracy(run_dir, history[-1]["step"])
     if algorithm == "safe_rlhf":
         out["cost_first"] = sum(h["safe_rlhf/cost_mean"] for h in first) / len(first)
         out["cost_last"] = sum(h["safe_rlhf/cost_mean"] for h in last) / len(last)
@@ -169,21 +186,34 @@ def write_report(path: Path, sft: list[dict], rows: list[dict], command: str, se
         "Task: `a+b=` with a, b in 0..9, exact-match reward, greedy validation accuracy (`val/synthetic:arithmetic/acc@1`)",
         "on 30 held-out problems. Model: the tiny char-level Llama (~86K parameters), warm-started by SFT on",
         f'demonstrations of the 70 training problems of which {int(SLOPPY * 100)}% end in a stray "." — so the warm',
-        "start often answers `12.` and exact match gives 0. RL must learn to stop after the number (and get more",
-        "sums right). Each RL run: 32 prompts x 8 samples per step, one on-policy update per step (lr 1e-3),",
-        "one worker process per model on a local Ray cluster.",
+        "start often answers `12.` and exact match gives 0. RL must learn to stop after the number (and may get",
+        "more sums right). Each RL run: 32 prompts x 8 samples per step, one on-policy update per step (lr 1e-3),",
+        'one worker process per model on a local Ray cluster. "Leading number right" ignores what follows the',
+        "number (`12.` counts): the gap between it and val acc is the format error RL removes; its own rise is",
+        "sums RL got right that the warm start got wrong. With 30 validation problems one problem is 3.3 points.",
         "",
         f"SFT warm start: val acc {val_acc(sft[0]):.3f} (random init) -> {val_acc(sft[-1]):.3f} after {sft[-1]['step']} steps.",
         "",
-        "| algorithm | steps | val acc before | val acc after | change | best val | train reward first 5 -> last 5 steps | s/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| algorithm | steps | val acc before | val acc after | change | best val | leading number right before -> after | train reward first 5 -> last 5 steps | s/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['algorithm']} | {r['steps']} | {r['val_before']:.3f} | {r['val_after']:.3f} | "
             f"{100 * (r['val_after'] - r['val_before']):+.1f} pts | {r['val_best']:.3f} | "
+            f"{r['answer_before']:.3f} -> {r['answer_after']:.3f} | "
             f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['step_seconds']:.2f} |"
         )
+    if rows:
+        lo, hi = min(r["answer_after"] for r in rows), max(r["answer_after"] for r in rows)
+        lines += [
+            "",
+            f"What the gain is made of: the leading number was right on {rows[0]['answer_before']:.3f} of the validation",
+            f"problems before RL and on {lo:.3f}-{hi:.3f} after, so on these held-out problems the exact-match gain is",
+            "the format (stopping after the number), not new sums; on the training problems the sampled reward rises",
+            "as the table shows. (Shorter probes without the sloppy warm start gave held-out gains within the noise",
+            "of 30 problems: a model this small mostly memorises the 70 training sums.)",
+        ]
     safe = [r for r in rows if r["algorithm"] == "safe_rlhf"]
     if safe:
         s = safe[0]
@@ -214,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.time()
     workdir = Path(args.workdir)
+    shutil.rmtree(workdir / "runs", ignore_errors=True)  # metric and generation logs append across runs
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         sft_dir, sft_history = warm_start(workdir, args.sft_steps)
@@ -221,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for algo in args.algorithms:
             history, trainer = train(rl_overrides(algo, sft_dir, workdir / "runs", args.steps))
             trainer.close()
-            rows.append(summarize(algo, history))
+            rows.append(summarize(algo, history, workdir / "runs" / algo))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         ray.shutdown()

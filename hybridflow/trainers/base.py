@@ -121,12 +121,19 @@ class Trainer:
         per-step metrics (validation metrics are merged into the step they follow)."""
         from hybridflow.logging import build_tracker
 
-        t = self.cfg.trainer
         self.maybe_resume()
         self.tracker = build_tracker(
             self.cfg, total_steps=self.total_steps, resume_step=self.global_step or None
         )
         history = []
+        try:
+            self._loop(history)
+        finally:
+            self.tracker.close()
+        return history
+
+    def _loop(self, history: list[dict]) -> None:
+        t = self.cfg.trainer
         if t.val_before_train and self.global_step == 0:
             val = {**self.validate(), **self.timers.pop()}
             self.tracker.log(val, 0)
@@ -138,17 +145,15 @@ class Trainer:
             start = time.perf_counter()
             with self.timers("step"):
                 batch, metrics = self.train_step(batch)
-            metrics.update(self.timers.pop())
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
             last = self.global_step == self.total_steps
             if (t.val_every and self.global_step % t.val_every == 0) or last:
                 metrics.update(self.validate())
             if (t.save_every and self.global_step % t.save_every == 0) or last:
                 self.save_checkpoint()
+            metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
             self.tracker.log(metrics, self.global_step)
             history.append({"step": self.global_step, **metrics})
-        self.tracker.close()
-        return history
 
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> dict:

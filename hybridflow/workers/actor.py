@@ -27,6 +27,7 @@ Methods and transfer protocols:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -122,7 +123,11 @@ class ActorRolloutRefWorker(Worker):
         self._gen_calls += 1
         per_call = self.config.rollout.micro_batch_size_per_device or max(len(prompts), 1)
         with self._generation_weights():
-            outs = [self.rollout.generate(chunk, params) for chunk in prompts.split(per_call)]
+            # each chunk its own seed: the same one would repeat the same random draws chunk after chunk
+            outs = [
+                self.rollout.generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
+                for i, chunk in enumerate(prompts.split(per_call))
+            ]
         out = outs[0] if len(outs) == 1 else Batch.concat(outs)
         out["response_text"] = self.decode(out["responses"], out["response_mask"])
         return out
