@@ -6,25 +6,33 @@ loop with validation and checkpoint hooks. An algorithm only says which roles it
     history = trainer.fit()               # list of per-step metric dicts (also sent to the tracker)
     trainer.close()
 
-Checkpoints (`save_checkpoint` / `load_checkpoint`, auto-resume from run_dir/checkpoints) hold each
-trainable worker group's sharded state plus the loader position and the trainer's own state
-(`extra_state`: KL coefficient, Lagrange multiplier); retention, export and the resume CLI are
-hybridflow/checkpoint's business (issue 5), which can build on these hooks.
+Checkpoints go through hybridflow/checkpoint's CheckpointManager (run_dir/checkpoints/step_N, written
+atomically, keep-last-K, a `latest` pointer): every trainable worker group writes its part (model,
+optimizer, LR scheduler, per-rank RNG states, a full HF copy for export) and the driver adds
+trainer_state.json (step, loader position, `extra_state`: KL coefficient / Lagrange multiplier, its
+own RNG state). `trainer.resume=auto` continues from `latest`, and the resumed run repeats the
+uninterrupted one exactly (tests/trainers/test_resume.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import ray
 
 from hybridflow.batch import Batch
-from hybridflow.config import resolve_config, validate_config
+from hybridflow.checkpoint import (
+    CheckpointManager,
+    capture_rng_state,
+    load_trainer_state,
+    restore_rng_state,
+    save_trainer_state,
+)
+from hybridflow.config import config_to_dict, resolve_config, validate_config
 from hybridflow.controller import ensure_ray
 from hybridflow.data import StatefulDataLoader, build_prompt_dataset
 from hybridflow.models import load_tokenizer
@@ -62,8 +70,9 @@ class Trainer:
         self.train_loader = self.build_train_loader()
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val")
         t = cfg.trainer
-        self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader)
+        self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader or ())
         self.global_step = 0
+        self.ckpt = CheckpointManager(cfg.run_dir, keep_last=t.keep_last, config=_hashed_config(cfg))
         self.timers = Timers()
         self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
         self.tracker = None
@@ -116,29 +125,32 @@ class Trainer:
         return self.groups.get(role)
 
     # ---- the loop -----------------------------------------------------------------------------------
-    def fit(self) -> list[dict]:
+    def fit(self, stop_after: int | None = None) -> list[dict]:
         """Train for trainer.total_steps (validating and checkpointing per trainer.*); returns the
-        per-step metrics (validation metrics are merged into the step they follow)."""
+        per-step metrics of this call (validation metrics are merged into the step they follow).
+        stop_after: end this call after that step, with a checkpoint there, as a preempted run would;
+        the next fit (or a new run with resume=auto) continues from it."""
         from hybridflow.logging import build_tracker
 
         self.maybe_resume()
+        self.write_config()
         self.tracker = build_tracker(
             self.cfg, total_steps=self.total_steps, resume_step=self.global_step or None
         )
         history = []
         try:
-            self._loop(history)
+            self._loop(history, min(stop_after or self.total_steps, self.total_steps))
         finally:
             self.tracker.close()
         return history
 
-    def _loop(self, history: list[dict]) -> None:
+    def _loop(self, history: list[dict], stop: int) -> None:
         t = self.cfg.trainer
         if t.val_before_train and self.global_step == 0:
             val = {**self.validate(), **self.timers.pop()}
             self.tracker.log(val, 0)
             history.append({"step": 0, **val})
-        while self.global_step < self.total_steps:
+        while self.global_step < stop:
             self.global_step += 1
             batch = self.train_loader.next_batch()
             batch.meta["global_step"] = self.global_step
@@ -149,41 +161,59 @@ class Trainer:
             last = self.global_step == self.total_steps
             if (t.val_every and self.global_step % t.val_every == 0) or last:
                 metrics.update(self.validate())
-            if (t.save_every and self.global_step % t.save_every == 0) or last:
+            if (t.save_every and self.global_step % t.save_every == 0) or last or self.global_step == stop:
                 self.save_checkpoint()
             metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
             self.tracker.log(metrics, self.global_step)
             history.append({"step": self.global_step, **metrics})
 
+    def write_config(self) -> Path:
+        """run_dir/config.yaml: the resolved config of this run (read by `hybridflow eval` and the report)."""
+        from hybridflow.checkpoint import atomic_write_text
+        from hybridflow.config.cli import to_yaml
+
+        path = Path(self.cfg.run_dir) / "config.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, to_yaml(self.cfg) + "\n")
+        return path
+
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> dict:
-        """Generate for every validation prompt (rollout.val sampling) and score: val/{data_source}/acc@1
-        (mean@n when rollout.val.n > 1) with a rule reward, val/{data_source}/reward with a reward model."""
+        """Generate for every validation prompt (rollout.val sampling) and score. With a rule reward:
+        val/{data_source}/acc@1 (the first sample of each prompt) and, when rollout.val.n > 1,
+        mean@n (all samples) and best@n (any sample right); with a reward model
+        val/{data_source}/reward. Also val/reward/mean, and a table of sample generations."""
         if self.val_dataset is None:
             return {}
         v = self.cfg.rollout.val
         sampling = {"n": v.n, "temperature": v.temperature, "top_k": v.top_k, "top_p": v.top_p}
         size = self.cfg.data.val_batch_size or len(self.val_dataset)
-        per_source, rows = defaultdict(list), []
+        per_source, rows = defaultdict(list), []  # source -> [(n,) scores of one prompt]
         with self.timers("validate"):
             for start in range(0, len(self.val_dataset), size):
                 samples = [
                     self.val_dataset[i] for i in range(start, min(start + size, len(self.val_dataset)))
                 ]
-                out = self.actor.generate_sequences(self.val_dataset.collate(samples), sampling=sampling)
-                scores = self.val_scores(out)
-                for src, s in zip(out["data_source"], scores.tolist()):
-                    per_source[src].append(s)
+                gen = self.actor.generate_sequences(self.val_dataset.collate(samples), sampling=sampling)
+                scores = self.val_scores(gen).float()
+                for i, s in enumerate(scores.view(-1, v.n)):  # rows come interleaved: prompt i's n samples
+                    per_source[gen["data_source"][i * v.n]].append(s)
                 rows += self._generation_rows(
-                    out, scores, self.cfg.trainer.val_generations_to_log - len(rows)
+                    gen, scores, self.cfg.trainer.val_generations_to_log - len(rows)
                 )
         if self.tracker is not None and rows:
             self.tracker.log_generations(rows, self.global_step)
-        metric = "acc@1" if v.n == 1 else f"mean@{v.n}"
-        if self.rule_reward is None:
-            metric = "reward"
-        out = {f"val/{src}/{metric}": float(np.mean(s)) for src, s in per_source.items()}
-        out["val/reward/mean"] = float(np.mean([s for ss in per_source.values() for s in ss]))
+        out = {}
+        for src, groups in per_source.items():
+            s = np.stack([g.numpy() for g in groups])  # (prompts, n)
+            if self.rule_reward is None:
+                out[f"val/{src}/reward"] = float(s.mean())
+                continue
+            out[f"val/{src}/acc@1"] = float(s[:, 0].mean())
+            if v.n > 1:
+                out[f"val/{src}/mean@{v.n}"] = float(s.mean())
+                out[f"val/{src}/best@{v.n}"] = float(s.max(1).mean())
+        out["val/reward/mean"] = float(np.mean([float(g.mean()) for gs in per_source.values() for g in gs]))
         return out
 
     def val_scores(self, batch: Batch):
@@ -200,45 +230,52 @@ class Trainer:
         ]
 
     # ---- checkpoints ----------------------------------------------------------------------------------
-    def checkpoint_dir(self, step: int | None = None) -> str:
-        return os.path.join(
-            self.cfg.run_dir, "checkpoints", f"global_step_{self.global_step if step is None else step}"
-        )
-
     def trainable_groups(self) -> dict:
         return {r: self.groups[r] for r in ("actor_rollout", "critic", "cost_critic") if r in self.groups}
 
-    def save_checkpoint(self) -> str:
-        path = self.checkpoint_dir()
-        with self.timers("save_checkpoint"):
+    def save_checkpoint(self) -> Path:
+        """Checkpoint this step (atomic; `latest` moves on success; older ones pruned to keep_last)."""
+        m = self.cfg.model
+        meta = {"algorithm": self.name, "tokenizer_dir": os.path.abspath(m.tokenizer_path or m.path)}
+        with self.timers("save_checkpoint"), self.ckpt.writing(self.global_step, meta=meta) as tmp:
             for g in self.trainable_groups().values():
-                g.save_checkpoint(path)
-            state = {"global_step": self.global_step, "algorithm": self.name,
-                     "loader": self.train_loader.state_dict(), "extra": self.extra_state()}  # fmt: skip
-            with open(os.path.join(path, "trainer_state.json"), "w") as f:
-                json.dump(state, f, indent=1)
-        return path
+                g.save_checkpoint(str(tmp))  # each writes tmp/<role>/ (a collective over its ranks)
+            state = {"global_step": self.global_step, "algorithm": self.name, "loader": self.train_loader.state_dict(),
+                     "extra": self.extra_state(), "rng": capture_rng_state()}  # fmt: skip
+            save_trainer_state(tmp, state)
+        return self.ckpt.step_dir(self.global_step)
 
-    def load_checkpoint(self, path: str) -> None:
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            state = json.load(f)
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore every trainable group, the loader position, extra_state and the driver's RNG."""
+        state = load_trainer_state(path)
+        if state.get("algorithm", self.name) != self.name:
+            raise ValueError(
+                f"checkpoint {path} was written by {state['algorithm']}, this run is {self.name}; "
+                "set trainer.resume=never or another trainer.output_dir / experiment_name"
+            )
         for g in self.trainable_groups().values():
-            g.load_checkpoint(path)
+            g.load_checkpoint(str(path))
         self.global_step = int(state["global_step"])
         self.train_loader.load_state_dict(state["loader"])
         self.load_extra_state(state.get("extra", {}))
+        if "rng" in state:
+            restore_rng_state(state["rng"])
 
-    def latest_checkpoint(self) -> str | None:
-        root = os.path.join(self.cfg.run_dir, "checkpoints")
-        steps = [int(m.group(1)) for d in (os.listdir(root) if os.path.isdir(root) else [])
-                 if (m := re.fullmatch(r"global_step_(\d+)", d)) and os.path.isfile(os.path.join(root, d, "trainer_state.json"))]  # fmt: skip
-        return os.path.join(root, f"global_step_{max(steps)}") if steps else None
+    def latest_checkpoint(self) -> Path | None:
+        return self.ckpt.latest()
 
-    def maybe_resume(self) -> None:
-        resume = self.cfg.trainer.resume
-        path = self.latest_checkpoint() if resume == "auto" else (None if resume == "never" else resume)
-        if path is not None and self.global_step == 0:
-            self.load_checkpoint(path)
+    def maybe_resume(self) -> Path | None:
+        """Load the checkpoint trainer.resume names (auto: the latest, if any); -> its path or None."""
+        path = self.ckpt.resolve(self.cfg.trainer.resume)
+        if path is None or self.global_step != 0:
+            return None
+        self.ckpt.validate(path, require=[*self.checkpoint_parts(), "trainer_state.json"])
+        self.load_checkpoint(path)
+        return path
+
+    def checkpoint_parts(self) -> list[str]:
+        """The checkpoint parts (directories) this trainer's groups write: their role names."""
+        return [{"actor_rollout": "actor"}.get(r, r) for r in self.trainable_groups()]
 
     # ---- teardown -------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -253,3 +290,13 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _hashed_config(cfg) -> dict:
+    """The config as hashed into checkpoint manifests: without run length and logging settings, which a
+    resumed run may change freely (a mismatch elsewhere is logged as a warning on resume)."""
+    d = config_to_dict(cfg)
+    t = d["trainer"]
+    for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers"):
+        t.pop(k, None)
+    return d

@@ -34,6 +34,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from hybridflow.batch import Batch
+from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
@@ -241,12 +242,15 @@ class ActorRolloutRefWorker(Worker):
     # ---- persistence -------------------------------------------------------------------------------
     @register(Protocol.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """Sharded actor state (model + optimizer + schedule) under path/actor (collective)."""
-        self._engine("actor").save_checkpoint(os.path.join(path, "actor"))
+        """The actor's part of checkpoint `path`: path/actor/ with sharded model + optimizer + schedule,
+        this rank's RNG states and a full HF copy with the tokenizer (hybridflow/checkpoint; collective)."""
+        save_engine_state(
+            self._engine("actor"), os.path.join(path, "actor"), self.rank, tokenizer=self.tokenizer
+        )
 
     @register(Protocol.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        self._engine("actor").load_checkpoint(os.path.join(path, "actor"))
+        load_engine_state(self._engine("actor"), os.path.join(path, "actor"), self.rank)
 
     @register(Protocol.ONE_TO_ALL)
     def save_hf_model(self, path: str) -> None:

@@ -15,6 +15,7 @@ import json
 import os
 
 from hybridflow.batch import Batch
+from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import init_critic_from_causal_lm, load_critic
@@ -93,8 +94,9 @@ class CriticWorker(Worker):
 
     @register(Protocol.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        self.engine.save_checkpoint(os.path.join(path, self.name))
+        """This critic's part of checkpoint `path`: path/<name>/ (see ActorRolloutRefWorker.save_checkpoint)."""
+        save_engine_state(self.engine, os.path.join(path, self.name), self.rank)
 
     @register(Protocol.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        self.engine.load_checkpoint(os.path.join(path, self.name))
+        load_engine_state(self.engine, os.path.join(path, self.name), self.rank)

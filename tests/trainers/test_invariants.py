@@ -72,7 +72,7 @@ def test_cli_trains_dpo_from_a_yaml_config(ray_cluster, tiny_model_dir, tmp_path
     assert rows[1]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert rows[1]["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-4)
     assert rows[2]["dpo/reward_margin"] > 0.01 and rows[2]["dpo/loss"] < math.log(2)
-    assert (tmp_path / "cli" / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
+    assert (tmp_path / "cli" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
     # the same command with more steps resumes from the step-2 checkpoint and runs only step 3
     rc = cli_main(["train", str(cfg), "trainer.total_steps=3", f"trainer.output_dir={tmp_path}",
                    "trainer.experiment_name=cli", "trainer.loggers=[jsonl]", "reward.num_workers=0"])  # fmt: skip
