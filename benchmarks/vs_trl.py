@@ -1,0 +1,253 @@
+"""End-to-end GRPO iteration speed, hybridflow vs TRL (`GRPOTrainer`, trl==1.16.0), same workload, one run.
+
+Both sides load the same model directory (hybridflow.models.tiny.save_tiny_model: "small" ~0.8M and
+"medium" ~25M params, char tokenizer with a chat template) and train on the same prompts
+(synthetic:arithmetic, dataset order, no shuffling) with the same group size n, prompts per step,
+response length, learning rate (constant, AdamW, no weight decay, grad clip 1.0), loss (clipped
+ratio 0.2, token-mean over the batch, group-normalised advantages, KL loss beta with the k3 /
+low_var_kl estimator, so both compute reference log-probs every step), one optimizer step per
+iteration on one micro-batch, fp32 on CPU, the same cores and threads. hybridflow runs 1 worker
+process (dp=1, actor + rollout + ref colocated) behind its Ray single controller.
+
+Response lengths are forced equal, so both count the same tokens: TRL with
+min_new_tokens = max_completion_length (EOS masked until the end), hybridflow with
+eos_token_ids=() in the rollout (no stop token). Rewards: the arithmetic rule, first number in the
+response (hybridflow.rewards.arithmetic, mode="first_number") on both sides.
+
+Each (side, row) runs in its own subprocess (vs_trl_trl.py / vs_trl_hybridflow.py) under
+`taskset -c --cores` with OMP_NUM_THREADS=--threads. Per-iteration wall time is the interval
+between two step ends (median over the steps after --warmup); tokens/s = (prompt + response tokens of
+the step) / that time; CPU s/iter = CPU seconds of the side's whole process tree per iteration
+(steadier than wall time when the machine is shared), and the best iteration's speedup (the
+least disturbed one). OMP_WAIT_POLICY=PASSIVE on both sides (see run_side). The small/32 row runs --learn-steps steps and
+its reward curves are the learning-alike check.
+
+    .venv/bin/python benchmarks/vs_trl.py [--sizes small medium] [--lengths 32 128] [--ppo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
+
+
+def run_side(script: str, args, extra: list[str], log: Path) -> dict:
+    """Run one side in a subprocess; returns its JSON result (stderr goes to `log`)."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(args.threads),
+        MKL_NUM_THREADS=str(args.threads),
+        # Idle OpenMP threads sleep instead of spinning: on a shared, oversubscribed machine spinning
+        # threads made the same step vary 10x in wall *and* CPU time; passive waits keep CPU s/iter steady.
+        OMP_WAIT_POLICY="PASSIVE",
+        TOKENIZERS_PARALLELISM="false",
+        RAY_AUTH_MODE="disabled",
+        RAY_DEDUP_LOGS="0",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
+    )
+    cmd = [sys.executable, str(HERE / script), *extra]
+    if args.cores and shutil.which("taskset"):
+        cmd = ["taskset", "-c", args.cores, *cmd]
+    with open(log, "w") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{script} failed (exit {proc.returncode}); stderr tail:\n{tail}")
+    return json.loads(lines[-1])
+
+
+def summarize(result: dict, warmup: int) -> dict:
+    """Medians over the measured steps (those after `warmup`)."""
+    steps = result["steps"][warmup:] or result["steps"][-1:]
+    out = {k: statistics.median(s[k] for s in steps) for k in (*PHASES, "iteration", "cpu")}
+    out["best"] = min(s["iteration"] for s in steps)
+    tokens = {s["tokens"] for s in steps}
+    out["tokens"] = max(tokens)
+    out["tokens_equal"] = len(tokens) == 1
+    out["measured_steps"] = len(steps)
+    return out
+
+
+def common_args(args, model: str, length: int, steps: int, workdir: Path) -> list[str]:
+    return [
+        "--model", model, "--workdir", str(workdir), "--steps", str(steps),
+        "--batch-size", str(args.batch_size), "--n", str(args.n), "--response-length", str(length),
+        "--lr", str(args.lr), "--kl-coef", str(args.kl_coef), "--seed", str(args.seed),
+    ]  # fmt: skip
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}"
+
+
+def throughput_table(rows: list[dict]) -> str:
+    head = (
+        "| model | Lr | seqs/iter | tokens/iter | TRL s/iter | hybridflow s/iter | TRL tok/s | "
+        "hybridflow tok/s | **speedup (tok/s)** | speedup, best iteration | TRL CPU s/iter | "
+        "hybridflow CPU s/iter | CPU ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = ""
+    for r in rows:
+        t, h = r["trl"], r["hybridflow"]
+        body += (
+            f"| {r['size']} | {r['length']} | {r['seqs']} | {int(h['tokens'])} | {fmt(t['iteration'])} | "
+            f"{fmt(h['iteration'])} | {fmt(t['tokens'] / t['iteration'], 0)} | "
+            f"{fmt(h['tokens'] / h['iteration'], 0)} | **{fmt(t['iteration'] / h['iteration'])}x** | "
+            f"{fmt(t['best'] / h['best'])}x | "
+            f"{fmt(t['cpu'])} | {fmt(h['cpu'])} | {fmt(t['cpu'] / max(h['cpu'], 1e-9))}x |\n"
+        )
+    return head + body
+
+
+def phase_table(rows: list[dict], sides=("trl", "hybridflow")) -> str:
+    head = "| model | Lr | side | " + " | ".join(PHASES) + " | iteration |\n"
+    head += "|---" * (len(PHASES) + 4) + "|\n"
+    body = ""
+    for r in rows:
+        for side in sides:
+            if side not in r:
+                continue
+            s = r[side]
+            cells = " | ".join(fmt(s[p]) for p in PHASES)
+            body += f"| {r['size']} | {r['length']} | {side} | {cells} | {fmt(s['iteration'])} |\n"
+    return head + body
+
+
+def curve_table(curves: dict[str, list[float]], tail: int) -> str:
+    names = list(curves)
+    k = max(len(c) for c in curves.values())
+    lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for i in range(k):
+        cells = [fmt(c[i], 3) if i < len(c) else "" for c in curves.values()]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    summary = []
+    for name, c in curves.items():
+        last = c[-tail:]
+        mean = statistics.fmean(last)
+        sem = statistics.stdev(last) / len(last) ** 0.5 if len(last) > 1 else float("nan")
+        summary.append(f"{name}: mean reward over the last {len(last)} steps {mean:.3f} +- {sem:.3f} (s.e.)")
+    return "\n".join(lines) + "\n\n" + "\n".join(summary) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["small", "medium"])
+    p.add_argument("--lengths", nargs="+", type=int, default=[32, 128])
+    p.add_argument("--steps", type=int, default=5, help="iterations per row (warm-up included)")
+    p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
+    p.add_argument(
+        "--learn-steps", type=int, default=20, help="iterations of the small/32 row (reward curves)"
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
+    p.add_argument("--n", type=int, default=4, help="responses per prompt (GRPO group size)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--kl-coef", type=float, default=0.01, help="KL loss beta (> 0: reference log-probs)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cores", default="0,1", help="taskset CPU list for both sides ('' = no pinning)")
+    p.add_argument(
+        "--ppo", action="store_true", help="also run hybridflow PPO on the small/32 and medium/32 rows"
+    )
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workdir", default="", help="where models and logs go (default: a temp dir)")
+    p.add_argument("--json", default="", help="also write all raw results here")
+    args = p.parse_args(argv)
+
+    from hybridflow.models.tiny import save_tiny_model
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vs_trl_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    rows, curves, raw = [], {}, []
+    for i_size, size in enumerate(args.sizes):
+        model = str(save_tiny_model(workdir / f"model_{size}", size))
+        for i_len, length in enumerate(args.lengths):
+            learn = size == "small" and length == 32 and args.learn_steps > 0
+            steps = max(args.steps, args.learn_steps) if learn else args.steps
+            row = {"size": size, "length": length, "seqs": args.batch_size * args.n}
+            extra = common_args(args, model, length, steps, workdir)
+            order = ["trl", "hybridflow"] if (i_size + i_len) % 2 == 0 else ["hybridflow", "trl"]
+            for side in order:
+                script = "vs_trl_trl.py" if side == "trl" else "vs_trl_hybridflow.py"
+                side_extra = extra + (["--threads", str(args.threads)] if side == "trl" else [])
+                print(f"[vs_trl] {size}/{length}: {side}, {steps} steps ...", file=sys.stderr, flush=True)
+                res = run_side(script, args, side_extra, workdir / f"{side}_{size}_{length}.log")
+                raw.append({"size": size, "length": length, **res})
+                row[side] = summarize(res, args.warmup)
+                if learn:
+                    curves[side] = res["rewards"]
+            if args.ppo and length == 32:
+                print(f"[vs_trl] {size}/{length}: hybridflow ppo ...", file=sys.stderr, flush=True)
+                ppo_extra = common_args(args, model, length, args.steps, workdir) + ["--algorithm", "ppo"]
+                res = run_side("vs_trl_hybridflow.py", args, ppo_extra, workdir / f"ppo_{size}_{length}.log")
+                raw.append({"size": size, "length": length, **res})
+                row["hybridflow_ppo"] = summarize(res, args.warmup)
+            rows.append(row)
+
+    print(report(args, rows, curves, time.time() - started))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "curves": curves, "raw": raw}, indent=1))
+    return 0
+
+
+def report(args, rows: list[dict], curves: dict, seconds: float) -> str:
+    try:
+        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    out = [
+        f"## hybridflow vs TRL {_trl_version()}: GRPO iteration (fp32, CPU cores {args.cores or 'all'}, "
+        f"{args.threads} threads)",
+        "",
+        f"{args.batch_size} prompts x n={args.n} per iteration, lr {args.lr}, KL beta {args.kl_coef}; medians "
+        f"over {args.steps - args.warmup} iterations after {args.warmup} warm-up "
+        f"(small/32: {max(args.steps, args.learn_steps) - args.warmup}); "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at the end {load}; "
+        f"whole benchmark {seconds / 60:.1f} min.",
+        "",
+        throughput_table(rows),
+        "Phase split (median seconds per iteration):",
+        "",
+        phase_table(rows),
+    ]
+    if any(not r[s]["tokens_equal"] for r in rows for s in ("trl", "hybridflow")):
+        out.append("WARNING: token counts varied between iterations of a row.\n")
+    if any(r["trl"]["tokens"] != r["hybridflow"]["tokens"] for r in rows):
+        out.append("WARNING: the two sides counted different tokens per iteration.\n")
+    ppo = [r for r in rows if "hybridflow_ppo" in r]
+    if ppo:
+        out += [
+            "PPO (TRL 1.16 has no PPOTrainer): hybridflow PPO (actor + critic + ref, GAE) against "
+            "hybridflow GRPO on the same rows:",
+            "",
+            phase_table(ppo, sides=("hybridflow", "hybridflow_ppo")),
+        ]
+    if curves:
+        out += ["Learning alike (small model, Lr 32): mean reward per iteration", "", curve_table(curves, 5)]
+    return "\n".join(out)
+
+
+def _trl_version() -> str:
+    try:
+        import trl
+
+        return trl.__version__
+    except ImportError:
+        return "(not installed)"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""The hybridflow side of benchmarks/vs_trl.py: GRPO (or PPO) through the public trainer API, timed.
+
+Run as a subprocess by vs_trl.py; prints one JSON line with per-iteration timings and the reward
+curve. The step loop is `Trainer.fit`'s without validation and checkpoints (TRL's side runs without
+eval or saves too): next_batch -> train_step -> timers. Phases come from the driver's own named
+timers (timing_s/<phase>, trainers/ppo.py), mapped to the table's columns:
+
+  generation  gen            ref     ref            old  old_log_prob (free when on-policy)
+  values      values (PPO's critic forward)         reward  reward + adv
+  update      update_actor (+ update_critic for PPO)
+  other       the rest of the interval between two step ends (loader, driver glue, metrics)
+
+Equal response lengths: the benchmark's driver passes `eos_token_ids=()` to generate_sequences, so
+every response runs to exactly `rollout.response_length` tokens (EOS may still be sampled as an
+ordinary token; TRL's side masks EOS instead, via min_new_tokens — same token counts either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from vs_trl_common import tree_cpu_seconds
+
+PHASE_KEYS = {
+    "generation": ("gen",),
+    "ref": ("ref",),
+    "old": ("old_log_prob",),
+    "values": ("values",),
+    "reward": ("reward", "adv"),
+    "update": ("update_actor", "update_critic"),
+}
+
+
+def build_config(args):
+    from hybridflow.config import load_config
+
+    seqs = args.batch_size * args.n
+    overrides = [
+        f"algorithm.name={args.algorithm}",
+        "algorithm.use_kl_loss=true",
+        f"algorithm.kl_loss_coef={args.kl_coef}",
+        "algorithm.kl_loss_kind=low_var_kl",  # TRL's k3 estimator
+        "algorithm.norm_by_std=true",  # TRL scale_rewards="group"
+        f"model.path={args.model}",
+        "model.dtype=float32",
+        "data.dataset=synthetic:arithmetic",
+        f"data.dataset_kwargs={{num_samples: {args.steps * args.batch_size}}}",
+        f"data.seed={args.seed}",  # the dataset seed too (same rows as the TRL side)
+        f"data.train_batch_size={args.batch_size}",
+        "data.shuffle=false",  # both sides take the prompts in dataset order
+        f"actor.optim.lr={args.lr}",
+        "actor.optim.weight_decay=0.0",
+        "actor.optim.grad_clip=1.0",
+        "actor.optim.schedule=constant",
+        f"actor.ppo_mini_batch_size={args.batch_size}",  # one optimizer step per iteration, as TRL
+        "actor.ppo_epochs=1",
+        f"actor.micro_batch_size_per_device={seqs}",  # one micro-batch, as TRL
+        "actor.loss_agg_mode=token-mean",
+        f"ref.micro_batch_size_per_device={seqs}",
+        f"rollout.n={args.n}",
+        "rollout.temperature=1.0",
+        "rollout.top_k=-1",
+        "rollout.top_p=1.0",
+        f"rollout.response_length={args.response_length}",
+        "reward.kind=rule",
+        "reward.fn_kwargs={mode: first_number}",
+        f"reward.num_workers={args.reward_workers}",
+        "resources.device=cpu",
+        "resources.placement=colocate",
+        f"resources.n_gpus_per_node={args.workers}",
+        f"resources.ray_num_cpus={max(args.workers, 2)}",
+        f"trainer.total_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.resume=never",
+        f"trainer.output_dir={os.path.join(args.workdir, 'hf_runs')}",
+        "trainer.loggers=[]",
+        f"trainer.seed={args.seed}",
+    ]
+    if args.algorithm == "ppo":
+        overrides += [
+            f"critic.micro_batch_size_per_device={seqs}",
+            f"critic.optim.lr={args.lr}",
+            "critic.optim.weight_decay=0.0",
+        ]
+    return load_config(None, overrides)
+
+
+def fixed_length(trainer_cls):
+    """The trainer with generation that ignores EOS (every response exactly response_length)."""
+
+    class FixedLength(trainer_cls):
+        def generate(self, prompts):
+            batch = self.actor.generate_sequences(prompts, sampling={"eos_token_ids": ()})
+            batch.meta.update(prompts.meta)
+            return batch
+
+    return FixedLength
+
+
+def run(args) -> dict:
+    from hybridflow.trainers import TRAINERS
+
+    cfg = build_config(args)
+    trainer = fixed_length(TRAINERS[args.algorithm])(cfg)
+    steps, rewards = [], []
+    try:
+        last, last_cpu = time.perf_counter(), tree_cpu_seconds()
+        for step in range(1, args.steps + 1):
+            trainer.global_step = step
+            batch = trainer.train_loader.next_batch()
+            batch.meta["global_step"] = step
+            with trainer.timers("step"):
+                batch, metrics = trainer.train_step(batch)
+            times = trainer.timers.pop()
+            now, cpu = time.perf_counter(), tree_cpu_seconds()
+            row = {
+                phase: sum(times.get(f"timing_s/{k}", 0.0) for k in keys)
+                for phase, keys in PHASE_KEYS.items()
+            }
+            row["iteration"] = now - last
+            row["other"] = row["iteration"] - sum(
+                v for k, v in row.items() if k not in ("iteration", "other")
+            )
+            row["cpu"] = cpu - last_cpu
+            row["tokens"] = float(batch["attention_mask"].sum())
+            steps.append(row)
+            rewards.append(float(metrics["reward/mean"]))
+            last, last_cpu = now, cpu
+    finally:
+        trainer.close()
+    return {"side": "hybridflow", "algorithm": args.algorithm, "steps": steps, "rewards": rewards}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory (saved by save_tiny_model)")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--algorithm", default="grpo", choices=("grpo", "ppo"))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per step")
+    p.add_argument("--n", type=int, default=4, help="responses per prompt")
+    p.add_argument("--response-length", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--kl-coef", type=float, default=0.01)
+    p.add_argument("--workers", type=int, default=1, help="worker processes (dp) in the colocated pool")
+    p.add_argument("--reward-workers", type=int, default=0, help="reward.num_workers (0 = in-process)")
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    print(json.dumps(run(parse_args(argv))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

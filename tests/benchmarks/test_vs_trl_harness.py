@@ -1,0 +1,73 @@
+"""Smoke test of benchmarks/vs_trl.py's harness: both sides run 2 real iterations on the tiny model and
+report what the table is built from (equal, exact token counts; phases that add up to the iteration).
+
+Speed is never asserted (preamble); this only guards that the comparison stays like-for-like.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import vs_trl  # noqa: E402
+
+B, N, LR = 2, 2, 8
+PROMPT_TOKENS = 6  # "<|user|>" + "a+b=" + "<|assistant|>" with single-digit operands
+TOKENS = B * N * (PROMPT_TOKENS + LR)
+
+
+def _side_args(tmp_path, model_dir) -> list[str]:
+    return [
+        "--model", str(model_dir), "--workdir", str(tmp_path), "--steps", "2", "--batch-size", str(B),
+        "--n", str(N), "--response-length", str(LR), "--lr", "1e-3", "--kl-coef", "0.01",
+    ]  # fmt: skip
+
+
+def _check_steps(result: dict) -> None:
+    assert len(result["steps"]) == 2 and len(result["rewards"]) == 2
+    for step in result["steps"]:
+        assert step["tokens"] == TOKENS  # every response ran to exactly LR tokens
+        parts = sum(step[p] for p in vs_trl.PHASES if p != "other")
+        assert 0 < parts <= step["iteration"] + 1e-6
+        assert step["generation"] > 0 and step["ref"] > 0 and step["update"] > 0
+        assert step["cpu"] > 0
+    assert all(0.0 <= r <= 1.0 for r in result["rewards"])
+
+
+def test_hybridflow_side(ray_cluster, tiny_model_dir, tmp_path):
+    import vs_trl_hybridflow
+
+    args = vs_trl_hybridflow.parse_args(_side_args(tmp_path, tiny_model_dir))
+    result = vs_trl_hybridflow.run(args)
+    _check_steps(result)
+    assert all(s["old"] < 0.05 for s in result["steps"])  # on-policy: rollout log-probs reused
+
+
+def test_trl_side(tiny_model_dir, tmp_path, capsys):
+    pytest.importorskip("trl", reason="TRL comes with the bench extra (make bench)")
+    import vs_trl_trl
+
+    assert vs_trl_trl.main(_side_args(tmp_path, tiny_model_dir) + ["--threads", "1"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")][-1]
+    result = json.loads(line)
+    _check_steps(result)
+    assert all(s["old"] == 0.0 for s in result["steps"])  # TRL skips it when aligned, as we do
+
+
+def test_summary_and_table():
+    steps = [
+        {"generation": g, "ref": 1.0, "old": 0.0, "values": 0.0, "reward": 0.0, "update": 2.0, "other": 0.0,
+         "iteration": g + 3.0, "cpu": 5.0, "tokens": 100.0}
+        for g in (9.0, 1.0, 2.0, 3.0)
+    ]  # fmt: skip
+    s = vs_trl.summarize({"steps": steps}, warmup=1)
+    assert s["measured_steps"] == 3 and s["generation"] == 2.0 and s["iteration"] == 5.0
+    assert s["tokens"] == 100.0 and s["tokens_equal"]
+    half = dict(s, iteration=2.5, cpu=2.5, best=2.0)
+    table = vs_trl.throughput_table([{"size": "tiny", "length": 8, "seqs": 4, "trl": s, "hybridflow": half}])
+    assert "| 5.00 | 2.50 | 20 | 40 | **2.00x** | 2.00x | 5.00 | 2.50 | 2.00x |" in table
