@@ -231,6 +231,11 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         errors.append(
             f"resources.placement: {placement!r} is not colocate|split|auto or an existing plan file"
         )
+    if placement not in ("colocate", "split") and a.name in OFFLINE_ALGORITHMS:
+        errors.append(
+            f"resources.placement: the planner ('auto' or a plan file) has no dataflow for {a.name!r}, "
+            "which only trains the actor; use colocate"
+        )
     return errors
 
 

@@ -9,12 +9,15 @@ Roles: "actor_rollout" (ActorRolloutRefWorker with actor + rollout), "ref", "cri
 actor's worker instance (one process, two engines), as verl's ActorRolloutRefWorker does.
 
 From the config (`resources.placement`): "colocate" puts every role on one pool of all devices;
-"split" puts actor + ref on one half and critic + reward (+ cost) on the other. Placement from a
-planner plan file (`hybridflow plan`) is not wired yet: pass a Placement built from the plan.
+"split" puts actor + ref on one half and critic + reward (+ cost) on the other; "auto" runs the
+planner and a path loads a plan file (`hybridflow plan --output plan.yaml`): auto_placement.py turns
+the plan into pools plus each role's parallel sizes, which `role_config` writes into the config
+each worker group is built with (the trainer's own config keeps what the user wrote).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups
@@ -25,11 +28,15 @@ ROLES = ("actor_rollout", "ref", "critic", "cost_critic", "reward", "cost")
 
 @dataclass
 class Placement:
-    """pools: pool name -> devices; roles: role -> pool name (roles not listed go to `default_pool`)."""
+    """pools: pool name -> devices; roles: role -> pool name (roles not listed go to `default_pool`);
+    parallel: role -> RoleParallel (auto_placement.py) overriding the config's parallel sizes for
+    that role (empty: the config's own); plan: the planner Plan this placement carries out, if any."""
 
     pools: dict[str, int]
     roles: dict[str, str] = field(default_factory=dict)
     default_pool: str = ""
+    parallel: dict = field(default_factory=dict)
+    plan: object = None
 
     def pool_of(self, role: str) -> str:
         pool = self.roles.get(role, self.default_pool or next(iter(self.pools)))
@@ -59,10 +66,32 @@ class Placement:
                 {"actor_rollout": "actor", "ref": "actor", "critic": "critic", "cost_critic": "critic",
                  "reward": "critic", "cost": "critic"},
             )  # fmt: skip
-        raise NotImplementedError(
-            f"resources.placement={kind!r}: placement from the planner ('auto' or a plan file) is not wired "
-            "into the trainer yet; use colocate or split, or pass a Placement to the trainer"
-        )
+        from hybridflow.trainers.auto_placement import placement_for_config
+
+        return placement_for_config(cfg)  # "auto" or a plan file
+
+
+def role_config(cfg, placement: Placement, role: str):
+    """The config `role`'s worker is built with: `cfg`, with the placement's parallel sizes (if any)
+    written into the sections the workers read (actor.parallel + rollout.pg/tg, ref.parallel,
+    critic.parallel, reward.parallel; the cost model reads reward.parallel too, so it gets its own copy)."""
+    if not placement.parallel:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    sections = {"actor_rollout": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "reward": cfg.reward}
+    for r, section in sections.items():
+        if r in placement.parallel:
+            _set_parallel(section.parallel, placement.parallel[r])
+    if role == "cost" and "cost" in placement.parallel:
+        _set_parallel(cfg.reward.parallel, placement.parallel["cost"])
+    actor = placement.parallel.get("actor_rollout")
+    if actor is not None:
+        cfg.rollout.pg, cfg.rollout.tg = actor.pg, actor.tg
+    return cfg
+
+
+def _set_parallel(section_parallel, sizes) -> None:
+    section_parallel.pp, section_parallel.tp, section_parallel.dp = sizes.pp, sizes.tp, sizes.dp
 
 
 def _use_gpu(cfg) -> bool | None:
@@ -92,7 +121,8 @@ def build_worker_groups(
             for role in pool_roles:
                 if role == "ref" and name == actor_pool:
                     continue  # joins the actor's worker instance below
-                specs[role] = _spec(cfg, role, roles[role], with_ref=("ref" in roles and name == actor_pool))
+                with_ref = "ref" in roles and name == actor_pool
+                specs[role] = _spec(role_config(cfg, placement, role), role, roles[role], with_ref)
             made = create_colocated_groups(pool, specs, group_name=f"{name}:{'+'.join(specs)}")
             groups.update(made)
         if "ref" in roles and placement.pool_of("ref") == actor_pool:

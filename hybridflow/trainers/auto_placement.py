@@ -1,0 +1,315 @@
+"""Carrying out an auto-mapping plan (SPEC §5, STYLE §8): config -> planner inputs -> Plan -> Placement.
+
+The planner (hybridflow/planner) is a pure function of (dataflow, cluster, workload); this module
+builds those three from the config, runs it for `resources.placement: auto` or loads a plan file
+(`hybridflow plan --output plan.yaml`), checks that the plan fits the config and what the engines can
+run, and turns it into a `Placement`: one pool per colocated set plus each role's parallel sizes.
+
+    dataflow   the configured algorithm's models, shapes read from their HF config.json (ModelSpec)
+    cluster    resources.n_gpus_per_node x nnodes devices; the catalogue's "cpu" entry on CPU, on GPU
+               the entry matching torch.cuda's device name
+    workload   data.train_batch_size prompts x rollout.n samples, max prompt / response lengths,
+               actor epochs, mini-batches and micro-batch sizes
+
+Names: the planner says actor / critic / reference / reward / cost; the trainer's roles are
+actor_rollout / ref / critic / cost_critic / reward / cost. The planner folds Safe-RLHF's cost critic
+into the critic (as the paper counts models), so cost_critic goes where the critic goes, with its
+layout. Plan models the config does not use (a reward model when the reward is a rule, a reference
+when no KL term needs one) are skipped, and a pool left with no model is not started.
+
+Departures: the training engine has no pipeline parallelism and shards whole KV heads, so a plan
+with p > 1, or a t that does not divide the heads, is refused with what to change (auto_parallel
+itself allows both). Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg; the built-in
+rollout currently generates with full weights on every rank whatever they say.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+
+from hybridflow.planner import ClusterSpec, Dataflow, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
+from hybridflow.planner.specs import DEVICES
+
+# trainer role -> planner role
+PLANNER_ROLE = {
+    "actor_rollout": "actor",
+    "ref": "reference",
+    "critic": "critic",
+    "cost_critic": "critic",
+    "reward": "reward",
+    "cost": "cost",
+}
+# trainer algorithm -> planner dataflow (RLOO and REINFORCE++ have GRPO's models and stages)
+PLANNER_ALGORITHM = {
+    "ppo": "ppo",
+    "grpo": "grpo",
+    "rloo": "grpo",
+    "reinforce_pp": "grpo",
+    "remax": "remax",
+    "safe_rlhf": "safe-rlhf",
+}
+
+
+@dataclass(frozen=True)
+class RoleParallel:
+    """One trainer role's layout from a plan: training/inference (pp, tp, dp), generation (pg, tg)."""
+
+    pp: int
+    tp: int
+    dp: int
+    pg: int = 1
+    tg: int = 1
+
+
+# ---- config -> planner inputs ----------------------------------------------------------------------
+def trainer_roles(cfg) -> tuple[str, ...]:
+    """The worker roles the configured online-RL trainer starts (mirrors the trainers' `roles()`;
+    tests/trainers/test_auto_placement.py checks they agree)."""
+    a = cfg.algorithm
+    _check_algorithm(cfg)
+    roles = ["actor_rollout"]
+    if a.kl.in_reward or a.use_kl_loss:
+        roles.append("ref")
+    if a.name in ("ppo", "safe_rlhf"):
+        roles.append("critic")
+    if a.name == "safe_rlhf":
+        roles.append("cost_critic")
+    if cfg.reward.kind == "model":
+        roles.append("reward")
+    if a.name == "safe_rlhf" and not a.safe_rlhf.cost_fn:
+        roles.append("cost")
+    return tuple(roles)
+
+
+def _check_algorithm(cfg) -> None:
+    if cfg.algorithm.name not in PLANNER_ALGORITHM:
+        raise ValueError(
+            f"resources.placement={cfg.resources.placement!r}: the planner has no dataflow for "
+            f"algorithm {cfg.algorithm.name!r} (it plans {sorted(PLANNER_ALGORITHM)}); "
+            "use resources.placement=colocate or split"
+        )
+
+
+def _model_dirs(cfg) -> dict[str, str]:
+    m = cfg.model
+    return {
+        "actor": m.path,
+        "reference": m.path,
+        "critic": m.critic_path or m.path,
+        "reward": m.reward_model_path,
+        "cost": m.cost_model_path,
+    }
+
+
+def build_planner_dataflow(cfg) -> Dataflow:
+    """The configured algorithm's dataflow with only the models the trainer runs, each model's shape
+    read from its directory's config.json."""
+    needed = {PLANNER_ROLE[r] for r in trainer_roles(cfg)}
+    dirs = _model_dirs(cfg)
+    specs = {role: ModelSpec.from_hf_config(dirs[role]) for role in needed}
+    df = build_dataflow(
+        PLANNER_ALGORITHM[cfg.algorithm.name],
+        specs["actor"],
+        reward_model="reward" in needed,
+        samples_per_prompt=cfg.rollout.n,
+    )
+    models = tuple(replace(m, spec=specs[m.role]) for m in df.models if m.role in needed)
+    return Dataflow(df.algorithm, models)
+
+
+def build_planner_workload(cfg) -> WorkloadSpec:
+    d, act = cfg.data, cfg.actor
+    return WorkloadSpec(
+        prompts=d.train_batch_size,
+        samples_per_prompt=cfg.rollout.n,
+        prompt_len=d.max_prompt_length,
+        response_len=cfg.rollout.response_length,
+        ppo_epochs=act.ppo_epochs,
+        mini_batches=max(1, d.train_batch_size // act.ppo_mini_batch_size),
+        micro_batch_size=act.micro_batch_size_per_device,
+        inference_micro_batch_size=cfg.ref.micro_batch_size_per_device,
+    )
+
+
+def detect_device(cfg) -> str:
+    """The catalogue entry of this run's devices: "cpu" on CPU, else the GPU torch.cuda reports."""
+    kind = cfg.resources.device
+    if kind == "cpu":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        if kind == "auto":
+            return "cpu"
+        raise ValueError(
+            "resources.placement=auto with resources.device=cuda, but this process sees no GPU to name; "
+            "write a plan for your GPUs (`hybridflow plan --gpu a100-80 --gpus N --output plan.yaml`) "
+            "and set resources.placement=plan.yaml"
+        )
+    name = torch.cuda.get_device_name(0)
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return device_entry(name, gib)
+
+
+def device_entry(name: str, memory_gib: float) -> str:
+    """Map a CUDA device name (e.g. "NVIDIA A100-SXM4-80GB") to a planner catalogue entry."""
+    upper = name.upper()
+    for key in ("H200", "H100"):
+        if key in upper:
+            return key.lower()
+    if "A100" in upper:
+        return "a100-80" if memory_gib > 48 else "a100-40"
+    raise ValueError(
+        f"resources.placement=auto: the planner's device catalogue {sorted(DEVICES)} has no entry for "
+        f"{name!r}; write a plan with the nearest entry (`hybridflow plan --gpu ENTRY --output plan.yaml`) "
+        "and set resources.placement=plan.yaml"
+    )
+
+
+def build_planner_cluster(cfg) -> ClusterSpec:
+    r = cfg.resources
+    return ClusterSpec.build(detect_device(cfg), r.num_devices, r.n_gpus_per_node)
+
+
+def plan_for_config(cfg) -> Plan:
+    """Run the planner on the config's dataflow, cluster and workload."""
+    return plan(build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg))
+
+
+# ---- plan -> placement ---------------------------------------------------------------------------------
+def load_plan(cfg) -> tuple[Plan, str]:
+    """(plan, where it came from) for resources.placement = auto or a plan file."""
+    source = cfg.resources.placement
+    if source == "auto":
+        return plan_for_config(cfg), "auto"
+    if not os.path.isfile(source):
+        raise FileNotFoundError(
+            f"resources.placement: no plan file at {source!r}; write one with "
+            f"`hybridflow plan ... --output {source}`, or use colocate / split / auto"
+        )
+    try:
+        return Plan.load(source), source
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"resources.placement: {source!r} is not a plan written by `hybridflow plan` ({e})"
+        ) from e
+
+
+def check_plan(p: Plan, cfg, source: str) -> list[str]:
+    """Everything that stops `p` running under `cfg`, each message saying what to change."""
+    _check_algorithm(cfg)
+    errors = []
+    have = {m.role for m in p.models}
+    replan = (
+        f"re-plan for this config (`hybridflow plan --algorithm {PLANNER_ALGORITHM[cfg.algorithm.name]}`)"
+    )
+    missing = sorted({PLANNER_ROLE[r] for r in trainer_roles(cfg)} - have)
+    if missing:
+        errors.append(
+            f"plan {source!r} (algorithm {p.algorithm}) has no model {missing} that {cfg.algorithm.name} "
+            f"needs with this config; {replan} or use resources.placement=auto"
+        )
+    used = _used_pools(p, cfg)
+    need = sum(pool.n_devices for pool in p.pools if pool.name in used)
+    n = cfg.resources.num_devices
+    if need > n:
+        sizes = ", ".join(f"{pool.name}:{pool.n_devices}" for pool in p.pools if pool.name in used)
+        errors.append(
+            f"plan {source!r} needs {need} devices ({sizes}) but resources.n_gpus_per_node * nnodes = {n}; "
+            f"raise them or re-plan with --gpus {n}"
+        )
+    dirs = _model_dirs(cfg)
+    for m in p.models:
+        if m.role not in {PLANNER_ROLE[r] for r in trainer_roles(cfg)}:
+            continue
+        where = f"plan {source!r}: {m.role} (p={m.p}, t={m.t}, d={m.d})"
+        if m.p * m.t * m.d != m.n_devices:
+            errors.append(
+                f"{where}: p*t*d = {m.p * m.t * m.d} is not its {m.n_devices} devices; fix the plan"
+            )
+        if m.p != 1:
+            errors.append(
+                f"{where}: the training engine has no pipeline parallelism; edit the plan to p: 1 "
+                f"(and t*d = {m.n_devices}), or plan with more memory per device"
+            )
+        if m.t > 1 and os.path.isdir(dirs[m.role]):
+            spec = ModelSpec.from_hf_config(dirs[m.role])
+            bad = {k: v for k, v in (("heads", spec.num_heads), ("kv_heads", spec.num_kv_heads),
+                                     ("ffn_hidden", spec.ffn_hidden)) if v % m.t}  # fmt: skip
+            if bad:
+                errors.append(
+                    f"{where}: the engine shards whole heads and MLP columns, but t={m.t} does not divide "
+                    f"{bad} of {dirs[m.role]}; edit the plan to a t that does (and d = n_devices / t)"
+                )
+        if m.role == "actor" and (m.p * m.t) % (m.pg * m.tg):
+            errors.append(f"{where}: generation pg*tg = {m.pg * m.tg} must divide p*t; fix the plan")
+    return errors
+
+
+def _used_pools(p: Plan, cfg) -> set[str]:
+    roles = {PLANNER_ROLE[r] for r in trainer_roles(cfg)}
+    return {m.pool for m in p.models if m.role in roles}
+
+
+def placement_from_plan(p: Plan, cfg, source: str = "plan"):
+    """The Placement that carries out `p` for `cfg` (raises ValueError listing every problem)."""
+    from hybridflow.trainers.placement import Placement
+
+    errors = check_plan(p, cfg, source)
+    if errors:
+        raise ValueError("cannot run the plan:\n  - " + "\n  - ".join(errors))
+    used = _used_pools(p, cfg)
+    pools = {pool.name: pool.n_devices for pool in p.pools if pool.name in used}
+    roles, parallel = {}, {}
+    for role in trainer_roles(cfg):
+        m = p.model(PLANNER_ROLE[role])
+        roles[role] = m.pool
+        parallel[role] = RoleParallel(pp=m.p, tp=m.t, dp=m.d, pg=m.pg, tg=m.tg)
+    return Placement(pools, roles, parallel=parallel, plan=p)
+
+
+def placement_for_config(cfg, stream=None):
+    """resources.placement = auto | plan file -> Placement; prints the plan and saves it to
+    run_dir/plan.yaml so the run records the layout it ran with."""
+    p, source = load_plan(cfg)
+    placement = placement_from_plan(p, cfg, source)
+    report_plan(p, placement, cfg, source, stream or sys.stdout)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if os.path.abspath(source) != os.path.abspath(os.path.join(cfg.run_dir, "plan.yaml")):
+        p.save(os.path.join(cfg.run_dir, "plan.yaml"))
+    return placement
+
+
+def report_plan(p: Plan, placement, cfg, source: str, stream) -> None:
+    """Print the plan's tables, then what the run does differently from the plan or the config."""
+    from rich.console import Console
+
+    from hybridflow.planner.cli import print_plan
+
+    console = Console(file=stream, width=160)
+    origin = "planned (resources.placement=auto)" if source == "auto" else f"loaded from {source}"
+    console.print(f"placement {origin}")
+    print_plan(p, console, top=3)
+    idle = [pool.name for pool in p.pools if pool.name not in placement.pools]
+    if idle:
+        console.print(f"pools {idle} are not started: none of their models runs with this config")
+    device = _device_or_none(cfg)
+    if device is not None and p.device != device:
+        console.print(f"note: the plan was made for {p.device!r} devices; this run's are {device!r}")
+    sections = {"actor_rollout": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "reward": cfg.reward}
+    for role, sizes in placement.parallel.items():
+        own = sections.get(role)
+        if own is not None and (own.parallel.tp, own.parallel.pp) != (sizes.tp, sizes.pp):
+            console.print(
+                f"note: the plan overrides {role}'s configured tp={own.parallel.tp} pp={own.parallel.pp} "
+                f"with tp={sizes.tp} pp={sizes.pp}"
+            )
+
+
+def _device_or_none(cfg) -> str | None:
+    try:
+        return detect_device(cfg)
+    except ValueError:
+        return None

@@ -1,0 +1,195 @@
+"""The trainer carries out auto-mapping plans: `resources.placement: auto` or a plan file.
+
+Without Ray: config -> planner inputs, plan -> pools / roles / per-role parallel sizes, role-name
+mapping, skipped models, and every refusal with its message. With a local Ray cluster: a plan file
+for 4 CPU devices and `auto` on 2 each build the planned pools and dp sizes and run a GRPO step on
+the tiny model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import ConfigError, validate_config
+from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
+from hybridflow.trainers import TRAINERS, Placement, build_trainer
+from hybridflow.trainers.auto_placement import (
+    build_planner_dataflow,
+    build_planner_workload,
+    device_entry,
+    placement_from_plan,
+    trainer_roles,
+)
+from hybridflow.trainers.placement import role_config
+
+DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
+KL_LOSS = "algorithm.use_kl_loss=true"
+
+
+def _tiny_plan(model_dir, algorithm: str, devices: int, reward_model: bool = False) -> Plan:
+    """What `hybridflow plan --model-config DIR --gpu cpu --gpus N` computes, for the tiny test run."""
+    df = build_dataflow(algorithm, ModelSpec.from_hf_config(model_dir), reward_model=reward_model)
+    wl = WorkloadSpec(  # tests/trainers/configs.py's batch and the config's default micro-batch sizes
+        prompts=4, samples_per_prompt=2, prompt_len=16, response_len=4, mini_batches=1,
+        micro_batch_size=4, inference_micro_batch_size=8,
+    )  # fmt: skip
+    return plan(df, ClusterSpec.build("cpu", devices, devices), wl)
+
+
+def _with_model(plan_: Plan, role: str, **changes) -> Plan:
+    out = copy.deepcopy(plan_)
+    out.models = [replace(m, **changes) if m.role == role else m for m in out.models]
+    return out
+
+
+# ---- no Ray --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "algorithm,overrides",
+    [
+        ("ppo", ()),
+        ("ppo", ("algorithm.kl.in_reward=true",)),
+        ("grpo", (KL_LOSS,)),
+        ("rloo", ()),
+        ("remax", (KL_LOSS,)),
+        ("reinforce_pp", ()),
+        ("safe_rlhf", ()),
+        ("safe_rlhf", ("algorithm.safe_rlhf.cost_fn=x.py:f", KL_LOSS)),
+    ],
+)
+def test_trainer_roles_mirror_the_trainers(make_config, algorithm, overrides):
+    cfg = make_config(algorithm, *overrides)
+    trainer = object.__new__(TRAINERS[algorithm])  # roles() reads only the config and step counts
+    trainer.cfg, trainer.total_steps = cfg, 1
+    assert trainer_roles(cfg) == tuple(trainer.roles())
+
+
+def test_planner_inputs_from_the_config(make_config, tiny_model_dir):
+    cfg = make_config("ppo", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=3")
+    df = build_planner_dataflow(cfg)
+    assert df.algorithm == "ppo" and df.roles == ("actor", "critic")  # no KL term: no reference
+    assert df.model("actor").spec == ModelSpec.from_hf_config(tiny_model_dir)
+    wl = build_planner_workload(cfg)
+    assert (wl.prompts, wl.samples_per_prompt, wl.prompt_len, wl.response_len) == (8, 2, 16, 4)
+    assert (wl.ppo_epochs, wl.mini_batches, wl.micro_batch_size) == (3, 4, 4)
+    assert build_planner_dataflow(make_config("rloo", KL_LOSS)).roles == ("actor", "reference")
+
+
+def test_plan_becomes_pools_roles_and_layouts(make_config, tiny_model_dir):
+    """A PPO plan with a reward model, run by a PPO config with a rule reward and a KL penalty: the
+    reward model is skipped (its pool too, if it had one alone), names map to the trainer's roles, and
+    each role's worker config carries the plan's sizes."""
+    p = _tiny_plan(tiny_model_dir, "ppo", 4, reward_model=True)
+    p = _with_model(p, "actor", t=2, d=p.model("actor").n_devices // 2, tg=2)
+    cfg = make_config("ppo", "algorithm.kl.in_reward=true", devices=4)
+    placement = placement_from_plan(p, cfg)
+    assert placement.plan is p
+    assert set(placement.roles) == {"actor_rollout", "ref", "critic"}
+    for role, planner_role in (("actor_rollout", "actor"), ("ref", "reference"), ("critic", "critic")):
+        m = p.model(planner_role)
+        assert placement.roles[role] == m.pool
+        assert placement.pools[m.pool] == m.n_devices
+        assert (placement.parallel[role].tp, placement.parallel[role].dp) == (m.t, m.d)
+    reward_alone = [pool.name for pool in p.pools if pool.roles == ["reward"]]
+    assert not set(reward_alone) & set(placement.pools)
+    assert placement.num_devices == sum(pool.n_devices for pool in p.pools if pool.name not in reward_alone)
+    worker_cfg = role_config(cfg, placement, "actor_rollout")
+    assert (worker_cfg.actor.parallel.tp, worker_cfg.actor.parallel.dp, worker_cfg.rollout.tg) == (
+        2, p.model("actor").d, 2,
+    )  # fmt: skip
+    assert worker_cfg.critic.parallel.dp == p.model("critic").d
+    assert cfg.actor.parallel.tp == 1  # the trainer's own config is untouched
+
+
+def test_models_the_config_does_not_use_are_skipped(make_config, tiny_model_dir):
+    """GRPO with a rule reward and no KL term runs neither the plan's reward model nor its reference:
+    their pools are not started."""
+    p = _tiny_plan(tiny_model_dir, "grpo", 4, reward_model=True)
+    assert [pool.roles for pool in p.pools] == [["actor"], ["reference"], ["reward"]]
+    placement = placement_from_plan(p, make_config("grpo", devices=4))
+    assert placement.pools == {"actor": p.model("actor").n_devices} and placement.num_devices == 2
+    assert placement.roles == {"actor_rollout": "actor"}
+
+
+def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
+    missing = make_config("grpo")
+    missing.resources.placement = str(tmp_path / "none.yaml")
+    with pytest.raises(ConfigError, match="not colocate|split|auto or an existing plan file"):
+        validate_config(missing)
+    with pytest.raises(FileNotFoundError, match="hybridflow plan"):
+        Placement.from_config(missing)
+
+    grpo4 = _tiny_plan(tiny_model_dir, "grpo", 4)
+    with pytest.raises(ValueError, match=r"no model \['critic'\].*--algorithm ppo"):
+        placement_from_plan(grpo4, make_config("ppo", devices=4))
+    with pytest.raises(ValueError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
+        placement_from_plan(grpo4, make_config("grpo", KL_LOSS, devices=2))
+    n = grpo4.model("actor").n_devices
+    with pytest.raises(ValueError, match="no pipeline parallelism; edit the plan to p: 1"):
+        placement_from_plan(_with_model(grpo4, "actor", p=2, d=n // 2), make_config("grpo", devices=4))
+    # the tiny model has 2 KV heads: the engine cannot shard them 4 ways (the planner would replicate)
+    four = _with_model(grpo4, "actor", t=4, d=1, n_devices=4)
+    four.pools = [replace(pool, n_devices=4) if pool.name == "actor" else pool for pool in four.pools]
+    with pytest.raises(ValueError, match=r"t=4 does not divide \{'kv_heads': 2\}"):
+        placement_from_plan(four, make_config("grpo", devices=8))
+    with pytest.raises(ConfigError, match="no dataflow for 'dpo'"):
+        make_config("dpo", "resources.placement=auto")  # validated on load
+
+
+def test_device_names_map_to_the_catalogue():
+    assert device_entry("NVIDIA H200", 139.8) == "h200"
+    assert device_entry("NVIDIA H100 80GB HBM3", 79.6) == "h100"
+    assert device_entry("NVIDIA A100-SXM4-80GB", 79.2) == "a100-80"
+    assert device_entry("NVIDIA A100-SXM4-40GB", 39.4) == "a100-40"
+    with pytest.raises(ValueError, match="--gpu ENTRY --output plan.yaml"):
+        device_entry("NVIDIA GeForce RTX 4090", 24.0)
+
+
+# ---- on a local Ray cluster ----------------------------------------------------------------------------
+def _one_step(trainer) -> dict:
+    trainer.global_step = 1
+    batch = trainer.train_loader.next_batch()
+    batch.meta["global_step"] = 1
+    batch, metrics = trainer.train_step(batch)
+    assert len(batch) == 4 * 2
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+        assert math.isfinite(metrics[key]), key
+    return metrics
+
+
+def _dp_sizes(group, layout: str) -> list[int]:
+    return [lay.dp_size for lay in group.layouts(layout)]
+
+
+def test_plan_file_runs_on_four_cpu_devices(ray_cluster, make_config, tiny_model_dir, tmp_path):
+    """The plan for GRPO on 4 CPU devices (actor and reference standalone, 2 devices each)."""
+    p = _tiny_plan(tiny_model_dir, "grpo", 4)
+    path = p.save(tmp_path / "plan.yaml")
+    cfg = make_config("grpo", DIGITS, KL_LOSS, f"resources.placement={path}", devices=4)
+    with build_trainer(cfg) as trainer:
+        pools = {pool.name: pool.n_devices for pool in trainer.pools}
+        assert pools == {pool.name: pool.n_devices for pool in p.pools}
+        actor, ref = p.model("actor"), p.model("reference")
+        assert trainer.groups["actor_rollout"].world_size == actor.n_devices
+        assert _dp_sizes(trainer.groups["actor_rollout"], "train") == [actor.d] * actor.n_devices
+        assert _dp_sizes(trainer.groups["ref"], "ref") == [ref.d] * ref.n_devices
+        assert (trainer.groups["ref"] is trainer.groups["actor_rollout"]) == (actor.pool == ref.pool)
+        _one_step(trainer)
+    assert Plan.load(Path(cfg.run_dir) / "plan.yaml") == p  # the run records the plan it ran
+
+
+def test_auto_placement_plans_and_runs(ray_cluster, make_config, capsys):
+    cfg = make_config("grpo", DIGITS, KL_LOSS, "resources.placement=auto", devices=2)
+    with build_trainer(cfg) as trainer:
+        planned = trainer.placement.plan
+        assert planned is not None and planned.device == "cpu" and planned.num_devices == 2
+        assert "placement planned (resources.placement=auto)" in capsys.readouterr().out
+        assert trainer.placement.num_devices <= 2
+        for role, planner_role, layout in (("actor_rollout", "actor", "train"), ("ref", "reference", "ref")):
+            m = planned.model(planner_role)
+            assert _dp_sizes(trainer.groups[role], layout) == [m.d] * m.n_devices
+        _one_step(trainer)
