@@ -62,6 +62,7 @@ def run_hf(model, batch: Batch, max_new: int, stop: tuple[int, ...], seed: int) 
         min_new_tokens=0 if stop else max_new,
         eos_token_id=list(stop) or None,
         pad_token_id=0,
+        use_cache=True,
     )
     dt, dc = time.perf_counter() - t, time.process_time() - c
     return generated_tokens(out[:, batch["input_ids"].shape[1] :], stop), dt, dc

@@ -6,9 +6,10 @@ every `generate`, so there is no weight copy when training and generation share 
 first (`model.unshard()`), a tensor-parallel one is gathered (3D-HybridEngine resharding). Llama / Qwen2 / Mistral run on a lean functional forward with a static KV cache
 (`llama_decoder.py`); other architectures fall back to the HF forward (`hf_decoder.py`).
 
-Finished rows stop costing compute: when the finished rows still in the decode batch reach
-`compact_fraction` of it, they are dropped and the KV cache is compacted. A dead row costs 1/b of a
-step per step while compaction costs about one step's cache traffic, hence a threshold, not eagerness.
+Finished rows stop costing compute: when the finished rows still in the decode batch exceed
+`compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
+live row from the end of the batch, so it copies one cache row per finished row (not the whole cache)
+and is cheap enough to run as soon as any row finishes.
 """
 
 from __future__ import annotations
@@ -39,8 +40,13 @@ class BuiltinEngineConfig:
 
     backend: str = "auto"
     """"functional" (Llama family only), "hf" (any causal LM) or "auto" (functional when supported)."""
-    compact_fraction: float = 0.125
-    """Drop finished rows from the decode batch once they are this fraction of it (0 = at once)."""
+    compact_fraction: float = 0.0
+    """Drop finished rows from the decode batch once they exceed this fraction of it (0 = at once)."""
+    pack_weights: bool = True
+    """Functional backend: run on a packed copy of the decoder layers' weights (fused q/k/v and
+    gate/up, stored transposed; see llama_decoder.pack_layer), rebuilt at every `generate` call and
+    freed at its end. Costs one extra copy of those weights (4 bytes/param in fp32: ~100 MB for the
+    25M model) during generation, for ~1.3-1.6x faster matmuls on CPU. False: transposed views, no copy."""
     pad_token_id: int | None = None
     """Pad id for responses; None: the model config's pad_token_id, else its eos, else 0."""
     max_num_seqs: int = 0
@@ -74,32 +80,35 @@ class BuiltinEngine(GenerationEngine):
             )
         if backend == "hf" or reason is not None:
             return HFDecoder(self.model)
-        return LlamaFamilyDecoder(self.model)
+        return LlamaFamilyDecoder(self.model, pack_weights=self.config.pack_weights)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self.model, weights)
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        check_prompt_batch(batch)
-        limit = self.config.max_num_seqs
-        if limit and len(batch) * params.n > limit:
-            prompts_per_chunk = max(1, limit // params.n)
-            return Batch.concat([self._generate_batch(c, params) for c in batch.split(prompts_per_chunk)])
-        return self._generate_batch(batch, params)
-
-    def _generate_batch(self, batch: Batch, params: SamplingParams) -> Batch:
-        ids, mask = check_prompt_batch(batch)
-        device = next(self.model.parameters()).device
-        start = time.perf_counter()
+        ids, _ = check_prompt_batch(batch)
+        # One decoder (and one weight packing) for all chunks of this call.
+        decoder = self._decoder(ids.shape[1] + params.max_new_tokens)
         # no_grad, not inference_mode: inference tensors in the output would break the trainer's
         # backward (embedding saves its indices). eval() turns off dropout for the HF fallback.
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params)
+                limit = self.config.max_num_seqs
+                if limit and len(batch) * params.n > limit:
+                    chunks = batch.split(max(1, limit // params.n))
+                    return Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
+                return self._generate_batch(batch, params, decoder)
         finally:
+            decoder.release()
             self.model.train(was_training)
+
+    def _generate_batch(self, batch: Batch, params: SamplingParams, decoder) -> Batch:
+        ids, mask = check_prompt_batch(batch)
+        device = next(self.model.parameters()).device
+        start = time.perf_counter()
+        responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params, decoder)
         out_device = ids.device
         self.last_stats = {
             "rollout/seconds": time.perf_counter() - start,
@@ -115,7 +124,7 @@ class BuiltinEngine(GenerationEngine):
             self.pad_token_id,
         )
 
-    def _generate(self, ids, mask, params: SamplingParams):
+    def _generate(self, ids, mask, params: SamplingParams, decoder):
         """ids, mask: (B, Lp) on the model's device. Returns responses (B*n, Lr), lengths (B*n,),
         log-probs (B*n, Lr); entries past a row's length are garbage (masked by build_rollout_batch)."""
         b0, lp = ids.shape
@@ -128,7 +137,6 @@ class BuiltinEngine(GenerationEngine):
         pos = prompt_position_ids(mask)
         next_pos = (pos[:, -1] + 1).repeat_interleave(n)  # (B*n,)
 
-        decoder = self._decoder(lp + lr)
         decoder.start(total, lp + lr, int(next_pos.max()) + lr)
         logits = decoder.prefill(ids, mask, pos, repeat=n).repeat_interleave(n, 0)
 
@@ -151,13 +159,23 @@ class BuiltinEngine(GenerationEngine):
             if n_alive == 0:
                 break
             if rows.shape[0] - n_alive > self.config.compact_fraction * rows.shape[0]:
-                keep = alive.nonzero().squeeze(1)
+                keep = hole_filling_order(alive, n_alive)
                 decoder.select(keep)
                 rows, tokens, alive, next_pos = rows[keep], tokens[keep], alive[keep], next_pos[keep]
             logits = decoder.decode(tokens, next_pos)
             next_pos = next_pos + 1
-        decoder.release()
         return responses, lengths, logps
+
+
+def hole_filling_order(alive: torch.Tensor, n_alive: int) -> torch.Tensor:
+    """alive: (b,) bool with n_alive True -> the (n_alive,) rows to keep, in their new order: live rows
+    already in [0, n_alive) stay put and each finished row there is replaced by a live row from
+    [n_alive, b), so compaction moves only as many rows as finished."""
+    keep = torch.arange(n_alive, device=alive.device)
+    holes = (~alive[:n_alive]).nonzero().squeeze(1)
+    if holes.numel():
+        keep[holes] = alive[n_alive:].nonzero().squeeze(1) + n_alive
+    return keep
 
 
 def _first(x):

@@ -72,6 +72,25 @@ def test_greedy_matches_hf_generate(models, tokenizer, arch):
     assert lengths.min() < 24 and int(lengths[0]) <= 7
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_hf_generate_without_packed_weights(models, tokenizer, arch):
+    """pack_weights=False runs on transposed views of the model's tensors (qwen2: q/k/v biases)."""
+    model, batch = models[arch], prompt_batch(tokenizer)
+    engine = BuiltinEngine(model, BuiltinEngineConfig(pack_weights=False))
+    out = engine.generate(batch, SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=()))
+    assert torch.equal(out["responses"], hf_generate(model, batch, 16, None))
+
+
+def test_hole_filling_order():
+    from hybridflow.rollout.engine import hole_filling_order
+
+    alive = torch.tensor([True, False, True, False, True, True, False, True])
+    # 5 alive: holes at 1 and 3 are filled by the live rows 5 and 7 from beyond position 5.
+    assert hole_filling_order(alive, 5).tolist() == [0, 5, 2, 7, 4]
+    assert hole_filling_order(torch.ones(4, dtype=torch.bool), 4).tolist() == [0, 1, 2, 3]
+    assert hole_filling_order(torch.tensor([False, False, True]), 1).tolist() == [2]
+
+
 def test_functional_backend_used_for_llama_family(models):
     from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder
 
