@@ -29,6 +29,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
+from hybridflow.config import ConfigError
 from hybridflow.planner import ClusterSpec, Dataflow, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
 from hybridflow.planner.specs import DEVICES
 
@@ -85,10 +86,12 @@ def trainer_roles(cfg) -> tuple[str, ...]:
 
 def _check_algorithm(cfg) -> None:
     if cfg.algorithm.name not in PLANNER_ALGORITHM:
-        raise ValueError(
-            f"resources.placement={cfg.resources.placement!r}: the planner has no dataflow for "
-            f"algorithm {cfg.algorithm.name!r} (it plans {sorted(PLANNER_ALGORITHM)}); "
-            "use resources.placement=colocate or split"
+        raise ConfigError(
+            [
+                f"resources.placement={cfg.resources.placement!r}: the planner has no dataflow for "
+                f"algorithm {cfg.algorithm.name!r} (it plans {sorted(PLANNER_ALGORITHM)}); "
+                "use resources.placement=colocate or split"
+            ]
         )
 
 
@@ -143,10 +146,12 @@ def detect_device(cfg) -> str:
     if not torch.cuda.is_available():
         if kind == "auto":
             return "cpu"
-        raise ValueError(
-            "resources.placement=auto with resources.device=cuda, but this process sees no GPU to name; "
-            "write a plan for your GPUs (`hybridflow plan --gpu a100-80 --gpus N --output plan.yaml`) "
-            "and set resources.placement=plan.yaml"
+        raise ConfigError(
+            [
+                "resources.placement=auto with resources.device=cuda, but this process sees no GPU to name; "
+                "write a plan for your GPUs (`hybridflow plan --gpu a100-80 --gpus N --output plan.yaml`) "
+                "and set resources.placement=plan.yaml"
+            ]
         )
     name = torch.cuda.get_device_name(0)
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -161,10 +166,12 @@ def device_entry(name: str, memory_gib: float) -> str:
             return key.lower()
     if "A100" in upper:
         return "a100-80" if memory_gib > 48 else "a100-40"
-    raise ValueError(
-        f"resources.placement=auto: the planner's device catalogue {sorted(DEVICES)} has no entry for "
-        f"{name!r}; write a plan with the nearest entry (`hybridflow plan --gpu ENTRY --output plan.yaml`) "
-        "and set resources.placement=plan.yaml"
+    raise ConfigError(
+        [
+            f"resources.placement=auto: the planner's device catalogue {sorted(DEVICES)} has no entry for "
+            f"{name!r}; write a plan with the nearest entry (`hybridflow plan --gpu ENTRY --output plan.yaml`) "
+            "and set resources.placement=plan.yaml"
+        ]
     )
 
 
@@ -175,7 +182,12 @@ def build_planner_cluster(cfg) -> ClusterSpec:
 
 def plan_for_config(cfg) -> Plan:
     """Run the planner on the config's dataflow, cluster and workload."""
-    return plan(build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg))
+    try:
+        return plan(build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg))
+    except ConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # no placement fits, a model dir without config.json
+        raise ConfigError([f"resources.placement=auto: {e}"]) from e
 
 
 # ---- plan -> placement ---------------------------------------------------------------------------------
@@ -192,9 +204,8 @@ def load_plan(cfg) -> tuple[Plan, str]:
     try:
         return Plan.load(source), source
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(
-            f"resources.placement: {source!r} is not a plan written by `hybridflow plan` ({e})"
-        ) from e
+        msg = f"resources.placement: {source!r} is not a plan written by `hybridflow plan` ({e})"
+        raise ConfigError([msg]) from e
 
 
 def check_plan(p: Plan, cfg, source: str) -> list[str]:
@@ -254,12 +265,12 @@ def _used_pools(p: Plan, cfg) -> set[str]:
 
 
 def placement_from_plan(p: Plan, cfg, source: str = "plan"):
-    """The Placement that carries out `p` for `cfg` (raises ValueError listing every problem)."""
+    """The Placement that carries out `p` for `cfg` (raises ConfigError listing every problem)."""
     from hybridflow.trainers.placement import Placement
 
     errors = check_plan(p, cfg, source)
     if errors:
-        raise ValueError("cannot run the plan:\n  - " + "\n  - ".join(errors))
+        raise ConfigError([f"resources.placement: {e}" for e in errors])
     used = _used_pools(p, cfg)
     pools = {pool.name: pool.n_devices for pool in p.pools if pool.name in used}
     roles, parallel = {}, {}
@@ -311,5 +322,5 @@ def report_plan(p: Plan, placement, cfg, source: str, stream) -> None:
 def _device_or_none(cfg) -> str | None:
     try:
         return detect_device(cfg)
-    except ValueError:
+    except ConfigError:
         return None

@@ -123,18 +123,23 @@ def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="hybridflow plan"):
         Placement.from_config(missing)
 
+    garbage = tmp_path / "notes.yaml"
+    garbage.write_text("pools: 4\n")
+    with pytest.raises(ConfigError, match="is not a plan written by `hybridflow plan`"):
+        Placement.from_config(make_config("grpo", f"resources.placement={garbage}"))
+
     grpo4 = _tiny_plan(tiny_model_dir, "grpo", 4)
-    with pytest.raises(ValueError, match=r"no model \['critic'\].*--algorithm ppo"):
+    with pytest.raises(ConfigError, match=r"no model \['critic'\].*--algorithm ppo"):
         placement_from_plan(grpo4, make_config("ppo", devices=4))
-    with pytest.raises(ValueError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
+    with pytest.raises(ConfigError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
         placement_from_plan(grpo4, make_config("grpo", KL_LOSS, devices=2))
     n = grpo4.model("actor").n_devices
-    with pytest.raises(ValueError, match="no pipeline parallelism; edit the plan to p: 1"):
+    with pytest.raises(ConfigError, match="no pipeline parallelism; edit the plan to p: 1"):
         placement_from_plan(_with_model(grpo4, "actor", p=2, d=n // 2), make_config("grpo", devices=4))
     # the tiny model has 2 KV heads: the engine cannot shard them 4 ways (the planner would replicate)
     four = _with_model(grpo4, "actor", t=4, d=1, n_devices=4)
     four.pools = [replace(pool, n_devices=4) if pool.name == "actor" else pool for pool in four.pools]
-    with pytest.raises(ValueError, match=r"t=4 does not divide \{'kv_heads': 2\}"):
+    with pytest.raises(ConfigError, match=r"t=4 does not divide \{'kv_heads': 2\}"):
         placement_from_plan(four, make_config("grpo", devices=8))
     with pytest.raises(ConfigError, match="no dataflow for 'dpo'"):
         make_config("dpo", "resources.placement=auto")  # validated on load
@@ -145,7 +150,7 @@ def test_device_names_map_to_the_catalogue():
     assert device_entry("NVIDIA H100 80GB HBM3", 79.6) == "h100"
     assert device_entry("NVIDIA A100-SXM4-80GB", 79.2) == "a100-80"
     assert device_entry("NVIDIA A100-SXM4-40GB", 39.4) == "a100-40"
-    with pytest.raises(ValueError, match="--gpu ENTRY --output plan.yaml"):
+    with pytest.raises(ConfigError, match="--gpu ENTRY --output plan.yaml"):
         device_entry("NVIDIA GeForce RTX 4090", 24.0)
 
 
