@@ -1,7 +1,10 @@
 """`hybridflow train CONFIG [key.path=value ...]`: build everything from the config and run the driver.
 
 Without resources.ray_address an embedded local Ray cluster is started (and stopped at the end);
-with one, the run joins that cluster. Exit code 0 on success, 2 on a config error.
+with one, the run joins that cluster. With trainer.resume=auto (the default) a run directory that
+holds checkpoints continues from the latest. At the end the run's report (report.png/html) is
+written next to metrics.jsonl. Exit code 0 on success, 2 on a config or checkpoint error (one line
+on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -18,37 +21,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def one_line(error: Exception) -> str:
+    """A user error as one line: a ConfigError's problems joined with '; '."""
+    problems = getattr(error, "errors", None)
+    if problems:
+        return "invalid config: " + "; ".join(problems)
+    return " ".join(str(error).split())
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the user's to fix (reported in one line, exit 2), not bugs (tracebacks)."""
+    from hybridflow.checkpoint import CheckpointError
+    from hybridflow.config import ConfigError
+
+    return ConfigError, CheckpointError
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from hybridflow.config import ConfigError, load_config
+    from hybridflow.config import load_config
     from hybridflow.trainers import build_trainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, list(args.overrides))
-    except ConfigError as e:
-        print(f"hybridflow train: {e}", file=sys.stderr)
+    except user_errors() as e:
+        print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2
     embedded = not cfg.resources.ray_address and not ray.is_initialized()
     try:
         try:
             trainer = build_trainer(cfg)
-        except ConfigError as e:
-            print(f"hybridflow train: {e}", file=sys.stderr)
+        except user_errors() as e:
+            print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
             return 2
         try:
             history = trainer.fit()
+        except user_errors() as e:
+            print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
+            return 2
         finally:
             trainer.close()
-        val = {k: v for k, v in (history[-1] if history else {}).items() if k.startswith("val/")}
-        print(
-            f"hybridflow train: done, {trainer.global_step} steps; final {val}; run dir {trainer.cfg.run_dir}"
-        )
+        val = {k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")}
+        print(f"hybridflow train: done, {trainer.global_step} steps; final {val}; run dir {cfg.run_dir}")
+        write_report_if_logged(cfg)
         return 0
     finally:
         if embedded and ray.is_initialized():
             ray.shutdown()
+
+
+def write_report_if_logged(cfg) -> None:
+    """report.png/html of the run, when it logs metrics.jsonl (a failing plot never fails the run)."""
+    if "jsonl" not in cfg.trainer.loggers:
+        return
+    from hybridflow.logging import write_report
+
+    try:
+        png, _ = write_report(cfg.run_dir)
+    except Exception as e:  # the run itself succeeded; the plot is a convenience
+        print(f"hybridflow train: report not written ({one_line(e)})", file=sys.stderr)
+        return
+    print(f"hybridflow train: report {png}")
 
 
 def main(argv: list[str] | None = None) -> int:

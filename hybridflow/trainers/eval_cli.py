@@ -1,0 +1,113 @@
+"""`hybridflow eval SOURCE [key.path=value ...]`: validation only, from a checkpoint or an HF directory.
+
+SOURCE is a run directory (its latest checkpoint; `--step N` picks another), a checkpoints/step_N
+directory, or a plain HF model directory (e.g. what `hybridflow export` wrote). The settings come
+from `--config`, else from the run's own config.yaml (written by `hybridflow train`), else the
+defaults; overrides apply last (e.g. `rollout.val.n=4` for mean@4, `data.val_files=[...]`). The
+model is the checkpoint's full HF copy (`step_N/actor/hf`), generated with `rollout.val` sampling
+and scored by the run's reward, exactly as validation inside `train` does, so the numbers match the
+run's `val/*` metrics for that step.
+
+Prints `val/{data_source}/acc@1` (and mean@n / best@n when rollout.val.n > 1) one per line and a
+table of sample generations; `--output FILE` also writes the metrics as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def build_eval_trainer(cfg):
+    """A trainer with the policy (and a reward model, if configured) and no training data.
+    (Defined on call so that `hybridflow --help` does not import torch and Ray.)"""
+    from hybridflow.trainers.base import Trainer
+
+    class EvalTrainer(Trainer):
+        name = "eval"
+
+        def roles(self) -> dict[str, dict]:
+            return {"actor_rollout": {}, **({"reward": {}} if self.cfg.reward.kind == "model" else {})}
+
+        def build_train_loader(self):
+            return None
+
+    return EvalTrainer(cfg)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source", help="a run directory, a checkpoints/step_N directory, or an HF model directory"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.val.n=4")
+    parser.add_argument("--config", default=None, help="YAML config (default: SOURCE's run config.yaml)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--output", default=None, help="also write the metrics to this JSON file")
+
+
+def resolve_source(source: str, step: int | None) -> tuple[Path, Path | None]:
+    """-> (HF model directory, the run's config.yaml or None)."""
+    from hybridflow.checkpoint import CheckpointError, find_checkpoint, read_manifest
+
+    path = Path(source)
+    if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
+        if step is not None:
+            raise CheckpointError(f"--step {step} needs a run or checkpoint directory; {path} is an HF model")
+        return path, None
+    step_dir = find_checkpoint(path, step)
+    read_manifest(step_dir, require=["actor"])
+    hf = step_dir / "actor" / "hf"
+    if not (hf / "config.json").is_file():
+        raise CheckpointError(f"{step_dir}/actor has no full HF weights (saved with hf_weights=False)")
+    run_config = step_dir.parent.parent / "config.yaml"
+    return hf, run_config if run_config.is_file() else None
+
+
+def evaluate(
+    source: str, overrides=(), config: str | None = None, step: int | None = None
+) -> tuple[dict, list]:
+    """Validation metrics of SOURCE (see the module docstring) -> (metrics, sample generation rows)."""
+    from hybridflow.config import load_config
+
+    model_dir, run_config = resolve_source(source, step)
+    base = [f"model.path={model_dir}", f"model.tokenizer_path={model_dir}", "trainer.resume=never"]
+    cfg = load_config(config or run_config, base + list(overrides))
+    trainer = build_eval_trainer(cfg)
+    rows: list[dict] = []
+
+    class _Rows:  # collects the generations table validate() logs
+        def log_generations(self, r, step):
+            rows.extend(r)
+
+    try:
+        trainer.tracker = _Rows()
+        return trainer.validate(), rows
+    finally:
+        trainer.tracker = None
+        trainer.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from hybridflow.logging.backends import ConsoleBackend
+    from hybridflow.trainers.cli import one_line, user_errors
+
+    embedded = not ray.is_initialized()
+    try:
+        metrics, rows = evaluate(args.source, args.overrides, args.config, args.step)
+    except (*user_errors(), FileNotFoundError) as e:
+        print(f"hybridflow eval: {one_line(e)}", file=sys.stderr)
+        return 2
+    finally:
+        if embedded and ray.is_initialized():
+            ray.shutdown()
+    if rows:
+        ConsoleBackend(stream=sys.stdout).log_table("val/generations", rows, 0)
+    for k, v in sorted(metrics.items()):
+        print(f"{k} = {v:.4f}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(metrics, indent=1))
+    return 0
