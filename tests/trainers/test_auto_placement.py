@@ -105,6 +105,20 @@ def test_plan_becomes_pools_roles_and_layouts(make_config, tiny_model_dir):
     assert cfg.actor.parallel.tp == 1  # the trainer's own config is untouched
 
 
+def test_auto_plans_what_the_plan_api_plans(make_config, tiny_model_dir, capsys):
+    """`auto` on 4 CPU devices = the plan `hybridflow plan` computes for the same model and workload."""
+    cfg = make_config("grpo", KL_LOSS, "resources.placement=auto", devices=4)
+    placement = Placement.from_config(cfg)
+    expected = placement_from_plan(_tiny_plan(tiny_model_dir, "grpo", 4), cfg)
+    assert (placement.pools, placement.roles, placement.parallel) == (
+        expected.pools, expected.roles, expected.parallel,
+    )  # fmt: skip
+    assert len(placement.pools) == 2  # actor and reference standalone, 2 devices each
+    out = capsys.readouterr().out
+    assert "placement planned (resources.placement=auto)" in out and "standalone" in out
+    assert Plan.load(Path(cfg.run_dir) / "plan.yaml") == placement.plan  # the run records its plan
+
+
 def test_models_the_config_does_not_use_are_skipped(make_config, tiny_model_dir):
     """GRPO with a rule reward and no KL term runs neither the plan's reward model nor its reference:
     their pools are not started."""
@@ -187,14 +201,12 @@ def test_plan_file_runs_on_four_cpu_devices(ray_cluster, make_config, tiny_model
     assert Plan.load(Path(cfg.run_dir) / "plan.yaml") == p  # the run records the plan it ran
 
 
-def test_auto_placement_plans_and_runs(ray_cluster, make_config, capsys):
-    cfg = make_config("grpo", DIGITS, KL_LOSS, "resources.placement=auto", devices=2)
+def test_auto_placement_plans_and_runs(ray_cluster, make_config):
+    """One CPU device keeps the run cheap; what `auto` chooses on more is checked without Ray above."""
+    cfg = make_config("grpo", DIGITS, KL_LOSS, "resources.placement=auto", devices=1)
     with build_trainer(cfg) as trainer:
         planned = trainer.placement.plan
-        assert planned is not None and planned.device == "cpu" and planned.num_devices == 2
-        assert "placement planned (resources.placement=auto)" in capsys.readouterr().out
-        assert trainer.placement.num_devices <= 2
-        for role, planner_role, layout in (("actor_rollout", "actor", "train"), ("ref", "reference", "ref")):
-            m = planned.model(planner_role)
-            assert _dp_sizes(trainer.groups[role], layout) == [m.d] * m.n_devices
+        assert planned is not None and (planned.device, planned.num_devices) == ("cpu", 1)
+        assert [pool.n_devices for pool in trainer.pools] == [1]
+        assert trainer.groups["ref"] is trainer.groups["actor_rollout"]  # colocated: one process
         _one_step(trainer)
