@@ -232,10 +232,16 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             f"raise them or re-plan with --gpus {n}"
         )
     dirs = _model_dirs(cfg)
+    pool_sizes = {pool.name: pool.n_devices for pool in p.pools}
     for m in p.models:
         if m.role not in {PLANNER_ROLE[r] for r in trainer_roles(cfg)}:
             continue
         where = f"plan {source!r}: {m.role} (p={m.p}, t={m.t}, d={m.d})"
+        if pool_sizes.get(m.pool) != m.n_devices:
+            errors.append(
+                f"{where}: its pool {m.pool!r} has {pool_sizes.get(m.pool, 'no')} devices, not its "
+                f"{m.n_devices} (colocated models span their whole pool); fix the plan"
+            )
         if m.p * m.t * m.d != m.n_devices:
             errors.append(
                 f"{where}: p*t*d = {m.p * m.t * m.d} is not its {m.n_devices} devices; fix the plan"

@@ -151,6 +151,8 @@ def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="no pipeline parallelism; edit the plan to p: 1"):
         placement_from_plan(_with_model(grpo4, "actor", p=2, d=n // 2), make_config("grpo", devices=4))
     # the tiny model has 2 KV heads: the engine cannot shard them 4 ways (the planner would replicate)
+    with pytest.raises(ConfigError, match="its pool 'actor' has 2 devices, not its 4"):
+        placement_from_plan(_with_model(grpo4, "actor", d=4, n_devices=4), make_config("grpo", devices=8))
     four = _with_model(grpo4, "actor", t=4, d=1, n_devices=4)
     four.pools = [replace(pool, n_devices=4) if pool.name == "actor" else pool for pool in four.pools]
     with pytest.raises(ConfigError, match=r"t=4 does not divide \{'kv_heads': 2\}"):
