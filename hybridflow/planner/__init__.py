@@ -5,6 +5,8 @@ A pure function from (dataflow, cluster, workload) to a `Plan`; nothing here nee
     from hybridflow.planner import ClusterSpec, ModelSpec, WorkloadSpec, build_dataflow, plan
     p = plan(build_dataflow("ppo", ModelSpec.from_param_count("13B")), ClusterSpec.build("a100-80", 128))
     print(p.strategy, p.iteration_seconds); p.save("plan.yaml")
+    # only layouts an engine without pipeline parallelism that shards whole heads can run:
+    plan(..., limits=EngineLimits(max_pp=1, tp_shards_whole_heads=True))
 
 Files, in the order data flows: specs (models, devices, workload) -> dataflow (which model does what
 in which stage) -> memory, simulate (bytes and seconds of one model under one layout) -> parallel
@@ -24,7 +26,15 @@ from hybridflow.planner.plan import (
     plan_to_resources,
 )
 from hybridflow.planner.search import bell_number, search, set_partitions, split_placement, strategy_name
-from hybridflow.planner.specs import DEVICES, ClusterSpec, DeviceSpec, ModelSpec, WorkloadSpec, get_device
+from hybridflow.planner.specs import (
+    DEVICES,
+    ClusterSpec,
+    DeviceSpec,
+    EngineLimits,
+    ModelSpec,
+    WorkloadSpec,
+    get_device,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -34,6 +44,7 @@ __all__ = [
     "ClusterSpec",
     "Dataflow",
     "DeviceSpec",
+    "EngineLimits",
     "ModelOption",
     "ModelPlan",
     "ModelResources",

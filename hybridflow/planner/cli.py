@@ -2,6 +2,10 @@
 
     hybridflow plan --model-size 13B --gpus 128 --gpu a100-80 [--algorithm ppo] [--explain] [--output plan.yaml]
 
+`--max-pp 1 --tp-whole-heads` restricts the search to layouts hybridflow's built-in engines run (no
+pipeline parallelism; tensor parallelism over whole heads), which a plan file for `hybridflow train`
+needs (`resources.placement: auto` applies them itself).
+
 `--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
 which stages the winner gains and loses time.
@@ -15,7 +19,7 @@ import time
 from hybridflow.planner.dataflow import ALGORITHMS, STAGES, build_dataflow
 from hybridflow.planner.plan import Plan, build_plan
 from hybridflow.planner.search import bell_number, search
-from hybridflow.planner.specs import DEVICES, ClusterSpec, ModelSpec, WorkloadSpec
+from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus", type=int, default=8, help="number of devices")
     c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
     c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
+    e = parser.add_argument_group("engines (defaults: any layout, the paper's search)")
+    e.add_argument(
+        "--max-pp", type=int, default=None, help="largest pipeline size p (1 for the built-in engines)"
+    )
+    e.add_argument("--max-pg", type=int, default=None, help="largest generation pipeline size pg")
+    e.add_argument(
+        "--tp-whole-heads",
+        action="store_true",
+        help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
+    )
     w = parser.add_argument_group("workload (defaults: the paper's setting)")
     defaults = WorkloadSpec()
     w.add_argument("--prompts", type=int, default=defaults.prompts, help="global batch of prompts")
@@ -77,10 +91,11 @@ def plan_from_args(args) -> tuple[Plan, float]:
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
     )
+    limits = EngineLimits(args.max_pp, args.max_pg, args.tp_whole_heads)
     start = time.perf_counter()
-    results = search(dataflow, cluster, wl)
+    results = search(dataflow, cluster, wl, limits)
     seconds = time.perf_counter() - start
-    return build_plan(dataflow, cluster, wl, results), seconds
+    return build_plan(dataflow, cluster, wl, results, limits), seconds
 
 
 def _fmt_placement(placement, allocation) -> str:
@@ -99,6 +114,8 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         f"[bold]{plan.strategy}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
         f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
     )
+    if plan.limits != EngineLimits():
+        console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
     t = Table(title="models", title_justify="left")
     for col in ("role", "pool", "devices", "train (p,t,d)", "gen (pg,tg)", "ckpt", "offload"):
         t.add_column(col, overflow="fold")

@@ -1,7 +1,8 @@
 """`auto_parallel`: the best parallel configurations of one model on n devices (paper Alg. 1, line 6).
 
 For a model and a device count it enumerates every 3D configuration (p, t, d) with p*t*d = n (t a
-power of two inside a node dividing the heads, p dividing the layers), activation checkpointing on or
+power of two inside a node dividing the heads, p dividing the layers, both inside the executing
+engines' `EngineLimits`; the default limits are none, the paper's search), activation checkpointing on or
 off, the model's state resident or offloaded to host memory between its stages, and for the actor
 every generation layout (pg, tg) with pg | p and tg | t (3D-HybridEngine). Each option is simulated;
 generation layouts whose KV cache does not fit are dropped, so the KV-cache check raises tg (or pg)
@@ -9,8 +10,8 @@ exactly when needed.
 
 Colocated models compete for memory, so rather than one winner this returns the Pareto front of
 (latency, persistent bytes, transient bytes): the set-level search (search.py) picks one option per
-model so that the pool fits. Results are cached per (model, device count): each placement and
-allocation that gives a model n devices reuses them, which is the paper's caching.
+model so that the pool fits. Results are cached per (model, device count, limits): each placement
+and allocation that gives a model n devices reuses them, which is the paper's caching.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 from hybridflow.planner import memory as mem
 from hybridflow.planner import simulate as sim
 from hybridflow.planner.dataflow import STAGES, ModelTask
-from hybridflow.planner.specs import ClusterSpec, ModelSpec, WorkloadSpec
+from hybridflow.planner.specs import ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
+
+UNCONSTRAINED = EngineLimits()
 
 
 @dataclass(frozen=True)
@@ -62,13 +65,15 @@ def _powers_of_two_upto(limit: int) -> list[int]:
     return out
 
 
-def model_parallel_sizes(spec: ModelSpec, n: int, devices_per_node: int) -> list[tuple[int, int, int]]:
-    """All (p, t, d) with p*t*d = n the model's shape allows."""
+def model_parallel_sizes(
+    spec: ModelSpec, n: int, devices_per_node: int, limits: EngineLimits = UNCONSTRAINED
+) -> list[tuple[int, int, int]]:
+    """All (p, t, d) with p*t*d = n that the model's shape and the engines' limits allow."""
     out = []
     for t in _powers_of_two_upto(min(n, devices_per_node)):
-        if spec.num_heads % t or (spec.num_kv_heads % t and t % spec.num_kv_heads):
+        if not limits.allows_tp(spec, t):
             continue
-        for p in range(1, min(spec.num_layers, n // t) + 1):
+        for p in range(1, min(spec.num_layers, n // t, limits.max_pp or n) + 1):
             if spec.num_layers % p == 0 and n % (p * t) == 0:
                 out.append((p, t, n // (p * t)))
     return out
@@ -124,8 +129,9 @@ def _option_key(o: ModelOption):
 
 
 @functools.cache
-def _generation_layouts(task, dev, wl, dpn, n, p, t, d):
-    """(gen time incl. switch, KV + gathered-weight bytes, pg, tg, switch, waves) per useful layout.
+def _generation_layouts(task, dev, wl, dpn, n, p, t, d, max_pg):
+    """(gen time incl. switch, KV + gathered-weight bytes, pg, tg, switch, waves) per useful layout,
+    with pg <= max_pg (None: any divisor of p).
 
     Each (pg, tg) is tried with 1, 2, 4, ... waves of sequences per replica: fewer waves are faster but
     need a bigger KV cache; which one a pool can afford depends on its other models, so all layouts
@@ -134,7 +140,7 @@ def _generation_layouts(task, dev, wl, dpn, n, p, t, d):
     spec, bpp = task.spec, dev.bytes_per_param
     found = []
     for tg in (x for x in _powers_of_two_upto(t) if t % x == 0):
-        for pg in (x for x in range(1, p + 1) if p % x == 0):
+        for pg in (x for x in range(1, min(p, max_pg or p) + 1) if p % x == 0):
             replicas = n // (pg * tg)
             per_replica = -(-int(wl.sequences * task.generation_factor) // replicas)
             extra = mem.generation_extra_weight_bytes(spec, bpp, p, t, pg, tg)
@@ -157,8 +163,11 @@ def _generation_layouts(task, dev, wl, dpn, n, p, t, d):
     return tuple(out)
 
 
-def enumerate_options(task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n: int) -> list[ModelOption]:
-    """Every feasible option of `task` alone on n devices (it may still not fit next to others).
+def enumerate_options(
+    task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n: int, limits: EngineLimits = UNCONSTRAINED
+) -> list[ModelOption]:
+    """Every feasible option of `task` alone on n devices (it may still not fit next to others) that
+    the engines' `limits` allow.
 
     An offloaded model brings its whole state in for each stage it works in (2 host transfers per
     stage) and holds nothing between stages.
@@ -170,7 +179,7 @@ def enumerate_options(task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n
     lm_head = task.role in ("actor", "reference")
     worked = {stage for stage, _ in task.work}
     options = []
-    for p, t, d in model_parallel_sizes(spec, n, dpn):
+    for p, t, d in model_parallel_sizes(spec, n, dpn, limits):
         state = (
             mem.train_state_bytes(spec, bpp, p, t, d) if task.trains else mem.weight_bytes(spec, bpp, p, t)
         )
@@ -181,7 +190,7 @@ def enumerate_options(task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n
             infer_act = mem.inference_activation_bytes(spec, bpp, wl.seq_len, mbs, t, lm_head)
         gens = ((0.0, 0.0, p, t, 0.0, 1),)
         if task.generates:
-            gens = _generation_layouts(task, dev, wl, dpn, n, p, t, d)
+            gens = _generation_layouts(task, dev, wl, dpn, n, p, t, d, limits.max_pg)
         for offload in (False, True):
             held, parked = (0.0, state) if offload else (state, 0.0)
             move = 2 * state / dev.host_bandwidth if offload else 0.0
@@ -223,13 +232,16 @@ def enumerate_options(task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n
 
 
 @functools.cache
-def auto_parallel(task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n: int) -> tuple[ModelOption, ...]:
-    """Pareto front of `task`'s options on n devices, fastest first; empty if nothing fits.
+def auto_parallel(
+    task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n: int, limits: EngineLimits = UNCONSTRAINED
+) -> tuple[ModelOption, ...]:
+    """Pareto front of `task`'s options on n devices within the engines' `limits`, fastest first;
+    empty if nothing fits.
 
     front[0] is the paper's auto_parallel answer (lowest simulated latency); the rest trade speed
     for memory and are used only when colocated models would not fit otherwise.
     """
-    return tuple(_pareto(enumerate_options(task, cluster, wl, n)))
+    return tuple(_pareto(enumerate_options(task, cluster, wl, n, limits)))
 
 
 def clear_caches() -> None:

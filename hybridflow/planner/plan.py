@@ -3,8 +3,9 @@
 A plan names one device pool per colocated set (pools take consecutive device ranges in the order
 listed), and per model its pool, device count, training/inference layout (p, t, d), generation
 layout (pg, tg), and predicted seconds per stage and bytes per device. It also carries every other
-placement's best result, ranked, so a user can see what the winner beat. `plan_to_resources` reduces
-a plan to what the trainer needs to build its resource pools and parallel configs.
+placement's best result, ranked, so a user can see what the winner beat, and the `EngineLimits` it
+was searched under. `plan_to_resources` reduces a plan to what the trainer needs to build its resource
+pools and parallel configs.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hybridflow.planner.dataflow import STAGES, Dataflow
+from hybridflow.planner.parallel import UNCONSTRAINED
 from hybridflow.planner.search import PlacementResult, search, strategy_name
-from hybridflow.planner.specs import ClusterSpec, GiB, WorkloadSpec
+from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec
 
 
 @dataclass
@@ -72,6 +74,12 @@ class Plan:
     iteration_seconds: float
     throughput_tokens_per_s: float  # (prompt + response tokens of the batch) / iteration time
     alternatives: list[Alternative] = field(default_factory=list)  # ranked, the winner first
+    # EngineLimits fields the search ran under; {} (plans written before limits existed) = none
+    engine_limits: dict = field(default_factory=dict)
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(**self.engine_limits)
 
     @property
     def strategy(self) -> str:
@@ -128,13 +136,18 @@ def _pool_name(roles) -> str:
 
 
 def build_plan(
-    dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, results: list[PlacementResult]
+    dataflow: Dataflow,
+    cluster: ClusterSpec,
+    wl: WorkloadSpec,
+    results: list[PlacementResult],
+    limits: EngineLimits = UNCONSTRAINED,
 ) -> Plan:
-    """Turn ranked search results (best first) into a Plan."""
+    """Turn ranked search results (best first), searched under `limits`, into a Plan."""
     if not results:
+        within = "" if limits == UNCONSTRAINED else f" with layouts the engines run ({limits.describe()})"
         raise ValueError(
-            f"no placement of {dataflow.roles} fits on {cluster.num_devices} x {cluster.device.name}: "
-            "add devices, use a device with more memory, or shrink the models / batch"
+            f"no placement of {dataflow.roles} fits on {cluster.num_devices} x {cluster.device.name}"
+            f"{within}: add devices, use a device with more memory, or shrink the models / batch"
         )
     best = results[0]
     pools, models, first = [], [], 0
@@ -179,13 +192,20 @@ def build_plan(
         iteration_seconds=best.iteration_time,
         throughput_tokens_per_s=tokens / best.iteration_time,
         alternatives=alternatives,
+        engine_limits=asdict(limits),
     )
 
 
-def plan(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec | None = None) -> Plan:
-    """The auto-mapping planner: (dataflow, cluster, workload) -> the fastest predicted Plan."""
+def plan(
+    dataflow: Dataflow,
+    cluster: ClusterSpec,
+    wl: WorkloadSpec | None = None,
+    limits: EngineLimits = UNCONSTRAINED,
+) -> Plan:
+    """The auto-mapping planner: (dataflow, cluster, workload) -> the fastest predicted Plan whose
+    layouts are all within the executing engines' `limits` (default: none, the paper's search)."""
     wl = wl or WorkloadSpec()
-    return build_plan(dataflow, cluster, wl, search(dataflow, cluster, wl))
+    return build_plan(dataflow, cluster, wl, search(dataflow, cluster, wl, limits), limits)
 
 
 @dataclass(frozen=True)

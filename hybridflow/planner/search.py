@@ -16,6 +16,7 @@ Same search space as the paper, made fast without losing the optimum:
   two sets are evaluated together as one numpy grid.
 `exhaustive_allocation` is the plain enumeration the tests compare against. Allowing sum < N (idle
 devices) is a small departure from the paper: it makes "more devices is never slower" hold.
+`EngineLimits` (default: none) restricts every model's layouts to what the executing engines run.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridflow.planner.dataflow import STAGES, Dataflow, ModelTask
-from hybridflow.planner.parallel import ModelOption, auto_parallel
-from hybridflow.planner.specs import ClusterSpec, WorkloadSpec
+from hybridflow.planner.parallel import UNCONSTRAINED, ModelOption, auto_parallel
+from hybridflow.planner.specs import ClusterSpec, EngineLimits, WorkloadSpec
 
 Placement = tuple[tuple[str, ...], ...]  # e.g. (("actor", "reference"), ("critic", "reward"))
 
@@ -58,7 +59,11 @@ def bell_number(n: int) -> int:
 
 
 def pool_choice(
-    tasks: tuple[ModelTask, ...], cluster: ClusterSpec, wl: WorkloadSpec, n: int
+    tasks: tuple[ModelTask, ...],
+    cluster: ClusterSpec,
+    wl: WorkloadSpec,
+    n: int,
+    limits: EngineLimits = UNCONSTRAINED,
 ) -> tuple[ModelOption, ...] | None:
     """One option per colocated model on n shared devices: least summed latency that fits, or None.
 
@@ -66,7 +71,7 @@ def pool_choice(
     Depth-first over each model's Pareto front with latency and memory bounds; usually the first
     leaf (everyone's fastest option) fits and the search stops there.
     """
-    fronts = [auto_parallel(t, cluster, wl, n) for t in tasks]
+    fronts = [auto_parallel(t, cluster, wl, n, limits) for t in tasks]
     if any(not f for f in fronts):
         return None
     budget = cluster.device.memory_bytes * cluster.device.usable_memory_fraction
@@ -114,11 +119,16 @@ class PoolCandidates:
 
 
 def pool_candidates(
-    tasks: tuple[ModelTask, ...], cluster: ClusterSpec, wl: WorkloadSpec, max_devices: int, prune: bool = True
+    tasks: tuple[ModelTask, ...],
+    cluster: ClusterSpec,
+    wl: WorkloadSpec,
+    max_devices: int,
+    prune: bool = True,
+    limits: EngineLimits = UNCONSTRAINED,
 ) -> PoolCandidates:
     ns, costs, choices = [], [], []
     for n in range(1, max_devices + 1):
-        choice = pool_choice(tasks, cluster, wl, n)
+        choice = pool_choice(tasks, cluster, wl, n, limits)
         if choice is not None:
             ns.append(n)
             costs.append(pool_stage_costs(choice))
@@ -248,14 +258,18 @@ def search_placement(
     cluster: ClusterSpec,
     wl: WorkloadSpec,
     cache: dict | None = None,
+    limits: EngineLimits = UNCONSTRAINED,
 ) -> PlacementResult | None:
-    """Best allocation and configs for one placement, or None if it cannot fit on the cluster."""
+    """Best allocation and configs for one placement, or None if it cannot fit on the cluster.
+
+    `cache` maps a set's roles to its candidates; share it only between calls with the same inputs.
+    """
     cache = {} if cache is None else cache
     cands = []
     for roles in placement:
         if roles not in cache:
             tasks = tuple(dataflow.model(r) for r in roles)
-            cache[roles] = pool_candidates(tasks, cluster, wl, cluster.num_devices)
+            cache[roles] = pool_candidates(tasks, cluster, wl, cluster.num_devices, limits=limits)
         cands.append(cache[roles])
     found = best_allocation(cands, cluster.num_devices)
     if found is None:
@@ -267,12 +281,15 @@ def search_placement(
     return PlacementResult(placement, cost, alloc, choices, tuple(float(x) for x in stage))
 
 
-def search(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec) -> list[PlacementResult]:
-    """The best result of every feasible placement, cheapest first (ties: fewer sets, then order)."""
+def search(
+    dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, limits: EngineLimits = UNCONSTRAINED
+) -> list[PlacementResult]:
+    """The best result of every feasible placement within the engines' `limits`, cheapest first
+    (ties: fewer sets, then order)."""
     cache: dict = {}
     results = []
     for order, placement in enumerate(set_partitions(dataflow.roles)):
-        r = search_placement(dataflow, placement, cluster, wl, cache)
+        r = search_placement(dataflow, placement, cluster, wl, cache, limits)
         if r is not None:
             # equal costs (e.g. reference and reward of the same size swapped) go to the paper's named
             # strategies first; rounding keeps float summation order from deciding a tie

@@ -1,4 +1,5 @@
-"""What the planner plans for: model shapes, devices and clusters, and the RL workload.
+"""What the planner plans for: model shapes, devices and clusters, the RL workload, and the layouts
+the executing engines support (`EngineLimits`).
 
 Everything here is a frozen dataclass so a spec can key the planner's caches and a plan can be
 reproduced from its inputs. Model shapes come from a parameter count ("13B", using the Llama-2 /
@@ -248,3 +249,40 @@ class WorkloadSpec:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Which layouts the engines that will run the plan can execute; the search considers no others.
+
+    The default is the paper's unconstrained search: any p dividing the layers, and a t that divides
+    the attention heads while the KV heads are either split (kv_heads % t == 0) or replicated
+    (t % kv_heads == 0). Frozen and hashable: it is part of `auto_parallel`'s cache key.
+    """
+
+    max_pp: int | None = None  # largest training/inference pipeline size p (None: no limit)
+    max_pg: int | None = None  # largest generation pipeline size pg (None: up to p)
+    # t must divide the heads, the KV heads and the MLP width: the engine shards whole heads and
+    # MLP columns and cannot replicate KV heads across tensor-parallel ranks
+    tp_shards_whole_heads: bool = False
+
+    def __post_init__(self):
+        for name in ("max_pp", "max_pg"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"EngineLimits.{name} must be >= 1 or None (no limit), got {value}")
+
+    def allows_tp(self, spec: ModelSpec, t: int) -> bool:
+        """Whether tensor-parallel size t can shard `spec` (t = 1 always can)."""
+        if spec.num_heads % t:
+            return False
+        if self.tp_shards_whole_heads:
+            return spec.num_kv_heads % t == 0 and spec.ffn_hidden % t == 0
+        return spec.num_kv_heads % t == 0 or t % spec.num_kv_heads == 0
+
+    def describe(self) -> str:
+        """'max_pp=1, tp shards whole heads', or 'unconstrained'."""
+        parts = [f"{k}={v}" for k, v in (("max_pp", self.max_pp), ("max_pg", self.max_pg)) if v is not None]
+        if self.tp_shards_whole_heads:
+            parts.append("tp shards whole heads")
+        return ", ".join(parts) or "unconstrained"

@@ -17,10 +17,12 @@ into the critic (as the paper counts models), so cost_critic goes where the crit
 layout. Plan models the config does not use (a reward model when the reward is a rule, a reference
 when no KL term needs one) are skipped, and a pool left with no model is not started.
 
-Departures: the training engine has no pipeline parallelism and shards whole KV heads, so a plan
-with p > 1, or a t that does not divide the heads, is refused with what to change (auto_parallel
-itself allows both). Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg; the built-in
-rollout currently generates with full weights on every rank whatever they say.
+Departures: the training engine has no pipeline parallelism and shards whole heads, KV heads and MLP
+columns, so `auto` plans under `ENGINE_LIMITS` (p = pg = 1, t dividing all three; the paper's
+auto_parallel allows p > 1 and replicated KV heads). A plan file may come from an unconstrained
+`hybridflow plan`: one with p > 1, or a t that does not divide the heads, is refused with what to
+change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg; the built-in rollout
+currently generates with full weights on every rank whatever they say.
 """
 
 from __future__ import annotations
@@ -30,8 +32,23 @@ import sys
 from dataclasses import dataclass, replace
 
 from hybridflow.config import ConfigError
-from hybridflow.planner import ClusterSpec, Dataflow, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
+from hybridflow.planner import (
+    ClusterSpec,
+    Dataflow,
+    EngineLimits,
+    ModelSpec,
+    Plan,
+    WorkloadSpec,
+    build_dataflow,
+    plan,
+)
 from hybridflow.planner.specs import DEVICES
+
+# What the built-in engines run: TrainEngine has no pipeline parallelism (ParallelConfig pp must be 1,
+# and so generation pg, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
+# columns. `hybridflow plan --max-pp 1 --tp-whole-heads` plans under the same limits.
+ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
+REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
 
 # trainer role -> planner role
 PLANNER_ROLE = {
@@ -181,9 +198,11 @@ def build_planner_cluster(cfg) -> ClusterSpec:
 
 
 def plan_for_config(cfg) -> Plan:
-    """Run the planner on the config's dataflow, cluster and workload."""
+    """Run the planner on the config's dataflow, cluster and workload, within the built-in engines'
+    limits (so `check_plan` accepts every layout it returns)."""
     try:
-        return plan(build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg))
+        df, cluster, wl = build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg)
+        return plan(df, cluster, wl, limits=ENGINE_LIMITS)
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError) as e:  # no placement fits, a model dir without config.json
@@ -249,7 +268,7 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
         if m.p != 1:
             errors.append(
                 f"{where}: the training engine has no pipeline parallelism; edit the plan to p: 1 "
-                f"(and t*d = {m.n_devices}), or plan with more memory per device"
+                f"(and t*d = {m.n_devices}), or re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
             )
         if m.t > 1 and os.path.isdir(dirs[m.role]):
             spec = ModelSpec.from_hf_config(dirs[m.role])
@@ -258,7 +277,8 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             if bad:
                 errors.append(
                     f"{where}: the engine shards whole heads and MLP columns, but t={m.t} does not divide "
-                    f"{bad} of {dirs[m.role]}; edit the plan to a t that does (and d = n_devices / t)"
+                    f"{bad} of {dirs[m.role]}; edit the plan to a t that does (and d = n_devices / t), or "
+                    f"re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
                 )
         if m.role == "actor" and (m.p * m.t) % (m.pg * m.tg):
             errors.append(f"{where}: generation pg*tg = {m.pg * m.tg} must divide p*t; fix the plan")

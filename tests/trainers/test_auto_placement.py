@@ -1,7 +1,8 @@
 """The trainer carries out auto-mapping plans: `resources.placement: auto` or a plan file.
 
 Without Ray: config -> planner inputs, plan -> pools / roles / per-role parallel sizes, role-name
-mapping, skipped models, and every refusal with its message. With a local Ray cluster: a plan file
+mapping, skipped models, `auto` planning only layouts the engines run, and every refusal with its
+message. With a local Ray cluster: a plan file
 for 4 CPU devices and `auto` on 2 each build the planned pools and dp sizes and run a GRPO step on
 the tiny model.
 """
@@ -9,6 +10,7 @@ the tiny model.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -19,10 +21,14 @@ from hybridflow.config import ConfigError, validate_config
 from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
 from hybridflow.trainers import TRAINERS, Placement, build_trainer
 from hybridflow.trainers.auto_placement import (
+    ENGINE_LIMITS,
+    build_planner_cluster,
     build_planner_dataflow,
     build_planner_workload,
+    check_plan,
     device_entry,
     placement_from_plan,
+    plan_for_config,
     trainer_roles,
 )
 from hybridflow.trainers.placement import role_config
@@ -32,13 +38,14 @@ KL_LOSS = "algorithm.use_kl_loss=true"
 
 
 def _tiny_plan(model_dir, algorithm: str, devices: int, reward_model: bool = False) -> Plan:
-    """What `hybridflow plan --model-config DIR --gpu cpu --gpus N` computes, for the tiny test run."""
+    """What `hybridflow plan --model-config DIR --gpu cpu --gpus N --max-pp 1 --tp-whole-heads` computes,
+    for the tiny test run."""
     df = build_dataflow(algorithm, ModelSpec.from_hf_config(model_dir), reward_model=reward_model)
     wl = WorkloadSpec(  # tests/trainers/configs.py's batch and the config's default micro-batch sizes
         prompts=4, samples_per_prompt=2, prompt_len=16, response_len=4, mini_batches=1,
         micro_batch_size=4, inference_micro_batch_size=8,
     )  # fmt: skip
-    return plan(df, ClusterSpec.build("cpu", devices, devices), wl)
+    return plan(df, ClusterSpec.build("cpu", devices, devices), wl, limits=ENGINE_LIMITS)
 
 
 def _with_model(plan_: Plan, role: str, **changes) -> Plan:
@@ -119,6 +126,27 @@ def test_auto_plans_what_the_plan_api_plans(make_config, tiny_model_dir, capsys)
     assert Plan.load(Path(cfg.run_dir) / "plan.yaml") == placement.plan  # the run records its plan
 
 
+def test_auto_plans_only_layouts_the_engines_run(make_config, tmp_path):
+    """A GQA model (12 heads, 2 KV heads) for GRPO on 8 CPU devices: the paper's search trains the actor
+    with t = 4 (KV heads replicated), which the engine refuses; `auto` plans t = 2 instead."""
+    model_dir = tmp_path / "gqa"
+    model_dir.mkdir()
+    shape = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=2)
+    config = dict(model_type="llama", intermediate_size=2048, vocab_size=32000, **shape)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    cfg = make_config("grpo", KL_LOSS, f"model.path={model_dir}", "resources.placement=auto", devices=8)
+    inputs = build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg)
+    free = plan(*inputs)
+    assert free.model("actor").t == 4
+    assert any("t=4 does not divide {'kv_heads': 2}" in e for e in check_plan(free, cfg, "auto"))
+    auto = plan_for_config(cfg)
+    assert auto.limits == ENGINE_LIMITS and check_plan(auto, cfg, "auto") == []
+    assert auto == plan(*inputs, limits=ENGINE_LIMITS)
+    for m in auto.models:
+        assert (m.p, m.pg) == (1, 1) and 2 % m.t == 0 and m.t * m.d == m.n_devices, m.role
+    assert placement_from_plan(auto, cfg, "auto").parallel["actor_rollout"].tp == auto.model("actor").t == 2
+
+
 def test_models_the_config_does_not_use_are_skipped(make_config, tiny_model_dir):
     """GRPO with a rule reward and no KL term runs neither the plan's reward model nor its reference:
     their pools are not started."""
@@ -148,7 +176,7 @@ def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
         placement_from_plan(grpo4, make_config("grpo", KL_LOSS, devices=2))
     n = grpo4.model("actor").n_devices
-    with pytest.raises(ConfigError, match="no pipeline parallelism; edit the plan to p: 1"):
+    with pytest.raises(ConfigError, match=r"no pipeline parallelism; edit the plan to p: 1 .*--max-pp 1"):
         placement_from_plan(_with_model(grpo4, "actor", p=2, d=n // 2), make_config("grpo", devices=4))
     # the tiny model has 2 KV heads: the engine cannot shard them 4 ways (the planner would replicate)
     with pytest.raises(ConfigError, match="its pool 'actor' has 2 devices, not its 4"):

@@ -1,0 +1,134 @@
+"""EngineLimits: the search keeps exactly the layouts the executing engines can run.
+
+The built-in engines have no pipeline parallelism and shard whole heads, KV heads and MLP columns;
+the paper's search (the default, unconstrained) uses p > 1 and replicated KV heads where it pays.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from hybridflow.cli import main
+from hybridflow.planner import (
+    ClusterSpec,
+    EngineLimits,
+    ModelSpec,
+    Plan,
+    WorkloadSpec,
+    auto_parallel,
+    build_dataflow,
+    plan,
+)
+from hybridflow.planner.parallel import enumerate_options, model_parallel_sizes
+
+BUILTIN = EngineLimits(max_pp=1, tp_shards_whole_heads=True)
+# grouped-query attention with 2 KV heads: t = 4 or 8 would replicate them
+GQA = ModelSpec("gqa", num_layers=16, hidden=2048, num_heads=16, num_kv_heads=2, ffn_hidden=5632)
+
+
+def _allowed(o, limits: EngineLimits, spec: ModelSpec) -> bool:
+    whole = all(v % o.t == 0 for v in (spec.num_heads, spec.num_kv_heads, spec.ffn_hidden))
+    return (
+        (limits.max_pp is None or o.p <= limits.max_pp)
+        and (limits.max_pg is None or o.pg <= limits.max_pg)
+        and (whole or not limits.tp_shards_whole_heads)
+    )
+
+
+def test_limits_validate_and_describe():
+    assert EngineLimits().describe() == "unconstrained"
+    assert BUILTIN.describe() == "max_pp=1, tp shards whole heads"
+    assert hash(BUILTIN) == hash(EngineLimits(1, None, True))  # usable as a cache key
+    with pytest.raises(ValueError, match="max_pp must be >= 1"):
+        EngineLimits(max_pp=0)
+    assert EngineLimits().allows_tp(GQA, 8) and not BUILTIN.allows_tp(GQA, 8)  # 8 % 2 KV heads: replicated
+    assert BUILTIN.allows_tp(GQA, 2) and not EngineLimits().allows_tp(GQA, 32)  # 32 does not divide 16 heads
+    odd_ffn = ModelSpec("odd", 4, 512, 8, 8, 1372)  # 1372 = 4 * 343: MLP columns split 4 ways at most
+    assert sorted({t for _, t, _ in model_parallel_sizes(odd_ffn, 8, 8, BUILTIN)}) == [1, 2, 4]
+    assert sorted({t for _, t, _ in model_parallel_sizes(odd_ffn, 8, 8)}) == [1, 2, 4, 8]
+    assert {p for p, _, _ in model_parallel_sizes(odd_ffn, 8, 8, BUILTIN)} == {1}
+    assert {p for p, _, _ in model_parallel_sizes(odd_ffn, 8, 8)} == {1, 2, 4}
+
+
+@pytest.mark.parametrize(
+    "spec, device, n",
+    [(ModelSpec.from_param_count("13B"), "a100-80", 8), (GQA, "a100-40", 16), (GQA, "cpu", 8)],
+)
+def test_limits_drop_exactly_the_layouts_they_forbid(spec, device, n):
+    """enumerate_options under limits = the unconstrained options filtered by the limits: nothing the
+    engines could run is lost, nothing they cannot run is kept."""
+    cluster = ClusterSpec.build(device, n, 8)
+    wl = WorkloadSpec(prompts=64, prompt_len=256, response_len=256)
+    for task in build_dataflow("ppo", spec).models:
+        free = enumerate_options(task, cluster, wl, n)
+        limited = enumerate_options(task, cluster, wl, n, BUILTIN)
+        assert limited == [o for o in free if _allowed(o, BUILTIN, spec)], task.role
+        assert len(limited) < len(free)
+        front = auto_parallel(task, cluster, wl, n, BUILTIN)
+        assert front and all(_allowed(o, BUILTIN, spec) and o.p == o.pg == 1 for o in front)
+
+
+def test_max_pg_limits_generation_layouts_only():
+    actor = build_dataflow("ppo", ModelSpec.from_param_count("13B")).model("actor")
+    cluster, wl = ClusterSpec.build("a100-80", 8), WorkloadSpec()
+    free = auto_parallel(actor, cluster, wl, 8)
+    limited = auto_parallel(actor, cluster, wl, 8, EngineLimits(max_pg=1))
+    assert limited and all(o.pg == 1 for o in limited)
+    assert {o.p for o in limited} == {o.p for o in free} and max(o.p for o in limited) > 1
+
+
+def test_constrained_plan_has_no_pipeline_where_the_paper_search_uses_one():
+    """13B PPO on 8 A100-80: the paper's search trains the actor with p = 4; under the built-in engines'
+    limits every model has p = pg = 1 and a t dividing its heads, at a (slightly) higher predicted time.
+    The unconstrained search runs first, so a limit missing from a cache key would show here."""
+    dataflow, cluster = (
+        build_dataflow("ppo", ModelSpec.from_param_count("13B")),
+        ClusterSpec.build("a100-80", 8),
+    )
+    free = plan(dataflow, cluster)
+    assert free.model("actor").p > 1
+    assert free.engine_limits == asdict(EngineLimits()) and free.limits == EngineLimits()
+    limited = plan(dataflow, cluster, limits=BUILTIN)
+    for m in limited.models:
+        spec = dataflow.model(m.role).spec
+        assert (m.p, m.pg) == (1, 1) and m.t * m.d == m.n_devices, m.role
+        assert spec.num_heads % m.t == spec.num_kv_heads % m.t == spec.ffn_hidden % m.t == 0
+    assert limited.iteration_seconds >= free.iteration_seconds
+    assert limited.iteration_seconds < 1.2 * free.iteration_seconds
+    assert limited.limits == BUILTIN
+    assert plan(dataflow, cluster) == free  # the default is still the paper's search
+
+
+def test_plans_record_their_limits_and_old_files_read_as_unconstrained(tmp_path):
+    dataflow, cluster = build_dataflow("grpo", GQA), ClusterSpec.build("a100-80", 8)
+    p = plan(dataflow, cluster, WorkloadSpec(prompts=64), limits=BUILTIN)
+    assert Plan.load(p.save(tmp_path / "plan.yaml")).limits == BUILTIN
+    old = p.to_dict()
+    del old["engine_limits"]
+    assert Plan.from_dict(old).limits == EngineLimits()
+
+
+def test_limits_that_nothing_fits_say_so():
+    dataflow, cluster = (
+        build_dataflow("ppo", ModelSpec.from_param_count("70B")),
+        ClusterSpec.build("a100-80", 32),
+    )
+    assert plan(dataflow, cluster).model("actor").p > 1  # 70B needs a pipeline on 32 GPUs
+    with pytest.raises(ValueError, match=r"with layouts the engines run \(max_pp=1, tp shards whole heads\)"):
+        plan(dataflow, cluster, limits=BUILTIN)
+
+
+def test_plan_command_limits(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model-size", "13B", "--gpus", "8", "--max-pp", "1", "--tp-whole-heads"]
+    assert main([*args, "--output", str(out)]) == 0
+    assert (
+        "layouts limited to what the engines run: max_pp=1, tp shards whole heads" in capsys.readouterr().out
+    )
+    written = Plan.from_dict(json.loads(out.read_text()))
+    assert written.limits == BUILTIN and all(m.p == 1 for m in written.models)
+    assert main(["plan", "--model-size", "13B", "--gpus", "8", "--max-pp", "0"]) == 2
+    assert "max_pp must be >= 1" in capsys.readouterr().out
