@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export OMP_NUM_THREADS ?= 1
+# Idle OpenMP threads sleep instead of spinning, so ranks sharing cores do not steal them from each other.
+export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_DEDUP_LOGS ?= 0
 

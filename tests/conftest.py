@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")  # one thread per rank: many ranks share 2 cores
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -107,11 +107,27 @@ def drop_padding(output, n_in: int, pad: int, method: str):
     return output  # e.g. a metrics dict: padding rows were counted, as in verl
 
 
+def cpu_threads(world_size: int, use_gpu: bool) -> int:
+    """Intra-op threads for this rank.
+
+    Ray sets OMP_NUM_THREADS=1 in actors that hold a fraction of a CPU, which would leave a laptop's
+    other cores idle in a one-process run. So on CPU a rank takes its share of the machine's cores
+    (cores // ranks, at least 1) unless HYBRIDFLOW_CPU_THREADS says otherwise (tests pin it to 1 so
+    results do not depend on the machine). GPU ranks need few CPU threads: OMP_NUM_THREADS, default 1.
+    """
+    if os.environ.get("HYBRIDFLOW_CPU_THREADS"):
+        return max(1, int(os.environ["HYBRIDFLOW_CPU_THREADS"]))
+    if use_gpu:
+        return int(os.environ.get("OMP_NUM_THREADS", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, world_size))
+
+
 class WorkerProcess:
     """One rank's process. Created by WorkerGroup through ray.remote(...).options(placement)."""
 
     def __init__(self, group_name: str, rank: int, world_size: int, local_rank: int, use_gpu: bool):
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        torch.set_num_threads(cpu_threads(world_size, use_gpu))
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
         self.local_rank, self.use_gpu = local_rank, use_gpu
         self.roles: dict[str, object] = {}
