@@ -14,11 +14,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster with 8 logical CPUs (more than the 2 cores, so 4-8 rank groups fit)."""
+    """A local Ray cluster with 16 logical CPUs (more than the 2 cores: 4-8 rank groups fit, and the
+    controller tests keep their shared groups for the session)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     # Left running for the rest of the session; tests needing their own cluster call ray.shutdown().
 
