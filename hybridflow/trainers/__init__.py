@@ -9,6 +9,7 @@ grpo.py rloo.py reinforce_pp.py remax.py safe_rlhf.py   small edits of PPO
 offline.py       SFT (warm start) and DPO (preference pairs)
 metrics.py       per-step data metrics, timers, throughput
 cli.py           `hybridflow train CONFIG [overrides]`
+eval_cli.py      `hybridflow eval SOURCE [overrides]`: validation only, from a checkpoint or an HF directory
 """
 
 from hybridflow.trainers.base import Trainer

@@ -69,11 +69,17 @@ def evaluate(
     source: str, overrides=(), config: str | None = None, step: int | None = None
 ) -> tuple[dict, list]:
     """Validation metrics of SOURCE (see the module docstring) -> (metrics, sample generation rows)."""
-    from hybridflow.config import load_config
+    from hybridflow.config import ConfigError, load_config
 
     model_dir, run_config = resolve_source(source, step)
     base = [f"model.path={model_dir}", f"model.tokenizer_path={model_dir}", "trainer.resume=never"]
-    cfg = load_config(config or run_config, base + list(overrides))
+    cfg = load_config(config or run_config, base + list(overrides), validate=False)
+    d = cfg.data
+    if not (d.val_files or d.dataset):
+        hint = "pass --config CONFIG or set data.val_files=[...] / data.dataset=..."
+        raise ConfigError([f"no validation data for {source}: {hint}"])
+    if not d.train_files and not d.dataset:
+        d.train_files = list(d.val_files)  # satisfies the config checks; eval never reads training data
     trainer = build_eval_trainer(cfg)
     rows: list[dict] = []
 

@@ -115,3 +115,6 @@ def test_config_typo_fails_in_one_line(config_file, capsys):
     assert cli_main(["eval", str(config_file.parent), "--step", "5"]) == 2  # no such checkpoint
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("hybridflow eval:")
+    assert cli_main(["eval", _model_dir(config_file)]) == 2  # an HF directory, but no validation data named
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no validation data" in err and "--config" in err
