@@ -1,18 +1,50 @@
-"""Learning, end to end and seeded: an SFT warm start, then GRPO and PPO each raise greedy validation
-accuracy on held-out arithmetic problems by a clear margin (the short version of
-scripts/learning_curves.py, whose longer runs are reported in docs/learning.md)."""
+"""Learning, end to end and seeded, on held-out problems the model never trained on.
+
+GRPO runs the `make demo` recipe (examples/configs/sft_tiny.yaml then grpo_tiny.yaml): the SFT warm
+start already answers with a bare number but gets few sums right, so the accuracy GRPO adds is sums it
+now gets right. PPO runs the short version of scripts/learning_curves.py (docs/learning.md), whose
+warm start is sloppy on purpose, so part of its gain is learning to stop after the number.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from hybridflow.checkpoint import export_hf
+from hybridflow.config import load_config
+from hybridflow.models.tiny import save_tiny_model
+from hybridflow.trainers import build_trainer
 from scripts.learning_curves import rl_overrides, train, val_acc, warm_start
 
-MARGIN = 0.10  # absolute accuracy points; the runs below gain about twice that
+MARGIN = 0.10  # absolute accuracy points
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+ACC = "val/synthetic:arithmetic/acc@1"
+
+
+def _fit(config: str, workdir: Path, *overrides: str):
+    common = [f"trainer.output_dir={workdir}", "trainer.loggers=[jsonl]", "trainer.save_every=0"]
+    cfg = load_config(CONFIGS / config, [*common, *overrides])
+    with build_trainer(cfg) as trainer:
+        history = trainer.fit()
+    return cfg, [h for h in history if ACC in h], [h["reward/mean"] for h in history if "reward/mean" in h]
+
+
+def test_grpo_raises_held_out_accuracy_of_a_correct_format_warm_start(ray_cluster, tmp_path):
+    base = save_tiny_model(tmp_path / "tiny", "tiny", "llama", seed=0)
+    sft_cfg, _, _ = _fit("sft_tiny.yaml", tmp_path, f"model.path={base}")
+    sft_dir = export_hf(sft_cfg.run_dir, tmp_path / "sft")
+    _, val, rewards = _fit("grpo_tiny.yaml", tmp_path, f"model.path={sft_dir}", "trainer.val_every=50")
+    before, after = val[0][ACC], val[-1][ACC]
+    print(f"grpo (demo recipe): held-out acc {before:.3f} -> {after:.3f}")
+    assert before <= 0.2, "the warm start should leave room to learn sums"
+    assert after - before >= MARGIN, (before, after)
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05
 
 
 @pytest.fixture(scope="module")
-def sft_model(ray_cluster, tmp_path_factory):
+def sloppy_sft_model(ray_cluster, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("learning")
     model_dir, history = warm_start(workdir, steps=150)
     # the warm start knows the format only partly: room for RL (and not a model that cannot add)
@@ -20,15 +52,12 @@ def sft_model(ray_cluster, tmp_path_factory):
     return model_dir, workdir
 
 
-@pytest.mark.parametrize("algorithm,steps", [("grpo", 40), ("ppo", 40)])
-def test_rl_raises_validation_accuracy(sft_model, algorithm, steps):
-    model_dir, workdir = sft_model
-    history, trainer = train(rl_overrides(algorithm, model_dir, workdir / "runs", steps))
+def test_ppo_raises_validation_accuracy(sloppy_sft_model):
+    model_dir, workdir = sloppy_sft_model
+    history, trainer = train(rl_overrides("ppo", model_dir, workdir / "runs", 40))
     trainer.close()
     before, after = val_acc(history[0]), val_acc(history[-1])
-    rewards = [h["reward/mean"] for h in history if h["step"] > 0]
-    print(
-        f"{algorithm}: val acc {before:.3f} -> {after:.3f}; train reward {rewards[0]:.3f} -> {rewards[-1]:.3f}"
-    )
+    rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
+    print(f"ppo: val acc {before:.3f} -> {after:.3f}; train reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
     assert after - before >= MARGIN, (before, after)
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + MARGIN
