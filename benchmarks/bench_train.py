@@ -25,27 +25,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.batch import Batch
+from hybridflow.models.tiny import random_rl_batch
 
 
 def make_batch(vocab: int, batch: int, lp: int, lr: int, seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    p_len = torch.randint(lp // 4, lp + 1, (batch,), generator=g)
-    r_len = torch.randint(lr // 4, lr + 1, (batch,), generator=g)
-    pm = (torch.arange(lp)[None] >= lp - p_len[:, None]).long()
-    rm = (torch.arange(lr)[None] < r_len[:, None]).long()
-    prompts = torch.randint(5, vocab, (batch, lp), generator=g) * pm
-    responses = torch.randint(5, vocab, (batch, lr), generator=g) * rm
-    attn = torch.cat([pm, rm], 1)
-    return Batch.from_dict(
-        dict(
-            prompts=prompts,
-            responses=responses,
-            input_ids=torch.cat([prompts, responses], 1),
-            attention_mask=attn,
-            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-            response_mask=rm,
-            advantages=torch.randn(batch, lr, generator=g) * rm,
-        )
+    # at least a quarter of each prompt/response is real tokens, ids >= 5 (clear of special tokens)
+    return random_rl_batch(
+        vocab, batch, lp, lr, seed, min_prompt_len=lp // 4, min_response_len=lr // 4, min_token_id=5
     )
 
 

@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from hybridflow.batch import Batch
+
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>"]
 CHARS = string.digits + string.ascii_letters + " +-*/=?.,:;!()[]<>#'\"\n_%$"
 
@@ -94,3 +96,41 @@ def save_tiny_model(path: str | os.PathLike, size: str = "tiny", arch: str = "ll
     model.save_pretrained(path, safe_serialization=True)
     build_char_tokenizer().save_pretrained(path)
     return path
+
+
+def random_rl_batch(
+    vocab_size: int,
+    batch_size: int = 8,
+    lp: int = 6,
+    lr: int = 8,
+    seed: int = 0,
+    min_prompt_len: int = 1,
+    min_response_len: int = 1,
+    min_token_id: int = 3,
+) -> Batch:
+    """A synthetic RL batch for tests and benchmarks: random tokens in [min_token_id, vocab_size) (so no
+    pad/bos/eos), prompts (B, lp) left-padded to random lengths in [min_prompt_len, lp], responses (B, lr)
+    right-padded to random lengths in [min_response_len, lr], and random advantages (B, lr) (0 on padding).
+
+    Fields: prompts, responses, input_ids, attention_mask, position_ids, response_mask, advantages.
+    Deterministic in `seed` (its own generator; the global RNG is untouched).
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(min_prompt_len, lp + 1, (batch_size,), generator=g)
+    resp_lens = torch.randint(min_response_len, lr + 1, (batch_size,), generator=g)
+    pm = (torch.arange(lp)[None] >= lp - prompt_lens[:, None]).long()
+    rm = (torch.arange(lr)[None] < resp_lens[:, None]).long()
+    prompts = torch.randint(min_token_id, vocab_size, (batch_size, lp), generator=g) * pm
+    responses = torch.randint(min_token_id, vocab_size, (batch_size, lr), generator=g) * rm
+    attn = torch.cat([pm, rm], 1)
+    return Batch.from_dict(
+        dict(
+            prompts=prompts,
+            responses=responses,
+            input_ids=torch.cat([prompts, responses], 1),
+            attention_mask=attn,
+            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+            response_mask=rm,
+            advantages=torch.randn(batch_size, lr, generator=g) * rm,
+        )
+    )

@@ -9,27 +9,12 @@ from pathlib import Path
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.models.tiny import random_rl_batch
 
 
 def make_batch(vocab_size: int, batch_size: int = 8, lp: int = 5, lr: int = 6, seed: int = 0) -> Batch:
     """Left-padded prompts, right-padded responses, random advantages."""
-    g = torch.Generator().manual_seed(seed)
-    pm = (torch.arange(lp)[None] >= lp - torch.randint(1, lp + 1, (batch_size, 1), generator=g)).long()
-    rm = (torch.arange(lr)[None] < torch.randint(1, lr + 1, (batch_size, 1), generator=g)).long()
-    prompts = torch.randint(3, vocab_size, (batch_size, lp), generator=g) * pm
-    responses = torch.randint(3, vocab_size, (batch_size, lr), generator=g) * rm
-    attn = torch.cat([pm, rm], 1)
-    return Batch.from_dict(
-        dict(
-            prompts=prompts,
-            responses=responses,
-            input_ids=torch.cat([prompts, responses], 1),
-            attention_mask=attn,
-            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-            response_mask=rm,
-            advantages=torch.randn(batch_size, lr, generator=g) * rm,
-        )
-    )
+    return random_rl_batch(vocab_size, batch_size, lp, lr, seed)
 
 
 def pg_loss(outputs, mb):

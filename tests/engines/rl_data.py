@@ -5,29 +5,12 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.models.tiny import random_rl_batch
 
 
 def make_rl_batch(vocab_size: int, batch_size: int = 8, lp: int = 6, lr: int = 8, seed: int = 0) -> Batch:
     """Random tokens with random valid prompt lengths (1..lp) and response lengths (1..lr)."""
-    g = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(1, lp + 1, (batch_size,), generator=g)
-    resp_lens = torch.randint(1, lr + 1, (batch_size,), generator=g)
-    pm = (torch.arange(lp)[None] >= lp - prompt_lens[:, None]).long()
-    rm = (torch.arange(lr)[None] < resp_lens[:, None]).long()
-    prompts = torch.randint(3, vocab_size, (batch_size, lp), generator=g) * pm
-    responses = torch.randint(3, vocab_size, (batch_size, lr), generator=g) * rm
-    attn = torch.cat([pm, rm], 1)
-    return Batch.from_dict(
-        dict(
-            prompts=prompts,
-            responses=responses,
-            input_ids=torch.cat([prompts, responses], 1),
-            attention_mask=attn,
-            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-            response_mask=rm,
-            advantages=torch.randn(batch_size, lr, generator=g) * rm,
-        )
-    )
+    return random_rl_batch(vocab_size, batch_size, lp, lr, seed)
 
 
 def pg_loss(outputs, mb):
