@@ -24,8 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from hybridflow.models.hf import model_kind, scalar_head
 
 
-def _log_probs_chunk(hidden, weight, bias, labels, temperature: float, with_entropy: bool):
-    """hidden (B, C, H), labels (B, C) -> log_probs (B, C) [, entropy (B, C)], all fp32."""
+def _log_probs_chunk(hidden, weight, bias, labels, temperature: float, with_entropy: bool | str):
+    """hidden (B, C, H), labels (B, C) -> log_probs (B, C) [, entropy (B, C)], all fp32.
+    with_entropy="detached": the entropy is a metric only, computed without grad (nothing saved for backward)."""
     logits = F.linear(hidden, weight, bias).float()  # (B, C, V)
     if temperature != 1.0:
         logits = logits / temperature
@@ -33,6 +34,9 @@ def _log_probs_chunk(hidden, weight, bias, labels, temperature: float, with_entr
     log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
         return log_probs, None
+    if with_entropy == "detached":
+        with torch.no_grad():
+            return log_probs, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return log_probs, entropy
 
@@ -43,11 +47,13 @@ def chunked_log_probs(
     labels: torch.Tensor,
     chunk_size: int = 256,
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `labels` under lm_head(hidden) / temperature, computed `chunk_size` positions at a time.
 
     hidden: (B, T, H) hidden states predicting labels (B, T). Returns (log_probs (B, T), entropy (B, T) or None).
+    with_entropy: False, True (entropy differentiable) or "detached" (entropy as a metric only: no grad, so
+    it is neither kept for backward nor recomputed there).
     """
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     lps, ents = [], []
@@ -104,7 +110,7 @@ class RLForward(nn.Module):
         position_ids: torch.Tensor,
         response_length: int,
         temperature: float = 1.0,
-        with_entropy: bool = False,
+        with_entropy: bool | str = False,
     ) -> dict[str, torch.Tensor]:
         out = self.model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

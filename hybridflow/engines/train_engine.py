@@ -122,7 +122,7 @@ class TrainEngine:
                 self.offload()
 
     # ---- forward passes --------------------------------------------------------------------------
-    def _forward(self, mb: Batch, temperature: float = 1.0, with_entropy: bool = False) -> dict:
+    def _forward(self, mb: Batch, temperature: float = 1.0, with_entropy: bool | str = False) -> dict:
         ids = mb["input_ids"].to(self.device)
         attn = mb["attention_mask"].to(self.device)
         pos = (
@@ -192,7 +192,7 @@ class TrainEngine:
         self,
         batch: Batch,
         loss_fn: LossFn,
-        with_entropy: bool = False,
+        with_entropy: bool | str = False,
         temperature: float = 1.0,
         loss_weighting: str = "tokens",
         micro_batch_size: int | None = None,
@@ -211,7 +211,7 @@ class TrainEngine:
         self,
         batch: Batch,
         loss_fn: LossFn,
-        with_entropy: bool = False,
+        with_entropy: bool | str = False,
         temperature: float = 1.0,
         loss_weighting: str = "tokens",
         micro_batch_size: int | None = None,
@@ -223,6 +223,7 @@ class TrainEngine:
         for a causal LM or "values" (b, lr) for a critic, aligned with micro_batch's (trimmed) response
         fields; loss is the micro-batch mean (per token if loss_weighting="tokens", per sequence if
         "sequences"). Returns the token/sequence-weighted local mean of loss and of each metric.
+        with_entropy="detached" gives "entropy" without grad, for when it is only logged.
         """
         if self.optimizer is None:
             raise RuntimeError(

@@ -198,9 +198,11 @@ class ActorRolloutRefWorker(Worker):
         num_mini = max(1, self.config.data.train_batch_size // a.ppo_mini_batch_size)
         metrics = MetricLists()
         eng = self._engine("actor")
+        # entropy is always logged; it needs grad only when it is part of the loss
+        entropy_mode = True if algo.entropy_coeff else "detached"
         for mb in iter_mini_batches(batch.select(keys), num_mini, a.ppo_epochs, eng.global_step):
             out = eng.train_step(
-                mb, loss_fn, with_entropy=True, temperature=temperature, loss_weighting=weighting
+                mb, loss_fn, with_entropy=entropy_mode, temperature=temperature, loss_weighting=weighting
             )
             metrics.add(out, "actor/")
         return metrics.as_dict()
