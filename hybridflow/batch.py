@@ -229,6 +229,12 @@ def _rebuild_batch(packed, non_tensors, meta) -> Batch:
     return Batch(tensors, non_tensors, meta)
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) 0/1 mask -> (B, L) position ids counting only attended tokens, 0 on padding (HF and verl
+    convention for left-padded prompts)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def _as_object_array(v) -> np.ndarray:
     if isinstance(v, np.ndarray):
         return v

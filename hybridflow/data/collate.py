@@ -9,38 +9,35 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.batch import position_ids_from_mask
 
-def left_pad(
-    seqs: list[list[int]], pad_id: int, length: int | None = None
+
+def _pad(
+    seqs: list[list[int]], pad_id: int, length: int | None, left: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (ids, mask), both (B, L) long, L = `length` or the longest sequence; tokens flush right."""
     length = max((len(s) for s in seqs), default=0) if length is None else length
     ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, length - len(s) :] = 1
+            cols = slice(length - len(s), length) if left else slice(0, len(s))
+            ids[i, cols] = torch.tensor(s, dtype=torch.long)
+            mask[i, cols] = 1
     return ids, mask
+
+
+def left_pad(
+    seqs: list[list[int]], pad_id: int, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (ids, mask), both (B, L) long, L = `length` or the longest sequence; tokens flush right."""
+    return _pad(seqs, pad_id, length, left=True)
 
 
 def right_pad(
     seqs: list[list[int]], pad_id: int, length: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (ids, mask), both (B, L) long; tokens flush left."""
-    length = max((len(s) for s in seqs), default=0) if length is None else length
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
-    return ids, mask
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) mask -> (B, L) positions 0, 1, ... over the real tokens (0 on padding)."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return _pad(seqs, pad_id, length, left=False)
 
 
 def collate_prompt_response(

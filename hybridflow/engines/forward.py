@@ -16,6 +16,8 @@ critic values use the same positions (the value of the state before each respons
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,10 +36,9 @@ def _log_probs_chunk(hidden, weight, bias, labels, temperature: float, with_entr
     log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
         return log_probs, None
-    if with_entropy == "detached":
-        with torch.no_grad():
-            return log_probs, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    # Not set_grad_enabled(True): under an outer no_grad (forward-only passes) grad must stay off.
+    with torch.no_grad() if with_entropy == "detached" else contextlib.nullcontext():
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # reuses lse: one logsumexp
     return log_probs, entropy
 
 
@@ -81,11 +82,6 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) mask -> (B,) index of the last attended position (works for left and right padding)."""
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (attention_mask.long() * positions).argmax(-1)
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) -> (B, L) positions counting only attended tokens (0 on left padding)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 class RLForward(nn.Module):

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hybridflow.batch import Batch
+from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.engines.config import EngineConfig
-from hybridflow.engines.forward import RLForward, position_ids_from_mask
+from hybridflow.engines.forward import RLForward
 from hybridflow.engines.mesh import build_mesh, device_type
 from hybridflow.engines.micro_batch import (
     pad_response_aligned,

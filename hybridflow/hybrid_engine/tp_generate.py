@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridflow.batch import position_ids_from_mask
 from hybridflow.hybrid_engine.layout import GenLayout
 from hybridflow.hybrid_engine.sharding import LlamaShape
 from hybridflow.hybrid_engine.switch import EngineGroups, GenWeights
@@ -140,7 +141,7 @@ def _layer(h: torch.Tensor, i: int, mask: torch.Tensor, cos, sin, ctx: TPContext
 def _next_token(ctx: TPContext, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Greedy next token for every row, known to all ranks of the replica. ids: (B, L) -> (B,)."""
     b, n = ids.shape
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = position_ids_from_mask(attention_mask)
     cos, sin = _rope(ctx.shape, position_ids, ctx.weights[next(iter(ctx.weights))][0].dtype)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     # padded query rows attend to themselves so no row is empty (an empty row would give NaN)

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from hybridflow.batch import Batch
+from hybridflow.batch import Batch, position_ids_from_mask
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>"]
 CHARS = string.digits + string.ascii_letters + " +-*/=?.,:;!()[]<>#'\"\n_%$"
@@ -129,7 +129,7 @@ def random_rl_batch(
             responses=responses,
             input_ids=torch.cat([prompts, responses], 1),
             attention_mask=attn,
-            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+            position_ids=position_ids_from_mask(attn),
             response_mask=rm,
             advantages=torch.randn(batch_size, lr, generator=g) * rm,
         )

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from hybridflow.batch import Batch
+from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.params import SamplingParams
 
 PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
@@ -61,11 +61,6 @@ def check_prompt_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def prompt_position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """mask: (B, L) 0/1 -> position ids (B, L): 0 on padding, 0.. on real tokens (HF and verl)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def build_rollout_batch(
     batch: Batch,
     responses: torch.Tensor,
@@ -94,7 +89,7 @@ def build_rollout_batch(
     responses = responses.masked_fill(~response_mask, pad_token_id)
     rollout_log_probs = rollout_log_probs.float().masked_fill(~response_mask, 0.0)
     response_mask = response_mask.to(prompt_mask.dtype)
-    prompt_pos = prompt_position_ids(prompt_mask)
+    prompt_pos = position_ids_from_mask(prompt_mask)
     response_pos = prompt_pos[:, -1:] + torch.arange(1, lr + 1, device=prompt_pos.device)[None, :]
 
     rest = Batch(

@@ -20,13 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.batch import Batch
+from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.base import (
     GenerationEngine,
     build_rollout_batch,
     check_prompt_batch,
     load_named_weights,
-    prompt_position_ids,
 )
 from hybridflow.rollout.hf_decoder import HFDecoder
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
@@ -134,7 +133,7 @@ class BuiltinEngine(GenerationEngine):
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device).manual_seed(params.seed)
-        pos = prompt_position_ids(mask)
+        pos = position_ids_from_mask(mask)
         next_pos = (pos[:, -1] + 1).repeat_interleave(n)  # (B*n,)
 
         decoder.start(total, lp + lr, int(next_pos.max()) + lr)
