@@ -245,3 +245,34 @@ def test_greedy_n_samples_equal_single_sample_repeated(models, tokenizer, arch):
     )
     assert torch.equal(three["responses"], one["responses"].repeat_interleave(3, 0))
     torch.testing.assert_close(three["rollout_log_probs"], one["rollout_log_probs"].repeat_interleave(3, 0))
+
+
+def test_mkl_packed_linear_equals_matmul_for_any_row_count():
+    """Decode packs each weight once per generate call (MKL packed GEMM) and multiplies it with 1..B
+    rows as rows finish; the pack must give x @ w.T at every row count, with and without bias."""
+    from hybridflow.rollout.llama_decoder import MklPacked, _mm, _mm_residual, mkl_pack_works
+
+    if not mkl_pack_works():
+        pytest.skip("this torch build has no MKL packed GEMM (the decoder uses transposed copies)")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    packed = MklPacked(w)
+    assert packed.shape.untyped_storage().nbytes() <= 4, "the shape carrier must not copy the weight"
+    for m in (1, 2, 5, 16, 63, 64, 65, 300):
+        x, res = torch.randn(m, 64, generator=g), torch.randn(m, 96, generator=g)
+        torch.testing.assert_close(_mm(x, packed, None), x @ w.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_mm(x, packed, b), x @ w.t() + b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_mm_residual(res, x, packed, None), res + x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_uses_mkl_packs_on_fp32_cpu(models):
+    from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, MklPacked, mkl_pack_works
+
+    decoder = LlamaFamilyDecoder(models["llama"], pack_weights=True)
+    decoder.load()
+    qkv = decoder.layers[0][1][0][0]
+    assert isinstance(qkv, MklPacked) == mkl_pack_works()
+    assert isinstance(decoder.lm_head[0], MklPacked) == mkl_pack_works()
+    decoder = LlamaFamilyDecoder(models["llama"], pack_weights=False)
+    decoder.load()
+    assert decoder.layers[0][1][0][0].data_ptr() == models["llama"].model.layers[0].self_attn.q_proj.weight.data_ptr()
