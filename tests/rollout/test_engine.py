@@ -275,4 +275,7 @@ def test_decoder_uses_mkl_packs_on_fp32_cpu(models):
     assert isinstance(decoder.lm_head[0], MklPacked) == mkl_pack_works()
     decoder = LlamaFamilyDecoder(models["llama"], pack_weights=False)
     decoder.load()
-    assert decoder.layers[0][1][0][0].data_ptr() == models["llama"].model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert (
+        decoder.layers[0][1][0][0].data_ptr()
+        == models["llama"].model.layers[0].self_attn.q_proj.weight.data_ptr()
+    )
