@@ -157,7 +157,7 @@ def pack_layer(layer, pack: bool, mkl: bool = False) -> tuple:
 
     def group(mods):
         if pack:
-            w = torch.cat([mod.weight for mod in mods])
+            w = torch.cat([mod.weight for mod in mods]) if len(mods) > 1 else mods[0].weight
             return ((MklPacked(w) if mkl else w.t().contiguous(), _cat_bias(mods)),)
         return tuple((mod.weight.t(), mod.bias) for mod in mods)
 
