@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["tiny", "medium"])
     ap.add_argument("--batches", nargs="+", type=int, default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3, help="fewest runs per engine and setting")
+    ap.add_argument("--repeats", type=int, default=8, help="fewest runs per engine and setting")
     ap.add_argument("--min-seconds", type=float, default=10.0, help="run each engine at least this long")
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared 2-core box)"
