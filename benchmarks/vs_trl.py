@@ -19,8 +19,13 @@ Each (side, row) runs in its own subprocess (vs_trl_trl.py / vs_trl_hybridflow.p
 between two step ends (median over the steps after --warmup); tokens/s = (prompt + response tokens of
 the step) / that time; CPU s/iter = CPU seconds of the side's whole process tree per iteration
 (steadier than wall time when the machine is shared), and the best iteration's speedup (the
-least disturbed one). OMP_WAIT_POLICY=PASSIVE on both sides (see run_side). The small/32 row runs --learn-steps steps and
-its reward curves are the learning-alike check.
+least disturbed one). OMP_WAIT_POLICY=PASSIVE on both sides (see side_env). Neither side uses
+activation checkpointing (TRL's GRPOConfig turns it on by default; the benchmark turns it off, as
+hybridflow's default is off).
+
+Learning alike (--learn-steps): a tiny model is SFT-warm-started once by hybridflow (as `make demo`
+does), then both sides run GRPO from that same directory with the same settings, responses ending at
+EOS, and the two reward curves are reported side by side.
 
     .venv/bin/python benchmarks/vs_trl.py [--sizes small medium] [--lengths 32 128] [--ppo]
 """
@@ -43,8 +48,8 @@ HERE = Path(__file__).resolve().parent
 PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
 
-def run_side(script: str, args, extra: list[str], log: Path) -> dict:
-    """Run one side in a subprocess; returns its JSON result (stderr goes to `log`)."""
+def side_env(args) -> dict:
+    """The environment both sides (and the warm start) run in."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS=str(args.threads),
@@ -57,9 +62,17 @@ def run_side(script: str, args, extra: list[str], log: Path) -> dict:
         RAY_DEDUP_LOGS="0",
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
     )
-    cmd = [sys.executable, str(HERE / script), *extra]
-    if args.cores and shutil.which("taskset"):
-        cmd = ["taskset", "-c", args.cores, *cmd]
+    return env
+
+
+def pinned(args, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", args.cores, *cmd] if args.cores and shutil.which("taskset") else cmd
+
+
+def run_side(script: str, args, extra: list[str], log: Path) -> dict:
+    """Run one side in a subprocess; returns its JSON result (stderr goes to `log`)."""
+    env = side_env(args)
+    cmd = pinned(args, [sys.executable, str(HERE / script), *extra])
     with open(log, "w") as err:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -67,6 +80,48 @@ def run_side(script: str, args, extra: list[str], log: Path) -> dict:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"{script} failed (exit {proc.returncode}); stderr tail:\n{tail}")
     return json.loads(lines[-1])
+
+
+def sft_warm_start(args, workdir: Path) -> str:
+    """The learning row's starting point, built once and loaded by both sides: a fresh tiny model after
+    a short hybridflow SFT on "a+b=" answers (as in `make demo`): it answers with a number and gets
+    most sums wrong, so GRPO has a reward signal to climb. Returns the exported HF directory."""
+    from hybridflow.models.tiny import save_tiny_model
+
+    base = save_tiny_model(workdir / "model_learn_base", args.learn_size)
+    out = workdir / "model_learn"
+    cli = [sys.executable, "-m", "hybridflow.cli"]
+    train = [
+        *cli, "train", str(HERE.parent / "examples" / "configs" / "sft_tiny.yaml"), f"model.path={base}",
+        f"trainer.output_dir={workdir}", f"trainer.total_steps={args.learn_sft_steps}", "trainer.loggers=[]",
+        "data.dataset_kwargs={num_samples: 0, val_size: 20, max_operand: 9}",
+    ]  # fmt: skip
+    export = [*cli, "export", str(workdir / "sft_tiny"), "--output", str(out)]
+    with open(workdir / "learn_sft.log", "w") as log:
+        for cmd in (train, export):
+            proc = subprocess.run(pinned(args, cmd), stdout=log, stderr=log, env=side_env(args), check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"warm start failed: {' '.join(cmd)} (see {log.name})")
+    return str(out)
+
+
+def learning_curves(args, workdir: Path) -> dict[str, list[float]]:
+    """Both sides' GRPO reward per iteration from the same warm start and settings; responses end at
+    EOS here (fixed-length responses would train on the filler after the answer)."""
+    model = sft_warm_start(args, workdir)
+    extra = [
+        "--model", model, "--workdir", str(workdir), "--steps", str(args.learn_steps),
+        "--batch-size", str(args.learn_batch_size), "--n", str(args.learn_n),
+        "--response-length", str(args.learn_length), "--lr", str(args.lr), "--kl-coef", str(args.kl_coef),
+        "--seed", str(args.seed), "--stop-at-eos",
+    ]  # fmt: skip
+    curves = {}
+    for side in ("trl", "hybridflow"):
+        print(f"[vs_trl] learning row: {side}, {args.learn_steps} steps ...", file=sys.stderr, flush=True)
+        script = "vs_trl_trl.py" if side == "trl" else "vs_trl_hybridflow.py"
+        side_extra = extra + (["--threads", str(args.threads)] if side == "trl" else [])
+        curves[side] = run_side(script, args, side_extra, workdir / f"{side}_learn.log")["rewards"]
+    return curves
 
 
 def summarize(result: dict, warmup: int) -> dict:
@@ -127,19 +182,24 @@ def phase_table(rows: list[dict], sides=("trl", "hybridflow")) -> str:
     return head + body
 
 
-def curve_table(curves: dict[str, list[float]], tail: int) -> str:
+def curve_table(curves: dict[str, list[float]], tail: int, block: int = 5) -> str:
+    """Mean reward per block of `block` iterations for each side, then first/last `tail` means (s.e.)."""
     names = list(curves)
     k = max(len(c) for c in curves.values())
-    lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for i in range(k):
-        cells = [fmt(c[i], 3) if i < len(c) else "" for c in curves.values()]
-        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
-    summary = []
-    for name, c in curves.items():
-        last = c[-tail:]
-        mean = statistics.fmean(last)
-        sem = statistics.stdev(last) / len(last) ** 0.5 if len(last) > 1 else float("nan")
-        summary.append(f"{name}: mean reward over the last {len(last)} steps {mean:.3f} +- {sem:.3f} (s.e.)")
+    lines = ["| iterations | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for i in range(0, k, block):
+        cells = [fmt(statistics.fmean(c[i : i + block]), 3) if i < len(c) else "" for c in curves.values()]
+        lines.append(f"| {i + 1}-{min(i + block, k)} | " + " | ".join(cells) + " |")
+
+    def mean_se(xs: list[float]) -> str:
+        se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
+        return f"{statistics.fmean(xs):.3f} +- {se:.3f}"
+
+    summary = [
+        f"{name}: mean reward, first {len(c[:tail])} iterations {mean_se(c[:tail])}, "
+        f"last {len(c[-tail:])} {mean_se(c[-tail:])} (s.e.)"
+        for name, c in curves.items()
+    ]
     return "\n".join(lines) + "\n\n" + "\n".join(summary) + "\n"
 
 
@@ -150,8 +210,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="iterations per row (warm-up included)")
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
     p.add_argument(
-        "--learn-steps", type=int, default=20, help="iterations of the small/32 row (reward curves)"
+        "--learn-steps", type=int, default=40, help="GRPO iterations of the learning row (0: skip)"
     )
+    p.add_argument("--learn-size", default="tiny", help="model of the learning row")
+    p.add_argument("--learn-sft-steps", type=int, default=40, help="SFT steps of its warm start")
+    p.add_argument("--learn-batch-size", type=int, default=16, help="prompts per iteration, learning row")
+    p.add_argument("--learn-n", type=int, default=8, help="responses per prompt, learning row")
+    p.add_argument("--learn-length", type=int, default=6, help="max response tokens, learning row")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
     p.add_argument("--n", type=int, default=4, help="responses per prompt (GRPO group size)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -175,8 +240,7 @@ def main(argv=None) -> int:
     for i_size, size in enumerate(args.sizes):
         model = str(save_tiny_model(workdir / f"model_{size}", size))
         for i_len, length in enumerate(args.lengths):
-            learn = size == "small" and length == 32 and args.learn_steps > 0
-            steps = max(args.steps, args.learn_steps) if learn else args.steps
+            steps = args.steps
             row = {"size": size, "length": length, "seqs": args.batch_size * args.n}
             extra = common_args(args, model, length, steps, workdir)
             order = ["trl", "hybridflow"] if (i_size + i_len) % 2 == 0 else ["hybridflow", "trl"]
@@ -187,8 +251,6 @@ def main(argv=None) -> int:
                 res = run_side(script, args, side_extra, workdir / f"{side}_{size}_{length}.log")
                 raw.append({"size": size, "length": length, **res})
                 row[side] = summarize(res, args.warmup)
-                if learn:
-                    curves[side] = res["rewards"]
             if args.ppo and length == 32:
                 print(f"[vs_trl] {size}/{length}: hybridflow ppo ...", file=sys.stderr, flush=True)
                 ppo_extra = common_args(args, model, length, args.steps, workdir) + ["--algorithm", "ppo"]
@@ -196,6 +258,8 @@ def main(argv=None) -> int:
                 raw.append({"size": size, "length": length, **res})
                 row["hybridflow_ppo"] = summarize(res, args.warmup)
             rows.append(row)
+    if args.learn_steps > 0:
+        curves = learning_curves(args, workdir)
 
     print(report(args, rows, curves, time.time() - started))
     if args.json:
@@ -213,8 +277,7 @@ def report(args, rows: list[dict], curves: dict, seconds: float) -> str:
         f"{args.threads} threads)",
         "",
         f"{args.batch_size} prompts x n={args.n} per iteration, lr {args.lr}, KL beta {args.kl_coef}; medians "
-        f"over {args.steps - args.warmup} iterations after {args.warmup} warm-up "
-        f"(small/32: {max(args.steps, args.learn_steps) - args.warmup}); "
+        f"over {args.steps - args.warmup} iterations after {args.warmup} warm-up; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at the end {load}; "
         f"whole benchmark {seconds / 60:.1f} min.",
         "",
@@ -236,7 +299,13 @@ def report(args, rows: list[dict], curves: dict, seconds: float) -> str:
             phase_table(ppo, sides=("hybridflow", "hybridflow_ppo")),
         ]
     if curves:
-        out += ["Learning alike (small model, Lr 32): mean reward per iteration", "", curve_table(curves, 5)]
+        out += [
+            f"Learning alike: GRPO from the same SFT warm start ({args.learn_size} model, "
+            f"{args.learn_batch_size} prompts x n={args.learn_n}, responses up to {args.learn_length} tokens "
+            f"ending at EOS, lr {args.lr}, KL beta {args.kl_coef}): mean reward per iteration",
+            "",
+            curve_table(curves, 10),
+        ]
     return "\n".join(out)
 
 

@@ -104,7 +104,8 @@ def run(args) -> dict:
     from hybridflow.trainers import TRAINERS
 
     cfg = build_config(args)
-    trainer = fixed_length(TRAINERS[args.algorithm])(cfg)
+    cls = TRAINERS[args.algorithm]
+    trainer = (cls if args.stop_at_eos else fixed_length(cls))(cfg)
     steps, rewards = [], []
     try:
         last, last_cpu = time.perf_counter(), tree_cpu_seconds()
@@ -148,6 +149,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="worker processes (dp) in the colocated pool")
     p.add_argument("--reward-workers", type=int, default=0, help="reward.num_workers (0 = in-process)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="responses end at EOS (learning row) instead of fixed length",
+    )
     return p.parse_args(argv)
 
 

@@ -100,7 +100,7 @@ def build_trainer(args, timer: PhaseTimer):
         num_iterations=1,
         num_generations=args.n,
         max_completion_length=args.response_length,
-        generation_kwargs={"min_new_tokens": args.response_length},
+        generation_kwargs={} if args.stop_at_eos else {"min_new_tokens": args.response_length},
         temperature=1.0,
         top_k=0,
         top_p=1.0,
@@ -125,6 +125,7 @@ def build_trainer(args, timer: PhaseTimer):
         dataloader_num_workers=0,
         bf16=False,
         fp16=False,
+        gradient_checkpointing=False,  # TRL's GRPO default is True; hybridflow's default is off
     )
     trainer = GRPOTrainer(
         model=model,
@@ -189,6 +190,11 @@ def main(argv=None) -> int:
     p.add_argument("--kl-coef", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="responses end at EOS (learning row) instead of fixed length",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 

@@ -71,3 +71,12 @@ def test_summary_and_table():
     half = dict(s, iteration=2.5, cpu=2.5, best=2.0)
     table = vs_trl.throughput_table([{"size": "tiny", "length": 8, "seqs": 4, "trl": s, "hybridflow": half}])
     assert "| 5.00 | 2.50 | 20 | 40 | **2.00x** | 2.00x | 5.00 | 2.50 | 2.00x |" in table
+
+
+def test_curve_table_blocks_and_summary():
+    curves = {"trl": [0.0, 0.2, 0.4, 0.6, 0.8, 1.0], "hybridflow": [0.1, 0.1, 0.1, 0.5, 0.5, 0.5]}
+    table = vs_trl.curve_table(curves, tail=3, block=3)
+    assert "| 1-3 | 0.200 | 0.100 |" in table and "| 4-6 | 0.800 | 0.500 |" in table
+    # trl first 3 = (0, .2, .4): mean .2, s.e. = stdev .2 / sqrt 3 = .115
+    assert "trl: mean reward, first 3 iterations 0.200 +- 0.115, last 3 0.800 +- 0.115 (s.e.)" in table
+    assert "hybridflow: mean reward, first 3 iterations 0.100 +- 0.000, last 3 0.500 +- 0.000" in table
