@@ -43,7 +43,7 @@ from hybridflow.engines.micro_batch import (
     split_micro_batches,
 )
 from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from hybridflow.engines.parallelize import hf_layout_transforms, parallelize
+from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.models.hf import model_kind, save_hf_model
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -67,8 +67,10 @@ class TrainEngine:
         self.device = self.device or torch.device("cpu")
         on_gpu = self.device.type == "cuda"
         param_dtype = torch.bfloat16 if on_gpu and self.config.mixed_precision == "bf16" else None
-        # Without FSDP (single process) mixed precision comes from autocast instead of the FSDP policy.
-        self._autocast = param_dtype if (param_dtype is not None and self.mesh is None) else None
+        fsdp = uses_fsdp(self.mesh)
+        # Without FSDP (one process, or one dp rank) mixed precision comes from autocast instead of the
+        # FSDP policy.
+        self._autocast = param_dtype if (param_dtype is not None and not fsdp) else None
         self.hf_model = model.to(self.device)
         self.module = RLForward(model, self.config.logits_chunk_size)
         parallelize(
@@ -76,8 +78,8 @@ class TrainEngine:
             model,
             self.mesh,
             gradient_checkpointing=self.config.gradient_checkpointing,
-            param_dtype=param_dtype if self.mesh is not None else None,
-            reduce_dtype=torch.float32 if param_dtype is not None and self.mesh is not None else None,
+            param_dtype=param_dtype if fsdp else None,
+            reduce_dtype=torch.float32 if param_dtype is not None and fsdp else None,
         )
         self.optimizer = self.scheduler = None
         if trainable:
