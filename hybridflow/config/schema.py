@@ -230,6 +230,9 @@ class RolloutConfig:
     tg: int = _f(1, "generation tensor-parallel size (3D-HybridEngine; must divide actor tp*pp with pg)")
     pg: int = _f(1, "generation pipeline-parallel size")
     micro_batch_size_per_device: int = _f(0, "prompts per generate() call on one device (0 = all at once)")
+    cpu_threads: int = _f(
+        0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
+    )
     gpu_memory_utilization: float = _f(0.5, "vllm/sglang: fraction of device memory for weights + KV cache")
     val: RolloutValConfig = _sub(RolloutValConfig, "validation sampling")
 

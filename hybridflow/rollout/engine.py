@@ -32,6 +32,8 @@ from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_rea
 from hybridflow.rollout.params import SamplingParams
 from hybridflow.rollout.sampling import sample_next
 
+SMALL_MODEL_PARAMS = 5_000_000
+
 
 @dataclass
 class BuiltinEngineConfig:
@@ -49,6 +51,11 @@ class BuiltinEngineConfig:
     ~1.2-1.6x faster decode matmuls on CPU. False: views of the model's weights, no copy."""
     pad_token_id: int | None = None
     """Pad id for responses; None: the model config's pad_token_id, else its eos, else 0."""
+    cpu_threads: int = 0
+    """Torch intra-op threads while generating on CPU; 0 = auto: 1 thread for models under
+    SMALL_MODEL_PARAMS parameters (their decode matmuls are too small to split: the threads' wake-ups
+    cost more than they save), else the process's setting. Measured at 32 rows x 128 tokens on 2 cores:
+    0.8M params 0.33 s (1 thread) vs 0.60 s (2); 3.2M 0.72 vs 0.79 s; 10.7M 1.90 vs 1.72 s; 25M 4.1 vs 3.3 s."""
     max_num_seqs: int = 0
     """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
@@ -93,6 +100,8 @@ class BuiltinEngine(GenerationEngine):
         # backward (embedding saves its indices). eval() turns off dropout for the HF fallback.
         was_training = self.model.training
         self.model.eval()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self._threads(threads))
         try:
             with torch.no_grad():
                 limit = self.config.max_num_seqs
@@ -103,6 +112,15 @@ class BuiltinEngine(GenerationEngine):
         finally:
             decoder.release()
             self.model.train(was_training)
+            torch.set_num_threads(threads)
+
+    def _threads(self, current: int) -> int:
+        if next(self.model.parameters()).device.type != "cpu":
+            return current
+        if self.config.cpu_threads > 0:
+            return self.config.cpu_threads
+        small = sum(p.numel() for p in self.model.parameters()) < SMALL_MODEL_PARAMS
+        return 1 if small else current
 
     def _generate_batch(self, batch: Batch, params: SamplingParams, decoder) -> Batch:
         ids, mask = check_prompt_batch(batch)

@@ -38,7 +38,7 @@ from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.rollout import BuiltinEngine, SamplingParams
+from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
 from hybridflow.rollout.base import load_named_weights
 from hybridflow.workers.common import (
     MetricLists,
@@ -96,7 +96,7 @@ class ActorRolloutRefWorker(Worker):
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
             model = self.actor.hf_model if self.actor is not None else load_causal_lm(m.path).to(self.device)
-            self.rollout = BuiltinEngine(model)
+            self.rollout = BuiltinEngine(model, self._rollout_engine_config())
         return info
 
     # ---- generation ----------------------------------------------------------------------------------
@@ -162,12 +162,15 @@ class ActorRolloutRefWorker(Worker):
             if eng.config.offload:
                 eng.offload()
 
+    def _rollout_engine_config(self) -> BuiltinEngineConfig:
+        return BuiltinEngineConfig(cpu_threads=self.config.rollout.cpu_threads)
+
     def _load_gen_copy(self, eng: TrainEngine) -> None:
         if self._gen_model is None:
             hf = eng.hf_model
             with torch.device(eng.device):
                 self._gen_model = type(hf)(hf.config).eval()
-            self.rollout = BuiltinEngine(self._gen_model)
+            self.rollout = BuiltinEngine(self._gen_model, self._rollout_engine_config())
         load_named_weights(self._gen_model, eng.iter_full_state_dict(eng.device))
 
     # ---- inference ---------------------------------------------------------------------------------

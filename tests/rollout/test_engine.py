@@ -279,3 +279,30 @@ def test_decoder_uses_mkl_packs_on_fp32_cpu(models):
         decoder.layers[0][1][0][0].data_ptr()
         == models["llama"].model.layers[0].self_attn.q_proj.weight.data_ptr()
     )
+
+
+def test_cpu_threads_for_generation_and_restored(models, tokenizer, monkeypatch):
+    from hybridflow.rollout import engine as engine_mod
+
+    tiny = models["llama"]
+    assert BuiltinEngine(tiny)._threads(2) == 1, "a sub-5M model decodes on one thread"
+    assert BuiltinEngine(tiny, BuiltinEngineConfig(cpu_threads=3))._threads(2) == 3
+    monkeypatch.setattr(engine_mod, "SMALL_MODEL_PARAMS", 0)
+    assert BuiltinEngine(tiny)._threads(2) == 2, "larger models keep the process's threads"
+    monkeypatch.undo()
+    seen = []
+    real = engine_mod.BuiltinEngine._generate
+    monkeypatch.setattr(
+        engine_mod.BuiltinEngine,
+        "_generate",
+        lambda self, *a: seen.append(torch.get_num_threads()) or real(self, *a),
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        BuiltinEngine(tiny).generate(
+            prompt_batch(tokenizer), SamplingParams(max_new_tokens=4, temperature=0.0)
+        )
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
