@@ -14,18 +14,19 @@ ORDER = ["controller", "train", "generation", "hybrid_engine", "planner", "vs_tr
 HEADER = """# Benchmarks
 
 The latest tables, one section per area, each with the command that produced it. Every figure comes from
-one run on the development machine (x86_64, 2 cores, no GPU, shared with other jobs, so wall times are
-noisy; several sections also give CPU time). Ratios are against the baseline each section names.
-Regenerate a section with its command, then `python benchmarks/collect_docs.py`.
+one run on the development machine (x86_64, 2 cores, no GPU). The training-engine, generation and
+end-to-end sections were re-measured on an otherwise idle machine; the others ran while other jobs
+shared it, so their wall times are noisier (several sections also give CPU time). Ratios are against the
+baseline each section names. Regenerate a section with its command, then `python benchmarks/collect_docs.py`.
 
 | area | baseline | headline (see the section for every row) |
 |---|---|---|
 | controller | raw `ray.put`/`ray.get` and raw actor calls | dispatch 1.6-1.8x raw Ray's time; 512 MB group->group 1.45x raw throughput |
-| training engine | plain HF training loop | 0.87x (1 rank) / 0.97x (FSDP2, 2 ranks) of the HF loop's tokens/s; 30-40% less peak memory |
-| generation | `transformers` `generate` | tiny: 3.36x at batch 64; ~25M: 2.60x at batch 64 (goal 3x: met on tiny, not on 25M) |
+| training engine | plain HF training loop | 1.43x (1 rank) / 1.68x (FSDP2, 2 ranks) the HF loop's tokens/s; 28-42% less peak memory |
+| generation | `transformers` `generate` | batch 64, random stops: tiny 3.56x, ~25M 3.02x (goal 3x: met, at 25M within ~3% noise) |
 | 3D-HybridEngine | all-gather (DeepSpeed-Chat style) switch | bytes = Table 2 formula exactly; switch time 0.26x / 0.13x of all-gather's |
 | planner | the paper's search time (up to 30 min at 70B/128) | 70B/128 GPUs in 0.62 s |
-| end to end | TRL 1.16 `GRPOTrainer` | 1.29x / 2.87x / 2.21x / 0.95x tokens/s (goal 3x: not met) |
+| end to end | TRL 1.16 `GRPOTrainer` | 1.77x / 1.38x / 1.16x / 1.14x tokens/s (goal 3x: not met; fp32 GEMMs bound both sides) |
 """
 
 
