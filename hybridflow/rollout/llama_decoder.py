@@ -91,8 +91,9 @@ class MklPacked:
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), 64)
-        # The op reads N and K from this tensor's shape; its data is never read (M always equals the
-        # pack's declared batch size argument below), so a zero-stride view costs no memory.
+        # The op reads N and K from this tensor's shape and falls back to a plain linear on it only
+        # when M differs from its batch-size argument; __call__ always passes M, so its data is never
+        # read and a zero-stride view (no memory) will do.
         self.shape = weight.new_empty(()).expand(weight.shape)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -308,12 +309,10 @@ class LlamaFamilyDecoder:
         for i, layer in enumerate(layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             q_pad[real], k_pad[real], v_pad[real] = q, k, v
-            kk, vv = k_pad.view(b, s, nkv, hd).transpose(1, 2), v_pad.view(b, s, nkv, hd).transpose(1, 2)
-            if repeat > 1:  # prefill once per prompt, cache n copies (n samples per prompt)
-                kk, vv = kk.repeat_interleave(repeat, 0), vv.repeat_interleave(repeat, 0)
-            self.k_cache[i][:rows, :, :s] = kk
-            self.v_cache[i][:rows, :, :s] = vv
             qq, kk, vv = (t.view(b, s, -1, hd).transpose(1, 2) for t in (q_pad, k_pad, v_pad))
+            # Prefill once per prompt, cache `repeat` copies (n samples per prompt).
+            self.k_cache[i][:rows, :, :s] = kk.repeat_interleave(repeat, 0) if repeat > 1 else kk
+            self.v_cache[i][:rows, :, :s] = vv.repeat_interleave(repeat, 0) if repeat > 1 else vv
             if i == len(layers) - 1:
                 # Only the last position's output reaches anything (the logits): the last layer runs
                 # attention, o_proj and the MLP for that one query per row (~10% of prefill's matmuls
