@@ -109,18 +109,13 @@ def learning_curves(args, workdir: Path) -> dict[str, list[float]]:
     """Both sides' GRPO reward per iteration from the same warm start and settings; responses end at
     EOS here (fixed-length responses would train on the filler after the answer)."""
     model = sft_warm_start(args, workdir)
-    extra = [
-        "--model", model, "--workdir", str(workdir), "--steps", str(args.learn_steps),
-        "--batch-size", str(args.learn_batch_size), "--n", str(args.learn_n),
-        "--response-length", str(args.learn_length), "--lr", str(args.lr), "--kl-coef", str(args.kl_coef),
-        "--seed", str(args.seed), "--stop-at-eos",
-    ]  # fmt: skip
+    extra = common_args(
+        args, model, args.learn_length, args.learn_steps, workdir, args.learn_batch_size, args.learn_n
+    ) + ["--stop-at-eos"]
     curves = {}
     for side in ("trl", "hybridflow"):
         print(f"[vs_trl] learning row: {side}, {args.learn_steps} steps ...", file=sys.stderr, flush=True)
-        script = "vs_trl_trl.py" if side == "trl" else "vs_trl_hybridflow.py"
-        side_extra = extra + (["--threads", str(args.threads)] if side == "trl" else [])
-        curves[side] = run_side(script, args, side_extra, workdir / f"{side}_learn.log")["rewards"]
+        curves[side] = run_grpo_side(side, args, extra, workdir / f"{side}_learn.log")["rewards"]
     return curves
 
 
@@ -136,12 +131,22 @@ def summarize(result: dict, warmup: int) -> dict:
     return out
 
 
-def common_args(args, model: str, length: int, steps: int, workdir: Path) -> list[str]:
+def common_args(
+    args, model: str, length: int, steps: int, workdir: Path, batch_size: int = 0, n: int = 0
+) -> list[str]:
     return [
         "--model", model, "--workdir", str(workdir), "--steps", str(steps),
-        "--batch-size", str(args.batch_size), "--n", str(args.n), "--response-length", str(length),
-        "--lr", str(args.lr), "--kl-coef", str(args.kl_coef), "--seed", str(args.seed),
+        "--batch-size", str(batch_size or args.batch_size), "--n", str(n or args.n),
+        "--response-length", str(length), "--lr", str(args.lr), "--kl-coef", str(args.kl_coef),
+        "--seed", str(args.seed),
     ]  # fmt: skip
+
+
+def run_grpo_side(side: str, args, extra: list[str], log: Path) -> dict:
+    """One GRPO run of `side` ("trl" or "hybridflow") with the shared workload arguments `extra`."""
+    if side == "trl":
+        return run_side("vs_trl_trl.py", args, [*extra, "--threads", str(args.threads)], log)
+    return run_side("vs_trl_hybridflow.py", args, extra, log)
 
 
 def fmt(x: float, digits: int = 2) -> str:
@@ -245,10 +250,8 @@ def main(argv=None) -> int:
             extra = common_args(args, model, length, steps, workdir)
             order = ["trl", "hybridflow"] if (i_size + i_len) % 2 == 0 else ["hybridflow", "trl"]
             for side in order:
-                script = "vs_trl_trl.py" if side == "trl" else "vs_trl_hybridflow.py"
-                side_extra = extra + (["--threads", str(args.threads)] if side == "trl" else [])
                 print(f"[vs_trl] {size}/{length}: {side}, {steps} steps ...", file=sys.stderr, flush=True)
-                res = run_side(script, args, side_extra, workdir / f"{side}_{size}_{length}.log")
+                res = run_grpo_side(side, args, extra, workdir / f"{side}_{size}_{length}.log")
                 raw.append({"size": size, "length": length, **res})
                 row[side] = summarize(res, args.warmup)
             if args.ppo and length == 32:

@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from vs_trl_common import tree_cpu_seconds
+from vs_trl_common import tree_cpu_seconds, workload_parser
 
 PHASE_KEYS = {
     "generation": ("gen",),
@@ -136,24 +136,10 @@ def run(args) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory (saved by save_tiny_model)")
-    p.add_argument("--workdir", required=True)
+    p = workload_parser(__doc__.split("\n")[0])
     p.add_argument("--algorithm", default="grpo", choices=("grpo", "ppo"))
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per step")
-    p.add_argument("--n", type=int, default=4, help="responses per prompt")
-    p.add_argument("--response-length", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--kl-coef", type=float, default=0.01)
     p.add_argument("--workers", type=int, default=1, help="worker processes (dp) in the colocated pool")
     p.add_argument("--reward-workers", type=int, default=0, help="reward.num_workers (0 = in-process)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument(
-        "--stop-at-eos",
-        action="store_true",
-        help="responses end at EOS (learning row) instead of fixed length",
-    )
     return p.parse_args(argv)
 
 

@@ -21,14 +21,13 @@ last token and every completion has exactly `response_length` tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from collections import defaultdict
 
 import torch
-from vs_trl_common import tree_cpu_seconds
+from vs_trl_common import tree_cpu_seconds, workload_parser
 
 PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
@@ -179,22 +178,8 @@ def build_trainer(args, timer: PhaseTimer):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory (saved by save_tiny_model)")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per step")
-    p.add_argument("--n", type=int, default=4, help="responses per prompt")
-    p.add_argument("--response-length", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--kl-coef", type=float, default=0.01)
+    p = workload_parser(__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument(
-        "--stop-at-eos",
-        action="store_true",
-        help="responses end at EOS (learning row) instead of fixed length",
-    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
