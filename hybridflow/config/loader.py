@@ -22,9 +22,10 @@ from typing import Any
 import yaml
 
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more configuration problems; `errors` lists them, each naming its key."""
 
     def __init__(self, errors: list[str]):

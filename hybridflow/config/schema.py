@@ -186,6 +186,12 @@ class DataConfig:
     on_malformed: str = _f(
         "error", "a malformed row fails the load, or is skipped and reported", choices=("error", "skip")
     )
+    missing_ground_truth: str = _f(
+        "error",
+        "a prompt row without reward_model.ground_truth under a rule reward: a malformed row (error), "
+        "counted and warned at load (warn), or accepted (ignore: rewards that need none, e.g. format)",
+        choices=("error", "warn", "ignore"),
+    )
     train_batch_size: int = _f(8, "prompts per training step (each gets rollout.n responses)")
     val_batch_size: int = _f(0, "prompts per validation batch (0 = the whole validation set at once)")
     shuffle: bool = _f(True, "shuffle the training set every epoch (seeded, resumable)")

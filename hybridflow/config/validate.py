@@ -77,8 +77,13 @@ def model_max_positions(model_dir: str | os.PathLike) -> int | None:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        hf = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:  # a truncated or hand-edited file: name it, no traceback
+        raise ConfigError([f"model.path: {path} is not a readable JSON file ({_short(e)})"]) from None
+    if not isinstance(hf, dict):
+        raise ConfigError([f"model.path: {path} holds {type(hf).__name__}, not a JSON object"])
     hf = {**hf.get("text_config", {}), **hf}  # multimodal configs nest the language model's
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if isinstance(hf.get(key), int):
@@ -183,6 +188,8 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     # data and models
     if not d.train_files and not d.dataset:
         errors.append("data.train_files: no training data; set data.train_files or data.dataset")
+    for key, files in {"data.train_files": d.train_files, "data.val_files": d.val_files}.items():
+        errors += [f"{key}[{i}]: {f!r} does not exist" for i, f in enumerate(files) if not os.path.exists(f)]
     if not cfg.model.path:
         errors.append("model.path: no policy model; set it to a local HF model directory")
     if cfg.reward.kind == "model" and not cfg.model.reward_model_path and a.name not in OFFLINE_ALGORITHMS:
@@ -192,7 +199,15 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
             errors.append(
                 f"model.path: {cfg.model.path!r} does not exist (expected a local HF model directory)"
             )
-        max_pos = model_max_positions(cfg.model.path) if os.path.isdir(cfg.model.path) else None
+        elif not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+            errors.append(
+                f"model.path: {cfg.model.path!r} has no config.json (not a Hugging Face model directory)"
+            )
+        try:
+            max_pos = model_max_positions(cfg.model.path) if os.path.isdir(cfg.model.path) else None
+        except ConfigError as e:
+            errors += e.errors
+            max_pos = None
         total = d.max_prompt_length + r.response_length
         if max_pos is not None and total > max_pos:
             errors.append(
@@ -200,6 +215,10 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
                 f"rollout.response_length {r.response_length} = {total} exceeds the model's context "
                 f"(max_position_embeddings {max_pos} in {cfg.model.path}/config.json)"
             )
+
+    tok = cfg.model.tokenizer_path
+    if check_model and tok and not os.path.isdir(tok):
+        errors.append(f"model.tokenizer_path: {tok!r} is not a directory (expected a saved HF tokenizer)")
 
     # parallelism
     n = cfg.resources.num_devices
@@ -237,6 +256,10 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
             "which only trains the actor; use colocate"
         )
     return errors
+
+
+def _short(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _nearest_divisor(total: int, near: int) -> int:

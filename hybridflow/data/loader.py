@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from hybridflow.batch import Batch
+from hybridflow.data.files import DatasetError
 
 
 class StatefulDataLoader:
@@ -27,7 +28,7 @@ class StatefulDataLoader:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if drop_last and len(dataset) < batch_size:
-            raise ValueError(
+            raise DatasetError(
                 f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}; "
                 "lower data.train_batch_size or add data"
             )

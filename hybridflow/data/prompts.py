@@ -61,8 +61,9 @@ def parse_prompt(value: Any, key: str) -> str | list[dict]:
     raise ValueError(f"'{key}' must be text or a non-empty list of chat messages, got {type(value).__name__}")
 
 
-def parse_row(row: Any, prompt_key: str) -> dict:
-    """-> {prompt, data_source, ground_truth, extra_info}; raises ValueError saying what is wrong."""
+def parse_row(row: Any, prompt_key: str, missing_ground_truth: str = "ignore") -> dict:
+    """-> {prompt, data_source, ground_truth, extra_info}; raises ValueError saying what is wrong
+    (with missing_ground_truth="error", also for a row without a ground truth)."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a mapping of columns, got {type(row).__name__}")
     prompt = parse_prompt(row.get(prompt_key), prompt_key)
@@ -74,6 +75,11 @@ def parse_row(row: Any, prompt_key: str) -> dict:
     gt = (rm or {}).get("ground_truth", row.get("ground_truth"))
     if isinstance(gt, (int, float)) and not isinstance(gt, bool):
         gt = str(gt)
+    if gt is None and missing_ground_truth == "error":
+        raise ValueError(
+            "no ground truth (reward_model.ground_truth) for the rule reward; set "
+            "data.missing_ground_truth=warn to score such rows anyway, or ignore for rewards that need none"
+        )
     source = row.get("data_source", "unknown")
     if not isinstance(source, str):
         raise ValueError(f"'data_source' must be text, got {source!r}")
@@ -165,12 +171,23 @@ class PromptDataset:
         truncation: str = "error",
         on_malformed: str = "error",
         apply_chat_template: bool = True,
+        missing_ground_truth: str = "ignore",
         name: str = "",
     ) -> PromptDataset:
+        """missing_ground_truth: a row without one is malformed (error), counted and warned (warn), or
+        accepted (ignore); the trainer passes data.missing_ground_truth under a rule reward."""
         stats = {"rows": 0, "malformed": 0, "truncated": 0, "filtered": 0}
         records = list(records)
         stats["rows"] = len(records)
-        parsed = check_records(records, lambda r: parse_row(r, prompt_key), on_malformed, stats)
+        parse = lambda r: parse_row(r, prompt_key, missing_ground_truth)  # noqa: E731
+        parsed = check_records(records, parse, on_malformed, stats)
+        stats["no_ground_truth"] = sum(p["ground_truth"] is None for _, _, p in parsed)
+        if stats["no_ground_truth"] and missing_ground_truth == "warn":
+            first = next(where(src, i) for src, i, p in parsed if p["ground_truth"] is None)
+            logger.warning(
+                "dataset %s: %d of %d rows have no ground truth (first: %s); the reward sees None for them",
+                name, stats["no_ground_truth"], len(parsed), first,
+            )  # fmt: skip
         texts = [render_prompt(p["prompt"], tokenizer, apply_chat_template) for _, _, p in parsed]
         # a raw-text prompt gets the tokenizer's special tokens (e.g. BOS); a templated one has them
         encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
@@ -226,16 +243,19 @@ def dataset_records(cfg, split: str) -> tuple[list[Record], str] | None:
     if files:
         return list(iter_records(files)), ",".join(map(str, files))
     if cfg.dataset:
-        from hybridflow.data.registry import get_dataset
+        from hybridflow.data.registry import build_rows
 
-        rows = get_dataset(cfg.dataset)(split=split, seed=cfg.seed, **cfg.dataset_kwargs)
+        rows = build_rows(cfg.dataset, split, cfg.seed, cfg.dataset_kwargs)
         source = f"{cfg.dataset}[{split}]"
         return [(source, i, row) for i, row in enumerate(rows, start=1)], source
     return None
 
 
-def build_prompt_dataset(cfg, tokenizer, split: str = "train") -> PromptDataset | None:
-    """The prompt dataset of `split` ('train' or 'val') per a DataConfig; None if it has no data."""
+def build_prompt_dataset(
+    cfg, tokenizer, split: str = "train", need_ground_truth: bool = True
+) -> PromptDataset | None:
+    """The prompt dataset of `split` ('train' or 'val') per a DataConfig; None if it has no data.
+    need_ground_truth: the reward reads one (a rule reward), so data.missing_ground_truth applies."""
     found = dataset_records(cfg, split)
     if found is None:
         return None
@@ -248,5 +268,6 @@ def build_prompt_dataset(cfg, tokenizer, split: str = "train") -> PromptDataset 
         truncation=cfg.truncation,
         on_malformed=cfg.on_malformed,
         apply_chat_template=cfg.apply_chat_template,
+        missing_ground_truth=cfg.missing_ground_truth if need_ground_truth else "ignore",
         name=name,
     )

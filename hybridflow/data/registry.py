@@ -7,7 +7,10 @@ same verl format the files hold, so it goes through the same parsing and tokenis
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable
+
+from hybridflow.data.files import DatasetError
 
 _REGISTRY: dict[str, Callable[..., list[dict]]] = {}
 
@@ -28,8 +31,27 @@ def get_dataset(name: str) -> Callable[..., list[dict]]:
     if name not in _REGISTRY:
         near = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise KeyError(f"unknown dataset {name!r}{hint}; registered: {sorted(_REGISTRY)}")
+        raise DatasetError(f"data.dataset: unknown dataset {name!r}{hint}; registered: {sorted(_REGISTRY)}")
     return _REGISTRY[name]
+
+
+def build_rows(name: str, split: str, seed: int, kwargs: dict) -> list[dict]:
+    """The rows of registered dataset `name`; keyword arguments it does not take are a DatasetError."""
+    fn = get_dataset(name)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted = [k for k in params if k not in ("split", "seed")]
+        unknown = [k for k in kwargs if k not in accepted]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], accepted, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise DatasetError(
+                f"data.dataset_kwargs: {name!r} takes no argument {unknown[0]!r}{hint}; it takes {accepted}"
+            )
+    try:
+        return fn(split=split, seed=seed, **kwargs)
+    except (TypeError, ValueError) as e:  # a bad value in dataset_kwargs (e.g. num_samples: 'ten')
+        raise DatasetError(f"data.dataset_kwargs: {name!r} with {kwargs} failed: {e}") from None
 
 
 def list_datasets() -> list[str]:

@@ -6,8 +6,9 @@ Files:
   arithmetic.py   exact match for the synthetic arithmetic task (hybridflow/data/synthetic.py)
   formats.py      format rewards (think/answer tags, `####` marker, \\boxed{})
   registry.py     reward functions by data_source name; user functions from 'file.py:function_name'
-  executor.py     RewardExecutor: a process pool with per-sample timeouts and reported failures
-  _worker.py      the worker process the executor starts
+  executor.py     RewardExecutor: scores a batch; checks every score; reported failures, max_error_fraction
+  pool.py         the worker processes: per-sample timeouts, concurrent after the first timeout of a batch
+  _worker.py      one worker process: imports the user's reward code, dies with its parent
 
 Kept free of torch imports so reward worker processes start in a fraction of a second.
 """
@@ -16,11 +17,13 @@ from hybridflow.rewards.executor import (
     RewardConfig,
     RewardError,
     RewardExecutor,
+    RewardFailureError,
     RewardFunctionError,
     RewardResult,
 )
 from hybridflow.rewards.formats import FORMATS, format_reward
 from hybridflow.rewards.registry import (
+    RewardSpecError,
     absolute_spec,
     batched_reward,
     default_compute_score,
@@ -36,8 +39,10 @@ __all__ = [
     "RewardConfig",
     "RewardError",
     "RewardExecutor",
+    "RewardFailureError",
     "RewardFunctionError",
     "RewardResult",
+    "RewardSpecError",
     "absolute_spec",
     "batched_reward",
     "default_compute_score",

@@ -1,14 +1,16 @@
 """Scores a batch of responses with a rule reward function: in worker processes, with a per-sample timeout.
 
 Why processes: a user reward function may hang (a regex on adversarial text, sympy on a pathological
-expression) or crash the interpreter; only a process can be killed. Why persistent workers fed chunks:
-cheap rewards (string match, ~10 us) must not pay process start-up or one round trip per sample, so
-each worker receives a chunk of samples and streams one small result message per sample back; the
-parent restarts a sample's clock at each message, so the timeout is per sample, not per chunk.
+expression), call sys.exit or crash the interpreter; only a process can be killed. The workers and
+their scheduling (concurrent timeouts) are in pool.py. User reward code is imported only there, never
+in this process: a user spec is checked for form here, then the workers are started at once, so a
+module that raises, exits or hangs at import fails the run before any training worker starts.
 
-Failures are never silent: an exception (sample id + traceback), a bad return value, a timeout (the
-worker is killed and replaced; the rest of its chunk is re-queued) or a dead worker each yield a
-`RewardError`, logged as a warning, counted in the metrics, and scored per `on_error`.
+Failures are never silent: an exception (sample id + traceback), a bad return value, a score that is
+not finite as float32 or beyond reward.max_abs_score, a timeout (the worker is killed and replaced) or
+a dead worker each yield a `RewardError`, logged as a warning, counted in the metrics, and scored per
+`on_error`; when more than reward.max_error_fraction of a batch fails, `score` raises RewardFailureError
+(a one-line RunStopped: hybridflow/errors.py), so a run whose reward is broken cannot finish with exit 0.
 
 num_workers=0 scores in the calling process, for built-in (trusted) rewards only: a user function
 still gets one worker so that its timeout can be enforced.
@@ -17,31 +19,38 @@ still gets one worker so that its timeout can be enforced.
 from __future__ import annotations
 
 import logging
-import math
-import os
-import signal
-import subprocess
-import sys
 import time
 import traceback
-import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing import Pipe
-from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hybridflow.rewards.registry import Item, absolute_spec, is_builtin_spec, load_reward_fn, run_per_sample
+from hybridflow.errors import RunStopped
+from hybridflow.rewards.pool import WorkerPool
+from hybridflow.rewards.registry import (
+    Item,
+    absolute_spec,
+    check_spec,
+    is_builtin_spec,
+    load_reward_fn,
+    run_per_sample,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from hybridflow.batch import Batch
 
-__all__ = ["RewardConfig", "RewardError", "RewardFunctionError", "RewardResult", "RewardExecutor"]
+__all__ = [
+    "RewardConfig",
+    "RewardError",
+    "RewardExecutor",
+    "RewardFailureError",
+    "RewardFunctionError",
+    "RewardResult",
+]
 
 logger = logging.getLogger("hybridflow.rewards")
 
@@ -70,7 +79,11 @@ class RewardConfig:
     # How many failures per batch are logged with their full traceback (all are counted and returned).
     max_logged_errors: int = 5
     # Seconds a worker may take to start and import the reward function before the run is aborted.
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: float = 60.0
+    # A score whose magnitude exceeds this is a failed sample (1e30 would zero every advantage).
+    max_abs_score: float = 1e6
+    # More failed samples than this fraction of a batch stops the run (1 = never stop).
+    max_error_fraction: float = 0.5
 
     @classmethod
     def from_any(cls, cfg: Any) -> RewardConfig:
@@ -83,19 +96,39 @@ class RewardConfig:
 class RewardError:
     index: int  # position in the batch
     sample_id: str  # the index and, when known, the sample's uid
-    kind: str  # "exception" | "timeout" | "worker_died"
+    kind: str  # "exception" | "bad_score" | "timeout" | "worker_died"
     message: str  # the traceback, or what happened
 
 
-class RewardFunctionError(RuntimeError):
+def _last_line(message: str) -> str:
+    lines = [x for x in message.strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _describe(errors: list[RewardError], n: int) -> str:
+    first, timeouts = errors[0], sum(e.kind == "timeout" for e in errors)
+    return (
+        f"the reward function failed on {len(errors)} of {n} samples ({timeouts} timeouts); first: sample "
+        f"{first.sample_id} ({first.kind}): {_last_line(first.message)}"
+    )
+
+
+class RewardFunctionError(RunStopped, RuntimeError):
     """Raised with on_error='raise'; `.errors` lists every failed sample."""
 
-    def __init__(self, errors: list[RewardError]):
+    def __init__(self, errors: list[RewardError], n: int | None = None):
         self.errors = errors
-        first = errors[0]
+        super().__init__(_describe(errors, n or len(errors)) + " (reward.on_error=raise)")
+
+
+class RewardFailureError(RunStopped):
+    """More than reward.max_error_fraction of a batch failed; `.errors` lists every failed sample."""
+
+    def __init__(self, errors: list[RewardError], n: int, limit: float):
+        self.errors = errors
         super().__init__(
-            f"reward function failed on {len(errors)} sample(s); first: sample {first.sample_id} "
-            f"({first.kind}):\n{first.message}"
+            f"{_describe(errors, n)}: more than reward.max_error_fraction={limit:g}; fix the reward function "
+            "(the log shows the first tracebacks) or raise reward.max_error_fraction"
         )
 
 
@@ -128,144 +161,6 @@ def _fallback_score(on_error: str | float, error_score: float) -> float | None:
         raise ValueError(f"reward on_error={on_error!r}: use 'zero', 'score', 'raise' or a number") from None
 
 
-class _Worker:
-    """One reward worker process and the chunk it is working on."""
-
-    def __init__(self, spec: str, fn_kwargs: dict, batched: bool | None):
-        parent, child = Pipe(duplex=True)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        path = [pkg_root] + [p or os.getcwd() for p in sys.path]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridflow.rewards._worker", str(child.fileno())],
-            pass_fds=(child.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group, so killing it also kills what it started
-        )
-        child.close()
-        self.conn = parent
-        self.conn.send((spec, fn_kwargs, batched))
-        self.started = time.monotonic()
-        self.ready = False
-        self.chunk: list[Item] | None = None
-        self.next = 0  # position in chunk of the sample being scored
-        self.deadline = math.inf
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        self.conn.close()
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-            self.proc.wait(timeout=2)
-            self.conn.close()
-        except Exception:
-            self.kill()
-
-
-def _shutdown(workers: list[_Worker]) -> None:
-    for w in workers:
-        w.stop()
-    workers.clear()
-
-
-class _WorkerPool:
-    """Persistent workers; `run` feeds them chunks and enforces the per-sample timeout."""
-
-    def __init__(self, cfg: RewardConfig, n: int):
-        self.cfg = cfg
-        self.workers = [self._spawn() for _ in range(n)]
-        self._finalizer = weakref.finalize(self, _shutdown, self.workers)
-
-    def _spawn(self) -> _Worker:
-        return _Worker(self.cfg.fn, self.cfg.fn_kwargs, self.cfg.batched)
-
-    def close(self) -> None:
-        self._finalizer()
-
-    def _replace(self, w: _Worker) -> None:
-        w.kill()
-        self.workers[self.workers.index(w)] = self._spawn()
-
-    def run(self, items: list[Item], batched: bool) -> tuple[dict[int, float], list[RewardError]]:
-        cfg, n_workers = self.cfg, len(self.workers)
-        size = cfg.chunk_size or max(1, math.ceil(len(items) / (n_workers * (1 if batched else 4))))
-        pending = deque(items[i : i + size] for i in range(0, len(items), size))
-        scores: dict[int, float] = {}
-        errors: list[RewardError] = []
-
-        def fail(w: _Worker, kind: str, message: str) -> None:
-            # The sample(s) in flight fail; the rest of the chunk goes back to the queue.
-            if w.chunk is None:  # died between chunks: nothing was lost, just replace it
-                self._replace(w)
-                return
-            failed = w.chunk if batched else [w.chunk[w.next]]
-            preview = "" if batched else f" (response starts {failed[0][2][:80]!r})"
-            errors.extend(RewardError(it[0], "", kind, message + preview) for it in failed)
-            rest = [] if batched else w.chunk[w.next + 1 :]
-            if rest:
-                pending.appendleft(rest)
-            self._replace(w)
-
-        while len(scores) + len(errors) < len(items):
-            now = time.monotonic()
-            for w in self.workers:
-                if w.ready and w.chunk is None and pending:
-                    w.chunk, w.next = pending.popleft(), 0
-                    w.conn.send(w.chunk)
-                    w.deadline = now + cfg.timeout_s * (len(w.chunk) if batched else 1)
-            deadlines = [w.deadline if w.ready else w.started + cfg.startup_timeout_s for w in self.workers]
-            by_conn = {w.conn: w for w in self.workers}
-            for conn in wait(list(by_conn), timeout=max(0.0, min(deadlines) - now)):
-                w = by_conn[conn]
-                try:
-                    while conn.poll():
-                        self._handle(w, conn.recv(), scores, errors, batched)
-                except (EOFError, OSError):
-                    if not w.ready:
-                        raise RuntimeError(
-                            f"a reward worker exited while starting (code {w.proc.wait()})"
-                        ) from None
-                    fail(w, "worker_died", f"the worker process died (exit code {w.proc.wait()})")
-            now = time.monotonic()
-            for w in list(self.workers):
-                if w.chunk is not None and now > w.deadline:
-                    limit = cfg.timeout_s * (len(w.chunk) if batched else 1)
-                    fail(w, "timeout", f"no result within {limit:g}s; the worker was killed")
-                elif not w.ready and now > w.started + cfg.startup_timeout_s:
-                    raise RuntimeError(f"a reward worker did not start within {cfg.startup_timeout_s}s")
-        return scores, errors
-
-    def _handle(self, w: _Worker, msg: tuple, scores: dict, errors: list, batched: bool) -> None:
-        kind = msg[0]
-        if kind == "ready":
-            w.ready = True
-        elif kind == "init_error":
-            raise RuntimeError(f"a reward worker could not load reward fn {self.cfg.fn!r}:\n{msg[1]}")
-        elif kind == "batch":
-            _, idx, values, tb = msg
-            if values is None:
-                errors.extend(RewardError(i, "", "exception", tb) for i in idx)
-            else:
-                scores.update(zip(idx, values))
-            w.chunk = None
-        else:  # "ok" / "err": one sample done, the next one's clock starts now
-            if kind == "ok":
-                scores[msg[1]] = msg[2]
-            else:
-                errors.append(RewardError(msg[1], "", "exception", msg[2]))
-            w.next += 1
-            w.deadline = time.monotonic() + self.cfg.timeout_s
-            if w.next == len(w.chunk):
-                w.chunk, w.deadline = None, math.inf
-
-
 class RewardExecutor:
     """Scores batches with a rule reward. Reuse one executor across steps (workers persist); `close()` it.
 
@@ -282,13 +177,22 @@ class RewardExecutor:
             raise ValueError(
                 f"reward num_workers must be >= 0 and timeout_s > 0 (got {cfg.num_workers}, {cfg.timeout_s})"
             )
+        if not 0.0 <= cfg.max_error_fraction <= 1.0 or cfg.max_abs_score <= 0:
+            raise ValueError(
+                f"reward max_error_fraction must be in [0, 1] and max_abs_score > 0 "
+                f"(got {cfg.max_error_fraction}, {cfg.max_abs_score})"
+            )
         self.fallback = _fallback_score(cfg.on_error, cfg.error_score)  # validates on_error early
-        # Resolve here too, so a typo in the spec fails now with a clear message, not inside a worker.
-        self.fn, declared = load_reward_fn(cfg.fn)
-        self.batched = declared if cfg.batched is None else cfg.batched
         self.cfg = cfg
         self.in_process = cfg.num_workers == 0 and is_builtin_spec(cfg.fn)
-        self._pool: _WorkerPool | None = None
+        self._pool: WorkerPool | None = None
+        if is_builtin_spec(cfg.fn):  # our own code: resolved here, so a typo fails now
+            self.fn, declared = load_reward_fn(cfg.fn)
+        else:  # user code: imported only in the workers, started now so that a bad module fails now
+            check_spec(cfg.fn)
+            self.fn, self._pool = None, WorkerPool(cfg, max(1, cfg.num_workers))
+            declared = self._pool.wait_ready()
+        self.batched = declared if cfg.batched is None else cfg.batched
 
     # ---- public --------------------------------------------------------------------------------
     def score(
@@ -316,18 +220,22 @@ class RewardExecutor:
         scores_by_idx, errors = self._run_in_process(items) if self.in_process else self._run_in_pool(items)
         elapsed = time.perf_counter() - start
 
+        self._check_scores(scores_by_idx, errors)
         for e in errors:
             e.sample_id = str(sample_ids[e.index]) if sample_ids is not None else str(e.index)
         errors.sort(key=lambda e: e.index)
         self._report(errors, n)
         if errors and self.fallback is None:
-            raise RewardFunctionError(errors)
+            raise RewardFunctionError(errors, n)
+        if len(errors) > self.cfg.max_error_fraction * n:
+            raise RewardFailureError(errors, n, self.cfg.max_error_fraction)
         scores = np.full(n, np.nan if self.fallback is None else self.fallback, dtype=np.float32)
         for i, s in scores_by_idx.items():
             scores[i] = s
         n_timeouts = sum(e.kind == "timeout" for e in errors)
         metrics = {
             "reward/num_errors": float(len(errors) - n_timeouts),
+            "reward/error_fraction": len(errors) / max(n, 1),
             "reward/num_timeouts": float(n_timeouts),
             "reward/fn_time_s": elapsed,
         }
@@ -374,11 +282,22 @@ class RewardExecutor:
                 errors.append(RewardError(item[0], "", "exception", traceback.format_exc()))
         return scores, errors
 
+    def _check_scores(self, scores: dict[int, float], errors: list[RewardError]) -> None:
+        """A score must stay finite as float32 and within max_abs_score; others become errors."""
+        limit = self.cfg.max_abs_score
+        with np.errstate(over="ignore"):  # 1e300 -> inf is exactly what is being checked
+            bad = {i: bool(np.isfinite(np.float32(s))) for i, s in scores.items() if not abs(s) <= limit}
+            bad.update({i: False for i, s in scores.items() if not np.isfinite(np.float32(s))})
+        for i, finite in sorted(bad.items()):
+            problem = f"exceeds reward.max_abs_score={limit:g}" if finite else "is not finite as float32"
+            message = f"the reward function returned {scores.pop(i)!r}, which {problem}"
+            errors.append(RewardError(i, "", "bad_score", message))
+
     def _run_in_pool(self, items: list[Item]) -> tuple[dict[int, float], list[RewardError]]:
         if not items:
             return {}, []
         if self._pool is None:
-            self._pool = _WorkerPool(self.cfg, max(1, self.cfg.num_workers))
+            self._pool = WorkerPool(self.cfg, max(1, self.cfg.num_workers))
         try:
             return self._pool.run(items, self.batched)
         except BaseException:

@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from hybridflow.errors import UserError
 from hybridflow.rewards import arithmetic, gsm8k, math_answer
 from hybridflow.rewards.formats import format_reward
 
@@ -34,16 +35,25 @@ __all__ = [
     "default_compute_score",
     "load_reward_fn",
     "absolute_spec",
+    "check_spec",
     "is_builtin_spec",
+    "RewardSpecError",
     "to_score",
     "run_per_sample",
     "run_batched",
 ]
 
 RewardFn = Callable[..., Any]
+
+
+class RewardSpecError(UserError, ValueError):
+    """reward.fn (or a cost_fn) names no usable function: a bad spec, a missing file, an import that fails."""
+
+
 # (index, data_source, solution_str, ground_truth, extra_info): one sample as the executor passes it.
 Item = tuple[int, Any, str, Any, Any]
 _REGISTRY: dict[str, RewardFn] = {}
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def register_reward(*names: str):
@@ -114,10 +124,41 @@ def is_builtin_spec(spec: str) -> bool:
     return spec == "" or spec in _REGISTRY or spec.lower() in {k.lower() for k in _REGISTRY}
 
 
+def _split_spec(spec: str) -> tuple[str, str, bool]:
+    """'target:name' -> (target, name, target is a file)."""
+    target, name = spec.rsplit(":", 1)
+    return target, name, target.endswith(".py") or os.sep in target or os.path.isfile(target)
+
+
+def check_spec(spec: str) -> None:
+    """Check the form of a user spec without importing anything: 'path/to/file.py:function_name' naming
+    an existing .py file, or 'package.module:function_name'. Raises RewardSpecError in one line."""
+    if is_builtin_spec(spec):
+        return
+    if ":" not in spec:
+        near = difflib.get_close_matches(spec, list(_REGISTRY), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise RewardSpecError(
+            f"reward.fn={spec!r} is neither a registered reward{hint} nor 'path/to/file.py:function_name'; "
+            f"registered: {list_rewards()}"
+        )
+    target, name, is_file = _split_spec(spec)
+    if not name.isidentifier():
+        raise RewardSpecError(f"reward.fn={spec!r}: {name!r} after the ':' is not a function name")
+    if is_file:
+        path = os.path.abspath(os.path.expanduser(target))
+        if not os.path.isfile(path):
+            raise RewardSpecError(f"reward.fn={spec!r}: the file {path} does not exist")
+        if not path.endswith(".py"):
+            raise RewardSpecError(f"reward.fn={spec!r}: {path} is not a Python file (.py)")
+    elif not all(part.isidentifier() for part in target.split(".")):
+        raise RewardSpecError(f"reward.fn={spec!r}: {target!r} is neither a .py file nor a module name")
+
+
 def _load_from_file(path: str, name: str) -> RewardFn:
     path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"reward function file {path!r} does not exist (reward.fn='{path}:{name}')")
+    if not os.path.isfile(path) or not path.endswith(".py"):
+        raise RewardSpecError(f"reward function file {path!r} does not exist or is not a .py file")
     # A stable, path-derived module name: two files both called reward.py must not collide.
     mod_name = "hybridflow_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -132,7 +173,9 @@ def _get_attr(module, name: str, where: str) -> RewardFn:
         candidates = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
         near = difflib.get_close_matches(name, candidates, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise AttributeError(f"{where} has no function {name!r}{hint}; callables there: {sorted(candidates)}")
+        raise RewardSpecError(
+            f"{where} has no function {name!r}{hint}; callables there: {sorted(candidates)}"
+        )
     return fn
 
 
@@ -150,20 +193,15 @@ def absolute_spec(spec: str) -> str:
 
 
 def load_reward_fn(spec: str) -> tuple[RewardFn, bool]:
-    """Resolve a reward spec (see the module docstring) to (function, declared_batched)."""
+    """Resolve a reward spec (see the module docstring) to (function, declared_batched). This imports user
+    code: the executor calls it only in its worker processes for user specs (hybridflow/rewards/pool.py)."""
     if spec == "":
         return default_compute_score, False
     if is_builtin_spec(spec):
         return get_reward_fn(spec), False
-    if ":" not in spec:
-        near = difflib.get_close_matches(spec, list(_REGISTRY), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(
-            f"reward.fn={spec!r} is neither a registered reward{hint} nor 'path/to/file.py:function_name'; "
-            f"registered: {list_rewards()}"
-        )
-    target, name = spec.rsplit(":", 1)
-    if target.endswith(".py") or os.sep in target or os.path.isfile(target):
+    check_spec(spec)
+    target, name, is_file = _split_spec(spec)
+    if is_file:
         fn = _load_from_file(target, name)
     else:
         fn = _get_attr(importlib.import_module(target), name, f"module {target!r}")
@@ -182,8 +220,8 @@ def to_score(value: Any) -> float:
         raise TypeError(
             f"reward function returned {type(value).__name__} {value!r}; expected a number"
         ) from None
-    if not math.isfinite(score):
-        raise ValueError(f"reward function returned a non-finite score {score}")
+    if not math.isfinite(score) or abs(score) > _FLOAT32_MAX:  # scores travel as float32
+        raise ValueError(f"reward function returned {score!r}, which is not finite as float32")
     return score
 
 

@@ -68,7 +68,7 @@ class Trainer:
         self.placement = placement or Placement.from_config(cfg)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.train_loader = self.build_train_loader()
-        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val")
+        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader or ())
         self.global_step = 0
@@ -94,7 +94,7 @@ class Trainer:
         raise NotImplementedError
 
     def build_train_loader(self) -> StatefulDataLoader:
-        ds = build_prompt_dataset(self.cfg.data, self.tokenizer, "train")
+        ds = build_prompt_dataset(self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule")
         if ds is None:
             raise ValueError("no training data: set data.train_files or data.dataset")
         return StatefulDataLoader(

@@ -3,8 +3,9 @@
 Without resources.ray_address an embedded local Ray cluster is started (and stopped at the end);
 with one, the run joins that cluster. With trainer.resume=auto (the default) a run directory that
 holds checkpoints continues from the latest. At the end the run's report (report.png/html) is
-written next to metrics.jsonl. Exit code 0 on success, 2 on a config or checkpoint error (one line
-on stderr, no traceback).
+written next to metrics.jsonl. Exit code 0 on success, 2 on a user error (hybridflow/errors.py: config,
+data files, reward code, model directories, checkpoints; or a run stopped by a safety check such as
+reward.max_error_fraction or trainer.max_skipped_steps): one line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def one_line(error: Exception) -> str:
 def user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix (reported in one line, exit 2), not bugs (tracebacks)."""
     from hybridflow.checkpoint import CheckpointError
-    from hybridflow.config import ConfigError
+    from hybridflow.errors import UserError  # config, data, reward code, model files (hybridflow/errors.py)
 
-    return ConfigError, CheckpointError
+    return UserError, CheckpointError
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.rewards import RewardConfig, RewardExecutor, RewardFunctionError
+from hybridflow.rewards import RewardConfig, RewardExecutor, RewardFunctionError, RewardSpecError
 
 USER_REWARDS = textwrap.dedent(
     """
@@ -128,7 +128,7 @@ def test_user_function_with_zero_workers_still_gets_a_timeout(reward_file):
 def test_config_errors_are_clear(reward_file):
     with pytest.raises(ValueError, match="on_error"):
         RewardExecutor(RewardConfig(on_error="ignore"))
-    with pytest.raises(AttributeError, match="did you mean 'score'"):
+    with pytest.raises(RewardSpecError, match="did you mean 'score'"):
         RewardExecutor(RewardConfig(fn=f"{reward_file}:scroe"))
     with pytest.raises(ValueError, match="batch size"):
         RewardExecutor(RewardConfig(num_workers=0)).score("gsm8k", ["a", "b"], ["1"])

@@ -15,6 +15,7 @@ from hybridflow.rewards import (
     math_answer,
     to_score,
 )
+from hybridflow.rewards.registry import RewardSpecError
 
 
 @pytest.mark.parametrize(
@@ -113,9 +114,9 @@ def test_load_reward_fn_specs(tmp_path):
     fn, batched = load_reward_fn(f"{path}:score")
     assert fn("x", "abc", "") == 3 and batched is False
     assert load_reward_fn(f"{path}:many")[1] is True
-    with pytest.raises(AttributeError, match="did you mean 'score'"):
+    with pytest.raises(RewardSpecError, match="did you mean 'score'"):
         load_reward_fn(f"{path}:scor")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(RewardSpecError, match="does not exist"):
         load_reward_fn(f"{tmp_path}/missing.py:score")
     with pytest.raises(ValueError, match="neither a registered reward"):
         load_reward_fn("no_such_reward")
@@ -127,8 +128,10 @@ def test_to_score_rejects_bad_values():
     assert to_score(True) == 1.0 and to_score({"score": 0.5, "acc": 1}) == 0.5
     with pytest.raises(TypeError, match="expected a number"):
         to_score("high")
-    with pytest.raises(ValueError, match="non-finite"):
+    with pytest.raises(ValueError, match="not finite as float32"):
         to_score(float("nan"))
+    with pytest.raises(ValueError, match="not finite as float32"):
+        to_score(1e300)  # finite as float64, inf once stored as float32
     with pytest.raises(TypeError, match="'score' key"):
         to_score({"acc": 1.0})
 

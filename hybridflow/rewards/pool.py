@@ -1,0 +1,241 @@
+"""The reward worker processes and the scheduler that feeds them chunks and enforces the timeouts.
+
+Why persistent workers fed chunks: cheap rewards (string match, ~10 us) must not pay process start-up
+or one round trip per sample, so each worker receives a chunk and streams one small message per sample
+back; the parent restarts a sample's clock at each message, so the timeout is per sample.
+
+Why a second mode: a sample that hangs costs its worker timeout_s, and one worker's chunk holds many
+samples. After the first timeout of a batch, the batch's remaining samples are re-cut into one "fork"
+chunk per worker, in which every sample runs at once in its own forked child with its own timeout_s
+(hybridflow/rewards/_worker.py). A batch where every sample hangs then costs about 2 x timeout_s,
+not batch x timeout_s. A worker is started with the reward spec and imports the user's module itself:
+the trainer process never imports user reward code, and an import that raises, exits or hangs is a
+one-line RewardSpecError.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from multiprocessing import Pipe
+from multiprocessing.connection import wait
+
+from hybridflow.rewards.registry import Item, RewardSpecError
+
+
+class _Worker:
+    """One reward worker process and the chunk it is working on."""
+
+    def __init__(self, spec: str, fn_kwargs: dict, batched: bool | None):
+        parent, child = Pipe(duplex=True)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = [pkg_root] + [p or os.getcwd() for p in sys.path]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hybridflow.rewards._worker", str(child.fileno()), str(os.getpid())],
+            pass_fds=(child.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so killing it also kills what it started
+        )
+        child.close()
+        self.conn = parent
+        self.conn.send((spec, fn_kwargs, batched))
+        self.started = time.monotonic()
+        self.ready = False
+        self.declared_batched: bool | None = None
+        self.mode = ""  # of the chunk in flight: "seq" | "fork" | "batch"
+        self.chunk: list[Item] | None = None
+        self.outstanding: set[int] = set()  # indices of the chunk not yet reported
+        self.next = 0  # seq mode: position in chunk of the sample being scored
+        self.deadline = math.inf
+
+    def send(self, mode: str, chunk: list[Item], timeout_s: float) -> None:
+        self.mode, self.chunk, self.next = mode, chunk, 0
+        self.outstanding = {it[0] for it in chunk}
+        self.conn.send(("fork", chunk, timeout_s) if mode == "fork" else (mode, chunk))
+        if mode == "fork":  # the worker times each child; this is the backstop for the worker itself
+            from hybridflow.rewards._worker import MAX_FORKS
+
+            self.deadline = time.monotonic() + timeout_s * math.ceil(len(chunk) / MAX_FORKS) + 10.0
+        else:
+            self.deadline = time.monotonic() + timeout_s * (len(chunk) if mode == "batch" else 1)
+
+    def done(self) -> None:
+        self.chunk, self.outstanding, self.deadline = None, set(), math.inf
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+            self.proc.wait(timeout=2)
+            self.conn.close()
+        except Exception:
+            self.kill()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.stop()
+    workers.clear()
+
+
+class WorkerPool:
+    """Persistent workers; `run` feeds them chunks and enforces the per-sample timeout."""
+
+    def __init__(self, cfg, n: int):
+        self.cfg = cfg
+        self.pending: deque = deque()  # (mode, chunk) not yet sent, of the batch being scored
+        self.batched = False
+        self.workers = [self._spawn() for _ in range(n)]
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers)
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self.cfg.fn, self.cfg.fn_kwargs, self.cfg.batched)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self.workers[self.workers.index(w)] = self._spawn()
+
+    def wait_ready(self) -> bool:
+        """Block until every worker has imported the reward function; -> its declared `batched`.
+        An import that raises, exits or outlasts reward.startup_timeout_s is a RewardSpecError."""
+        while not all(w.ready for w in self.workers):
+            starting = [w for w in self.workers if not w.ready]
+            timeout = min(w.started for w in starting) + self.cfg.startup_timeout_s - time.monotonic()
+            for conn in wait([w.conn for w in starting], timeout=max(0.0, timeout)):
+                w = next(w for w in starting if w.conn is conn)
+                self._receive(w, {}, [])
+            self._check_startup()
+        return bool(self.workers[0].declared_batched)
+
+    def _check_startup(self) -> None:
+        for w in self.workers:
+            if not w.ready and time.monotonic() > w.started + self.cfg.startup_timeout_s:
+                self.close()
+                raise RewardSpecError(
+                    f"reward.fn={self.cfg.fn!r}: the reward worker did not finish importing it within "
+                    f"{self.cfg.startup_timeout_s:g}s (code at module level that never returns?); raise "
+                    "reward.startup_timeout_s if the import is only slow"
+                )
+
+    def _receive(self, w: _Worker, scores: dict, errors: list) -> None:
+        """Handle everything `w` has sent; a dead worker fails its sample in flight (or, starting, the run)."""
+        from hybridflow.rewards.executor import RewardError
+
+        try:
+            while w.conn.poll():
+                self._handle(w, w.conn.recv(), scores, errors)
+        except (EOFError, OSError):
+            code = w.proc.wait()
+            if not w.ready:
+                self.close()
+                raise RewardSpecError(
+                    f"reward.fn={self.cfg.fn!r}: the reward worker exited with code {code} while importing it"
+                ) from None
+            self._fail(w, RewardError, "worker_died", f"the worker process died (exit code {code})", errors)
+
+    def _fail(self, w: _Worker, error_cls, kind: str, message: str, errors: list) -> None:
+        """The sample(s) in flight fail; the rest of the chunk goes back to the queue; `w` is replaced."""
+        if w.chunk is not None:
+            if w.mode == "seq":
+                failed = [w.chunk[w.next]]
+                rest = w.chunk[w.next + 1 :]
+                message += f" (response starts {failed[0][2][:80]!r})"
+            else:  # a whole batched call, or what a fork chunk had not reported
+                failed = [it for it in w.chunk if it[0] in w.outstanding]
+                rest = []
+            errors.extend(error_cls(it[0], "", kind, message) for it in failed)
+            if rest:
+                self.pending.appendleft(("seq", rest))
+            if kind == "timeout":
+                self._go_parallel()
+        self._replace(w)
+
+    def _go_parallel(self) -> None:
+        """After a timeout: the queued samples are re-cut into one fork chunk per worker."""
+        items = [it for _, chunk in self.pending for it in chunk]
+        if self.batched or not items:
+            return
+        size = math.ceil(len(items) / len(self.workers))
+        self.pending = deque(("fork", items[i : i + size]) for i in range(0, len(items), size))
+
+    def run(self, items: list[Item], batched: bool) -> tuple[dict[int, float], list]:
+        from hybridflow.rewards.executor import RewardError
+
+        cfg, n_workers, self.batched = self.cfg, len(self.workers), batched
+        size = cfg.chunk_size or max(1, math.ceil(len(items) / (n_workers * (1 if batched else 4))))
+        mode = "batch" if batched else "seq"
+        self.pending = deque((mode, items[i : i + size]) for i in range(0, len(items), size))
+        scores: dict[int, float] = {}
+        errors: list = []
+        while len(scores) + len(errors) < len(items):
+            for w in self.workers:
+                if w.ready and w.chunk is None and self.pending:
+                    w.send(*self.pending.popleft(), cfg.timeout_s)
+            now = time.monotonic()
+            deadlines = [w.deadline if w.ready else w.started + cfg.startup_timeout_s for w in self.workers]
+            by_conn = {w.conn: w for w in self.workers}
+            for conn in wait(list(by_conn), timeout=max(0.0, min(deadlines) - now)):
+                self._receive(by_conn[conn], scores, errors)
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.chunk is not None and now > w.deadline:
+                    limit = cfg.timeout_s * (len(w.chunk) if w.mode == "batch" else 1)
+                    self._fail(
+                        w,
+                        RewardError,
+                        "timeout",
+                        f"no result within {limit:g}s; the worker was killed",
+                        errors,
+                    )
+            self._check_startup()
+        return scores, errors
+
+    def _handle(self, w: _Worker, msg: tuple, scores: dict, errors: list) -> None:
+        from hybridflow.rewards.executor import RewardError
+
+        kind = msg[0]
+        if kind == "ready":
+            w.ready, w.declared_batched = True, msg[2]
+        elif kind == "init_error":
+            self.close()
+            raise RewardSpecError(f"reward.fn={self.cfg.fn!r}: {msg[1]}")
+        elif kind == "batch":
+            _, idx, values, tb = msg
+            if values is None:
+                errors.extend(RewardError(i, "", "exception", tb) for i in idx)
+            else:
+                scores.update(zip(idx, values))
+            w.done()
+        else:  # one sample done: "ok" | "err" | "timeout" | "died" (the last two from fork chunks)
+            i = msg[1]
+            if kind == "ok":
+                scores[i] = msg[2]
+            else:
+                error_kind = {"err": "exception", "died": "worker_died"}.get(kind, kind)
+                errors.append(RewardError(i, "", error_kind, msg[2]))
+                if kind == "timeout":
+                    self._go_parallel()
+            w.outstanding.discard(i)
+            if w.mode == "seq":  # the next one's clock starts now
+                w.next += 1
+                w.deadline = time.monotonic() + self.cfg.timeout_s
+            if not w.outstanding:
+                w.done()
