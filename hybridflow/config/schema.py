@@ -283,6 +283,17 @@ class RewardConfig:
     )
     error_score: float = _f(0.0, "score given to a sample whose reward function failed")
     max_logged_errors: int = _f(5, "failures per batch logged with their full traceback (all are counted)")
+    max_error_fraction: float = _f(
+        0.5,
+        "stop the run (one line, exit 2) when more than this fraction of a batch's rewards fail (1 = never)",
+    )
+    max_abs_score: float = _f(
+        1e6, "a score of larger magnitude (or not finite as float32) is a failed sample"
+    )
+    startup_timeout_s: float = _f(
+        60.0,
+        "seconds a reward worker may take to import reward.fn (a hang or exit there is a one-line error)",
+    )
     micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
 
@@ -320,6 +331,11 @@ class TrainerConfig:
     experiment_name: str = _f("default", "name of this run's directory and of the tracking run")
     project_name: str = _f("hybridflow", "wandb project / mlflow experiment")
     loggers: list[str] = _f(["console", "jsonl"], f"metric sinks, any of {list(LOGGERS)}")
+    max_skipped_steps: int = _f(
+        3,
+        "stop the run (one line, exit 2) after this many consecutive steps whose update was skipped "
+        "(non-finite loss or gradient norm)",
+    )
     seed: int = _f(1, "global seed (model init, sampling, dropout)")
 
 

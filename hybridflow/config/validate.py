@@ -114,6 +114,7 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         "resources.n_gpus_per_node": cfg.resources.n_gpus_per_node,
         "resources.nnodes": cfg.resources.nnodes,
         "trainer.keep_last": t.keep_last,
+        "trainer.max_skipped_steps": t.max_skipped_steps,
     }.items():
         if v < 1:
             errors.append(f"{key}: must be >= 1, got {v}")
@@ -129,6 +130,14 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     }.items():
         if v < 0:
             errors.append(f"{key}: must be >= 0, got {v}")
+    if not 0.0 <= cfg.reward.max_error_fraction <= 1.0:
+        errors.append(f"reward.max_error_fraction: must be in [0, 1], got {cfg.reward.max_error_fraction}")
+    for key, v in {
+        "reward.max_abs_score": cfg.reward.max_abs_score,
+        "reward.startup_timeout_s": cfg.reward.startup_timeout_s,
+    }.items():
+        if not v > 0:
+            errors.append(f"{key}: must be > 0, got {v}")
     if t.total_steps == 0 and t.total_epochs == 0:
         errors.append("trainer.total_steps: both total_steps and total_epochs are 0; set one of them")
 

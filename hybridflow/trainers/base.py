@@ -16,6 +16,7 @@ uninterrupted one exactly (tests/trainers/test_resume.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import defaultdict
@@ -35,6 +36,7 @@ from hybridflow.checkpoint import (
 from hybridflow.config import config_to_dict, resolve_config, validate_config
 from hybridflow.controller import ensure_ray
 from hybridflow.data import StatefulDataLoader, build_prompt_dataset
+from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.trainers.metrics import Timers, throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown
@@ -71,7 +73,7 @@ class Trainer:
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader or ())
-        self.global_step = 0
+        self.global_step = self.skipped_in_a_row = 0
         self.ckpt = CheckpointManager(cfg.run_dir, keep_last=t.keep_last, config=_hashed_config(cfg))
         self.timers = Timers()
         self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
@@ -147,7 +149,8 @@ class Trainer:
     def _loop(self, history: list[dict], stop: int) -> None:
         t = self.cfg.trainer
         if t.val_before_train and self.global_step == 0:
-            val = {**self.validate(), **self.timers.pop()}
+            with _at_step(0, "validation at "):
+                val = {**self.validate(), **self.timers.pop()}
             self.tracker.log(val, 0)
             history.append({"step": 0, **val})
         while self.global_step < stop:
@@ -155,17 +158,33 @@ class Trainer:
             batch = self.train_loader.next_batch()
             batch.meta["global_step"] = self.global_step
             start = time.perf_counter()
-            with self.timers("step"):
+            with self.timers("step"), _at_step(self.global_step):
                 batch, metrics = self.train_step(batch)
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
             last = self.global_step == self.total_steps
             if (t.val_every and self.global_step % t.val_every == 0) or last:
-                metrics.update(self.validate())
+                with _at_step(self.global_step, "validation at "):
+                    metrics.update(self.validate())
             if (t.save_every and self.global_step % t.save_every == 0) or last or self.global_step == stop:
                 self.save_checkpoint()
             metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
             self.tracker.log(metrics, self.global_step)
             history.append({"step": self.global_step, **metrics})
+            self._check_skipped(metrics)
+
+    def _check_skipped(self, metrics: dict) -> None:
+        """Stop after trainer.max_skipped_steps consecutive steps whose optimizer step was skipped (a
+        non-finite gradient norm): naming the step and the non-finite metrics, never a silent run."""
+        skipped = any(v > 0 for k, v in metrics.items() if k.endswith("/step_skipped"))
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        limit = self.cfg.trainer.max_skipped_steps
+        if self.skipped_in_a_row >= limit:
+            bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not np.isfinite(v))
+            raise RunStopped(
+                f"step {self.global_step}: the update was skipped in {limit} consecutive steps "
+                f"(trainer.max_skipped_steps={limit}); non-finite: {', '.join(bad) or 'the gradient norm'}. "
+                "Lower the learning rate or check the rewards; the last checkpoint is intact"
+            )
 
     def write_config(self) -> Path:
         """run_dir/config.yaml: the resolved config of this run (read by `hybridflow eval` and the report)."""
@@ -290,6 +309,15 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _at_step(step: int, what: str = ""):
+    """A RunStopped raised inside (e.g. by the reward: reward.max_error_fraction) names the step."""
+    try:
+        yield
+    except RunStopped as e:
+        raise RunStopped(f"{what}step {step}: {e}") from None
 
 
 def _hashed_config(cfg) -> dict:

@@ -169,5 +169,5 @@ def test_reward_section_feeds_the_reward_executor():
     rc = RewardConfig.from_any(cfg.reward)
     assert (rc.batched, rc.on_error, rc.timeout_s) == (True, "raise", 2.0)
     assert load_config(None, [*BASE, "reward.batched=null"], check_model=False).reward.batched is None
-    shared = set(RewardConfig.__dataclass_fields__) - {"startup_timeout_s"}
+    shared = set(RewardConfig.__dataclass_fields__)
     assert shared <= {f.name for f in dataclasses.fields(type(cfg.reward))}

@@ -1,0 +1,176 @@
+"""Reward code runs only in reward worker processes (real processes, no mocks): a module that exits,
+raises or hangs at import is a one-line error; hanging samples time out concurrently; scores are
+checked as float32 and against max_abs_score; a mostly failing batch stops; workers die with their parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridflow.errors import RunStopped, UserError
+from hybridflow.rewards import RewardConfig, RewardExecutor, RewardFailureError, RewardSpecError
+
+REWARDS = textwrap.dedent(
+    """
+    import os, time
+    open(os.environ["IMPORT_LOG"], "a").write(f"{os.getpid()}\\n")
+
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "hang":
+            time.sleep(120)
+        if solution_str == "huge":
+            return 1e300
+        if solution_str == "big":
+            return 1e30
+        return float(solution_str == ground_truth)
+    """
+)
+
+
+@pytest.fixture
+def reward_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("IMPORT_LOG", str(tmp_path / "imports.log"))
+    path = tmp_path / "isolated_reward.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def test_user_module_is_imported_only_in_the_workers(reward_file):
+    with RewardExecutor(RewardConfig(fn=f"{reward_file}:score", num_workers=2)) as ex:
+        assert ex.fn is None and not ex.batched
+        result = ex.score("src", ["a", "b"], ["a", "a"])
+    np.testing.assert_array_equal(result.scores, [1, 0])
+    importers = {int(x) for x in Path(os.environ["IMPORT_LOG"]).read_text().split()}
+    assert len(importers) == 2 and os.getpid() not in importers
+    assert not [m for m in sys.modules if m.startswith("hybridflow_user_reward_")]
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import sys\nsys.exit(5)\n", "importing it called sys.exit(5) (bad.py:2)"),
+        ("import os\nos._exit(7)\n", "the reward worker exited with code 7 while importing it"),
+        ("def f(:\n", "SyntaxError"),
+        ("import time\ntime.sleep(300)\n", "did not finish importing it within 1.5s"),
+    ],
+)
+def test_a_module_that_exits_fails_or_hangs_at_import_is_one_line(tmp_path, source, expected):
+    path = tmp_path / "bad.py"
+    path.write_text(source)
+    start = time.monotonic()
+    with pytest.raises(RewardSpecError) as info:
+        RewardExecutor(RewardConfig(fn=f"{path}:score", startup_timeout_s=1.5))
+    assert time.monotonic() - start < 60  # the hang costs startup_timeout_s, not forever
+    message = str(info.value)
+    assert expected in message and "\n" not in message and isinstance(info.value, UserError)
+    assert message.startswith(f"reward.fn='{path}:score': ")
+
+
+def test_hanging_samples_time_out_concurrently(reward_file):
+    """12 hanging samples on one worker with timeout_s=1: all 12 reported, in far less than 12 s
+    (after the first timeout the rest run at once, each in its own process), the good ones scored."""
+    n_hang, timeout = 12, 1.0
+    responses = ["hang"] * n_hang + ["a", "b"] * 3
+    cfg = RewardConfig(fn=f"{reward_file}:score", num_workers=1, timeout_s=timeout, max_error_fraction=1.0)
+    with RewardExecutor(cfg) as ex:
+        start = time.monotonic()
+        result = ex.score("src", responses, ["a"] * len(responses))
+        elapsed = time.monotonic() - start
+        again = ex.score("src", ["a", "b"], ["a", "a"])  # the pool is healthy afterwards
+    assert [e.index for e in result.errors if e.kind == "timeout"] == list(range(n_hang))
+    assert result.metrics["reward/num_timeouts"] == n_hang
+    np.testing.assert_array_equal(result.scores[n_hang:], [1, 0] * 3)
+    # sequential timeouts would take >= 12 s; concurrent ones ~2 x timeout (+ process starts on a busy CI box)
+    assert elapsed < n_hang * timeout / 2, elapsed
+    np.testing.assert_array_equal(again.scores, [1, 0])
+
+
+def test_scores_are_checked_as_float32_and_against_the_bound(reward_file):
+    cfg = RewardConfig(fn=f"{reward_file}:score", max_abs_score=1e6, max_error_fraction=1.0, error_score=-1)
+    with RewardExecutor(cfg) as ex:
+        result = ex.score("src", ["huge", "big", "a"], ["a"] * 3)
+    np.testing.assert_array_equal(result.scores, [-1, -1, 1])
+    kinds = [(e.index, e.kind) for e in result.errors]
+    assert kinds == [(0, "exception"), (1, "bad_score")]  # 1e300 fails in the worker, 1e30 on the bound
+    assert "not finite as float32" in result.errors[0].message
+    assert "exceeds reward.max_abs_score=1e+06" in result.errors[1].message
+    assert result.metrics["reward/error_fraction"] == pytest.approx(2 / 3)
+
+
+def test_more_failures_than_max_error_fraction_stop_in_one_line(reward_file):
+    with RewardExecutor(RewardConfig(fn=f"{reward_file}:score", max_error_fraction=0.5)) as ex:
+        ok = ex.score("src", ["big", "a"], ["a", "a"])  # 1 of 2: not more than half
+        assert len(ok.errors) == 1
+        with pytest.raises(RewardFailureError) as info:
+            ex.score("src", ["big", "big", "a"], ["a"] * 3, sample_ids=["p", "q", "r"])
+    message = str(info.value)
+    assert isinstance(info.value, RunStopped) and "\n" not in message
+    assert "failed on 2 of 3 samples (0 timeouts); first: sample p (bad_score)" in message
+    assert "reward.max_error_fraction=0.5" in message
+
+
+PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from hybridflow.rewards import RewardConfig, RewardExecutor
+    ex = RewardExecutor(RewardConfig(fn=sys.argv[1], num_workers=2, timeout_s=1.0, max_error_fraction=1.0))
+    print("ready", flush=True)
+    ex.score("src", ["hang"] * 6, ["a"] * 6)   # hangs: 1 s, then forked children that hang too
+    time.sleep(600)
+    """
+)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_and_their_hung_children_die_with_the_parent(reward_file, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    parent = subprocess.Popen(
+        [sys.executable, str(script), f"{reward_file}:score"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30  # wait until a worker has forked hanging children
+        while time.monotonic() < deadline and len(_descendants(parent.pid)) < 4:
+            time.sleep(0.2)
+        procs = _descendants(parent.pid)
+        assert len(procs) >= 4, procs  # 2 workers + forked children
+    finally:
+        parent.send_signal(signal.SIGKILL)  # no cleanup code runs in the parent
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(p) for p in procs):
+        time.sleep(0.2)
+    assert not [p for p in procs if _alive(p)]
