@@ -8,7 +8,8 @@ Why a second mode: a sample that hangs costs its worker timeout_s, and one worke
 samples. After the first timeout of a batch, the batch's remaining samples are re-cut into one "fork"
 chunk per worker, in which every sample runs at once in its own forked child with its own timeout_s
 (hybridflow/rewards/_worker.py). A batch where every sample hangs then costs about 2 x timeout_s,
-not batch x timeout_s. A worker is started with the reward spec and imports the user's module itself:
+not batch x timeout_s. Those samples share the CPUs, so a CPU-heavy reward can time out there
+where it would not alone; such a sample is counted and reported like any timeout. A worker is started with the reward spec and imports the user's module itself:
 the trainer process never imports user reward code, and an import that raises, exits or hangs is a
 one-line RewardSpecError.
 """

@@ -1,6 +1,6 @@
 """Every mistake in the user's files through the real `hybridflow train`: exit 2, one line naming the file
 (and row), no traceback, and nothing started: each fails while the config, data, tokenizer and reward
-code are checked, before Ray or any worker (docs/design.md, "one-line errors")."""
+code are checked, before Ray or any worker (README, "Using it")."""
 
 from __future__ import annotations
 
