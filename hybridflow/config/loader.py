@@ -254,7 +254,8 @@ def load_config(
 ) -> HybridFlowConfig:
     """defaults <- YAML `path` <- `overrides`, typed, resolved and validated (raises ConfigError).
 
-    check_model: read model.path/config.json (when it exists) to check lengths against the context.
+    check_model: look at the disk: the model directory (its config.json: lengths against the context)
+    and that the data files exist.
     """
     from hybridflow.config.validate import resolve_config, validate_config
 

@@ -198,7 +198,10 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     if not d.train_files and not d.dataset:
         errors.append("data.train_files: no training data; set data.train_files or data.dataset")
     for key, files in {"data.train_files": d.train_files, "data.val_files": d.val_files}.items():
-        errors += [f"{key}[{i}]: {f!r} does not exist" for i, f in enumerate(files) if not os.path.exists(f)]
+        if check_model:  # on disk, like the model directory (`hybridflow config show` checks them too)
+            errors += [
+                f"{key}[{i}]: {f!r} does not exist" for i, f in enumerate(files) if not os.path.exists(f)
+            ]
     if not cfg.model.path:
         errors.append("model.path: no policy model; set it to a local HF model directory")
     if cfg.reward.kind == "model" and not cfg.model.reward_model_path and a.name not in OFFLINE_ALGORITHMS:

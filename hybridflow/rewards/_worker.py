@@ -3,10 +3,12 @@
 Started by `pool._Worker` as `python -m hybridflow.rewards._worker FD PARENT_PID` (not multiprocessing's
 spawn/fork: those re-import the parent's __main__, which inside a Ray actor or an unguarded user
 script would re-run it). It dies with its parent: PR_SET_PDEATHSIG on Linux (the kernel kills it even
-while it hangs in a C loop holding the GIL), a watchdog thread elsewhere.
+while it hangs in a C loop holding the GIL), a watchdog thread elsewhere. The kernel ties the signal to
+the parent *thread* that started the worker, so an executor belongs to a long-lived thread (the
+trainer's main thread).
 
 Protocol on the duplex connection FD:
-  parent -> worker: (spec, fn_kwargs, batched) once; then per chunk ("seq", items) | ("fork", items, timeout_s)
+  parent -> worker: (spec, fn_kwargs) once; then per chunk ("seq", items) | ("fork", items, timeout_s)
                     | ("batch", items); None to stop.
   worker -> parent: ("ready", pid, declared_batched) | ("init_error", one_line, traceback); then per sample
                     ("ok", i, score) | ("err", i, traceback) | ("timeout", i, message) | ("died", i, message);
@@ -73,7 +75,7 @@ def serve(conn, parent_pid: int) -> None:
     from hybridflow.rewards.registry import load_reward_fn, run_batched, run_per_sample
 
     try:
-        spec, fn_kwargs, batched = conn.recv()
+        spec, fn_kwargs = conn.recv()
         fn, declared_batched = load_reward_fn(spec)
     except BaseException as e:  # SystemExit / KeyboardInterrupt at import too: reported, not a silent exit
         conn.send(("init_error", summary(e), traceback.format_exc()))

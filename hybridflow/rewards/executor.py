@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybridflow.errors import RunStopped
-from hybridflow.rewards.pool import WorkerPool
+from hybridflow.rewards.pool import RewardError, WorkerPool
 from hybridflow.rewards.registry import (
     Item,
     absolute_spec,
@@ -90,14 +90,6 @@ class RewardConfig:
         """Build from any object with some of these attributes (e.g. the config tree's `reward` node)."""
         names = cls.__dataclass_fields__
         return cls(**{k: getattr(cfg, k) for k in names if hasattr(cfg, k)})
-
-
-@dataclass
-class RewardError:
-    index: int  # position in the batch
-    sample_id: str  # the index and, when known, the sample's uid
-    kind: str  # "exception" | "bad_score" | "timeout" | "worker_died"
-    message: str  # the traceback, or what happened
 
 
 def _last_line(message: str) -> str:

@@ -9,9 +9,11 @@ samples. After the first timeout of a batch, the batch's remaining samples are r
 chunk per worker, in which every sample runs at once in its own forked child with its own timeout_s
 (hybridflow/rewards/_worker.py). A batch where every sample hangs then costs about 2 x timeout_s,
 not batch x timeout_s. Those samples share the CPUs, so a CPU-heavy reward can time out there
-where it would not alone; such a sample is counted and reported like any timeout. A worker is started with the reward spec and imports the user's module itself:
-the trainer process never imports user reward code, and an import that raises, exits or hangs is a
-one-line RewardSpecError.
+where it would not alone; such a sample is counted and reported like any timeout.
+
+A worker is started with the reward spec and imports the user's module itself: the trainer process
+never imports user reward code, and an import that raises, exits or hangs is a one-line
+RewardSpecError.
 """
 
 from __future__ import annotations
@@ -24,16 +26,25 @@ import sys
 import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait
 
 from hybridflow.rewards.registry import Item, RewardSpecError
 
 
+@dataclass
+class RewardError:
+    index: int  # position in the batch
+    sample_id: str  # the index and, when known, the sample's uid
+    kind: str  # "exception" | "bad_score" | "timeout" | "worker_died"
+    message: str  # the traceback, or what happened
+
+
 class _Worker:
     """One reward worker process and the chunk it is working on."""
 
-    def __init__(self, spec: str, fn_kwargs: dict, batched: bool | None):
+    def __init__(self, spec: str, fn_kwargs: dict):
         parent, child = Pipe(duplex=True)
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = [pkg_root] + [p or os.getcwd() for p in sys.path]
@@ -47,7 +58,7 @@ class _Worker:
         )
         child.close()
         self.conn = parent
-        self.conn.send((spec, fn_kwargs, batched))
+        self.conn.send((spec, fn_kwargs))
         self.started = time.monotonic()
         self.ready = False
         self.declared_batched: bool | None = None
@@ -105,7 +116,7 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.cfg.fn, self.cfg.fn_kwargs, self.cfg.batched)
+        return _Worker(self.cfg.fn, self.cfg.fn_kwargs)
 
     def close(self) -> None:
         self._finalizer()
@@ -138,8 +149,6 @@ class WorkerPool:
 
     def _receive(self, w: _Worker, scores: dict, errors: list) -> None:
         """Handle everything `w` has sent; a dead worker fails its sample in flight (or, starting, the run)."""
-        from hybridflow.rewards.executor import RewardError
-
         try:
             while w.conn.poll():
                 self._handle(w, w.conn.recv(), scores, errors)
@@ -150,9 +159,9 @@ class WorkerPool:
                 raise RewardSpecError(
                     f"reward.fn={self.cfg.fn!r}: the reward worker exited with code {code} while importing it"
                 ) from None
-            self._fail(w, RewardError, "worker_died", f"the worker process died (exit code {code})", errors)
+            self._fail(w, "worker_died", f"the worker process died (exit code {code})", errors)
 
-    def _fail(self, w: _Worker, error_cls, kind: str, message: str, errors: list) -> None:
+    def _fail(self, w: _Worker, kind: str, message: str, errors: list) -> None:
         """The sample(s) in flight fail; the rest of the chunk goes back to the queue; `w` is replaced."""
         if w.chunk is not None:
             if w.mode == "seq":
@@ -162,7 +171,7 @@ class WorkerPool:
             else:  # a whole batched call, or what a fork chunk had not reported
                 failed = [it for it in w.chunk if it[0] in w.outstanding]
                 rest = []
-            errors.extend(error_cls(it[0], "", kind, message) for it in failed)
+            errors.extend(RewardError(it[0], "", kind, message) for it in failed)
             if rest:
                 self.pending.appendleft(("seq", rest))
             if kind == "timeout":
@@ -178,8 +187,6 @@ class WorkerPool:
         self.pending = deque(("fork", items[i : i + size]) for i in range(0, len(items), size))
 
     def run(self, items: list[Item], batched: bool) -> tuple[dict[int, float], list]:
-        from hybridflow.rewards.executor import RewardError
-
         cfg, n_workers, self.batched = self.cfg, len(self.workers), batched
         size = cfg.chunk_size or max(1, math.ceil(len(items) / (n_workers * (1 if batched else 4))))
         mode = "batch" if batched else "seq"
@@ -199,19 +206,11 @@ class WorkerPool:
             for w in list(self.workers):
                 if w.chunk is not None and now > w.deadline:
                     limit = cfg.timeout_s * (len(w.chunk) if w.mode == "batch" else 1)
-                    self._fail(
-                        w,
-                        RewardError,
-                        "timeout",
-                        f"no result within {limit:g}s; the worker was killed",
-                        errors,
-                    )
+                    self._fail(w, "timeout", f"no result within {limit:g}s; the worker was killed", errors)
             self._check_startup()
         return scores, errors
 
     def _handle(self, w: _Worker, msg: tuple, scores: dict, errors: list) -> None:
-        from hybridflow.rewards.executor import RewardError
-
         kind = msg[0]
         if kind == "ready":
             w.ready, w.declared_batched = True, msg[2]

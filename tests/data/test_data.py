@@ -143,7 +143,7 @@ def test_synthetic_arithmetic_splits():
         assert int(r["reward_model"]["ground_truth"]) == int(a) + int(b)
     assert build("train", seed=0, num_samples=50) == build("train", seed=0, num_samples=50)
     assert build("train", seed=1, num_samples=50) != build("train", seed=0, num_samples=50)
-    with pytest.raises(KeyError, match="did you mean 'synthetic:arithmetic'"):
+    with pytest.raises(DatasetError, match="did you mean 'synthetic:arithmetic'"):
         get_dataset("synthetic:arithmetc")
 
 
