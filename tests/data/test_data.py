@@ -174,3 +174,51 @@ def test_iter_records_rejects_unknown_suffix(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DatasetError, match="unsupported file type '.csv'"):
         list(iter_records([tmp_path / "x.csv"]))
+
+
+def test_missing_ground_truth_is_an_error_or_counted_and_warned(tmp_path, tok, caplog):
+    path = tmp_path / "gt.jsonl"
+    rows = [_row("1+1=", "2"), {"prompt": "2+2="}, {"prompt": "3+3=", "reward_model": {"style": "rule"}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError, match=r"(?s)2 malformed row\(s\).*gt.jsonl, row 2: no ground truth"):
+        build_prompt_dataset(DataConfig(train_files=[str(path)]), tok)
+    skipped = build_prompt_dataset(DataConfig(train_files=[str(path)], on_malformed="skip"), tok)
+    assert [s.ground_truth for s in skipped] == ["2"]
+    with caplog.at_level("WARNING", logger="hybridflow.data"):
+        warned = build_prompt_dataset(DataConfig(train_files=[str(path)], missing_ground_truth="warn"), tok)
+    assert [s.ground_truth for s in warned] == ["2", None, None] and warned.stats["no_ground_truth"] == 2
+    assert "2 of 3 rows have no ground truth (first: " in caplog.text and "gt.jsonl, row 2" in caplog.text
+    # a reward model needs none: the trainer passes need_ground_truth=False and nothing is said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hybridflow.data"):
+        quiet = build_prompt_dataset(DataConfig(train_files=[str(path)]), tok, need_ground_truth=False)
+    assert len(quiet) == 3 and "ground truth" not in caplog.text
+
+
+def test_non_utf8_rows_and_unreadable_files(tmp_path, tok):
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(
+        json.dumps(_row("1+1=", "2")).encode() + b"\n" + '{"prompt": "caf\u00e9"}'.encode("latin-1") + b"\n"
+    )
+    with pytest.raises(DatasetError, match=r"mixed.jsonl, row 2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        build_prompt_dataset(DataConfig(train_files=[str(path)]), tok)
+    ds = build_prompt_dataset(DataConfig(train_files=[str(path)], on_malformed="skip"), tok)
+    assert len(ds) == 1 and ds.stats["malformed"] == 1
+    (tmp_path / "whole.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
+    with pytest.raises(DatasetError, match="whole.json: not UTF-8 text"):
+        list(iter_records([tmp_path / "whole.json"]))
+    (tmp_path / "t.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match="t.parquet: not a readable Parquet file"):
+        list(iter_records([tmp_path / "t.parquet"]))
+
+
+def test_registered_dataset_arguments_are_checked():
+    from hybridflow.data.registry import build_rows
+
+    assert len(build_rows("synthetic:arithmetic", "train", 0, {"num_samples": 10, "val_size": 2})) == 10
+    with pytest.raises(
+        DatasetError, match="takes no argument 'num_sample' \\(did you mean 'num_samples'\\?\\)"
+    ):
+        build_rows("synthetic:arithmetic", "train", 0, {"num_sample": 10})
+    with pytest.raises(DatasetError, match="data.dataset_kwargs: 'synthetic:arithmetic' with"):
+        build_rows("synthetic:arithmetic", "train", 0, {"num_samples": "ten"})

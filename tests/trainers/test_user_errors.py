@@ -123,6 +123,12 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
             "fewer than one batch of 16",
         ),
         ("missing model dir", [f"model.path={root}/no_model"], "model.path:"),
+        (
+            "error fraction",
+            ["reward.max_error_fraction=2"],
+            "reward.max_error_fraction: must be in [0, 1], got 2.0",
+        ),
+        ("skipped steps", ["trainer.max_skipped_steps=0"], "trainer.max_skipped_steps: must be >= 1, got 0"),
     ]
 
 
