@@ -120,18 +120,20 @@ def dpo_loss(
     ref_chosen_log_probs: torch.Tensor,
     ref_rejected_log_probs: torch.Tensor,
     beta: float = 0.1,
-    label_smoothing: float = 0.0,
     loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPO (Rafailov et al. 2023) on sequence log-probs: each input (B,), the response-token sum.
+    """DPO (Rafailov et al. 2023) on sequence log-probs, each (P,) for P pairs -> (mean loss, metrics).
 
-    h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r))   (reference terms 0 if reference_free)
+    The sequence log-prob is the response-token sum for sigmoid / hinge and the response-token mean for
+    ipo (the IPO paper and TRL); the caller reduces the tokens (workers/losses.dpo_loss_fn).
+    h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r))   (reference terms 0 if reference_free)
       sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (eps = label_smoothing, cDPO)
       ipo:     (h - 1 / (2 beta))^2                                         (Azar et al. 2023)
       hinge:   relu(1 - beta h)                                             (SLiC)
-    Returns (mean loss, metrics: rewards_chosen, rewards_rejected, rewards_margin, rewards_accuracy),
-    the implicit rewards being beta * (log pi - log ref).
+    Metrics (logged as dpo/*): rewards_chosen, rewards_rejected (the implicit rewards
+    beta * (log pi - log ref)), reward_acc (share of pairs whose chosen reward is higher), reward_margin.
     """
     if reference_free:
         ref_chosen_log_probs = torch.zeros_like(chosen_log_probs)
@@ -151,7 +153,7 @@ def dpo_loss(
     metrics = {
         "rewards_chosen": chosen_rewards.mean(),
         "rewards_rejected": rejected_rewards.mean(),
-        "rewards_margin": (chosen_rewards - rejected_rewards).mean(),
-        "rewards_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+        "reward_acc": (chosen_rewards > rejected_rewards).float().mean(),
+        "reward_margin": (chosen_rewards - rejected_rewards).mean(),
     }
     return losses.mean(), metrics

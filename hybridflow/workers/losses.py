@@ -3,15 +3,14 @@ outputs to the pure algorithm functions in hybridflow/algorithms (the math lives
 
 Each builder returns `loss_fn(outputs, micro_batch) -> (loss, metrics)`; `outputs` holds
 "log_probs" (b, lr) [+ "entropy"] for the actor or "values" (b, lr) for a critic, aligned with the
-micro-batch's (trimmed) response fields. Also the DPO and SFT losses (offline trainers).
+micro-batch's (trimmed) response fields. Also the SFT loss and the DPO adapter (offline trainers).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from hybridflow.algorithms import aggregate_loss, kl_loss, masked_mean, policy_loss, value_loss
+from hybridflow.algorithms import aggregate_loss, dpo_loss, kl_loss, masked_mean, policy_loss, value_loss
 
 
 def actor_loss_fn(actor_cfg, algo_cfg):
@@ -79,62 +78,23 @@ def sft_loss(out: dict, mb) -> tuple[torch.Tensor, dict]:
     return nll, {"nll": nll.detach()}
 
 
-def dpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    beta: float,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, dict]:
-    """DPO (Rafailov et al. 2023) on sequence log-probs, each (P,) for P pairs -> (mean loss, metrics).
-
-    h = (pi_c - ref_c) - (pi_r - ref_r)
-      sigmoid: -(1-eps) logsigmoid(beta h) - eps logsigmoid(-beta h)   (eps = label smoothing, cDPO)
-      ipo:     (h - 1 / (2 beta))^2                                       (Azar et al. 2023)
-      hinge:   relu(1 - beta h)                                           (SLiC)
-    Metrics: implicit rewards beta*(pi - ref) of chosen / rejected, their accuracy and margin.
-    """
-    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * h)
-    else:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid, ipo or hinge")
-    chosen_r = (beta * (chosen_logps - ref_chosen_logps)).detach()
-    rejected_r = (beta * (rejected_logps - ref_rejected_logps)).detach()
-    metrics = {
-        "rewards_chosen": chosen_r.mean(),
-        "rewards_rejected": rejected_r.mean(),
-        "reward_acc": (chosen_r > rejected_r).float().mean(),
-        "reward_margin": (chosen_r - rejected_r).mean(),
-    }
-    return losses.mean(), metrics
-
-
 def dpo_loss_fn(dpo_cfg):
-    """DPO over a micro-batch of interleaved pairs (chosen at even rows, rejected at odd rows)."""
+    """DPO over a micro-batch of interleaved pairs (chosen at even rows, rejected at odd rows).
+
+    Sequence log-probs are token sums, except for IPO: token means, as in the IPO paper (Azar et al.
+    2023) and TRL, so the 1 / (2 beta) margin does not depend on the response lengths."""
 
     def loss_fn(out: dict, mb) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"].to(out["log_probs"].dtype)
-        seq = (out["log_probs"] * mask).sum(-1).view(-1, 2)  # (P, 2): chosen, rejected
-        if dpo_cfg.reference_free:
-            ref = torch.zeros_like(seq)
-        else:
-            ref = (mb["ref_log_probs"] * mask).sum(-1).view(-1, 2)
-        loss, metrics = dpo_loss(
-            seq[:, 0],
-            seq[:, 1],
-            ref[:, 0],
-            ref[:, 1],
-            dpo_cfg.beta,
-            dpo_cfg.loss_type,
-            dpo_cfg.label_smoothing,
+        length = mask.sum(-1).clamp(min=1) if dpo_cfg.loss_type == "ipo" else 1.0
+
+        def seq(log_probs):  # (2P, L) -> (P, 2): chosen, rejected
+            return ((log_probs * mask).sum(-1) / length).view(-1, 2)
+
+        pi = seq(out["log_probs"])
+        ref = torch.zeros_like(pi) if dpo_cfg.reference_free else seq(mb["ref_log_probs"])
+        return dpo_loss(
+            pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], dpo_cfg.beta, dpo_cfg.loss_type, dpo_cfg.label_smoothing
         )
-        return loss, metrics
 
     return loss_fn

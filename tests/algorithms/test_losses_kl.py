@@ -218,11 +218,13 @@ def test_dpo_loss_by_hand():
     loss, m = dpo_loss(pc, pr, rc, rr, beta=0.5)
     expected = (-math.log(1 / (1 + math.exp(-1.0))) - math.log(1 / (1 + math.exp(0.5)))) / 2
     assert loss.item() == pytest.approx(expected, rel=1e-5)
-    assert m["rewards_accuracy"].item() == 0.5
-    torch.testing.assert_close(m["rewards_margin"], torch.tensor(0.25))  # mean of beta h
+    assert m["reward_acc"].item() == 0.5
+    torch.testing.assert_close(m["reward_margin"], torch.tensor(0.25))  # mean of beta h
     loss_ls, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=1.0)  # fully flipped labels
     expected_ls = (-math.log(1 / (1 + math.exp(1.0))) - math.log(1 / (1 + math.exp(-0.5)))) / 2
     assert loss_ls.item() == pytest.approx(expected_ls, rel=1e-5)
+    mixed, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=0.2)  # cDPO: 0.8 x DPO + 0.2 x flipped
+    assert mixed.item() == pytest.approx(0.8 * expected + 0.2 * expected_ls, rel=1e-5)
     assert dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="hinge")[0].item() == pytest.approx((0 + 1.5) / 2)
     assert dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo")[0].item() == pytest.approx((1 + 4) / 2)
     # reference_free ignores the reference log-probs: other references give the same loss.

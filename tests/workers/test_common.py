@@ -1,4 +1,4 @@
-"""Pure pieces of the workers, without Ray: config -> engine config, the mini-batch loop, DPO loss."""
+"""Pure pieces of the workers, without Ray: config -> engine config, the mini-batch loop, loss adapters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config import ParallelConfig, load_config
 from hybridflow.workers.common import engine_config, engine_parallel, iter_mini_batches
-from hybridflow.workers.losses import actor_loss_fn, dpo_loss, dpo_loss_fn
+from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn
 
 
 def test_engine_parallel_derives_dp_and_rejects_bad_sizes():
@@ -49,25 +49,6 @@ def test_mini_batches_first_epoch_in_order_then_permuted():
     assert len(list(iter_mini_batches(batch.index(slice(0, 2)), 4, 1, 0))) == 2  # never an empty piece
 
 
-def test_dpo_loss_matches_hand_computed_values():
-    c, r = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
-    rc, rr = torch.tensor([-1.5, -2.0]), torch.tensor([-2.5, -1.5])
-    h = torch.tensor([(-1 + 1.5) - (-3 + 2.5), (-2 + 2.0) - (-1 + 1.5)])  # [1.0, -0.5]
-    loss, m = dpo_loss(c, r, rc, rr, beta=0.1)
-    expect = -torch.nn.functional.logsigmoid(0.1 * h).mean()
-    assert float(loss) == pytest.approx(float(expect))
-    assert float(m["reward_acc"]) == 0.5 and float(m["reward_margin"]) == pytest.approx(0.1 * 0.25)
-    smooth, _ = dpo_loss(c, r, rc, rr, beta=0.1, label_smoothing=0.2)
-    lsig = torch.nn.functional.logsigmoid
-    assert float(smooth) == pytest.approx(float((-0.8 * lsig(0.1 * h) - 0.2 * lsig(-0.1 * h)).mean()))
-    ipo, _ = dpo_loss(c, r, rc, rr, beta=0.5, loss_type="ipo")
-    assert float(ipo) == pytest.approx(((1.0 - 1.0) ** 2 + (-0.5 - 1.0) ** 2) / 2)
-    hinge, _ = dpo_loss(c, r, rc, rr, beta=0.5, loss_type="hinge")
-    assert float(hinge) == pytest.approx((0.5 + 1.25) / 2)
-    with pytest.raises(ValueError, match="unknown DPO loss_type"):
-        dpo_loss(c, r, rc, rr, beta=0.1, loss_type="kto")
-
-
 def test_dpo_loss_fn_pairs_interleaved_rows_and_sums_masked_tokens():
     cfg = load_config(None, ["model.path=x"], validate=False).algorithm.dpo
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -75,6 +56,19 @@ def test_dpo_loss_fn_pairs_interleaved_rows_and_sums_masked_tokens():
     mb = Batch({"response_mask": mask, "ref_log_probs": torch.zeros(2, 3)})
     loss, _ = dpo_loss_fn(cfg)({"log_probs": lp}, mb)
     assert float(loss) == pytest.approx(-math.log(1 / (1 + math.exp(-cfg.beta * (-2.0 + 0.5)))))
+
+
+def test_ipo_averages_log_probs_over_tokens():
+    """IPO compares token-mean log-probs (IPO paper, TRL): chosen mean -1 over 2 tokens, rejected -0.5
+    over 1; reference means -1.5 and -0.25. h = (-1 + 1.5) - (-0.5 + 0.25) = 0.75."""
+    cfg = load_config(None, ["model.path=x", "algorithm.dpo.loss_type=ipo", "algorithm.dpo.beta=0.5"],
+                      validate=False).algorithm.dpo  # fmt: skip
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    lp = torch.tensor([[-1.0, -1.0, -9.0], [-0.5, -9.0, -9.0]])
+    ref = torch.tensor([[-1.0, -2.0, -9.0], [-0.25, -9.0, -9.0]])
+    loss, m = dpo_loss_fn(cfg)({"log_probs": lp}, Batch({"response_mask": mask, "ref_log_probs": ref}))
+    assert float(loss) == pytest.approx((0.75 - 1 / (2 * 0.5)) ** 2)
+    assert float(m["reward_margin"]) == pytest.approx(0.5 * 0.75)
 
 
 def test_actor_loss_adds_entropy_bonus_and_kl_loss():
