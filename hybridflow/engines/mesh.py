@@ -19,10 +19,6 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def build_mesh(parallel: ParallelConfig) -> DeviceMesh | None:
     """A ("dp", "tp") mesh over the default group, or None when no process group is initialised
     (single-process use: the model then runs unsharded)."""

@@ -57,9 +57,6 @@ class TrainLayout:
     def pp_groups(self) -> list[list[int]]:
         return _groups(self.world_size, lambda r: (self.coords(r)[0], self.coords(r)[2]))
 
-    def dp_groups(self) -> list[list[int]]:
-        return _groups(self.world_size, lambda r: self.coords(r)[1:])
-
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups: the p*t ranks holding one training replica (same d_i)."""
         return _groups(self.world_size, lambda r: self.coords(r)[0])

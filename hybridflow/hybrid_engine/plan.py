@@ -54,11 +54,6 @@ class Bucket:
     items: tuple[tuple[Item, ...], ...]  # items[m]: member m's regions, in slot order
     numel: int  # per-member slot size (max over members; shorter slots are zero padded)
 
-    @property
-    def padding(self) -> int:
-        """Elements of padding summed over members (what rounding to one slot size costs)."""
-        return sum(self.numel - sum(i.numel for i in its) for its in self.items)
-
 
 @dataclass(frozen=True)
 class GatherPlan:
@@ -69,11 +64,6 @@ class GatherPlan:
     def slot_numel(self) -> int:
         """Elements one member contributes over all buckets (padded)."""
         return sum(b.numel for b in self.buckets)
-
-    @property
-    def total_numel(self) -> int:
-        """Elements of all gathered buffers together (what every member holds after the gather)."""
-        return len(self.ranks) * self.slot_numel
 
 
 def _split_sizes(n: int, parts: int) -> list[int]:

@@ -217,10 +217,6 @@ class ClusterSpec:
         dev = get_device(device) if isinstance(device, str) else device
         return cls(dev, num_devices, devices_per_node or dev.devices_per_node)
 
-    @property
-    def num_nodes(self) -> int:
-        return math.ceil(self.num_devices / self.devices_per_node)
-
 
 @dataclass(frozen=True)
 class WorkloadSpec:

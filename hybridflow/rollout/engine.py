@@ -14,7 +14,6 @@ and is cheap enough to run as soon as any row finishes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -76,7 +75,6 @@ class BuiltinEngine(GenerationEngine):
         if pad is None:
             pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(cfg.eos_token_id)
         self.pad_token_id = 0 if pad is None else int(pad)
-        self.last_stats: dict[str, float] = {}
 
     def _decoder(self, max_len: int):
         backend = self.config.backend
@@ -125,14 +123,8 @@ class BuiltinEngine(GenerationEngine):
     def _generate_batch(self, batch: Batch, params: SamplingParams, decoder) -> Batch:
         ids, mask = check_prompt_batch(batch)
         device = next(self.model.parameters()).device
-        start = time.perf_counter()
         responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params, decoder)
         out_device = ids.device
-        self.last_stats = {
-            "rollout/seconds": time.perf_counter() - start,
-            "rollout/response_tokens": float(lengths.sum()),
-            "rollout/prompt_tokens": float(mask.sum()) * params.n,
-        }
         return build_rollout_batch(
             batch,
             responses.to(out_device),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
+import torch
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (
@@ -53,6 +54,15 @@ def start_ray(cfg, num_devices: int) -> None:
     if address is None:
         kwargs["num_cpus"] = max(cfg.resources.ray_num_cpus or os.cpu_count() or 1, num_devices)
     ensure_ray(log_to_driver=False, **kwargs)
+
+
+def score_batch(batch: Batch, rule: RuleReward | None, model_group, key: str) -> tuple[torch.Tensor, dict]:
+    """The one scoring path (training, validation, ReMax's baseline, Safe-RLHF's cost): a rule function
+    run in the driver when `rule` is set, else the reward / cost model group's `compute_reward(batch)[key]`.
+    -> (scores (B,), metrics: the rule executor's counts, none for a model)."""
+    if rule is not None:
+        return rule(batch)
+    return model_group.compute_reward(batch)[key], {}
 
 
 class Trainer:
@@ -122,9 +132,6 @@ class Trainer:
     @property
     def actor(self):
         return self.groups["actor_rollout"]
-
-    def group(self, role: str):
-        return self.groups.get(role)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> list[dict]:
@@ -214,7 +221,7 @@ class Trainer:
                     self.val_dataset[i] for i in range(start, min(start + size, len(self.val_dataset)))
                 ]
                 gen = self.actor.generate_sequences(self.val_dataset.collate(samples), sampling=sampling)
-                scores = self.val_scores(gen).float()
+                scores = self.score(gen)[0].float()
                 for i, s in enumerate(scores.view(-1, v.n)):  # rows come interleaved: prompt i's n samples
                     per_source[gen["data_source"][i * v.n]].append(s)
                 rows += self._generation_rows(
@@ -235,10 +242,9 @@ class Trainer:
         out["val/reward/mean"] = float(np.mean([float(g.mean()) for gs in per_source.values() for g in gs]))
         return out
 
-    def val_scores(self, batch: Batch):
-        if self.rule_reward is not None:
-            return self.rule_reward(batch)[0]
-        return self.groups["reward"].compute_reward(batch)["rm_scores"]
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """Sequence scores (B,) from the run's reward (rule or model), and the rule's metrics."""
+        return score_batch(batch, self.rule_reward, self.groups.get("reward"), "rm_scores")
 
     @staticmethod
     def _generation_rows(batch: Batch, scores, limit: int) -> list[dict]:

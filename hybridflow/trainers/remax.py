@@ -16,7 +16,7 @@ class ReMaxTrainer(PPOTrainer):
         batch = super().generate(prompts)
         with self.timers("gen_baseline"):
             greedy = self.actor.generate_sequences(prompts, sampling={"n": 1, "temperature": 0.0})
-            baseline = self.score(greedy)
+            baseline = self.score(greedy)[0]
         batch["reward_baselines"] = baseline.repeat_interleave(len(batch) // len(prompts))
         return batch
 

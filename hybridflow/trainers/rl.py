@@ -16,8 +16,6 @@ critic update, advantages). Each phase takes the batch and returns it with new f
 
 from __future__ import annotations
 
-import torch
-
 from hybridflow.algorithms import apply_kl_penalty, build_kl_controller
 from hybridflow.batch import Batch
 from hybridflow.trainers.base import Trainer
@@ -97,16 +95,9 @@ class RLTrainer(Trainer):
     def values(self, batch: Batch) -> Batch:
         return batch.union(self.critic.compute_values(batch))
 
-    def score(self, batch: Batch) -> torch.Tensor:
-        """Sequence scores (B,) from the rule reward or the reward model group."""
-        if self.rule_reward is not None:
-            scores, metrics = self.rule_reward(batch)
-            self.metrics.update(metrics)
-            return scores
-        return self.groups["reward"].compute_reward(batch)["rm_scores"]
-
     def reward(self, batch: Batch) -> Batch:
-        batch["scores"] = self.score(batch)
+        batch["scores"], metrics = self.score(batch)
+        self.metrics.update(metrics)
         batch["token_level_scores"] = token_level(batch["scores"], batch["response_mask"])
         k = self.cfg.algorithm.kl
         if not k.in_reward:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from hybridflow.algorithms import compute_safe_rlhf_advantages, update_lagrange_multiplier
 from hybridflow.batch import Batch
+from hybridflow.trainers.base import score_batch
 from hybridflow.trainers.ppo import PPOTrainer
 from hybridflow.workers import RuleReward, token_level
 
@@ -40,10 +41,7 @@ class SafeRLHFTrainer(PPOTrainer):
 
     def reward(self, batch: Batch) -> Batch:
         batch = super().reward(batch)
-        if self.rule_cost is not None:
-            batch["costs"] = self.rule_cost(batch)[0]
-        else:
-            batch["costs"] = self.groups["cost"].compute_reward(batch)["cost_scores"]
+        batch["costs"] = score_batch(batch, self.rule_cost, self.groups.get("cost"), "cost_scores")[0]
         batch["token_level_costs"] = token_level(batch["costs"], batch["response_mask"])
         return batch
 
