@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-_PAD_KEY = "__pad_size__"
+# meta key: how many trailing rows are padding copies of earlier rows (pad_to_divisor, or the
+# controller padding a batch that does not divide the dp size; workers mask them out of training)
+PAD_KEY = "__pad_size__"
 
 
 def _tensor_to_numpy(t: torch.Tensor) -> tuple[str, np.ndarray]:
@@ -194,7 +196,7 @@ class Batch:
         return Batch(t, nt, dict(self.meta))
 
     def pad_to_divisor(self, divisor: int) -> Batch:
-        """Pad by repeating leading rows so len % divisor == 0; remembers the pad for unpad()."""
+        """Pad by repeating leading rows so len % divisor == 0; meta[PAD_KEY] counts the padding rows."""
         pad = (-len(self)) % divisor
         if pad == 0:
             return self
@@ -203,13 +205,7 @@ class Batch:
         reps = math.ceil(pad / len(self))
         filler = Batch.concat([self] * reps).index(slice(0, pad))
         out = Batch.concat([self, filler])
-        out.meta[_PAD_KEY] = out.meta.get(_PAD_KEY, 0) + pad
-        return out
-
-    def unpad(self, pad: int | None = None) -> Batch:
-        pad = self.meta.get(_PAD_KEY, 0) if pad is None else pad
-        out = self.index(slice(0, len(self) - pad)) if pad else self
-        out.meta = {k: v for k, v in out.meta.items() if k != _PAD_KEY}
+        out.meta[PAD_KEY] = out.meta.get(PAD_KEY, 0) + pad
         return out
 
     def to(self, device) -> Batch:

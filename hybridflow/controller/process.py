@@ -8,7 +8,8 @@ colocated roles share the process, the device and the process group. Every group
    or a slice of another group's outputs (a future) cut out here, so the data never passes through
    the driver;
 2. calls the method;
-3. drops the rows produced by padding (the driver padded the batch to a multiple of the dp size);
+3. drops the rows produced by padding (the driver padded the batch to a multiple of the dp size; the
+   method itself sees the count in `batch.meta[PAD_KEY]`, so training can mask those rows out);
 4. returns (n_rows, output) as two objects (num_returns=2), so the driver can learn output sizes
    without fetching outputs.
 """
@@ -23,7 +24,7 @@ import numpy as np
 import ray
 import torch
 
-from hybridflow.batch import Batch
+from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.controller.layout import shard_indices
 from hybridflow.controller.worker import WorkerContext, set_worker_context
 
@@ -93,6 +94,8 @@ def drop_padding(output, n_in: int, pad: int, method: str):
     """Drop the output rows that padding rows produced (proportionally: k output rows per input row)."""
     if not pad or n_in == 0:
         return output
+    if isinstance(output, Batch):
+        output.meta.pop(PAD_KEY, None)  # an output's meta may be copied from its input's
     if isinstance(output, (Batch, torch.Tensor, list)):
         n_out = len(output)
         if (n_out * pad) % n_in:
@@ -104,7 +107,7 @@ def drop_padding(output, n_in: int, pad: int, method: str):
         if isinstance(output, Batch):
             return output.index(slice(0, keep))
         return output[:keep]
-    return output  # e.g. a metrics dict: padding rows were counted, as in verl
+    return output  # e.g. a metrics dict: training methods mask padding rows out (workers/common.py)
 
 
 def cpu_threads(world_size: int, use_gpu: bool) -> int:
@@ -182,4 +185,6 @@ def _take(resolved, pads: list):
     value, pad = resolved
     if isinstance(value, Batch):
         pads.append(pad)
+        if pad:  # the method sees which rows are padding (training masks them out of every loss)
+            value.meta[PAD_KEY] = pad
     return value

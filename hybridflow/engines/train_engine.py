@@ -199,13 +199,15 @@ class TrainEngine:
         loss_weighting: str = "tokens",
         micro_batch_size: int | None = None,
         max_tokens: int | None = None,
+        global_metrics: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a global mini-batch):
         forward_backward + optimizer_step. Returns loss/metrics, grad_norm, lr, step_skipped."""
         with self._phase():
             metrics = self.forward_backward(
-                batch, loss_fn, with_entropy, temperature, loss_weighting, micro_batch_size, max_tokens
-            )
+                batch, loss_fn, with_entropy, temperature, loss_weighting, micro_batch_size, max_tokens,
+                global_metrics,
+            )  # fmt: skip
             metrics.update(self.optimizer_step())
         return metrics
 
@@ -218,13 +220,17 @@ class TrainEngine:
         loss_weighting: str = "tokens",
         micro_batch_size: int | None = None,
         max_tokens: int | None = None,
+        global_metrics: bool = False,
     ) -> dict[str, float]:
         """Accumulate gradients of the global-mean loss over `batch`'s micro-batches (grads are reset first).
 
         loss_fn(outputs, micro_batch) -> (loss, metrics): outputs holds "log_probs" (b, lr) [+ "entropy"]
         for a causal LM or "values" (b, lr) for a critic, aligned with micro_batch's (trimmed) response
         fields; loss is the micro-batch mean (per token if loss_weighting="tokens", per sequence if
-        "sequences"). Returns the token/sequence-weighted local mean of loss and of each metric.
+        "sequences"). Returns the token/sequence-weighted local mean of loss and of each metric; with
+        global_metrics, each rank's share of the global mean times dp instead, so the mean over the dp
+        ranks (what DP_METRICS reports) is the global token/sequence mean however unevenly the
+        counted tokens fall on the ranks (e.g. masked padding rows).
         with_entropy="detached" gives "entropy" without grad, for when it is only logged.
         """
         if self.optimizer is None:
@@ -246,7 +252,9 @@ class TrainEngine:
                 out = self._forward(mb, temperature, with_entropy)
                 loss, metrics = loss_fn(out, mb)
                 (loss * (n * self.dp_size / max(global_total, 1e-8))).backward()
-                share = n / max(local_total, 1e-8)
+                share = n * (
+                    self.dp_size / max(global_total, 1e-8) if global_metrics else 1 / max(local_total, 1e-8)
+                )
                 sums["loss"] += float(loss.detach()) * share
                 for k, v in metrics.items():
                     sums[k] += float(v.detach() if isinstance(v, torch.Tensor) else v) * share
@@ -270,7 +278,9 @@ class TrainEngine:
 
     @staticmethod
     def _count(mb: Batch, loss_weighting: str) -> float:
-        if loss_weighting == "sequences":
+        if loss_weighting == "sequences":  # sequences with no response token (masked padding) weigh 0
+            if "response_mask" in mb.tensors:
+                return float((mb["response_mask"].sum(-1) > 0).sum())
             return float(len(mb))
         if "response_mask" in mb.tensors:
             return float(mb["response_mask"].sum())

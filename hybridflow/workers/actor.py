@@ -44,6 +44,7 @@ from hybridflow.workers.common import (
     MetricLists,
     engine_config,
     iter_mini_batches,
+    mask_padding,
     seed_everything,
     set_train_layout,
 )
@@ -182,8 +183,9 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Protocol.THREE_D, layout="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        """Log-probs under the frozen reference (at temperature 1): Batch(ref_log_probs (B, Lr))."""
-        lp, _ = self._engine("ref").compute_log_probs(batch)
+        """Log-probs under the frozen reference: Batch(ref_log_probs (B, Lr)). At the rollout's
+        temperature, like the old and new log-probs (as verl), so the KL compares like with like."""
+        lp, _ = self._engine("ref").compute_log_probs(batch, temperature=batch.meta.get("temperature", 1.0))
         return Batch({"ref_log_probs": lp})
 
     # ---- training ----------------------------------------------------------------------------------
@@ -203,17 +205,20 @@ class ActorRolloutRefWorker(Worker):
         eng = self._engine("actor")
         # entropy is always logged; it needs grad only when it is part of the loss
         entropy_mode = True if algo.entropy_coeff else "detached"
-        for mb in iter_mini_batches(batch.select(keys), num_mini, a.ppo_epochs, eng.global_step):
-            out = eng.train_step(
-                mb, loss_fn, with_entropy=entropy_mode, temperature=temperature, loss_weighting=weighting
-            )
+        for mb in iter_mini_batches(
+            mask_padding(batch).select(keys), num_mini, a.ppo_epochs, eng.global_step
+        ):
+            out = eng.train_step(mb, loss_fn, with_entropy=entropy_mode, temperature=temperature,
+                                 loss_weighting=weighting, global_metrics=True)  # fmt: skip
             metrics.add(out, "actor/")
         return metrics.as_dict()
 
     @register(Protocol.DP_METRICS, layout="train")
     def train_sft(self, batch: Batch) -> dict:
         """One optimizer step of supervised fine-tuning (token-mean NLL of the responses)."""
-        out = self._engine("actor").train_step(batch.select(_ACTOR_FIELDS), sft_loss)
+        out = self._engine("actor").train_step(
+            mask_padding(batch).select(_ACTOR_FIELDS), sft_loss, global_metrics=True
+        )
         return {f"sft/{k}": v for k, v in out.items()}
 
     @register(Protocol.DP_METRICS, layout="train")
@@ -232,6 +237,7 @@ class ActorRolloutRefWorker(Worker):
             dpo_loss_fn(dpo),
             loss_weighting="sequences",
             micro_batch_size=max(2, mbs - mbs % 2),
+            global_metrics=True,
         )
         return {f"dpo/{k}": v for k, v in out.items()}
 

@@ -1,10 +1,11 @@
 """What every role worker shares: config-tree -> EngineConfig, layouts, the PPO mini-batch loop, metrics.
 
-Why the mini-batch/epoch loop lives in the worker (SPEC §2, verl's dp_actor): the controller sends a
-whole rollout batch once; each rank splits its own shard into `num_mini_batches` pieces and runs
-`ppo_epochs` passes, one optimizer step per piece. Every rank holds an equal-sized shard (the
-controller pads a batch that does not divide dp), so every rank runs the same number of steps and the
-FSDP collectives line up.
+Why the mini-batch/epoch loop lives in the worker (docs/design.md, "Dataflow"; verl's dp_actor): the
+controller sends a whole rollout batch once; each rank splits its own shard into `num_mini_batches`
+pieces and runs `ppo_epochs` passes, one optimizer step per piece. Every rank holds an equal-sized
+shard (the controller pads a batch that does not divide dp), so every rank runs the same number of
+steps and the FSDP collectives line up; `mask_padding` keeps those padding rows out of every loss and
+metric, so a padded batch trains exactly as the unpadded one would.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from hybridflow.batch import Batch
+from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig
 
 
@@ -94,6 +95,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def mask_padding(batch: Batch) -> Batch:
+    """Zero `response_mask` on the trailing padding rows (`batch.meta[PAD_KEY]`, set by the transfer
+    protocol when it repeated rows to give every dp rank an equal shard) and drop the count.
+
+    Every loss, the engine's token / sequence counts and every training metric are masked by
+    response_mask, so the copies still run forward and backward (FSDP needs the same passes on every
+    rank) but weigh nothing: without this, a repeated row would count twice.
+    """
+    pad = int(batch.meta.pop(PAD_KEY, 0))
+    if pad:
+        mask = batch["response_mask"].clone()
+        mask[len(batch) - pad :] = 0
+        batch["response_mask"] = mask
+    return batch
 
 
 def iter_mini_batches(batch: Batch, num_mini_batches: int, epochs: int, seed: int) -> Iterator[Batch]:

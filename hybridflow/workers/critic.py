@@ -23,6 +23,7 @@ from hybridflow.workers.common import (
     MetricLists,
     engine_config,
     iter_mini_batches,
+    mask_padding,
     seed_everything,
     set_train_layout,
 )
@@ -88,8 +89,10 @@ class CriticWorker(Worker):
         weighting = "tokens" if c.loss_agg_mode == "token-mean" else "sequences"
         num_mini = max(1, self.config.data.train_batch_size // c.ppo_mini_batch_size)
         metrics = MetricLists()
-        for mb in iter_mini_batches(batch.select(keys), num_mini, c.ppo_epochs, self.engine.global_step):
-            metrics.add(self.engine.train_step(mb, loss_fn, loss_weighting=weighting), f"{self.name}/")
+        rows = mask_padding(batch).select(keys)
+        for mb in iter_mini_batches(rows, num_mini, c.ppo_epochs, self.engine.global_step):
+            out = self.engine.train_step(mb, loss_fn, loss_weighting=weighting, global_metrics=True)
+            metrics.add(out, f"{self.name}/")
         return metrics.as_dict()
 
     @register(Protocol.ONE_TO_ALL)
