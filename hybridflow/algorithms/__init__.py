@@ -34,6 +34,7 @@ from hybridflow.algorithms.losses import (
     value_loss,
 )
 from hybridflow.algorithms.safe_rlhf import (
+    add_kl_to_costs,
     combine_reward_cost_advantages,
     compute_safe_rlhf_advantages,
     update_lagrange_multiplier,
@@ -60,6 +61,7 @@ __all__ = [
     "aggregate_loss",
     "apply_kl_penalty",
     "build_kl_controller",
+    "add_kl_to_costs",
     "combine_reward_cost_advantages",
     "compute_discounted_returns",
     "compute_gae",

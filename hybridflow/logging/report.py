@@ -1,9 +1,9 @@
 """`hybridflow report RUN_DIR`: plot a run's metrics.jsonl to report.png and report.html.
 
-Panels: reward, validation accuracy, KL, entropy, response length, per-phase time (`timing_s/*`),
-throughput and losses, over steps. Each panel plots the metrics whose names match its patterns
-(this project's names first, verl's as fallbacks), so a run that logs only some of them still
-gets a report; an empty panel says "not logged". The HTML page embeds the PNG, a summary table
+Panels: reward, validation accuracy, KL to the reference, entropy, response length, per-phase time
+(`timing_s/*`), throughput and losses, over steps. Each panel plots the metrics whose names match its
+patterns (the names the trainers write), so a run that logs only some of them (DPO has no KL, GRPO
+without a KL term has no reference) still gets a report; an empty panel says "not logged". The HTML page embeds the PNG, a summary table
 (first / last / min / max) and the last validation generations table.
 """
 
@@ -17,16 +17,22 @@ import re
 import sys
 from pathlib import Path
 
-# (title, regexes of metric names); at most MAX_SERIES series per panel
+# (title, regexes of metric names); at most MAX_SERIES series per panel. The names are those the
+# trainers write (tests/ check each panel against real runs); DPO's implicit rewards stand in for a reward.
 PANELS = [
-    ("Reward", [r"^reward/mean$", r"^critic/score/mean$", r"^critic/rewards/mean$", r"^reward/.*mean$"]),
-    ("Validation accuracy", [r"^val/.*/acc@1$", r"^val/.*/mean@\d+$", r"^val-core/.*"]),
-    ("KL", [r"^actor/kl$", r"^actor/kl_loss$", r"^actor/ppo_kl$", r"^actor/reward_kl_penalty$", r"^kl/.*"]),
-    ("Entropy", [r"^actor/entropy(/mean)?$"]),
-    ("Response length (tokens)", [r"^response_length/mean$", r"^response/length/mean$"]),
+    ("Reward", [r"^reward/mean$", r"^dpo/rewards_(chosen|rejected)$"]),
+    ("Validation accuracy", [r"^val/.*/acc@1$", r"^val/.*/mean@\d+$", r"^val/.*/reward$"]),
+    # the KL to the reference (in the reward, or as a loss); actor/ppo_kl, the drift from the rollout
+    # policy within one update, is not it
+    ("KL to reference", [r"^actor/reward_kl_penalty$", r"^actor/kl_loss$"]),
+    ("Entropy", [r"^actor/entropy$"]),
+    ("Response length (tokens)", [r"^response_length/mean$"]),
     ("Time per phase (s)", [r"^timing_s/.*"]),
     ("Throughput (tokens/s)", [r"^perf/throughput$"]),
-    ("Losses", [r"^actor/pg_loss$", r"^critic/vf_loss$", r"^actor/dpo_loss$", r"^actor/sft_loss$"]),
+    (
+        "Losses",
+        [r"^actor/pg_loss$", r"^critic/vf_loss$", r"^cost_critic/vf_loss$", r"^dpo/loss$", r"^sft/loss$"],
+    ),
 ]
 MAX_SERIES = 8
 
@@ -58,6 +64,12 @@ def panel_series(series: dict, patterns: list[str]) -> list[str]:
     for p in patterns:
         out += sorted(k for k in series if re.search(p, k) and k not in out)
     return out[:MAX_SERIES]
+
+
+def empty_panels(names) -> list[str]:
+    """Titles of the panels that no metric in `names` (an iterable of metric names) would fill."""
+    names = list(names)
+    return [title for title, patterns in PANELS if not panel_series(dict.fromkeys(names), patterns)]
 
 
 def plot(series: dict, png_path: Path, title: str) -> list[str]:

@@ -3,12 +3,13 @@ Lagrange multiplier lambda that trades them off: the actor follows (A_r - lambda
 and lambda rises while the mean cost exceeds algorithm.safe_rlhf.cost_limit (hybridflow/algorithms/
 safe_rlhf.py). The cost is a cost model (model.cost_model_path) or a rule (safe_rlhf.cost_fn).
 
-Edits of PPO: values also from the cost critic, reward also scores the cost, advantages combine the
-two, the critic update also trains the cost critic."""
+Edits of PPO: values also from the cost critic, reward also scores the cost (and, as in the PKU
+implementation, the cost gets +beta KL where the reward gets -beta KL), advantages combine the two
+unwhitened GAEs, the critic update also trains the cost critic."""
 
 from __future__ import annotations
 
-from hybridflow.algorithms import compute_safe_rlhf_advantages, update_lagrange_multiplier
+from hybridflow.algorithms import add_kl_to_costs, compute_safe_rlhf_advantages, update_lagrange_multiplier
 from hybridflow.batch import Batch
 from hybridflow.trainers.base import score_batch
 from hybridflow.trainers.ppo import PPOTrainer
@@ -42,7 +43,12 @@ class SafeRLHFTrainer(PPOTrainer):
     def reward(self, batch: Batch) -> Batch:
         batch = super().reward(batch)
         batch["costs"] = score_batch(batch, self.rule_cost, self.groups.get("cost"), "cost_scores")[0]
-        batch["token_level_costs"] = token_level(batch["costs"], batch["response_mask"])
+        kl_penalty = (
+            batch["token_level_scores"] - batch["token_level_rewards"]
+        )  # beta KL_t, 0 without kl.in_reward
+        batch["token_level_costs"] = add_kl_to_costs(
+            token_level(batch["costs"], batch["response_mask"]), kl_penalty
+        )
         return batch
 
     def compute_advantages(self, batch: Batch) -> Batch:

@@ -10,6 +10,7 @@ import torch
 from hybridflow.algorithms import (
     AdaptiveKLController,
     FixedKLController,
+    add_kl_to_costs,
     aggregate_loss,
     apply_kl_penalty,
     build_kl_controller,
@@ -162,11 +163,29 @@ def test_safe_rlhf():
     g = torch.Generator().manual_seed(1)
     r, v, c, vc = (torch.randn(2, 3, generator=g) for _ in range(4))
     adv, ret_r, ret_c = compute_safe_rlhf_advantages(r, v, c, vc, MASK, lmbda=0.5, gamma=1.0, lam=0.9)
-    ar, rr = compute_gae(r, v, MASK, 1.0, 0.9)
-    ac, rc = compute_gae(c, vc, MASK, 1.0, 0.9)
+    ar, rr = compute_gae(r, v, MASK, 1.0, 0.9, whiten=False)  # PKU whitens neither GAE
+    ac, rc = compute_gae(c, vc, MASK, 1.0, 0.9, whiten=False)
     torch.testing.assert_close(adv, (ar - 0.5 * ac) / 1.5 * MASK)
     torch.testing.assert_close(ret_r, rr)
     torch.testing.assert_close(ret_c, rc)
+
+
+def test_safe_rlhf_kl_penalty_survives_any_lambda():
+    """PKU's split: reward - beta KL, cost + beta KL. Then the combined advantage is the constrained
+    objective's plus exactly the KL penalty's own advantage, whatever lambda (by hand: values 0,
+    gamma = lam = 1, so every advantage is the reward-to-go)."""
+    score = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])  # on each last valid token
+    cost = torch.tensor([[0.0, 3.0, 0.0], [-1.0, 0.0, 0.0]])
+    penalty = torch.tensor([[0.1, 0.2, 0.0], [0.4, 0.0, 0.0]])  # beta * KL_t
+    zeros = torch.zeros_like(score)
+    torch.testing.assert_close(add_kl_to_costs(cost, penalty), cost + penalty)
+    for lmbda in (0.0, 1.0, 3.0):
+        adv, _, _ = compute_safe_rlhf_advantages(
+            score - penalty, zeros, add_kl_to_costs(cost, penalty), zeros, MASK, lmbda, 1.0, 1.0
+        )
+        to_go = lambda x: x.flip(-1).cumsum(-1).flip(-1) * MASK  # noqa: E731
+        expect = (to_go(score) - lmbda * to_go(cost)) / (1 + lmbda) - to_go(penalty)
+        torch.testing.assert_close(adv, expect)
 
 
 def test_masked_statistics():

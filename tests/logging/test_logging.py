@@ -12,7 +12,7 @@ import torch
 from hybridflow.cli import main
 from hybridflow.config import load_config
 from hybridflow.logging import Tracker, TrackerError, build_tracker, read_metrics
-from hybridflow.logging.report import PANELS, panel_series
+from hybridflow.logging.report import PANELS, empty_panels, panel_series
 
 
 def _metrics(step: int) -> dict:
@@ -93,3 +93,21 @@ def test_report_png_and_html(tmp_path, capsys):
 
     assert main(["report", str(tmp_path / "empty")]) == 1
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_report_panels_read_the_names_the_trainers_write():
+    """The KL panel is the KL to the reference, not the PPO ratio drift; SFT and DPO losses are found.
+    (Each panel is also checked against real runs: tests/trainers/test_drivers.py, test_cli_e2e.py,
+    test_invariants.py and test_learning.py call empty_panels on what they wrote.)"""
+    kl = dict(PANELS)["KL to reference"]
+    assert panel_series(dict.fromkeys(["actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty"]), kl) == [
+        "actor/reward_kl_penalty",
+        "actor/kl_loss",
+    ]
+    assert "KL to reference" in empty_panels(["actor/ppo_kl"])
+    losses = dict(PANELS)["Losses"]
+    assert panel_series(dict.fromkeys(["sft/loss", "dpo/loss", "actor/pg_loss"]), losses) == [
+        "actor/pg_loss",
+        "dpo/loss",
+        "sft/loss",
+    ]

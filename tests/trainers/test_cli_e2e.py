@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from hybridflow.cli import main as cli_main
+from hybridflow.logging import read_metrics
+from hybridflow.logging.report import empty_panels
 
 # dense and tied to the answer, so greedy validation numbers move with the weights
 REWARD = """def overlap(data_source, solution_str, ground_truth, extra_info=None):
@@ -51,6 +53,7 @@ def test_train_resume_export_eval(ray_cluster, config_file, tmp_path, capsys):
     assert "val/generations" in err  # the generations table
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_1", "step_2"]
     assert (run / "report.png").stat().st_size > 10_000 and (run / "report.html").is_file()
+    assert empty_panels(read_metrics(run / "metrics.jsonl")) == ["KL to reference"]  # GRPO without a KL term
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     gens = [json.loads(x) for x in (run / "generations.jsonl").read_text().splitlines()]
     assert {g["step"] for g in gens} == {0, 2} and len(gens) == 6 and "response_text" in gens[0]

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from hybridflow.algorithms import compute_gae, place_score_on_last_token
+from hybridflow.logging.report import PANELS, empty_panels, panel_series
 from hybridflow.trainers import build_trainer
 from tests.trainers.configs import tiny_config
 
@@ -82,6 +84,11 @@ def test_critic_free_variants(shared_groups, make_config, algorithm):
     trainer.close()  # leaves the shared groups running
     assert history[-1]["step"] == 2
     assert "val/synthetic:arithmetic/acc@1" in history[-1] and "perf/throughput" in history[-1]
+    assert empty_panels(history[-1]) == []  # every report panel finds what this run wrote
+    assert panel_series(history[-1], dict(PANELS)["KL to reference"]) == [
+        "actor/reward_kl_penalty",
+        "actor/kl_loss",
+    ]
 
 
 def test_safe_rlhf_on_a_batch_not_dividing_dp(ray_cluster, make_config):
@@ -111,3 +118,20 @@ def test_safe_rlhf_on_a_batch_not_dividing_dp(ray_cluster, make_config):
         assert metrics["safe_rlhf/lambda"] == pytest.approx(max(0.0, 0.5 + 0.2 * (cost - 0.1)))
         assert {"cost_values", "cost_returns"} <= set(batch.keys())
         assert trainer.extra_state()["lagrange"] == pytest.approx(metrics["safe_rlhf/lambda"])
+        # step 2, the actor has moved from the reference: PKU's KL split, the cost gains the beta * KL the
+        # reward lost, and neither GAE is whitened
+        batch, metrics = _step(trainer)
+        mask = batch["response_mask"]
+        penalty = batch["token_level_scores"] - batch["token_level_rewards"]
+        assert float(penalty.abs().max()) > 0
+        costs = place_score_on_last_token(batch["costs"].float(), mask)
+        torch.testing.assert_close(batch["token_level_costs"], costs + penalty)
+        a = trainer.cfg.algorithm
+        adv_r, _ = compute_gae(
+            batch["token_level_rewards"], batch["values"], mask, a.gamma, a.lam, whiten=False
+        )
+        adv_c, _ = compute_gae(
+            batch["token_level_costs"], batch["cost_values"], mask, a.gamma, a.lam, whiten=False
+        )
+        lmbda = metrics["safe_rlhf/lambda"]
+        torch.testing.assert_close(batch["advantages"], (adv_r - lmbda * adv_c) / (1 + lmbda) * mask)

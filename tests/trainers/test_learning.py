@@ -14,6 +14,8 @@ import pytest
 
 from hybridflow.checkpoint import export_hf
 from hybridflow.config import load_config
+from hybridflow.logging import read_metrics
+from hybridflow.logging.report import empty_panels
 from hybridflow.models.tiny import save_tiny_model
 from hybridflow.trainers import build_trainer
 from scripts.learning_curves import rl_overrides, train, val_acc, warm_start
@@ -34,6 +36,8 @@ def _fit(config: str, workdir: Path, *overrides: str):
 def test_grpo_raises_held_out_accuracy_of_a_correct_format_warm_start(ray_cluster, tmp_path):
     base = save_tiny_model(tmp_path / "tiny", "tiny", "llama", seed=0)
     sft_cfg, _, _ = _fit("sft_tiny.yaml", tmp_path, f"model.path={base}")
+    written = read_metrics(Path(sft_cfg.run_dir) / "metrics.jsonl")  # the report finds the SFT loss
+    assert empty_panels(written) == ["Reward", "KL to reference", "Entropy", "Response length (tokens)"]
     sft_dir = export_hf(sft_cfg.run_dir, tmp_path / "sft")
     _, val, rewards = _fit("grpo_tiny.yaml", tmp_path, f"model.path={sft_dir}", "trainer.val_every=50")
     before, after = val[0][ACC], val[-1][ACC]
