@@ -34,7 +34,7 @@ from hybridflow.hybrid_engine import (
 from hybridflow.hybrid_engine.sharding import split_bytes
 
 WORLD = 8
-# (p, t, d, pg, tg): the SPEC §4 example, and a pipeline-to-TP switch shaped like the paper's 70B one
+# (p, t, d, pg, tg): the docs/design.md §4 example, and a pipeline-to-TP switch shaped like the paper's 70B one
 LAYOUTS = [(1, 4, 2, 1, 2), (2, 4, 1, 1, 4)]
 BUCKET_BYTES = 8 << 20
 

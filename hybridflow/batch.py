@@ -1,4 +1,4 @@
-"""The data object passed between stages (SPEC §3): named tensors sharing a first dimension,
+"""The data object passed between stages (docs/design.md §3): named tensors sharing a first dimension,
 per-sample non-tensor fields, and a meta dict.
 
 Why not pickle tensors as-is: Ray serialises numpy arrays out-of-band (zero-copy from the object

@@ -1,4 +1,4 @@
-"""Advantage estimators: one per algorithm in SPEC §2 (PPO's GAE, GRPO, RLOO, ReMax, REINFORCE++).
+"""Advantage estimators: one per algorithm in docs/design.md §2 (PPO's GAE, GRPO, RLOO, ReMax, REINFORCE++).
 
 Each is a pure function of tensors (no model, no process group) and returns `(advantages, returns)`, both
 (B, L) and zero on padded response positions, so a driver can swap estimators with one line. `returns`

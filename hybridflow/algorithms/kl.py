@@ -1,6 +1,6 @@
 """KL divergence to the reference policy: per-token estimators, KL-in-reward, KL-as-loss, coefficient control.
 
-Two ways to keep the actor near the reference (SPEC §2): subtract beta * KL from the token rewards before
+Two ways to keep the actor near the reference (docs/design.md §2): subtract beta * KL from the token rewards before
 computing advantages (`apply_kl_penalty`, InstructGPT/PPO style, with a fixed or adaptive beta), or add
 a KL term to the actor loss (`kl_loss`, GRPO style, usually with the low-variance k3 estimator).
 

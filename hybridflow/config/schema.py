@@ -1,6 +1,6 @@
 """The configuration tree: one dataclass per component, composed into `HybridFlowConfig`.
 
-This file is the single source of truth for every setting (STYLE §6): YAML files and dotted CLI
+This file is the single source of truth for every setting (docs/design.md §7): YAML files and dotted CLI
 overrides are checked against these classes, `hybridflow config show` prints them, and
 `hybridflow config --help` lists each field's help string. Names follow verl without its sprawl.
 
@@ -70,7 +70,7 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """Training/inference parallelism of one model's worker group (SPEC §4)."""
+    """Training/inference parallelism of one model's worker group (docs/design.md §4)."""
 
     tp: int = _f(1, "tensor-parallel size")
     pp: int = _f(1, "pipeline-parallel size")

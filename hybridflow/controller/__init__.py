@@ -1,4 +1,4 @@
-"""The single controller's machinery (SPEC §3): resource pools, SPMD worker groups, transfer protocols.
+"""The single controller's machinery (docs/design.md §3): resource pools, SPMD worker groups, transfer protocols.
 
 Files, in the order data flows through them:
     resource_pool.py  ResourcePool: devices reserved as a Ray placement group, ranks ordered by node

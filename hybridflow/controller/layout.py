@@ -1,7 +1,7 @@
 """Named mesh layouts: where a worker sits in its model's parallel mesh, as the controller sees it.
 
 A worker declares one layout per way it lays out data, e.g. "train" (dp/tp/pp coordinates of the
-training mesh) and "rollout" (micro-DP replica coordinates of the generation mesh, SPEC §4). The
+training mesh) and "rollout" (micro-DP replica coordinates of the generation mesh, docs/design.md §4). The
 transfer protocols read only the layout, never the worker's internals: which data shard a rank
 receives (`dp_rank` of `dp_size`) and whether its output is the one collected (`collect`).
 

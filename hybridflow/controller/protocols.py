@@ -1,4 +1,4 @@
-"""Transfer protocols: how a worker method's inputs are distributed and its outputs collected (SPEC §3).
+"""Transfer protocols: how a worker method's inputs are distributed and its outputs collected (docs/design.md §3).
 
 `@register(protocol)` on a Worker method names one of these. Two kinds exist:
 

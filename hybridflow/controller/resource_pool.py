@@ -1,7 +1,7 @@
 """ResourcePool: a named set of devices, reserved as one Ray placement group with one bundle per device.
 
 Models given the same pool are colocated (they share its devices); different pools are disjoint, so
-their worker groups run concurrently (SPEC §3). Without GPUs each "device" is a CPU bundle, which
+their worker groups run concurrently (docs/design.md §3). Without GPUs each "device" is a CPU bundle, which
 is how the whole system runs and is tested on a laptop.
 
 Ranks are ordered by node (all bundles of the first node, then the next, ...) so that a worker

@@ -8,7 +8,7 @@
 
 Every `@register`ed method of the class becomes a method of the group. `create_colocated_groups`
 builds several roles in the same processes (one per device): separate groups to the driver, one
-process group and one device underneath — how colocated models time-share a device (SPEC §3).
+process group and one device underneath — how colocated models time-share a device (docs/design.md §3).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Typed configs of the training engine: parallel layout, optimizer, engine behaviour.
 
-Sizes are global unless suffixed `_per_device` (STYLE §6). The layout stays 3-D (pp, tp, dp) as in
+Sizes are global unless suffixed `_per_device` (docs/design.md §7). The layout stays 3-D (pp, tp, dp) as in
 the paper even though pipeline parallelism is not implemented yet, so plans and protocols that
 reason about (p, t, d) need no change when it is added.
 """

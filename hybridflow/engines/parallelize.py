@@ -1,6 +1,6 @@
 """Parallelism applied by a function to a plain HF model, in torchtitan's order:
 tensor parallel (DTensor plans over the "tp" mesh axis) -> activation checkpointing -> FSDP2
-`fully_shard` over the "dp" axis. Model code stays parallelism-free (STYLE §4).
+`fully_shard` over the "dp" axis. Model code stays parallelism-free (docs/design.md §7).
 
 Where this departs from torchtitan:
 - Embeddings, final norm and lm_head are not tensor-parallel: they stay whole on each TP rank and are

@@ -1,6 +1,6 @@
 """TrainEngine: one model (actor, critic, reference or reward) on one worker-group rank.
 
-Role workers call a small API (STYLE §7: learning stays apart from sampling):
+Role workers call a small API (docs/design.md §7: learning stays apart from sampling):
   compute_log_probs(batch)  -> (log_probs (B, Lr), entropy (B, Lr) | None)   causal LMs
   compute_values(batch)     -> values (B, Lr)                                  critics
   compute_scores(batch)     -> scores (B,)                                     reward / cost models

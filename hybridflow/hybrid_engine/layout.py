@@ -5,7 +5,7 @@ Training uses (p, t, d): pipeline, tensor and data parallel sizes, rank = d_i * 
 with micro-DP size dg = p*t / (pg*tg): inside each training model-parallel group (the p*t ranks with the
 same d_i) there are dg generation replicas, each a pg x tg grid.
 
-Two ways to place the generation grid (SPEC §4):
+Two ways to place the generation grid (docs/design.md §4):
 - "hybridflow": generation TP groups are strided by t/tg and PP groups by p/pg, so rank (p_i, t_i) with
   t_i = g_tp * (t/tg) + m_tp and p_i = g_pp * (p/pg) + m_pp gets generation coordinates (g_pp, g_tp) and
   micro-DP index m_pp * (t/tg) + m_tp. Every rank's training shard is then part of its generation shard,

@@ -1,4 +1,4 @@
-"""Auto-mapping (paper §6, SPEC §5): choose placement, device allocation and parallelism by simulation.
+"""Auto-mapping (paper §6, docs/design.md §5): choose placement, device allocation and parallelism by simulation.
 
 A pure function from (dataflow, cluster, workload) to a `Plan`; nothing here needs Ray or a GPU.
 

@@ -1,6 +1,6 @@
 """The RL dataflow as the planner sees it: which models exist and what each does in which stage.
 
-An iteration is three stages that run one after another (SPEC §2): generation, preparation
+An iteration is three stages that run one after another (docs/design.md §2): generation, preparation
 (experience making: forward passes of critic / reference / reward) and training. Within a stage,
 models on different device pools run in parallel and models sharing a pool run one after another,
 which is all the planner needs to know about dependencies.

@@ -4,7 +4,7 @@ Conventions (Megatron-style 3D parallelism with a distributed optimizer, as in t
 weights and gradients are split over the p*t model-parallel ranks and replicated over d; the fp32
 master weights and Adam moments (12 bytes/param with bf16 weights; 8 with fp32 weights) are further
 split over d. Gradients are fp32 (Megatron's default for bf16), so d = 1 costs 18 bytes/param, a
-little above SPEC §2's ~16. Activations assume sequence
+little above docs/design.md §2's ~16. Activations assume sequence
 parallelism (split over t) and flash attention (no s^2 term), following Korthikanti et al. 2022:
 ~34 bytes * s * b * h per layer at 2-byte precision, or only the layer input when checkpointing.
 
@@ -87,5 +87,5 @@ def kv_cache_bytes(
 
 def generation_extra_weight_bytes(spec: ModelSpec, bytes_per_param: int, p: int, t: int, pg: int, tg: int):
     """3D-HybridEngine: a generation shard (1/(pg*tg)) contains the training shard (1/(p*t)),
-    so only the difference is gathered: zero redundancy (SPEC §4, Table 2, last-but-one row)."""
+    so only the difference is gathered: zero redundancy (docs/design.md §4, Table 2, last-but-one row)."""
     return spec.num_params * bytes_per_param * (1 / (pg * tg) - 1 / (p * t))

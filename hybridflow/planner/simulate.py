@@ -8,7 +8,7 @@
 - Generation is memory-bound per decode step: each step reads the replica's weight shard and the KV
   cache of its sequences, and pays two TP all-reduces per layer, mostly latency; prefill is
   compute-bound. Pipeline stages run one after another for a single batch, so pg saves memory only.
-- The actor's train -> generate switch costs what SPEC §4 Table 2 says each method moves.
+- The actor's train -> generate switch costs what docs/design.md §4 Table 2 says each method moves.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ SWITCH_METHODS = ("hybridflow", "hybridflow-v", "all-gather", "two-copies")
 
 
 def switch_bytes(method: str, actor_bytes: float, p: int, t: int, d: int, pg: int, tg: int) -> float:
-    """Bytes one device receives to go from training (p, t, d) to generation (pg, tg): SPEC §4 Table 2.
+    """Bytes one device receives to go from training (p, t, d) to generation (pg, tg): docs/design.md §4 Table 2.
 
     hybridflow: all-gather inside the micro-DP group (dg = p*t/(pg*tg)) of the missing shards;
     hybridflow-v: vanilla regrouping, gather the whole model over the model-parallel group;

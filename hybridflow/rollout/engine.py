@@ -2,7 +2,7 @@
 
 It holds a reference to the HF model it is given (the training actor's) and reads its parameters at
 every `generate`, so there is no weight copy when training and generation share a device and layout
-(SPEC §4). The parameters must be full tensors at that moment: an FSDP2-sharded actor is unsharded
+(docs/design.md §4). The parameters must be full tensors at that moment: an FSDP2-sharded actor is unsharded
 first (`model.unshard()`), a tensor-parallel one is gathered (3D-HybridEngine resharding). Llama / Qwen2 / Mistral run on a lean functional forward with a static KV cache
 (`llama_decoder.py`); other architectures fall back to the HF forward (`hf_decoder.py`).
 

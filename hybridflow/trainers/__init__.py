@@ -1,4 +1,4 @@
-"""Drivers: one short trainer per algorithm on top of the role worker groups (SPEC §2).
+"""Drivers: one short trainer per algorithm on top of the role worker groups (docs/design.md §2).
 
 base.py          Trainer: config -> Ray, pools + worker groups, data, tracker; the step loop,
                  validation (val/{data_source}/acc@1), checkpoint hooks

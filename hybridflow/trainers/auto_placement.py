@@ -1,4 +1,4 @@
-"""Carrying out an auto-mapping plan (SPEC §5, STYLE §8): config -> planner inputs -> Plan -> Placement.
+"""Carrying out an auto-mapping plan (docs/design.md §5, §7): config -> planner inputs -> Plan -> Placement.
 
 The planner (hybridflow/planner) is a pure function of (dataflow, cluster, workload); this module
 builds those three from the config, runs it for `resources.placement: auto` or loads a plan file

@@ -1,4 +1,4 @@
-"""Which resource pool each model's worker group runs on, and building those groups (SPEC §3).
+"""Which resource pool each model's worker group runs on, and building those groups (docs/design.md §3).
 
 A `Placement` names pools (name -> device count) and assigns each role to one. Roles on the same
 pool are colocated: they share one process per device (create_colocated_groups) and take turns;

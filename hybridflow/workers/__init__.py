@@ -1,4 +1,4 @@
-"""Role workers: the SPMD programs the single controller drives (SPEC §3).
+"""Role workers: the SPMD programs the single controller drives (docs/design.md §3).
 
 actor.py    ActorRolloutRefWorker: actor (PPO update, SFT, DPO), rollout (generation on the actor's
             own weights), ref (frozen log-probs); any subset of roles in one process

@@ -18,7 +18,7 @@ class EchoWorker(Worker):
     def __init__(self, scale: float = 1.0, tp: int = 1, pp: int = 1, tg: int = 1):
         self.scale = scale
         self.mesh = self.build_device_mesh(pp=pp, tp=tp)
-        # Rollout layout as in SPEC §4: generation tp groups of size tg are strided (e.g. [0,2],[1,3]),
+        # Rollout layout as in docs/design.md §4: generation tp groups of size tg are strided (e.g. [0,2],[1,3]),
         # each group is one replica, collected from its first rank.
         replicas = self.world_size // tg
         self.set_layout(

@@ -1,6 +1,6 @@
 """The switch on real gloo groups: 4 and 8 processes, tiny Llama, all four methods (one launch per size).
 
-Layouts (p, t, d, pg, tg): training tp=4 or tp=2/pp=2, generation tg in {1, 2}, including the SPEC §4
+Layouts (p, t, d, pg, tg): training tp=4 or tp=2/pp=2, generation tg in {1, 2}, including the docs/design.md §4
 example (1-4-2 -> 1-2-2-2), a generation pipeline (pg=2) and micro-DP groups spanning pipeline stages.
 """
 

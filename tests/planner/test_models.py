@@ -55,7 +55,7 @@ def test_memory_numbers_by_hand():
 
 
 def test_switch_bytes_follow_table_2():
-    """SPEC §4 example: training 1-4-2 (p, t, d) to generation pg = 1, tg = 2 (micro-DP dg = 2)."""
+    """docs/design.md §4 example: training 1-4-2 (p, t, d) to generation pg = 1, tg = 2 (micro-DP dg = 2)."""
     M = 1000.0
     assert sim.switch_bytes("hybridflow", M, 1, 4, 2, 1, 2) == pytest.approx(M / 4)  # (dg-1)/(tp)
     assert sim.switch_bytes("hybridflow-v", M, 1, 4, 2, 1, 2) == pytest.approx(3 * M / 4)  # (tp-1)/tp
