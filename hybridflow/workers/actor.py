@@ -33,7 +33,7 @@ import os
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from hybridflow.batch import Batch
+from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
@@ -205,9 +205,8 @@ class ActorRolloutRefWorker(Worker):
         eng = self._engine("actor")
         # entropy is always logged; it needs grad only when it is part of the loss
         entropy_mode = True if algo.entropy_coeff else "detached"
-        for mb in iter_mini_batches(
-            mask_padding(batch).select(keys), num_mini, a.ppo_epochs, eng.global_step
-        ):
+        rows = mask_padding(batch).select(keys)
+        for mb in iter_mini_batches(rows, num_mini, a.ppo_epochs, eng.global_step):
             out = eng.train_step(mb, loss_fn, with_entropy=entropy_mode, temperature=temperature,
                                  loss_weighting=weighting, global_metrics=True)  # fmt: skip
             metrics.add(out, "actor/")
@@ -226,9 +225,10 @@ class ActorRolloutRefWorker(Worker):
         """One optimizer step of DPO on interleaved pairs (chosen even rows, rejected odd rows).
         Micro-batches are fixed and even-sized so a pair never straddles two of them."""
         dpo = self.config.algorithm.dpo
-        if len(batch) % 2:
+        if len(batch) % 2 or batch.meta.get(PAD_KEY):
             raise ValueError(
-                f"train_dpo: got {len(batch)} rows on rank {self.rank}; pairs need an even count"
+                f"train_dpo: got {len(batch)} rows on rank {self.rank} ({batch.meta.get(PAD_KEY, 0)} of them "
+                "padding); pairs need an even count and a batch that divides dp"
             )
         keys = [*_ACTOR_FIELDS] + ([] if dpo.reference_free else ["ref_log_probs"])
         mbs = self.config.actor.micro_batch_size_per_device
