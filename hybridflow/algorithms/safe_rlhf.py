@@ -9,7 +9,7 @@ As in the PKU implementation (safe-rlhf's PPO-Lag trainer): the KL penalty beta 
 returns, -beta KL_t into the reward and +beta KL_t into the cost (`add_kl_to_costs`), so the actor's
 combined advantage carries the whole penalty whatever lambda is; and neither GAE is whitened (they are
 combined on their own scales). Departure: PKU updates log(lambda) with SGD; we take the plain projected
-step, which keeps lambda exactly 0 while the constraint holds (docs/design.md, "Algorithms").
+step, which keeps lambda exactly 0 while the constraint holds (docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What every role worker shares: config-tree -> EngineConfig, layouts, the PPO mini-batch loop, metrics.
 
-Why the mini-batch/epoch loop lives in the worker (docs/design.md, "Dataflow"; verl's dp_actor): the
+Why the mini-batch/epoch loop lives in the worker (docs/design.md §2; verl's dp_actor): the
 controller sends a whole rollout batch once; each rank splits its own shard into `num_mini_batches`
 pieces and runs `ppo_epochs` passes, one optimizer step per piece. Every rank holds an equal-sized
 shard (the controller pads a batch that does not divide dp), so every rank runs the same number of
