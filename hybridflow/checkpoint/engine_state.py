@@ -1,18 +1,17 @@
 """A role's part of a checkpoint, written by every rank of its worker group (a collective call).
 
-    <step>/<role>/dcp/             model + optimizer + LR scheduler + global_step, sharded per rank
-                                   (torch.distributed.checkpoint via TrainEngine.save_checkpoint)
-    <step>/<role>/hf/              full weights as an HF directory (config + safetensors, + tokenizer
-                                   when given), written by rank 0; what `export_hf` copies
+    <step>/<role>/model/           parameters, each rank its own shards (sharded safetensors; shards.py)
+    <step>/<role>/optim/           AdamW moments and step counts, sharded the same way (trainable models)
+    <step>/<role>/train_state.json global_step, LR scheduler, optimizer param_groups
+    <step>/<role>/hf_config/       the model's config.json (+ generation config, + tokenizer when given)
     <step>/<role>/rng/rank_R.json  each rank's RNG states (python, numpy, torch, CUDA)
     <step>/<role>/engine.json      layout it was saved with (kind, world size, tp, dp, step)
 
-Why both DCP and a full copy: DCP is the exact, memory-bounded, resharding-capable format for
-resume (each rank writes and reads only its own shards; FSDP2 DTensors on gloo or NCCL, any dp size on
-reload); the HF copy makes export a file copy and lets `transformers` open any checkpoint directly.
-The copy costs one extra set of weights on disk (optimizer state is already 2x that); pass
-`hf_weights=False` to skip it for very large models (export then needs a checkpoint that has it).
-All ranks must see the same directory (a shared filesystem across nodes).
+Nothing here is pickled, and no rank gathers the full model: each rank writes only the shards it holds,
+so saving costs no more host memory than training. Resume reads each rank's slices from the shard
+files whatever the saved dp size (engines/checkpoint_io.py); `hybridflow export` streams the shards
+into a plain HF directory one tensor at a time (export.py). All ranks must see the same directory (a
+shared filesystem across nodes). Every file of the layout is listed by `checkpoint_files`.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 log = logging.getLogger(__name__)
 
 ENGINE_JSON = "engine.json"
+HF_CONFIG = "hf_config"
+FORMAT = "sharded-safetensors-1"  # engine.json "format"; checkpoints without it used pickled DCP metadata
 
 
 def _rank(rank: int | None) -> int:
@@ -43,9 +44,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_engine_state(
-    engine, directory: str | os.PathLike, rank: int | None = None, *, tokenizer=None, hf_weights: bool = True
-) -> Path:
+def save_engine_state(engine, directory: str | os.PathLike, rank: int | None = None, *, tokenizer=None) -> Path:
     """Save a TrainEngine's model, optimizer, scheduler and this rank's RNG states under `directory`
     (typically `<checkpoint temp dir>/actor`). Collective: every rank of the engine's group calls it.
     rank: this process's rank in the group (default: torch.distributed rank, or 0)."""
@@ -54,13 +53,15 @@ def save_engine_state(
     (directory / "rng").mkdir(parents=True, exist_ok=True)
     rng = capture_rng_state()
     atomic_write_text(directory / "rng" / f"rank_{rank}.json", json.dumps(rng))
-    engine.save_checkpoint(directory / "dcp")
-    if hf_weights:
-        engine.save_hf(directory / "hf", tokenizer)
-    # save_hf builds a fresh model on rank 0 (random init draws numbers): put the generators back, so
-    # saving has no effect on the run and a resumed run continues from exactly this state.
-    restore_rng_state(rng)
+    engine.save_checkpoint(directory)
+    restore_rng_state(rng)  # saving must not move any generator: a resumed run continues from here
     if rank == 0:
+        engine.hf_model.config.save_pretrained(directory / HF_CONFIG)
+        gen = getattr(engine.hf_model, "generation_config", None)
+        if gen is not None and engine.kind == "causal_lm":
+            gen.save_pretrained(directory / HF_CONFIG)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory / HF_CONFIG)
         par = engine.config.parallel
         info = {
             "kind": engine.kind,
@@ -70,7 +71,7 @@ def save_engine_state(
             "dp": par.dp,
             "global_step": engine.global_step,
             "trainable": engine.optimizer is not None,
-            "hf_weights": hf_weights,
+            "format": FORMAT,
         }
         atomic_write_text(directory / ENGINE_JSON, json.dumps(info, indent=1))
     _barrier()
@@ -104,7 +105,12 @@ def load_engine_state(
             f"{directory} was saved with tp={info['tp']}; a GPT-2 model must resume with the same tp "
             f"(now {engine.config.parallel.tp})"
         )
-    engine.load_checkpoint(directory / "dcp")
+    if info.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{directory} was written by an older hybridflow (pickled torch.distributed.checkpoint metadata), "
+            "which is not loaded for safety; resume from a checkpoint written by this version"
+        )
+    engine.load_checkpoint(directory)
     if restore_rng:
         rng_file = directory / "rng" / f"rank_{rank}.json"
         if info["world_size"] == engine.config.parallel.world_size and rng_file.is_file():
@@ -119,3 +125,8 @@ def load_engine_state(
             )
     _barrier()
     return info
+
+
+def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
+    """Every file of a role's part, sorted (shards, JSON, config): what a manifest checksums."""
+    return sorted(p for p in Path(directory).rglob("*") if p.is_file())

@@ -6,7 +6,7 @@ Role workers call a small API (docs/design.md §7: learning stays apart from sam
   compute_scores(batch)     -> scores (B,)                                     reward / cost models
   train_step(batch, loss_fn) -> metrics dict (one optimizer step over the whole batch)
   full_state_dict() / iter_full_state_dict() / load_full_state_dict() / save_hf(path)
-  save_checkpoint(dir) / load_checkpoint(dir)   (sharded, torch.distributed.checkpoint)
+  save_checkpoint(dir) / load_checkpoint(dir)   (each rank its shards as safetensors + JSON; no pickle)
   offload() / reload()
 
 Batch fields (preamble): input_ids = cat(prompts, responses) (B, Lp + Lr), attention_mask,
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
@@ -44,7 +43,7 @@ from hybridflow.engines.micro_batch import (
 )
 from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
-from hybridflow.models.hf import model_kind, save_hf_model
+from hybridflow.models.hf import model_kind
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -329,46 +328,43 @@ class TrainEngine:
                     target.copy_(full)
 
     def save_hf(self, path, tokenizer=None) -> None:
-        """Write the full model as an HF directory (safetensors) from rank 0; a collective call."""
-        state_dict = self.full_state_dict("cpu")
-        if self.mesh is None or dist.get_rank() == 0:
-            fresh = type(self.hf_model)(self.hf_model.config)  # unsharded, un-permuted twin to save from
-            fresh.load_state_dict(state_dict)
-            save_hf_model(fresh, path, tokenizer)
+        """Write the full model as an HF directory from rank 0, streaming: each tensor is gathered
+        (a collective: every rank calls this), written and dropped, so no rank holds the model."""
+        from hybridflow.checkpoint.stream_write import write_safetensors
+
+        transforms = hf_layout_transforms(self.hf_model)
+        with self._phase():
+            live = self.hf_model.state_dict()
+            if getattr(self.hf_model.config, "tie_word_embeddings", False) and len(live) > 1:
+                live.pop("lm_head.weight", None)  # save_pretrained leaves the tied copy out too
+            specs = {n: (tuple(t.shape), t.dtype) for n, t in live.items()}
+            produce = lambda name: _gather(name, live[name], transforms, "cpu")  # noqa: E731
+            if self.mesh is None or dist.get_rank() == 0:
+                write_safetensors(path, specs, produce)
+                self.hf_model.config.save_pretrained(path)
+                if self.kind == "causal_lm" and getattr(self.hf_model, "generation_config", None) is not None:
+                    self.hf_model.generation_config.save_pretrained(path)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(path)
+            else:
+                for name in specs:
+                    produce(name)
         if self.mesh is not None:
             dist.barrier()
 
     # ---- resume ------------------------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
-        """Sharded model + optimizer + scheduler state via torch.distributed.checkpoint (collective)."""
-        import torch.distributed.checkpoint as dcp
+        """Sharded model + optimizer tensors (each rank its own shards, safetensors) + JSON state under
+        `path` (collective; layout in engines/checkpoint_io.py)."""
+        from hybridflow.engines import checkpoint_io
 
-        with _single_process_dcp(self.mesh is None):
-            dcp.save(self._checkpoint_state(), checkpoint_id=str(path))
+        checkpoint_io.save(self, path)
 
     def load_checkpoint(self, path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        """Restore what save_checkpoint wrote, onto this engine's layout (any dp/tp); nothing unpickled."""
+        from hybridflow.engines import checkpoint_io
 
-        state = self._checkpoint_state()
-        with self._phase():
-            with _single_process_dcp(self.mesh is None):
-                dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(self.module, state["model"])
-            if self.optimizer is not None:
-                set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
-                self.scheduler.load_state_dict(state["scheduler"])
-        self.global_step = int(state["global_step"])
-
-    def _checkpoint_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        with self._phase():
-            state = {"model": get_model_state_dict(self.module), "global_step": self.global_step}
-            if self.optimizer is not None:
-                state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
-                state["scheduler"] = self.scheduler.state_dict()
-        return state
+        checkpoint_io.load(self, path)
 
     # ---- offload -----------------------------------------------------------------------------------
     def offload(self) -> None:
@@ -399,15 +395,6 @@ class TrainEngine:
 
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.hf_model.parameters())
-
-
-@contextlib.contextmanager
-def _single_process_dcp(active: bool):
-    """DCP warns that it assumes a single process when no group exists; that is the intent here."""
-    with warnings.catch_warnings():
-        if active:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _gather(name: str, t: torch.Tensor, transforms: dict, device) -> torch.Tensor:

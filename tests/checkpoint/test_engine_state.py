@@ -118,7 +118,10 @@ def test_two_rank_fsdp2_resume_and_reshard_to_one_rank(tiny_model_dir, tmp_path)
         assert torch.equal(result["state2_b"][name], t), name
     step_dir = manager.resolve("auto")
     parts = manager.validate(step_dir, require=["actor"])["parts"]["actor"]["files"]
-    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng/rank_0.json", "rng/rank_1.json"} <= set(parts)
+    assert {"rng/rank_0.json", "rng/rank_1.json", "train_state.json", "hf_config/config.json"} <= set(parts)
+    assert sum(f.startswith("model/shard-") for f in parts) == 2  # one shard file per rank
+    assert sum(f.startswith("optim/shard-") for f in parts) == 2
+    assert not any(f.endswith((".metadata", ".distcp", ".pt", ".bin")) for f in parts)  # nothing pickled
     assert json.loads((step_dir / "actor" / "engine.json").read_text())["dp"] == 2
 
     # Reshard: the 2-rank checkpoint resumes in one process (dp=1); one step over the whole batch equals

@@ -1,0 +1,135 @@
+"""Sharded tensor files without pickle: what a checkpoint's model and optimizer tensors are written as.
+
+Saving is torch.distributed.checkpoint with its safetensors storage (`HuggingFaceStorageWriter`,
+`save_distributed=True`): every rank writes one file, `shard-<rank+1>-model-00001-of-00001.safetensors`,
+holding only the chunks it owns (replicated chunks are written once, by the planner's dedup); each
+file's safetensors header (JSON) records the chunks' global offsets. Loading reads the plan from those
+headers (`HuggingFaceStorageReader`), never from DCP's pickled `.metadata` (none is written, and one
+planted beside the shards is not opened); each rank reads just the slices its own shards need, so a
+checkpoint resumes onto any dp/tp layout. Only tensors travel this way; the rest of a checkpoint is
+JSON (docs/checkpoints.md).
+
+`tensor_index` / `read_full` read the same files without any process group, one tensor at a time: the
+streaming export and the memory-bounded tools build on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUFFIX = ".safetensors"
+_SHARDING_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
+
+# safetensors dtype names (the format's spec) <-> torch dtypes
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+def save_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
+    """Write a flat {name: tensor or DTensor} dict; collective over the default group if there is one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
+
+
+def load_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
+    """Fill `state`'s tensors (DTensors: their local shards) in place from `directory`; collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    directory = Path(directory)
+    if not any(directory.glob(f"*{SUFFIX}")):
+        raise FileNotFoundError(f"{directory} holds no {SUFFIX} shard files")
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes a single process when no group exists; that is the intent then."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@dataclass
+class TensorEntry:
+    """One tensor of a sharded directory: its global shape and dtype and where its chunks lie."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[tuple[Path, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # file, off, size
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def shard_files(directory: str | os.PathLike) -> list[Path]:
+    """The shard files of a directory, in rank order: what a manifest or a checksum pass walks."""
+    return sorted(Path(directory).glob(f"*{SUFFIX}"))
+
+
+def read_header(path: Path) -> dict:
+    """A safetensors file's JSON header (8-byte little-endian length, then JSON): no tensor data read."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or n > 100_000_000:
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        return json.loads(f.read(n))
+
+
+def tensor_index(directory: str | os.PathLike) -> dict[str, TensorEntry]:
+    """{name: TensorEntry} of every tensor in a sharded directory (headers only)."""
+    entries: dict[str, TensorEntry] = {}
+    for path in shard_files(directory):
+        header = read_header(path)
+        meta = header.pop("__metadata__", None) or {}
+        sharding = json.loads(meta[_SHARDING_KEY]) if _SHARDING_KEY in meta else {}
+        for name, info in header.items():
+            size = tuple(info["shape"])
+            offset = tuple(sharding.get(name, {}).get("saved_offsets", [0] * len(size)))
+            entry = entries.setdefault(name, TensorEntry(size, ST_DTYPES[info["dtype"]]))
+            entry.shape = tuple(max(a, o + s) for a, o, s in zip(entry.shape, offset, size))
+            entry.chunks.append((path, offset, size))
+    return entries
+
+
+def read_full(name: str, entry: TensorEntry) -> torch.Tensor:
+    """The whole tensor `name`, assembled from its chunks (peak memory: this tensor + one chunk)."""
+    from safetensors import safe_open
+
+    full = torch.empty(entry.shape, dtype=entry.dtype)
+    covered = 0
+    for path, offset, size in entry.chunks:
+        with safe_open(str(path), framework="pt") as f:
+            chunk = f.get_tensor(name)
+        full[tuple(slice(o, o + s) for o, s in zip(offset, size))] = chunk
+        covered += chunk.numel()
+    if covered < full.numel():
+        raise ValueError(f"tensor {name}: its shards cover {covered} of {full.numel()} elements")
+    return full

@@ -1,0 +1,110 @@
+"""A TrainEngine's resumable state on disk, without pickle (TrainEngine.save_checkpoint / load_checkpoint).
+
+    <dir>/model/shard-*.safetensors   parameters by HF name, each rank's own shards (checkpoint/shards.py)
+    <dir>/optim/shard-*.safetensors   AdamW moments and step counts by "<param fqn>.<key>", sharded likewise
+    <dir>/train_state.json            global_step, LR scheduler state, optimizer param_groups (rank 0)
+
+No rank gathers anything: DTensor parameters and moments are written as the local chunks each rank
+holds. Loading reads the JSON and then, on every rank, only the slices its current shards cover, so a
+run saved on 4 ranks resumes on 2 (or 1). Tensors keep the engine's layout: a GPT-2 model under tp > 1
+stores its fused qkv column-permuted (parallelize.py), which export undoes (checkpoint/export.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.checkpoint.manager import atomic_write_text
+from hybridflow.checkpoint.shards import load_tensors, save_tensors
+
+TRAIN_STATE_JSON = "train_state.json"
+
+
+def _prefix(engine) -> str:
+    """How the wrapper names the HF model's parameters ("model." for RLForward)."""
+    for name, mod in engine.module.named_modules():
+        if mod is engine.hf_model:
+            return f"{name}." if name else ""
+    raise RuntimeError("the engine's HF model is not inside its wrapped module")
+
+
+def model_tensors(engine) -> dict[str, torch.Tensor]:
+    """{HF name: parameter or buffer (DTensor shard or plain tensor)} as it lives on this rank."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    prefix = _prefix(engine)
+    return {k.removeprefix(prefix): v for k, v in get_model_state_dict(engine.module).items()}
+
+
+def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(full optimizer state dict, its tensors flattened to "<fqn>.<key>"; the same tensor objects)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(engine.module, engine.optimizer)
+    flat = {}
+    for fqn, entry in osd["state"].items():
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {fqn}.{key} is a {type(value).__name__}, not a tensor")
+            flat[f"{fqn}.{key}"] = value
+    return osd, flat
+
+
+def _json_ready(value):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    return value
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def save(engine, directory: str | Path) -> None:
+    """Collective over the engine's group: every rank writes its shards; rank 0 the JSON."""
+    directory = Path(directory)
+    with engine._phase():
+        save_tensors(model_tensors(engine), directory / "model")
+        state = {"global_step": engine.global_step}
+        if engine.optimizer is not None:
+            osd, flat = _optimizer_state(engine)
+            save_tensors(flat, directory / "optim")
+            state["param_groups"] = _json_ready(osd["param_groups"])
+            state["scheduler"] = _json_ready(engine.scheduler.state_dict())
+    if _is_rank0():
+        atomic_write_text(directory / TRAIN_STATE_JSON, json.dumps(state, indent=1))
+
+
+def load(engine, directory: str | Path) -> None:
+    """Collective: fill this rank's shards from `directory` (any saved dp/tp layout), then the JSON state."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    directory = Path(directory)
+    state = json.loads((directory / TRAIN_STATE_JSON).read_text())
+    with engine._phase():
+        tensors = model_tensors(engine)
+        load_tensors(tensors, directory / "model")
+        prefix = _prefix(engine)
+        set_model_state_dict(engine.module, {prefix + k: v for k, v in tensors.items()})
+        if engine.optimizer is not None:
+            if "param_groups" not in state:
+                raise ValueError(f"{directory} holds no optimizer state (saved from a frozen model)")
+            osd, flat = _optimizer_state(engine)
+            load_tensors(flat, directory / "optim")
+            osd["param_groups"] = _with_betas_tuple(state["param_groups"])
+            set_optimizer_state_dict(engine.module, engine.optimizer, osd)
+            engine.scheduler.load_state_dict(state["scheduler"])
+    engine.global_step = int(state["global_step"])
+
+
+def _with_betas_tuple(groups: list[dict]) -> list[dict]:
+    """JSON has no tuples; AdamW reads betas as a pair either way, but keep the saved type exact."""
+    return [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in groups]
