@@ -44,7 +44,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_engine_state(engine, directory: str | os.PathLike, rank: int | None = None, *, tokenizer=None) -> Path:
+def save_engine_state(
+    engine, directory: str | os.PathLike, rank: int | None = None, *, tokenizer=None
+) -> Path:
     """Save a TrainEngine's model, optimizer, scheduler and this rank's RNG states under `directory`
     (typically `<checkpoint temp dir>/actor`). Collective: every rank of the engine's group calls it.
     rank: this process's rank in the group (default: torch.distributed rank, or 0)."""

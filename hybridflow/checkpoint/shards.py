@@ -79,7 +79,9 @@ class TensorEntry:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    chunks: list[tuple[Path, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # file, off, size
+    chunks: list[tuple[Path, tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=list
+    )  # file, off, size
 
     @property
     def nbytes(self) -> int:

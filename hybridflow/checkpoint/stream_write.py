@@ -60,7 +60,11 @@ def write_safetensors(
         for name in names:
             shape, dtype = specs[name]
             n = _nbytes(shape, dtype)
-            header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": ST_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             offset += n
             weight_map[name] = fname
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -72,7 +76,9 @@ def write_safetensors(
                 shape, dtype = specs[name]
                 t = produce(name)
                 if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                    raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}")
+                    raise ValueError(
+                        f"{name}: produced {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}"
+                    )
                 f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
                 del t
         total += offset

@@ -43,6 +43,7 @@ from hybridflow.engines.micro_batch import (
 )
 from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
+from hybridflow.engines.sharded_init import materialize
 from hybridflow.models.hf import model_kind
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -51,7 +52,8 @@ LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str
 class TrainEngine:
     """Wraps a plain HF model: applies TP/AC/FSDP2 per `config.parallel`, owns optimizer + schedule.
 
-    model: a plain HF model on CPU (`load_causal_lm` / `load_critic` / `load_reward_model`).
+    model: a plain HF model on CPU (`load_causal_lm` / `load_critic` / `load_reward_model`), or one
+    built on the meta device (`device="meta"`): then each rank reads only its shards from disk.
     trainable: False for reference / reward models (no optimizer state is allocated).
     The default process group (if any) must span exactly config.parallel.world_size ranks.
     """
@@ -70,7 +72,10 @@ class TrainEngine:
         # Without FSDP (one process, or one dp rank) mixed precision comes from autocast instead of the
         # FSDP policy.
         self._autocast = param_dtype if (param_dtype is not None and not fsdp) else None
-        self.hf_model = model.to(self.device)
+        # A meta-built model (load_*(..., device="meta")) is sharded first and then each rank reads
+        # only its own shards from disk (sharded_init.py); a loaded one is moved, then sharded.
+        on_meta = any(p.is_meta for p in model.parameters())
+        self.hf_model = model if on_meta else model.to(self.device)
         self.module = RLForward(model, self.config.logits_chunk_size)
         parallelize(
             self.module,
@@ -80,6 +85,10 @@ class TrainEngine:
             param_dtype=param_dtype if fsdp else None,
             reduce_dtype=torch.float32 if param_dtype is not None and fsdp else None,
         )
+        self.init_stats = None
+        if on_meta:
+            transforms = hf_layout_transforms(model)
+            self.init_stats = materialize(self.module, model, self.device, transforms)
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)

@@ -28,6 +28,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from hybridflow.models.meta import build_on_meta
+
 # Config keys that hold dropout probabilities in the supported families (llama/qwen2/mistral/gpt2).
 _DROPOUT_KEYS = ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout")
 
@@ -69,17 +71,21 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
-def _load(auto_cls, path, dtype, dropout, attn_implementation, **config_overrides) -> PreTrainedModel:
+def _load(auto_cls, path, dtype, dropout, attn_implementation, device=None, **config_overrides):
     path = _check_dir(path)
     config = (
         AutoConfig.from_pretrained(path, **config_overrides)
         if dropout
         else _no_dropout_config(path, **config_overrides)
     )
-    kwargs = {"config": config, "dtype": dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = auto_cls.from_pretrained(path, **kwargs)
+    model = None
+    if str(device) == "meta":  # weights stay on disk; the engine reads each rank's shards (models/meta.py)
+        model = build_on_meta(auto_cls, path, config, dtype, attn_implementation)
+    if model is None:
+        kwargs = {"config": config, "dtype": dtype}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        model = auto_cls.from_pretrained(path, **kwargs)
     if not dropout:
         disable_dropout(model)
     model.config.use_cache = False  # training / scoring never reuse a KV cache
@@ -91,9 +97,11 @@ def load_causal_lm(
     dtype: torch.dtype = torch.float32,
     dropout: bool = False,
     attn_implementation: str | None = None,
+    device: str | None = None,
 ) -> PreTrainedModel:
-    """A policy / reference model: any `AutoModelForCausalLM` (Llama, Qwen2, Mistral, GPT-2, ...)."""
-    return _load(AutoModelForCausalLM, path, dtype, dropout, attn_implementation)
+    """A policy / reference model: any `AutoModelForCausalLM` (Llama, Qwen2, Mistral, GPT-2, ...).
+    device="meta": parameters stay on disk for TrainEngine's sharded init (models/meta.py)."""
+    return _load(AutoModelForCausalLM, path, dtype, dropout, attn_implementation, device)
 
 
 def load_critic(
@@ -101,10 +109,13 @@ def load_critic(
     dtype: torch.dtype = torch.float32,
     dropout: bool = False,
     attn_implementation: str | None = None,
+    device: str | None = None,
 ) -> PreTrainedModel:
     """A critic: `AutoModelForTokenClassification(num_labels=1)`. From a causal-LM directory the
     backbone is loaded and the value head is freshly initialised (see `init_critic_from_causal_lm`)."""
-    return _load(AutoModelForTokenClassification, path, dtype, dropout, attn_implementation, num_labels=1)
+    return _load(
+        AutoModelForTokenClassification, path, dtype, dropout, attn_implementation, device, num_labels=1
+    )
 
 
 def load_reward_model(
@@ -112,10 +123,13 @@ def load_reward_model(
     dtype: torch.dtype = torch.float32,
     dropout: bool = False,
     attn_implementation: str | None = None,
+    device: str | None = None,
 ) -> PreTrainedModel:
     """A reward or cost model: `AutoModelForSequenceClassification(num_labels=1)`; HF
     sequence-classification checkpoints (e.g. trained reward models) load as they are."""
-    return _load(AutoModelForSequenceClassification, path, dtype, dropout, attn_implementation, num_labels=1)
+    return _load(
+        AutoModelForSequenceClassification, path, dtype, dropout, attn_implementation, device, num_labels=1
+    )
 
 
 def init_critic_from_causal_lm(

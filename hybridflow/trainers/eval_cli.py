@@ -4,7 +4,7 @@ SOURCE is a run directory (its latest checkpoint; `--step N` picks another), a c
 directory, or a plain HF model directory (e.g. what `hybridflow export` wrote). The settings come
 from `--config`, else from the run's own config.yaml (written by `hybridflow train`), else the
 defaults; overrides apply last (e.g. `rollout.val.n=4` for mean@4, `data.val_files=[...]`). The
-model is the checkpoint's full HF copy (`step_N/actor/hf`), generated with `rollout.val` sampling
+model is the checkpoint's actor, exported from its shards into a temporary directory, generated with `rollout.val` sampling
 and scored by the run's reward, exactly as validation inside `train` does, so the numbers match the
 run's `val/*` metrics for that step.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -47,9 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="also write the metrics to this JSON file")
 
 
-def resolve_source(source: str, step: int | None) -> tuple[Path, Path | None]:
-    """-> (HF model directory, the run's config.yaml or None)."""
-    from hybridflow.checkpoint import CheckpointError, find_checkpoint, read_manifest
+def resolve_source(source: str, step: int | None, scratch: str | None = None) -> tuple[Path, Path | None]:
+    """-> (HF model directory, the run's config.yaml or None). A checkpoint's sharded actor is exported
+    (streamed, checkpoint/export.py) into `scratch` first."""
+    from hybridflow.checkpoint import CheckpointError, export_hf, find_checkpoint, read_manifest
 
     path = Path(source)
     if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
@@ -58,9 +60,11 @@ def resolve_source(source: str, step: int | None) -> tuple[Path, Path | None]:
         return path, None
     step_dir = find_checkpoint(path, step)
     read_manifest(step_dir, require=["actor"])
-    hf = step_dir / "actor" / "hf"
+    hf = step_dir / "actor" / "hf"  # a full copy, in checkpoints of earlier versions
     if not (hf / "config.json").is_file():
-        raise CheckpointError(f"{step_dir}/actor has no full HF weights (saved with hf_weights=False)")
+        if scratch is None:
+            raise CheckpointError(f"{step_dir}/actor needs exporting first (hybridflow export)")
+        hf = export_hf(step_dir, Path(scratch) / "actor")
     run_config = step_dir.parent.parent / "config.yaml"
     return hf, run_config if run_config.is_file() else None
 
@@ -69,9 +73,14 @@ def evaluate(
     source: str, overrides=(), config: str | None = None, step: int | None = None
 ) -> tuple[dict, list]:
     """Validation metrics of SOURCE (see the module docstring) -> (metrics, sample generation rows)."""
+    with tempfile.TemporaryDirectory(prefix="hybridflow-eval-") as scratch:
+        model_dir, run_config = resolve_source(source, step, scratch)
+        return _evaluate(model_dir, run_config, source, overrides, config)
+
+
+def _evaluate(model_dir, run_config, source, overrides, config) -> tuple[dict, list]:
     from hybridflow.config import ConfigError, load_config
 
-    model_dir, run_config = resolve_source(source, step)
     base = [f"model.path={model_dir}", f"model.tokenizer_path={model_dir}", "trainer.resume=never"]
     cfg = load_config(config or run_config, base + list(overrides), validate=False)
     d = cfg.data
