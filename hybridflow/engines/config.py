@@ -53,6 +53,20 @@ class OptimConfig:
             raise ValueError("OptimConfig.schedule='cosine' needs total_steps > 0 (the decay length)")
 
 
+MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
+
+
+def compute_dtype(mixed_precision: str, on_gpu: bool):
+    """The dtype a model computes in (None = fp32) for an EngineConfig.mixed_precision value."""
+    import torch
+
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
+    if mixed_precision == "auto":
+        return torch.bfloat16 if on_gpu else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[mixed_precision]
+
+
 @dataclass
 class EngineConfig:
     """Behaviour of a TrainEngine for one model (actor, critic, reference or reward)."""
@@ -68,8 +82,10 @@ class EngineConfig:
     # (micro_batch, logits_chunk_size, vocab).
     logits_chunk_size: int = 256
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward
-    # Parameter dtype for compute on GPU (FSDP2 MixedPrecisionPolicy); CPU always computes in fp32.
-    mixed_precision: str = "bf16"
+    # Compute dtype: "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp16" or "none" (fp32). Trainable
+    # models keep fp32 master weights and compute in it (FSDP2 MixedPrecisionPolicy, or autocast
+    # without FSDP); frozen models (reference, reward, cost) store their parameters in it.
+    mixed_precision: str = "auto"
     # Move params + optimizer state to CPU after each phase (GPU only; colocated models take turns).
     offload: bool = False
     seed: int = 0

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridflow.batch import Batch, position_ids_from_mask
-from hybridflow.engines.config import EngineConfig
+from hybridflow.engines.config import EngineConfig, compute_dtype
 from hybridflow.engines.forward import RLForward
 from hybridflow.engines.mesh import build_mesh, device_type
 from hybridflow.engines.micro_batch import (
@@ -66,11 +66,16 @@ class TrainEngine:
             torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else None
         )
         self.device = self.device or torch.device("cpu")
-        on_gpu = self.device.type == "cuda"
-        param_dtype = torch.bfloat16 if on_gpu and self.config.mixed_precision == "bf16" else None
+        self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type == "cuda")
         fsdp = uses_fsdp(self.mesh)
+        param_dtype = None
+        if self.compute_dtype is not None and not trainable:
+            _cast_parameters(model, self.compute_dtype)  # frozen: stored in it (half the bytes for bf16)
+        elif self.compute_dtype is not None:
+            param_dtype = self.compute_dtype  # fp32 master weights, low-precision compute
         # Without FSDP (one process, or one dp rank) mixed precision comes from autocast instead of the
-        # FSDP policy.
+        # FSDP policy. Rollout log-probs recomputed by this engine use the same path as training, so
+        # the first mini-batch's ratio is exactly 1 (docs/checkpoints.md, "Dtypes").
         self._autocast = param_dtype if (param_dtype is not None and not fsdp) else None
         # A meta-built model (load_*(..., device="meta")) is sharded first and then each rank reads
         # only its own shards from disk (sharded_init.py); a loaded one is moved, then sharded.
@@ -404,6 +409,17 @@ class TrainEngine:
 
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.hf_model.parameters())
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Parameters (not buffers: rotary tables stay fp32, as HF keeps them) to `dtype`, ties kept."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point():
+                if id(p) not in new:
+                    new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
 
 
 def _gather(name: str, t: torch.Tensor, transforms: dict, device) -> torch.Tensor:

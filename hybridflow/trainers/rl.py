@@ -21,6 +21,7 @@ from hybridflow.batch import Batch
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.metrics import data_metrics
 from hybridflow.workers import token_level
+from hybridflow.workers.common import computes_in_fp32
 
 
 class RLTrainer(Trainer):
@@ -84,7 +85,9 @@ class RLTrainer(Trainer):
         return batch
 
     def old_log_probs(self, batch: Batch) -> Batch:
-        if self.on_policy:
+        # The rollout's own log-probs stand in only in fp32: under bf16 the decoder's rounding differs
+        # from the training forward's, so the actor recomputes them and the first ratio is exactly 1.
+        if self.on_policy and computes_in_fp32(self.cfg.model.dtype, self.cfg.resources.device):
             batch["old_log_probs"] = batch["rollout_log_probs"]
             return batch
         return batch.union(self.actor.compute_log_prob(batch))

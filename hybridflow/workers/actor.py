@@ -90,10 +90,10 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = load_tokenizer(m.tokenizer_path or m.path)
         info = {}
         if "actor" in self.roles:
-            self.actor = TrainEngine(load_causal_lm(m.path), self.actor_cfg, trainable=True)
+            self.actor = TrainEngine(load_causal_lm(m.path, device="meta"), self.actor_cfg, trainable=True)
             info["actor_params"] = self.actor.num_params()
         if "ref" in self.roles:
-            self.ref = TrainEngine(load_causal_lm(m.path), self.ref_cfg, trainable=False)
+            self.ref = TrainEngine(load_causal_lm(m.path, device="meta"), self.ref_cfg, trainable=False)
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
             model = self.actor.hf_model if self.actor is not None else load_causal_lm(m.path).to(self.device)

@@ -77,10 +77,21 @@ def engine_config(
         micro_batch_size_per_device=micro_batch_size_per_device or section.micro_batch_size_per_device,
         max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", 0),
         gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
-        mixed_precision="none" if model_dtype == "float32" else "bf16",
+        mixed_precision=_MIXED_PRECISION[model_dtype],
         offload=getattr(section, "offload", False),
         seed=seed,
     )
+
+
+# model.dtype -> EngineConfig.mixed_precision ("auto": bf16 on GPU, fp32 on CPU)
+_MIXED_PRECISION = {"auto": "auto", "bfloat16": "bf16", "float16": "fp16", "float32": "none"}
+
+
+def computes_in_fp32(model_dtype: str, device: str) -> bool:
+    """Whether the actor computes in fp32 under model.dtype on `device` ("cpu"/"cuda"/"auto")."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model_dtype == "float32" or (model_dtype == "auto" and device == "cpu")
 
 
 def set_train_layout(worker, name: str, parallel: ParallelConfig) -> None:

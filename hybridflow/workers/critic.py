@@ -70,7 +70,7 @@ class CriticWorker(Worker):
         model = (
             init_critic_from_causal_lm(path, seed=self.config.trainer.seed)
             if _is_causal_lm_dir(path)
-            else load_critic(path)
+            else load_critic(path, device="meta")  # each rank reads its shards (sharded_init.py)
         )
         self.engine = TrainEngine(model, self.engine_cfg, trainable=True)
         return {f"{self.name}_params": self.engine.num_params()}

@@ -38,7 +38,8 @@ class RewardModelWorker(Worker):
     @register(Protocol.ONE_TO_ALL)
     def init_model(self) -> dict:
         seed_everything(self.config.trainer.seed)
-        self.engine = TrainEngine(load_reward_model(self.model_path), self.engine_cfg, trainable=False)
+        model = load_reward_model(self.model_path, device="meta")  # each rank reads its shards
+        self.engine = TrainEngine(model, self.engine_cfg, trainable=False)
         return {f"{self.score_key}_params": self.engine.num_params()}
 
     @register(Protocol.THREE_D)
