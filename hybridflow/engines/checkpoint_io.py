@@ -71,7 +71,7 @@ def _is_rank0() -> bool:
 def save(engine, directory: str | Path) -> None:
     """Collective over the engine's group: every rank writes its shards; rank 0 the JSON."""
     directory = Path(directory)
-    with engine._phase():
+    with engine.phase(optimizer=True):
         save_tensors(model_tensors(engine), directory / "model")
         state = {"global_step": engine.global_step}
         if engine.optimizer is not None:
@@ -89,7 +89,7 @@ def load(engine, directory: str | Path) -> None:
 
     directory = Path(directory)
     state = json.loads((directory / TRAIN_STATE_JSON).read_text())
-    with engine._phase():
+    with engine.phase(optimizer=True):
         tensors = model_tensors(engine)
         load_tensors(tensors, directory / "model")
         prefix = _prefix(engine)

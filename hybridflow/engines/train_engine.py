@@ -7,7 +7,7 @@ Role workers call a small API (docs/design.md §7: learning stays apart from sam
   train_step(batch, loss_fn) -> metrics dict (one optimizer step over the whole batch)
   full_state_dict() / iter_full_state_dict() / load_full_state_dict() / save_hf(path)
   save_checkpoint(dir) / load_checkpoint(dir)   (each rank its shards as safetensors + JSON; no pickle)
-  offload() / reload()
+  offload() / reload() / phase()   (engines/offload.py: each piece of state moved once per phase)
 
 Batch fields (preamble): input_ids = cat(prompts, responses) (B, Lp + Lr), attention_mask,
 optional position_ids, responses (B, Lr), response_mask (B, Lr).
@@ -41,6 +41,7 @@ from hybridflow.engines.micro_batch import (
     restore_order,
     split_micro_batches,
 )
+from hybridflow.engines.offload import Offloader
 from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.engines.sharded_init import materialize
@@ -99,7 +100,7 @@ class TrainEngine:
             self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)
             self.scheduler = build_scheduler(self.optimizer, self.config.optim)
         self.global_step = 0
-        self._offloaded = False
+        self._offload = Offloader(self)
         if self.config.offload:
             self.offload()
 
@@ -126,15 +127,10 @@ class TrainEngine:
             groups = plan_micro_batches(batch, micro_batch_size, max_tokens, num_micro_batches=count)
         return groups
 
-    @contextlib.contextmanager
-    def _phase(self):
-        """Bring offloaded state back for the duration of a call, and offload again if configured."""
-        self.reload()
-        try:
-            yield
-        finally:
-            if self.config.offload:
-                self.offload()
+    def phase(self, optimizer: bool = False):
+        """Context: parameters (and optimizer state if asked) on the device for its duration; with
+        offload, moved out once when the outermost phase ends (engines/offload.py)."""
+        return self._offload.phase(optimizer)
 
     # ---- forward passes --------------------------------------------------------------------------
     def _forward(self, mb: Batch, temperature: float = 1.0, with_entropy: bool | str = False) -> dict:
@@ -155,7 +151,7 @@ class TrainEngine:
 
     @torch.no_grad()
     def _infer(self, batch, keys, micro_batch_size, max_tokens, **forward_kwargs) -> dict[str, torch.Tensor]:
-        with self._phase():
+        with self.phase():
             self.module.eval()
             lr = response_length(batch)
             groups = self._plan(batch, micro_batch_size, max_tokens)
@@ -216,7 +212,7 @@ class TrainEngine:
     ) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a global mini-batch):
         forward_backward + optimizer_step. Returns loss/metrics, grad_norm, lr, step_skipped."""
-        with self._phase():
+        with self.phase(optimizer=True):
             metrics = self.forward_backward(
                 batch, loss_fn, with_entropy, temperature, loss_weighting, micro_batch_size, max_tokens,
                 global_metrics,
@@ -252,7 +248,7 @@ class TrainEngine:
             )
         if loss_weighting not in ("tokens", "sequences"):
             raise ValueError(f"loss_weighting must be 'tokens' or 'sequences', got {loss_weighting!r}")
-        with self._phase():
+        with self.phase():
             self.module.train()
             groups = self._plan(batch, micro_batch_size, max_tokens)
             mbs = split_micro_batches(batch, groups)
@@ -275,7 +271,7 @@ class TrainEngine:
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip by the global grad norm, step AdamW (skipped if the norm is not finite) and the LR schedule."""
-        with self._phase():
+        with self.phase(optimizer=True):
             grad_norm = clip_grad_norm_(self.module.parameters(), self.config.optim.grad_clip)
             finite = bool(torch.isfinite(grad_norm))
             if finite:
@@ -304,7 +300,7 @@ class TrainEngine:
         """(HF name, full tensor) pairs, gathered from the shards one tensor at a time (all ranks must
         iterate: each gather is a collective). Names and layouts are those of the HF checkpoint."""
         transforms = hf_layout_transforms(self.hf_model)
-        with self._phase():
+        with self.phase():
             for name, t in self.hf_model.state_dict().items():
                 yield name, _gather(name, t, transforms, device)
 
@@ -329,7 +325,7 @@ class TrainEngine:
             raise KeyError(
                 f"load_full_state_dict: missing {missing[:5]} (and {max(len(missing) - 5, 0)} more)"
             )
-        with self._phase():
+        with self.phase():
             for name, target in targets.items():
                 full = state_dict[name].to(self.device, target.dtype)
                 if name in transforms:
@@ -347,7 +343,7 @@ class TrainEngine:
         from hybridflow.checkpoint.stream_write import write_safetensors
 
         transforms = hf_layout_transforms(self.hf_model)
-        with self._phase():
+        with self.phase():
             live = self.hf_model.state_dict()
             if getattr(self.hf_model.config, "tie_word_embeddings", False) and len(live) > 1:
                 live.pop("lm_head.weight", None)  # save_pretrained leaves the tied copy out too
@@ -382,30 +378,16 @@ class TrainEngine:
 
     # ---- offload -----------------------------------------------------------------------------------
     def offload(self) -> None:
-        """Move params and optimizer state to CPU so a colocated model can use the device.
-        On CPU this is a no-op: the state already lives in host memory, a copy would only cost time."""
-        if self.device.type == "cpu" or self._offloaded:
-            return
-        self._move(torch.device("cpu"))
-        torch.cuda.empty_cache()
-        self._offloaded = True
+        """Move params and optimizer state to CPU so a colocated model can use the device (no-op on CPU)."""
+        self._offload.send_out()
 
-    def reload(self) -> None:
-        """Bring offloaded params and optimizer state back to the device (no-op if not offloaded)."""
-        if not self._offloaded:
-            return
-        self._move(self.device)
-        self._offloaded = False
+    def reload(self, optimizer: bool = False) -> None:
+        """Bring offloaded params (and optimizer state if asked) back to the device."""
+        self._offload.bring(optimizer)
 
-    def _move(self, device: torch.device) -> None:
-        self.module.to(device)  # FSDP2 modules move their sharded parameters
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and not (
-                        k == "step" and v.dim() == 0 and v.device.type == "cpu"
-                    ):
-                        state[k] = v.to(device, non_blocking=True)
+    def offload_stats(self) -> dict[str, float]:
+        """offload_s / offload_bytes / offload_moves since the last call (then reset)."""
+        return self._offload.take_stats()
 
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.hf_model.parameters())

@@ -45,6 +45,7 @@ from hybridflow.workers.common import (
     engine_config,
     iter_mini_batches,
     mask_padding,
+    offload_metrics,
     seed_everything,
     set_train_layout,
 )
@@ -206,10 +207,12 @@ class ActorRolloutRefWorker(Worker):
         # entropy is always logged; it needs grad only when it is part of the loss
         entropy_mode = True if algo.entropy_coeff else "detached"
         rows = mask_padding(batch).select(keys)
-        for mb in iter_mini_batches(rows, num_mini, a.ppo_epochs, eng.global_step):
-            out = eng.train_step(mb, loss_fn, with_entropy=entropy_mode, temperature=temperature,
-                                 loss_weighting=weighting, global_metrics=True)  # fmt: skip
-            metrics.add(out, "actor/")
+        with eng.phase(optimizer=True):  # offload: state moves in and out once per update
+            for mb in iter_mini_batches(rows, num_mini, a.ppo_epochs, eng.global_step):
+                out = eng.train_step(mb, loss_fn, with_entropy=entropy_mode, temperature=temperature,
+                                     loss_weighting=weighting, global_metrics=True)  # fmt: skip
+                metrics.add(out, "actor/")
+        metrics.add(offload_metrics(eng), "perf/actor_")
         return metrics.as_dict()
 
     @register(Protocol.DP_METRICS, layout="train")

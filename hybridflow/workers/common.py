@@ -141,6 +141,12 @@ def _gen(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1009 + epoch)
 
 
+def offload_metrics(engine) -> dict[str, float]:
+    """offload_s and offload_bytes moved by `engine` since the last call: empty unless offloading."""
+    stats = engine.offload_stats()
+    return {k: v for k, v in stats.items() if k != "offload_moves"} if engine.config.offload else {}
+
+
 class MetricLists:
     """Per-step metric values collected as lists (DP_METRICS pools the lists over ranks and averages)."""
 

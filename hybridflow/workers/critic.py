@@ -24,6 +24,7 @@ from hybridflow.workers.common import (
     engine_config,
     iter_mini_batches,
     mask_padding,
+    offload_metrics,
     seed_everything,
     set_train_layout,
 )
@@ -90,9 +91,11 @@ class CriticWorker(Worker):
         num_mini = max(1, self.config.data.train_batch_size // c.ppo_mini_batch_size)
         metrics = MetricLists()
         rows = mask_padding(batch).select(keys)
-        for mb in iter_mini_batches(rows, num_mini, c.ppo_epochs, self.engine.global_step):
-            out = self.engine.train_step(mb, loss_fn, loss_weighting=weighting, global_metrics=True)
-            metrics.add(out, f"{self.name}/")
+        with self.engine.phase(optimizer=True):  # offload: state moves in and out once per update
+            for mb in iter_mini_batches(rows, num_mini, c.ppo_epochs, self.engine.global_step):
+                out = self.engine.train_step(mb, loss_fn, loss_weighting=weighting, global_metrics=True)
+                metrics.add(out, f"{self.name}/")
+        metrics.add(offload_metrics(self.engine), f"perf/{self.name}_")
         return metrics.as_dict()
 
     @register(Protocol.ONE_TO_ALL)
