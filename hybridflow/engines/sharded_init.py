@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hybridflow.models.meta import WEIGHTS_ATTR, weight_files
+from hybridflow.models.meta import WEIGHTS_ATTR, ZERO_INIT_ATTR, weight_files
 
 
 @dataclass
@@ -57,7 +57,11 @@ def materialize(root: nn.Module, model: nn.Module, device: torch.device, transfo
     stats = InitStats()
     with contextlib.ExitStack() as stack:
         handles = {}
+        zero = set(getattr(model, ZERO_INIT_ATTR, ()))
         for name, p in model.named_parameters():
+            if name in zero:  # a new value head: starts at zero, nothing to read
+                _local_chunk(p)[0].zero_()
+                continue
             path = files[name]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))

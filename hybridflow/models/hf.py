@@ -80,7 +80,8 @@ def _load(auto_cls, path, dtype, dropout, attn_implementation, device=None, **co
     )
     model = None
     if str(device) == "meta":  # weights stay on disk; the engine reads each rank's shards (models/meta.py)
-        model = build_on_meta(auto_cls, path, config, dtype, attn_implementation)
+        new_head = auto_cls is AutoModelForTokenClassification  # a critic may start from a causal LM
+        model = build_on_meta(auto_cls, path, config, dtype, attn_implementation, new_head)
     if model is None:
         kwargs = {"config": config, "dtype": dtype}
         if attn_implementation:

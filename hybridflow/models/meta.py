@@ -15,6 +15,8 @@ from pathlib import Path
 from torch import nn
 
 WEIGHTS_ATTR = "_hybridflow_weights_dir"  # set on a meta-built HF model: where its safetensors live
+ZERO_INIT_ATTR = "_hybridflow_zero_init"  # parameters not in the files that start at zero (a new value head)
+_HEADS = ("score", "classifier")  # scalar heads of critics (hf.scalar_head)
 
 
 def weight_files(directory: str | Path) -> dict[str, Path]:
@@ -54,9 +56,11 @@ def meta_parameters():
         nn.Module.register_parameter = register
 
 
-def build_on_meta(auto_cls, path: Path, config, dtype, attn_implementation=None):
+def build_on_meta(auto_cls, path: Path, config, dtype, attn_implementation=None, new_head: bool = False):
     """The model of `config` with meta parameters, tagged with `path`; None when the directory's
-    safetensors do not hold every parameter under the model's own names."""
+    safetensors do not hold every parameter under the model's own names. new_head: a critic built
+    from a causal-LM directory; its value head (absent from the files) starts at zero, as
+    `init_critic_from_causal_lm` does."""
     files = weight_files(path)
     if not files:
         return None
@@ -65,7 +69,10 @@ def build_on_meta(auto_cls, path: Path, config, dtype, attn_implementation=None)
         kwargs["attn_implementation"] = attn_implementation
     with meta_parameters():
         model = auto_cls.from_config(config, **kwargs)
-    if any(name not in files for name, _ in model.named_parameters()):
+    missing = [name for name, _ in model.named_parameters() if name not in files]
+    heads = [n for n in missing if n.split(".")[0] in _HEADS]
+    if len(heads) != len(missing) or (heads and not new_head):
         return None
     setattr(model, WEIGHTS_ATTR, str(path))
+    setattr(model, ZERO_INIT_ATTR, heads)
     return model

@@ -68,11 +68,10 @@ class CriticWorker(Worker):
     def init_model(self) -> dict:
         seed_everything(self.config.trainer.seed)
         path = self.config.model.critic_path or self.config.model.path
-        model = (
-            init_critic_from_causal_lm(path, seed=self.config.trainer.seed)
-            if _is_causal_lm_dir(path)
-            else load_critic(path, device="meta")  # each rank reads its shards (sharded_init.py)
-        )
+        # Each rank reads only its shards; from a causal-LM directory the value head starts at zero.
+        model = load_critic(path, device="meta")
+        if _is_causal_lm_dir(path) and not any(p.is_meta for p in model.parameters()):
+            model = init_critic_from_causal_lm(path, seed=self.config.trainer.seed)  # weights not sliceable
         self.engine = TrainEngine(model, self.engine_cfg, trainable=True)
         return {f"{self.name}_params": self.engine.num_params()}
 
