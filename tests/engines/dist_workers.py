@@ -33,7 +33,10 @@ def run_case(case: dict, out_dir: Path) -> dict:
         logits_chunk_size=4,
         **case.get("engine", {}),
     )
-    engine = TrainEngine(load_causal_lm(case["model_dir"]), config)
+    # meta: each rank reads only its shards from disk (sharded init) instead of loading the full model
+    engine = TrainEngine(
+        load_causal_lm(case["model_dir"], device="meta" if case.get("meta") else None), config
+    )
     batch = make_rl_batch(engine.hf_model.config.vocab_size, **case["batch"])
     local = batch.chunk(dp)[dist.get_rank() // tp]  # tp ranks of one dp group share a shard
     log_probs, entropy = engine.compute_log_probs(local, with_entropy=True)

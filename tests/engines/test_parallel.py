@@ -93,9 +93,11 @@ def test_two_ranks_fsdp_and_tensor_parallel_match_reference(model_dirs, tmp_path
             batch=BATCH,
             engine={"max_tokens_per_micro_batch": 30},
         ),
-        # tp=2 on GPT-2 (fused qkv permuted per rank), saved back to HF from the shards.
+        # tp=2 on GPT-2 (fused qkv permuted per rank), initialised from slices of the HF file (meta),
+        # saved back to HF from the shards.
         dict(
             name="gpt2_tp2",
+            meta=True,
             model_dir=model_dirs["gpt2"],
             tp=2,
             dp=1,
@@ -116,6 +118,7 @@ def test_two_ranks_fsdp_and_tensor_parallel_match_reference(model_dirs, tmp_path
 def test_dp2_x_tp2_mesh_matches_reference(model_dirs, tmp_path):
     case = dict(
         name="mesh",
+        meta=True,  # sharded init on the 2-D mesh: each rank reads its (dp, tp) chunk of every weight
         model_dir=model_dirs["qwen2"],
         tp=2,
         dp=2,
