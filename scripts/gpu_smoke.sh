@@ -43,6 +43,7 @@ echo "== tiny random Qwen2"
 "$PY" -c "from hybridflow.models.tiny import save_tiny_model; save_tiny_model('$SMOKE_DIR/qwen2', size='small', arch='qwen2', seed=0)"
 
 MEMLOG=$SMOKE_DIR/gpu_mem.csv
+FAILED=0
 run_grpo() {  # $1 = rollout engine
   local out=$SMOKE_DIR/run_$1
   rm -rf "$out"
@@ -56,7 +57,7 @@ run_grpo() {  # $1 = rollout engine
     data.train_batch_size=16 actor.ppo_mini_batch_size=16 actor.micro_batch_size_per_device=64 \
     rollout.n=4 rollout.response_length=8 trainer.total_steps="$STEPS" trainer.val_every=0 \
     trainer.save_every="$STEPS" trainer.output_dir="$out" trainer.loggers=[console,jsonl] \
-    > "$out.log" 2>&1 || { echo "gpu_smoke: $1 run failed; last lines:"; tail -20 "$out.log"; }
+    > "$out.log" 2>&1 || { echo "gpu_smoke: $1 run failed; last lines:"; tail -20 "$out.log"; FAILED=1; }
   if [ -n "${smi:-}" ]; then kill "$smi" 2>/dev/null || true; fi
   "$PY" - "$out" "$MEMLOG.$1" "$1" <<'PY'
 import json, pathlib, sys
@@ -82,3 +83,4 @@ else
   echo "== vLLM: not importable in this venv, skipped"
 fi
 echo "gpu_smoke: done in $(( $(date +%s) - START )) s"
+exit "$FAILED"
