@@ -8,7 +8,7 @@ loop with validation and checkpoint hooks. An algorithm only says which roles it
 
 Checkpoints go through hybridflow/checkpoint's CheckpointManager (run_dir/checkpoints/step_N, written
 atomically, keep-last-K, a `latest` pointer): every trainable worker group writes its part (model,
-optimizer, LR scheduler, per-rank RNG states, a full HF copy for export) and the driver adds
+optimizer shards of each rank, LR scheduler, per-rank RNG states, HF config; docs/checkpoints.md) and the driver adds
 trainer_state.json (step, loader position, `extra_state`: KL coefficient / Lagrange multiplier, its
 own RNG state). `trainer.resume=auto` continues from `latest`, and the resumed run repeats the
 uninterrupted one exactly (tests/trainers/test_resume.py).

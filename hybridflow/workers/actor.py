@@ -257,7 +257,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Protocol.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """The actor's part of checkpoint `path`: path/actor/ with sharded model + optimizer + schedule,
-        this rank's RNG states and a full HF copy with the tokenizer (hybridflow/checkpoint; collective)."""
+        this rank's RNG states, the HF config and tokenizer (docs/checkpoints.md; collective)."""
         save_engine_state(
             self._engine("actor"), os.path.join(path, "actor"), self.rank, tokenizer=self.tokenizer
         )
