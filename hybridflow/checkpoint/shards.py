@@ -1,9 +1,8 @@
 """Sharded tensor files without pickle: what a checkpoint's model and optimizer tensors are written as.
 
-Saving is torch.distributed.checkpoint with its safetensors storage (`HuggingFaceStorageWriter`,
-`save_distributed=True`): every rank writes one file, `shard-<rank+1>-model-00001-of-00001.safetensors`,
-holding only the chunks it owns (replicated chunks are written once, by the planner's dedup); each
-file's safetensors header (JSON) records the chunks' global offsets. Loading reads the plan from those
+Saving: every rank streams one file, `shard-<rank+1>-model-00001-of-00001.safetensors`, holding only
+the chunks it owns (replicated chunks once), tensor by tensor; the header (JSON) records each chunk's
+global offset in the layout of torch.distributed.checkpoint's safetensors storage. Loading reads the plan from those
 headers (`HuggingFaceStorageReader`), never from DCP's pickled `.metadata` (none is written, and one
 planted beside the shards is not opened); each rank reads just the slices its own shards need, so a
 checkpoint resumes onto any dp/tp layout. Only tensors travel this way; the rest of a checkpoint is
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 SUFFIX = ".safetensors"
 _SHARDING_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
@@ -44,13 +44,49 @@ ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
 def save_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
-    """Write a flat {name: tensor or DTensor} dict; collective over the default group if there is one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    """Write a flat {name: tensor or DTensor} dict, each rank its own chunks, streamed tensor by tensor
+    (no copy of the rank's state in memory, unlike DCP's own safetensors writer, which builds each file
+    in memory first). Collective over the default group if there is one. A chunk replicated over ranks
+    (a Replicate mesh dimension, or a plain tensor) is written by the first of its holders only."""
+    from hybridflow.checkpoint.stream_write import write_safetensors
 
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mine: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+    for name, t in state.items():
+        chunk = _own_chunk(t, rank)
+        if chunk is not None:
+            mine[name] = chunk
+    specs = {n: (tuple(c.shape), c.dtype) for n, (c, _) in mine.items()}
+    sharding = {n: {"saved_offsets": list(off)} for n, (_, off) in mine.items()}
+    write_safetensors(
+        directory,
+        specs,
+        lambda n: mine[n][0].detach().cpu(),
+        file_name=f"shard-{rank + 1:05d}-model-00001-of-00001{SUFFIX}",
+        metadata={_SHARDING_KEY: json.dumps(sharding), "DCP_VERSION": "1.0"},
+    )
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _own_chunk(t: torch.Tensor, rank: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(this rank's chunk, its global offset) if this rank is the one that writes it, else None."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return (t, (0,) * t.dim()) if rank == 0 else None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    coord = t.device_mesh.get_coordinate()
+    if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
+        return None
+    local = t.to_local()
+    if local.dim() > 0 and local.numel() == 0:
+        return None  # an uneven shard left this rank nothing
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return local, tuple(offset)
 
 
 def load_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:

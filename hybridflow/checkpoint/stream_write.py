@@ -47,16 +47,22 @@ def write_safetensors(
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
     produce: Callable[[str], torch.Tensor],
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    *,
+    file_name: str | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> list[Path]:
     """Write tensors `specs` (name -> (shape, dtype), in file order) into out_dir, asking `produce(name)`
-    for each tensor just before writing it. Returns the files written (plus the index when split)."""
+    for each tensor just before writing it. Returns the files written (plus the index when split).
+    file_name: one file of that name, never split; metadata: extra header `__metadata__` strings."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    groups = _groups(specs, max_file_bytes)
+    groups = [list(specs)] if file_name else _groups(specs, max_file_bytes)
     files, weight_map, total = [], {}, 0
     for i, names in enumerate(groups, start=1):
-        fname = "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        fname = file_name or (
+            "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        )
+        header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
         for name in names:
             shape, dtype = specs[name]
             n = _nbytes(shape, dtype)
