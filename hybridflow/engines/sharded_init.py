@@ -33,6 +33,16 @@ class InitStats:
     full_model_bytes: int = 0
 
 
+def _tied(root: nn.Module) -> list[tuple[tuple[nn.Module, str], list[tuple[nn.Module, str]]]]:
+    """Parameters shared by several modules (a tied lm_head): (first holder, the other holders)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((module, name))
+    return [(h[0], h[1:]) for h in holders.values() if len(h) > 1]
+
+
 def _local_chunk(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, its shape, its offset in the global tensor) for a DTensor or a plain tensor."""
     if isinstance(p, DTensor):
@@ -51,7 +61,11 @@ def materialize(root: nn.Module, model: nn.Module, device: torch.device, transfo
 
     files = weight_files(getattr(model, WEIGHTS_ATTR))
     buffers = {n: b.detach().clone() for n, b in root.named_buffers()}
+    ties = _tied(root)
     root.to_empty(device=device)  # FSDP2 re-registers its sharded parameters on the new storage
+    for (owner, pname), others in ties:  # to_empty gives each module its own copy: tie them again
+        for module, name in others:
+            module._parameters[name] = owner._parameters[pname]
     for n, b in root.named_buffers():
         b.copy_(buffers[n])
     stats = InitStats()
