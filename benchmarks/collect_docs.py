@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-ORDER = ["controller", "train", "generation", "hybrid_engine", "planner", "rewards", "vs_trl"]
+ORDER = ["controller", "train", "generation", "hybrid_engine", "planner", "rewards", "memory", "vs_trl"]
 
 HEADER = """# Benchmarks
 
@@ -27,6 +27,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | 3D-HybridEngine | all-gather (DeepSpeed-Chat style) switch | bytes = Table 2 formula exactly; switch time 0.26x / 0.13x of all-gather's |
 | planner | the paper's search time (up to 30 min at 70B/128) | 70B/128 GPUs in 0.62 s |
 | rule rewards | per-sample timeouts one after another (computed) | 64 hanging samples, timeout 2 s: 5.4 s instead of 128 s (23.9x) |
+| memory (4 ranks, 106M) | the code before sharded checkpoints (2b42e07) | save adds 0 MiB vs 811 (2.0 M); export peaks at one tensor; init, resume equal on CPU |
 | end to end | TRL 1.16 `GRPOTrainer` | 1.77x / 1.38x / 1.16x / 1.14x tokens/s (goal 3x: not met; fp32 GEMMs bound both sides) |
 """
 
