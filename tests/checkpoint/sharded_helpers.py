@@ -52,15 +52,19 @@ def rank_main(rank: int, world: int, phase: str, model_dir: str, run_dir: str, e
             if rank == 0:
                 manager.commit(1, Path(holder[0]))
             dist.barrier()
+            out["draw"] = torch.rand(2)  # the generators as saved
             out["step2"] = engine.train_step(local, pg_loss)
             out["state2"] = engine.full_state_dict()
             engine = _engine(model_dir, world)  # a fresh process's engine on the same 4 ranks
+        torch.manual_seed(1000 + rank)  # a resumed process starts from other RNG states
         load_engine_state(engine, manager.resolve("auto") / "actor", rank)
+        out["resumed_draw"] = torch.rand(2)  # per-rank RNG restored on the same world size only
         out["resumed_step2"] = engine.train_step(local, pg_loss)
         out["resumed_state2"] = engine.full_state_dict()
         stats = [None] * world
-        dist.all_gather_object(stats, engine.init_stats)
-        out["all_init_stats"] = stats
+        dist.all_gather_object(stats, (engine.init_stats, out.get("draw"), out["resumed_draw"]))
+        out["all_init_stats"] = [s[0] for s in stats]
+        out["draws"] = [s[1:] for s in stats]
         if rank == 0:
             torch.save(out, Path(run_dir) / f"{phase}.pt")
         dist.barrier()

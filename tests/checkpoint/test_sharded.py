@@ -1,4 +1,4 @@
-"""Sharded init and pickle-free sharded checkpoints on real gloo groups (4 ranks, resumed on 4 and 2):
+"""Sharded init and pickle-free sharded checkpoints on real gloo groups (4 ranks, resumed on 4, 2 and 1):
 bytes materialised per rank at init <= M/4 + the largest tensor, outputs equal the single-process model,
 each rank writes only its shards, resume continues exactly, export streams into a transformers model
 with the same log-probs, and a planted DCP `.metadata` pickle is never opened."""
@@ -53,7 +53,7 @@ def _aligned(lp: torch.Tensor, ref: torch.Tensor, batch) -> tuple[torch.Tensor, 
     return lp[:, -ref.shape[1] :][mask], ref[mask]
 
 
-def test_four_rank_sharded_init_save_resume_on_four_and_two_and_export(tiny_model_dir, tmp_path):
+def test_four_rank_sharded_init_save_resume_on_four_two_one_and_export(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     saved = _spawn(4, "save", tiny_model_dir, run_dir)
@@ -82,7 +82,9 @@ def test_four_rank_sharded_init_save_resume_on_four_and_two_and_export(tiny_mode
     assert all(b <= full / 4 + largest for b in per_file.values()), (per_file, full)
     assert not list(step_dir.rglob("*.metadata")) and not list(step_dir.rglob("*.distcp"))
 
-    # Resume on the same 4 ranks: the step after the checkpoint is bit-identical.
+    # Resume on the same 4 ranks: every rank's RNG is restored and the next step is bit-identical.
+    for draw, resumed_draw in saved["draws"]:
+        assert torch.equal(draw, resumed_draw)
     assert saved["resumed_step2"] == saved["step2"]
     for name, t in saved["state2"].items():
         assert torch.equal(saved["resumed_state2"][name], t), name
@@ -94,6 +96,14 @@ def test_four_rank_sharded_init_save_resume_on_four_and_two_and_export(tiny_mode
     assert two["resumed_step2"]["grad_norm"] == pytest.approx(saved["step2"]["grad_norm"], rel=1e-5)
     for name, t in saved["state2"].items():
         torch.testing.assert_close(two["resumed_state2"][name], t, atol=1e-6, rtol=1e-5, msg=name)
+
+    # ... and in one process without a process group (dp=1): the step-1 model.
+    single = TrainEngine(load_causal_lm(tiny_model_dir, device="meta"), engine_config(dp=1))
+    load_engine_state(single, step_dir / "actor")
+    assert single.global_step == 1
+    torch.testing.assert_close(
+        *_aligned(saved["log_probs_step1"], single.compute_log_probs(batch)[0], batch), atol=1e-6, rtol=1e-6
+    )
 
     # Export streams the 4 shards into one HF directory; transformers loads it with the step-1 outputs.
     out = export_hf(run_dir, tmp_path / "export", tiny_model_dir)
