@@ -25,9 +25,6 @@ from hybridflow.checkpoint.manager import CheckpointError, find_checkpoint, fsyn
 from hybridflow.checkpoint.shards import read_full, tensor_index
 from hybridflow.checkpoint.stream_write import DEFAULT_MAX_FILE_BYTES, write_safetensors
 
-_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
-_NOT_TOKENIZER = ("config.json", "generation_config.json")
-
 
 def _has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
