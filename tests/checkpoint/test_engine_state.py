@@ -60,6 +60,11 @@ def test_single_process_resume_and_export(tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.use_cache is True
     torch.testing.assert_close(_logits(model, batch), at_save, atol=1e-5, rtol=1e-5)
+    # Split like save_pretrained past max_file_bytes (model-0000i-of-0000n + index): loads the same.
+    split = export_hf(tmp_path / "run", tmp_path / "split", max_file_bytes=100_000)
+    assert len(list(split.glob("model-*-of-*.safetensors"))) > 1
+    assert (split / "model.safetensors.index.json").is_file()
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(split), batch), at_save)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok("1+2=3")["input_ids"], skip_special_tokens=True) == "1+2=3"
     assert tok.chat_template
