@@ -233,8 +233,16 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling threshold")
     response_length: int = _f(512, "max new tokens per response")
     engine: str = _f("builtin", "generation engine", choices=("builtin", "vllm", "sglang"))
-    tg: int = _f(1, "generation tensor-parallel size (3D-HybridEngine; must divide actor tp*pp with pg)")
-    pg: int = _f(1, "generation pipeline-parallel size")
+    tg: int = _f(
+        1, "generation tensor-parallel size (3D-HybridEngine; must divide actor tp and the head counts)"
+    )
+    pg: int = _f(1, "generation pipeline-parallel size (only 1: pipeline parallelism does not exist yet)")
+    reshard: str = _f(
+        "hybridflow",
+        "actor train -> generate switch (docs/hybrid_engine.md): hybridflow = micro-DP all-gather to the "
+        "tg shard, allgather = whole model on every rank, vanilla = HybridFlow-V, two_copy = resident copy",
+        choices=("hybridflow", "allgather", "vanilla", "two_copy"),
+    )
     micro_batch_size_per_device: int = _f(0, "prompts per generate() call on one device (0 = all at once)")
     cpu_threads: int = _f(
         0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"

@@ -14,6 +14,7 @@ import os
 
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import ADV_ESTIMATORS, LOGGERS, HybridFlowConfig, ParallelConfig
+from hybridflow.hybrid_engine.layout import generation_layout_errors
 
 # algorithms that sample a group of responses per prompt and need at least two of them
 GROUP_ALGORITHMS = ("grpo", "rloo")
@@ -242,12 +243,8 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
             errors.append(f"{key}: tp*pp = {p.tp * p.pp} does not divide the {n} devices")
         elif p.dp and p.tp * p.pp * p.dp > n:
             errors.append(f"{key}: tp*pp*dp = {p.tp * p.pp * p.dp} exceeds the {n} devices")
-    ap = cfg.actor.parallel
-    if r.tg >= 1 and r.pg >= 1 and (ap.tp * ap.pp) % (r.tg * r.pg):
-        errors.append(
-            f"rollout.tg: generation tg*pg = {r.tg * r.pg} must divide actor tp*pp = {ap.tp * ap.pp} "
-            "(3D-HybridEngine micro-DP size dg = tp*pp / (tg*pg))"
-        )
+    model_dir = cfg.model.path if os.path.isdir(cfg.model.path) else None
+    errors += generation_layout_errors(cfg.actor.parallel, r.tg, r.pg, model_dir, r.reshard)
 
     # run
     for name in t.loggers:

@@ -1,41 +1,22 @@
-"""3D-HybridEngine: switch the actor between its training and generation layouts on the same ranks.
+"""3D-HybridEngine: switch the actor between its training and generation layouts on the same ranks
+(docs/hybrid_engine.md).
 
-layout.py       training (p, t, d) and generation (pg, tg, dg) layouts and their process groups (pure)
-sharding.py     how a Llama-family model's weights split over TP and PP
-plan.py         which weight regions go into which all-gather bucket (pure)
-comm.py         counted collectives and a buffer ledger (the measured cost)
-switch.py       HybridEngine: the switch, four methods behind one interface
-tp_generate.py  greedy generation with tensor/pipeline parallelism on the generation shards
-cost.py         Table 2 of the paper as pure functions (analytic cost)
+layout.py     training (p, t, d) and generation (pg, tg, dg) layouts, replicas and groups (pure)
+cost.py       Table 2 of the paper and the formula of the layout that runs (pure; planner and worker)
+comm.py       counted collectives and a buffer ledger (the measured cost)
+resharder.py  Resharder: the switch inside the actor worker, four methods, from the engine's DTensors
 """
 
-from hybridflow.hybrid_engine.cost import SwitchCost, paper_table, switch_cost
-from hybridflow.hybrid_engine.layout import GenLayout, TrainLayout
-from hybridflow.hybrid_engine.sharding import LlamaShape, ParamSpec, build_training_shard, llama_param_specs
-from hybridflow.hybrid_engine.switch import (
-    METHODS,
-    EngineGroups,
-    HybridEngine,
-    SwitchStats,
-    generation_layout,
-)
-from hybridflow.hybrid_engine.tp_generate import build_tp_context, generate_greedy
+from hybridflow.hybrid_engine.cost import METHODS, SwitchCost, fsdp_switch_cost, paper_table, switch_cost
+from hybridflow.hybrid_engine.layout import GenLayout, TrainLayout, generation_layout_errors
 
 __all__ = [
     "METHODS",
-    "EngineGroups",
     "GenLayout",
-    "HybridEngine",
-    "LlamaShape",
-    "ParamSpec",
     "SwitchCost",
-    "SwitchStats",
     "TrainLayout",
-    "build_training_shard",
-    "build_tp_context",
-    "generate_greedy",
-    "generation_layout",
-    "llama_param_specs",
+    "fsdp_switch_cost",
+    "generation_layout_errors",
     "paper_table",
     "switch_cost",
 ]

@@ -1,7 +1,10 @@
 """Table 2 of the paper as pure functions: per-rank bytes moved, peak and redundant memory of each switch.
 
-M is the actor's weight bytes. The planner imports `switch_cost` to price a train -> generate switch;
-tests compare it with the bytes counted at the collectives, and the benchmark prints `paper_table()`.
+The one place the switch's cost is written down (docs/hybrid_engine.md derives both tables):
+- `switch_cost`: the paper's Table 2, Megatron-style training (each of the d replicas holds M/(pt));
+- `fsdp_switch_cost`: the layout this project runs (FSDP2 over dp, TP over t, p = 1), the formula the
+  actor worker's counters (resharder.py) must equal; the planner (planner/simulate.py) prices a switch
+  with it too. M is the actor's weight bytes.
 
 | method     | communication      | peak memory | redundant copy |
 | allgather  | (tpd-1)/(tpd) M    | M           | M/(tpd)        |
@@ -16,6 +19,7 @@ copy a rank holds is its generation shard, M/(tg pg), resident all the time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 METHODS = ("hybridflow", "allgather", "vanilla", "two_copy")
 
@@ -44,6 +48,36 @@ def switch_cost(
     if method == "two_copy":
         return SwitchCost(m, m / (tg * pg), m / (tg * pg))
     raise ValueError(f"unknown switch method {method!r}; choose one of {METHODS}")
+
+
+def fsdp_switch_cost(
+    method: str, split_bytes: int, whole_bytes: int, t: int, d: int, tg: int, world: int | None = None
+) -> tuple[int, int]:
+    """(bytes received, generation-weight bytes held) per rank for one train -> generate switch of the
+    layout that runs: t-way TP x d-way FSDP2, generation tg-way TP (p = pg = 1).
+
+    split_bytes: weights TP-split in training (q/k/v/o, gate/up/down); whole_bytes: weights every TP rank
+    holds whole (embeddings, norms, lm_head), so M = split + whole. Between steps a rank holds
+    split/(td) + whole/d; FSDP's all-gather brings it to split/t + whole ((d-1)/d of that received), then:
+      hybridflow  micro-DP all-gather to split/tg:        received += split/tg - split/t; held split/tg + whole
+      allgather, vanilla  TP all-gather to the whole model: received += split - split/t;  held M
+      two_copy    rank 0 broadcasts every weight whole:  received += M (the max over ranks, rank 0 excluded);
+                  held: the resident copy, split/tg + whole
+    """
+    if t % tg:
+        raise ValueError(f"generation tg={tg} must divide training t={t}")
+    s, w = Fraction(split_bytes), Fraction(whole_bytes)
+    fsdp = (d - 1) * (s / t + w) / d
+    if method == "hybridflow":
+        received, held = fsdp + s / tg - s / t, s / tg + w
+    elif method in ("allgather", "vanilla"):
+        received, held = fsdp + s - s / t, s + w
+    elif method == "two_copy":
+        received = fsdp + (s + w if (world or t * d) > 1 else 0)
+        held = s / tg + w
+    else:
+        raise ValueError(f"unknown switch method {method!r}; choose one of {METHODS}")
+    return round(received), round(held)
 
 
 # (name, params, N, p, t, d, pg, tg). 70B follows the issue (T8 P8 Tg8 on 128 GPUs); the smaller models use

@@ -168,3 +168,57 @@ def _groups(n: int, key, order=None) -> list[list[int]]:
 
 def _divs(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+LLAMA_FAMILY = (
+    "llama",
+    "qwen2",
+    "mistral",
+)  # what the tensor-parallel decoder runs (rollout/llama_decoder.py)
+
+
+def generation_layout_errors(
+    actor_parallel, tg: int, pg: int, model_dir: str | None, reshard: str = "hybridflow"
+) -> list[str]:
+    """One-line reasons why the actor's training layout cannot switch to generation tg x pg (config
+    validation). model_dir: an HF directory whose config.json gives the head counts, or None."""
+    tp, pp = actor_parallel.tp, actor_parallel.pp
+    errors = []
+    if pp != 1:
+        errors.append(f"actor.parallel.pp = {pp}: pipeline parallelism does not exist yet; use pp = 1")
+    if pg != 1:
+        errors.append(f"rollout.pg = {pg}: generation pipeline parallelism does not exist yet; use pg = 1")
+    if tg < 1 or tp % tg:
+        errors.append(
+            f"rollout.tg = {tg} must divide actor.parallel.tp = {tp} (try tg in {_divs(max(tp, 1))})"
+        )
+        return errors
+    hf = _read_config(model_dir)
+    if hf is None:
+        return errors
+    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads", hf.get("num_attention_heads"))
+    if isinstance(heads, int) and isinstance(kv, int) and (heads % tg or kv % tg):
+        errors.append(
+            f"rollout.tg = {tg} must divide the model's num_attention_heads = {heads} and "
+            f"num_key_value_heads = {kv}"
+        )
+    kind = hf.get("model_type")
+    if kind not in LLAMA_FAMILY and (tp > 1 or reshard != "hybridflow"):
+        errors.append(
+            f"actor.parallel.tp = {tp}, rollout.reshard = {reshard}: model_type {kind!r} generates on the HF "
+            f"forward, in place on the actor's whole weights; that needs tp = 1 and reshard = hybridflow "
+            f"(resharded generation runs {LLAMA_FAMILY} models)"
+        )
+    return errors
+
+
+def _read_config(model_dir: str | None) -> dict | None:
+    import json
+    import os
+
+    path = os.path.join(model_dir, "config.json") if model_dir else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        hf = json.load(f)
+    return {**hf.get("text_config", {}), **hf}

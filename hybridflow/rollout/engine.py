@@ -14,7 +14,7 @@ and is cheap enough to run as soon as any row finishes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ from hybridflow.rollout.hf_decoder import HFDecoder
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
 from hybridflow.rollout.params import SamplingParams
 from hybridflow.rollout.sampling import sample_next
+from hybridflow.rollout.tp_group import TPGroup
 
 SMALL_MODEL_PARAMS = 5_000_000
 
@@ -75,17 +76,29 @@ class BuiltinEngine(GenerationEngine):
         if pad is None:
             pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(cfg.eos_token_id)
         self.pad_token_id = 0 if pad is None else int(pad)
+        self.shard: Mapping[str, torch.Tensor] | None = None
+        self.tp: TPGroup | None = None
+
+    def set_shard(self, weights: Mapping[str, torch.Tensor] | None, tp: TPGroup | None = None) -> None:
+        """Generate from `weights` (HF name -> tensor; this rank's generation shard when `tp` is given)
+        instead of the model's own parameters; None, None goes back to them. Set by the 3D-HybridEngine
+        (hybrid_engine/resharder.py) around each generate call."""
+        self.shard, self.tp = weights, tp
 
     def _decoder(self, max_len: int):
         backend = self.config.backend
         reason = unsupported_reason(self.model, max_len)
+        if self.shard is not None and reason is not None:
+            raise ValueError(
+                f"BuiltinEngine: generating from resharded weights needs the functional decoder: {reason}"
+            )
         if backend == "functional" and reason is not None:
             raise ValueError(
                 f"BuiltinEngine: functional backend cannot run this model: {reason}; use backend='hf'"
             )
-        if backend == "hf" or reason is not None:
+        if self.shard is None and (backend == "hf" or reason is not None):
             return HFDecoder(self.model)
-        return LlamaFamilyDecoder(self.model, pack_weights=self.config.pack_weights)
+        return LlamaFamilyDecoder(self.model, self.config.pack_weights, self.shard, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self.model, weights)
@@ -157,6 +170,10 @@ class BuiltinEngine(GenerationEngine):
         alive = torch.ones(total, dtype=torch.bool, device=device)
         for t in range(lr):
             tokens, lp_t = sample_next(logits, params, gen)
+            if (
+                getattr(decoder, "tp", None) is not None
+            ):  # one generation TP group: the first rank's draw for all
+                tokens, lp_t = decoder.tp.agree(tokens, lp_t)
             responses[rows, t] = tokens
             logps[rows, t] = lp_t
             if stop.numel():

@@ -12,6 +12,12 @@ outputs match `generate` token for token. Where it departs from a plain port, fo
   only attention sees the left-padded (B, Lp) layout;
 - decode attention is matmul/softmax/matmul with GQA as a head-group dimension, not SDPA.
 
+Tensor parallel (the 3D-HybridEngine's generation layout, docs/hybrid_engine.md): given a TPGroup of size
+tg and this rank's generation shard of the weights, the same forward runs Megatron-style: q/k/v and
+gate/up column-parallel (heads/tg heads, intermediate/tg columns per rank, biases split alike), o and
+down row-parallel with one all-reduce each per layer; embeddings, norms and lm_head stay whole, as in
+the training layout (engines/parallelize.py), so every rank computes the full logits.
+
 Cache layout per layer: k, v of shape (capacity, kv_heads, max_len, head_dim). Prompts are left-padded,
 so every row writes its next token at the same slot; `key_bias` (capacity, max_len) masks prompt
 padding. Rows that finished are removed by `select` (compaction), so they stop costing compute.
@@ -19,8 +25,14 @@ padding. Rows that finished are removed by `select` (compaction), so they stop c
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
+from hybridflow.rollout.tp_group import TPGroup
 
 FAMILY = ("llama", "qwen2", "mistral")
 
@@ -79,50 +91,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tens
     return torch.addcmul(x * cos, rotated, sin)
 
 
-class MklPacked:
-    """A (out, in) linear weight in MKL's packed GEMM format (`cblas_sgemm_pack`), fp32 CPU only.
-
-    Why: single-threaded MKL multiplies the 2-32-row matrices of decode ~1.2-1.4x faster from a packed
-    weight (it skips re-packing the weight at every call, which dominates at small M). The pack is made
-    once per `generate` call; a packed B matrix is valid for any number of rows M (only N and K are
-    fixed by the pack), which `mkl_pack_works` checks once per process before it is relied on."""
-
-    __slots__ = ("packed", "shape")
-
-    def __init__(self, weight: torch.Tensor):
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), 64)
-        # The op reads N and K from this tensor's shape and falls back to a plain linear on it only
-        # when M differs from its batch-size argument; __call__ always passes M, so its data is never
-        # read and a zero-stride view (no memory) will do.
-        self.shape = weight.new_empty(()).expand(weight.shape)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.shape, bias, x.shape[0])
-
-
-_MKL_PACK_OK: bool | None = None
 RAW_WEIGHTS_FROM_ROWS = 512
 """Row counts from which the model's own weights beat the packed copies (prefill-sized GEMMs)."""
-
-
-def mkl_pack_works() -> bool:
-    """Whether MKL packed GEMM is available and gives x @ w.T for row counts other than the pack's."""
-    global _MKL_PACK_OK
-    if _MKL_PACK_OK is None:
-        _MKL_PACK_OK = False
-        mkl_ops = getattr(torch.ops, "mkl", None)
-        if torch.backends.mkl.is_available() and hasattr(mkl_ops, "_mkl_linear"):
-            try:
-                g = torch.Generator().manual_seed(0)
-                w = torch.randn(48, 40, generator=g)
-                packed = MklPacked(w)
-                _MKL_PACK_OK = all(
-                    torch.allclose(packed(x, None), x @ w.t(), rtol=1e-4, atol=1e-4)
-                    for x in (torch.randn(m, 40, generator=g) for m in (1, 3, 17, 64, 130))
-                )
-            except RuntimeError:
-                _MKL_PACK_OK = False
-    return _MKL_PACK_OK
 
 
 def _mm(x: torch.Tensor, w_t, bias: torch.Tensor | None) -> torch.Tensor:
@@ -139,39 +109,64 @@ def _mm_residual(x: torch.Tensor, a: torch.Tensor, w_t, bias: torch.Tensor | Non
     return torch.addmm(x, a, w_t) if bias is None else x + torch.addmm(bias, a, w_t)
 
 
-def _cat_bias(mods) -> torch.Tensor | None:
-    biases = [m.bias for m in mods]
+def _cat_bias(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor | None:
     if all(b is None for b in biases):
         return None
-    return torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in mods])
+    return torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
 
 
-def pack_layer(layer, pack: bool, mkl: bool = False) -> tuple:
-    """One decoder layer's parameters as (in, out) matrices: ((qkv,) or (q, k, v)), o, ((gate_up,) or
-    (gate, up)), down, each a (weight, bias) pair, plus norms and the activation.
+Linear = tuple
+"""(weight, bias): weight stored (in, out) (a transposed view or copy) or as an MklPacked; bias or None."""
+
+
+@dataclass
+class PackedLayer:
+    """One decoder layer's weights as the forward reads them (see pack_layer). Under tensor parallelism
+    q/k/v and gate/up hold this rank's output features (column-parallel), o and down its input features
+    (row-parallel: their outputs are partial sums, all-reduced over the group); the norms are whole."""
+
+    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
+    qkv: tuple[Linear, ...]  # (fused q|k|v,) when packed, else (q, k, v)
+    o: Linear
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: tuple[Linear, ...]  # (fused gate|up,) when packed, else (gate, up)
+    down: Linear
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def pack_layer(weights: Mapping[str, torch.Tensor], layer, prefix: str, pack: bool, mkl: bool = False):
+    """Decoder layer `prefix` ("model.layers.3.") as a PackedLayer, from `weights` (HF name -> this
+    rank's tensor: the whole weight, or its generation shard under tensor parallelism); `layer` is the
+    HF module, read only for the norms' eps and the activation.
 
     pack=True copies: q/k/v and gate/up concatenated (one matmul each instead of three and two); each
-    matrix then stored either in MKL's packed GEMM format (mkl=True; see MklPacked) or transposed and
+    matrix then stored either in MKL's packed GEMM format (mkl=True; see mkl_packed.py) or transposed and
     contiguous, the (in, out) layout that single-threaded MKL multiplies ~1.3-1.6x faster than the
     (out, in) one at decode shapes. Costs one extra copy of the decoder layers' weights while a
-    `generate` call runs. pack=False: transposed views of the model's own tensors."""
-    a, m = layer.self_attn, layer.mlp
+    `generate` call runs. pack=False: transposed views of the given tensors."""
 
-    def group(mods):
+    def group(*names: str) -> tuple[Linear, ...]:
+        ws = [weights[prefix + n + ".weight"] for n in names]
+        bs = [weights.get(prefix + n + ".bias") for n in names]
         if pack:
-            w = torch.cat([mod.weight for mod in mods]) if len(mods) > 1 else mods[0].weight
-            return ((MklPacked(w) if mkl else w.t().contiguous(), _cat_bias(mods)),)
-        return tuple((mod.weight.t(), mod.bias) for mod in mods)
+            w = torch.cat(ws) if len(ws) > 1 else ws[0]
+            return ((MklPacked(w) if mkl else w.t().contiguous(), _cat_bias(ws, bs)),)
+        return tuple((w.t(), b) for w, b in zip(ws, bs))
 
-    return (
-        (layer.input_layernorm.weight, _norm_eps(layer.input_layernorm)),
-        group((a.q_proj, a.k_proj, a.v_proj)),
-        group((a.o_proj,))[0],
-        (layer.post_attention_layernorm.weight, _norm_eps(layer.post_attention_layernorm)),
-        group((m.gate_proj, m.up_proj)),
-        group((m.down_proj,))[0],
-        m.act_fn,
+    return PackedLayer(
+        (weights[prefix + "input_layernorm.weight"], _norm_eps(layer.input_layernorm)),
+        group("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        group("self_attn.o_proj")[0],
+        (weights[prefix + "post_attention_layernorm.weight"], _norm_eps(layer.post_attention_layernorm)),
+        group("mlp.gate_proj", "mlp.up_proj"),
+        group("mlp.down_proj")[0],
+        layer.mlp.act_fn,
     )
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF name -> the model's own tensor (tied weights under every name they have)."""
+    return dict(model.named_parameters(remove_duplicate=False))
 
 
 def _project(h: torch.Tensor, group: tuple) -> list[torch.Tensor]:
@@ -181,39 +176,59 @@ def _project(h: torch.Tensor, group: tuple) -> list[torch.Tensor]:
 class LlamaFamilyDecoder:
     """Prefill + incremental decode for one batch at a time. Call `load` once per `generate` call,
     then per batch `start`, `prefill`, and `decode` / `select` alternately; `release` at the end.
-    Parameters are re-read from the model at each `load`, so in-place updates by the trainer or
-    `load_weights` are always seen."""
 
-    def __init__(self, model: torch.nn.Module, pack_weights: bool = True):
+    weights: HF name -> tensor this rank computes with; None = the model's own parameters, re-read at
+    each `load`, so in-place updates by the trainer or `load_weights` are always seen. With `tp` (a
+    TPGroup of size tg) the weights are this rank's generation shard: q/k/v, gate/up split on their
+    output features, o/down on their input features, embeddings, norms and lm_head whole; each rank
+    runs heads/tg heads and intermediate/tg MLP columns and all-reduces o's and down's outputs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pack_weights: bool = True,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        tp: TPGroup | None = None,
+    ):
         self.model = model
         self.pack_weights = pack_weights
+        self.weights, self.tp = weights, tp
         cfg = model.config
+        tg = tp.size if tp is not None else 1
+        if cfg.num_attention_heads % tg or cfg.num_key_value_heads % tg:
+            raise ValueError(
+                f"generation tensor-parallel size {tg} must divide num_attention_heads="
+                f"{cfg.num_attention_heads} and num_key_value_heads={cfg.num_key_value_heads}"
+            )
         attn = model.model.layers[0].self_attn
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // tg
+        self.num_kv_heads = cfg.num_key_value_heads // tg
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
-        self.layers: list[tuple] = []
-        self.raw_layers: list[tuple] = []
+        self.layers: list[PackedLayer] = []
+        self.raw_layers: list[PackedLayer] = []
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
 
     # ---- setup ------------------------------------------------------------------------------------
     def load(self) -> None:
-        """(Re)read the model's parameters; with pack_weights, build the packed copies (see pack_layer)."""
-        base = self.model.model
-        weight = self.model.lm_head.weight
-        mkl = self.pack_weights and weight.device.type == "cpu" and weight.dtype == torch.float32
+        """(Re)read the weights; with pack_weights, build the packed copies (see pack_layer)."""
+        w = self.weights if self.weights is not None else model_weights(self.model)
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        head_bias = w.get("lm_head.bias")
+        mkl = self.pack_weights and head.device.type == "cpu" and head.dtype == torch.float32
         mkl = mkl and mkl_pack_works()
-        self.layers = [pack_layer(layer, self.pack_weights, mkl) for layer in base.layers]
-        self.embed = base.embed_tokens.weight
-        self.final_norm = (base.norm.weight, _norm_eps(base.norm))
-        self.lm_head = (MklPacked(weight) if mkl else weight.t(), self.model.lm_head.bias)
-        # Views of the model's own (out, in) weights (no copy). MKL multiplies them faster than the
-        # packed copies at 1 row (a plain gemv) and at prefill sizes (~10% at ~1,300 rows), so those
-        # two cases use them (see _weights_for).
-        self.raw_layers = [pack_layer(layer, False) for layer in base.layers] if mkl else self.layers
-        self.raw_lm_head = (weight.t(), self.model.lm_head.bias)
+        mods = self.model.model.layers
+        names = [f"model.layers.{i}." for i in range(len(mods))]
+        self.layers = [pack_layer(w, m, p, self.pack_weights, mkl) for m, p in zip(mods, names)]
+        self.embed = w["model.embed_tokens.weight"]
+        self.final_norm = (w["model.norm.weight"], _norm_eps(self.model.model.norm))
+        self.lm_head = (MklPacked(head) if mkl else head.t(), head_bias)
+        # Views of the (out, in) weights (no copy). MKL multiplies them faster than the packed copies at
+        # 1 row (a plain gemv) and at prefill sizes (~10% at ~1,300 rows), so those two cases use them
+        # (see _weights_for).
+        self.raw_layers = [pack_layer(w, m, p, False) for m, p in zip(mods, names)] if mkl else self.layers
+        self.raw_lm_head = (head.t(), head_bias)
         self.rot = rotate_half_matrix(self.head_dim, self.embed.dtype, self.embed.device)
 
     def start(self, capacity: int, max_len: int, max_position: int) -> None:
@@ -239,12 +254,12 @@ class LlamaFamilyDecoder:
         self.key_bias = self.cos = self.sin = None
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _qkv(self, x: torch.Tensor, layer: tuple, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, layer: PackedLayer, cos: torch.Tensor, sin: torch.Tensor):
         """x: (N, hidden) tokens -> roped q (N, heads, hd), roped k (N, kv, hd), v (N, kv, hd), where
         cos/sin are (N, 1, hd)."""
         nq, nkv = self.num_heads, self.num_kv_heads
-        h = _rms_norm(x, *layer[0])
-        out = _project(h, layer[1])
+        h = _rms_norm(x, *layer.input_norm)
+        out = _project(h, layer.qkv)
         n = x.shape[0]
         if len(out) == 1:
             qk = out[0][:, : (nq + nkv) * self.head_dim].view(n, nq + nkv, self.head_dim)
@@ -257,19 +272,26 @@ class LlamaFamilyDecoder:
             v = out[2].view(n, nkv, self.head_dim)
         return q, k, v
 
-    def _mlp_block(self, x: torch.Tensor, a: torch.Tensor, layer: tuple) -> torch.Tensor:
+    def _mlp_block(self, x: torch.Tensor, a: torch.Tensor, layer: PackedLayer) -> torch.Tensor:
         """x: residual (N, hidden); a: attention output (N, heads * hd) -> next residual (N, hidden)."""
-        x = _mm_residual(x, a, *layer[2])
-        h = _rms_norm(x, *layer[3])
-        act = layer[6]
-        gu = _project(h, layer[4])
+        x = self._row_residual(x, a, layer.o)
+        h = _rms_norm(x, *layer.post_norm)
+        gu = _project(h, layer.gate_up)
         if len(gu) == 1:
             gate, up = gu[0].chunk(2, dim=-1)
         else:
             gate, up = gu
-        return _mm_residual(x, act(gate) * up, *layer[5])
+        return self._row_residual(x, layer.act(gate) * up, layer.down)
 
-    def _weights_for(self, rows: int) -> list[tuple]:
+    def _row_residual(self, x: torch.Tensor, a: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """x + a @ w (+ bias). Row-parallel under TP: a and w hold this rank's input features, so the
+        product is a partial sum, all-reduced before the residual add (and the bias added once)."""
+        if self.tp is None:
+            return _mm_residual(x, a, *linear)
+        out = x + self.tp.all_reduce(_mm(a, linear[0], None))
+        return out if linear[1] is None else out.add_(linear[1])
+
+    def _weights_for(self, rows: int) -> list[PackedLayer]:
         return self.raw_layers if rows == 1 or rows >= RAW_WEIGHTS_FROM_ROWS else self.layers
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:

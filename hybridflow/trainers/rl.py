@@ -81,6 +81,7 @@ class RLTrainer(Trainer):
     # ---- phases ---------------------------------------------------------------------------------------
     def generate(self, prompts: Batch) -> Batch:
         batch = self.actor.generate_sequences(prompts)
+        self.metrics.update(batch.meta.pop("reshard_metrics", {}))  # reshard/*, timing_s/reshard
         batch.meta.update(prompts.meta)
         return batch
 

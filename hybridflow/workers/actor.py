@@ -4,15 +4,12 @@ Any subset of the roles runs in one process (verl's hybrid worker). With "actor"
 together, generation runs on the actor's own HF model object, so there is no weight copy: a
 training step changes the very parameters the next generation reads.
 
-Generation and sharded weights: the training engine shards parameters with FSDP2 over dp (and
-DTensor TP over tp). For generation this worker
-  * tp == 1: unshards every FSDP unit in place (FSDP2 `unshard()`), generates, then `reshard()`s —
-    every rank holds the full model for the duration of generation and is its own replica;
-  * tp > 1: gathers the full weights into a plain copy of the model (DeepSpeed-Chat style, memory M)
-    and generates on it.
-The paper's 3D-HybridEngine — regrouping training shards into smaller generation TP groups with
-micro-DP all-gathers, zero redundancy — lives in hybridflow/hybrid_engine/ (switch.py); this worker
-uses the simple transitions above so that every architecture and layout works.
+Generation runs through the 3D-HybridEngine (docs/hybrid_engine.md): the actor's ranks hold the training
+layout (t-way TP x d-way FSDP2) and a Resharder (hybrid_engine/resharder.py) switches them to the
+generation layout (rollout.tg-way TP, d * t/tg replicas) and back around every generate call, by the
+method `rollout.reshard` names. The rollout engine then decodes tensor-parallel on this rank's generation
+shard. Prompts are split over the generation replicas (the "rollout" layout, 3D_ALL_MICRO_DP); the
+switch's counters come back in the output's meta["reshard_metrics"] (max over ranks).
 
 Methods and transfer protocols:
   init_model                     ONE_TO_ALL       build engines (call once, before anything else)
@@ -31,15 +28,15 @@ import dataclasses
 import os
 
 import torch
-from torch.distributed.fsdp import FSDPModule
+import torch.distributed as dist
 
 from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
+from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
-from hybridflow.rollout.base import load_named_weights
 from hybridflow.workers.common import (
     MetricLists,
     engine_config,
@@ -67,8 +64,7 @@ class ActorRolloutRefWorker(Worker):
                 f"ActorRolloutRefWorker roles must be a non-empty subset of {ROLES}, got {roles}"
             )
         self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
-        self.actor = self.ref = self.rollout = None
-        self._gen_model = None  # tp > 1 only: a plain full copy for generation
+        self.actor = self.ref = self.rollout = self.resharder = None
         self._gen_calls = 0
         seed = config.trainer.seed
         self.actor_cfg = engine_config(
@@ -79,8 +75,18 @@ class ActorRolloutRefWorker(Worker):
             set_train_layout(self, "train", self.actor_cfg.parallel)
         if "ref" in roles:
             set_train_layout(self, "ref", self.ref_cfg.parallel)
-        if "rollout" in roles:  # every rank generates with full weights: each is its own replica
-            self.set_layout("rollout", dp_rank=self.rank, dp_size=self.world_size)
+        if "rollout" in roles:
+            self._set_rollout_layout()
+
+    def _set_rollout_layout(self) -> None:
+        """Generation replicas of the 3D-HybridEngine's layout (hybrid_engine/layout.py GenLayout)."""
+        r, par = self.config.rollout, self.actor_cfg.parallel
+        t, d = (par.tp, par.dp) if "actor" in self.roles else (1, self.world_size)
+        gen = generation_layout(r.reshard, t, d, r.tg if "actor" in self.roles else 1)
+        g_tp = gen.coords(self.rank)[2]
+        self.set_layout(
+            "rollout", dp_rank=gen.replica(self.rank), dp_size=gen.num_replicas, tp_rank=g_tp, tp_size=gen.tg
+        )
 
     # ---- setup -------------------------------------------------------------------------------------
     @register(Protocol.ONE_TO_ALL)
@@ -97,6 +103,9 @@ class ActorRolloutRefWorker(Worker):
             self.ref = TrainEngine(load_causal_lm(m.path, device="meta"), self.ref_cfg, trainable=False)
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
+            if self.actor is not None:
+                r = self.config.rollout
+                self.resharder = Resharder(self.actor, r.reshard, r.tg)
             model = self.actor.hf_model if self.actor is not None else load_causal_lm(m.path).to(self.device)
             self.rollout = BuiltinEngine(model, self._rollout_engine_config())
         return info
@@ -110,7 +119,9 @@ class ActorRolloutRefWorker(Worker):
         kw = dict(n=r.n, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
         kw.update(overrides or {})
         call = step if step is not None else 1_000_000 + self._gen_calls
-        seed = self.config.trainer.seed * 1_000_003 + call * 7919 + self.rank
+        # per generation replica, not per rank: every reshard method draws the same samples per replica
+        replica = self.get_layout("rollout").dp_rank
+        seed = self.config.trainer.seed * 1_000_003 + call * 7919 + replica
         return SamplingParams(
             max_new_tokens=r.response_length, do_sample=kw["temperature"] > 0, seed=seed, **kw
         )
@@ -125,7 +136,7 @@ class ActorRolloutRefWorker(Worker):
         params = self.sampling_params(sampling, prompts.meta.get("global_step"))
         self._gen_calls += 1
         per_call = self.config.rollout.micro_batch_size_per_device or max(len(prompts), 1)
-        with self._generation_weights():
+        with self._generation_weights() as reshard_metrics:
             # each chunk its own seed: the same one would repeat the same random draws chunk after chunk
             outs = [
                 self.rollout.generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
@@ -133,6 +144,8 @@ class ActorRolloutRefWorker(Worker):
             ]
         out = outs[0] if len(outs) == 1 else Batch.concat(outs)
         out["response_text"] = self.decode(out["responses"], out["response_mask"])
+        if reshard_metrics:
+            out.meta["reshard_metrics"] = reshard_metrics
         return out
 
     def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -141,39 +154,25 @@ class ActorRolloutRefWorker(Worker):
 
     @contextlib.contextmanager
     def _generation_weights(self):
-        """Full weights on the rollout engine's model for the duration of a generate call."""
-        eng = self.actor
-        if eng is None or eng.mesh is None:
-            yield
+        """Switch to the generation layout for the duration of a generate call; yields a dict that is
+        filled with this round's reshard metrics (max over ranks) when the switch is back."""
+        metrics: dict[str, float] = {}
+        if self.resharder is None:
+            yield metrics
             return
-        eng.reload()
-        try:
-            if eng.mesh["tp"].size() > 1:
-                self._load_gen_copy(eng)
-                yield
-            else:
-                units = [m for m in eng.module.modules() if isinstance(m, FSDPModule)]
-                for u in units:
-                    u.unshard()
-                try:
-                    yield
-                finally:
-                    for u in units:
-                        u.reshard()
-        finally:
-            if eng.config.offload:
-                eng.offload()
+        rs = self.resharder
+        with rs.generation() as (weights, tp):
+            # hybridflow with t = 1: the weights are the model's own unsharded parameters
+            in_place = rs.method == "hybridflow" and rs.t == 1
+            self.rollout.set_shard(None if in_place else weights, tp)
+            try:
+                yield metrics
+            finally:
+                self.rollout.set_shard(None)
+        metrics.update(_max_over_ranks(rs.stats.as_metrics()))
 
     def _rollout_engine_config(self) -> BuiltinEngineConfig:
         return BuiltinEngineConfig(cpu_threads=self.config.rollout.cpu_threads)
-
-    def _load_gen_copy(self, eng: TrainEngine) -> None:
-        if self._gen_model is None:
-            hf = eng.hf_model
-            with torch.device(eng.device):
-                self._gen_model = type(hf)(hf.config).eval()
-            self.rollout = BuiltinEngine(self._gen_model, self._rollout_engine_config())
-        load_named_weights(self._gen_model, eng.iter_full_state_dict(eng.device))
 
     # ---- inference ---------------------------------------------------------------------------------
     @register(Protocol.THREE_D, layout="train")
@@ -270,3 +269,12 @@ class ActorRolloutRefWorker(Worker):
     def save_hf_model(self, path: str) -> None:
         """The actor as a plain HF directory (with the tokenizer), written by rank 0 (collective)."""
         self._engine("actor").save_hf(path, tokenizer=self.tokenizer)
+
+
+def _max_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Every rank gets the max of each value over the group (one small all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return metrics
+    t = torch.tensor(list(metrics.values()), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(metrics, t.tolist()))

@@ -105,7 +105,7 @@ def test_wrong_types_name_key_type_and_value(tmp_path):
         (["algorithm.name=grpo", "rollout.n=2", "algorithm.adv_estimator=gae"], "'gae' needs a critic"),
         (
             ["actor.parallel.tp=2", "rollout.tg=4", "resources.n_gpus_per_node=4"],
-            "rollout.tg: generation tg*pg = 4",
+            "rollout.tg = 4 must divide actor.parallel.tp = 2",
         ),
         (["actor.parallel.tp=3", "resources.n_gpus_per_node=4"], "actor.parallel: tp*pp = 3 does not divide"),
         (["trainer.loggers=[console, wandbb]"], "trainer.loggers: unknown logger 'wandbb'"),

@@ -1,4 +1,4 @@
-"""Pure layout, plan and cost checks of the 3D-HybridEngine (no processes)."""
+"""Pure layout and cost checks of the 3D-HybridEngine (no processes)."""
 
 from __future__ import annotations
 
@@ -6,20 +6,14 @@ import itertools
 
 import pytest
 
+from hybridflow.config.schema import ParallelConfig
 from hybridflow.hybrid_engine import (
     GenLayout,
-    LlamaShape,
     TrainLayout,
-    llama_param_specs,
+    fsdp_switch_cost,
+    generation_layout_errors,
     paper_table,
     switch_cost,
-)
-from hybridflow.hybrid_engine.sharding import split_bytes
-from hybridflow.hybrid_engine.switch import expected_bytes_received, switch_plan
-
-# the "medium" tiny model's shape (25M params) with a vocab divisible by 16
-MEDIUM = LlamaShape(
-    vocab_size=128, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=1536
 )
 
 
@@ -94,31 +88,48 @@ def test_bad_layouts_are_rejected_with_a_hint():
         GenLayout(TrainLayout(1, 4, 1), pg=1, tg=3)
     with pytest.raises(ValueError, match="pg=2 must divide training p=1"):
         GenLayout(TrainLayout(1, 4, 1), pg=2, tg=1)
-    with pytest.raises(ValueError, match="does not divide"):
-        LlamaShape(96, 64, 2, 4, 2, 128).check_tp(4, "training t")
 
 
-def test_plan_bytes_equal_paper_formula():
-    """Bytes per rank from the gather plans (what the counters count) vs Table 2, for many layouts.
+def test_generation_layout_errors_name_the_clashing_numbers(tmp_path):
+    from hybridflow.models.tiny import save_tiny_model
 
-    With one pipeline stage per micro-DP group the plan moves exactly the formula on the TP-split weights
-    M_s (the norms never travel); across stages it adds the norms and bucket padding, a sliver of M.
-    """
-    m_split, m_rep = split_bytes(llama_param_specs(MEDIUM, 1), 4)
-    m = m_split + m_rep
-    for train, pg, tg in layouts():
-        specs = llama_param_specs(MEDIUM, train.p)
-        for method in ("hybridflow", "allgather", "vanilla", "two_copy"):
-            gen = GenLayout(train, pg, tg, "vanilla" if method == "vanilla" else "hybridflow")
-            rank = train.world_size - 1  # not the two_copy source (unless alone)
-            if method == "two_copy" and rank == 0:
-                continue
-            got = expected_bytes_received(method, switch_plan(method, gen, specs, rank, 1 << 40), rank, 4)
-            want = switch_cost(method, m, train.p, train.t, train.d, pg, tg).comm_bytes
-            exact = switch_cost(method, m_split, train.p, train.t, train.d, pg, tg).comm_bytes
-            if train.p == 1:
-                assert got == exact, (train, pg, tg, method)
-            assert abs(got - want) <= 0.01 * m, (train, pg, tg, method, got, want)
+    model = str(save_tiny_model(tmp_path / "m", size="tiny", arch="llama"))  # 4 heads, 2 kv heads
+    assert generation_layout_errors(ParallelConfig(tp=4), 2, 1, model) == []
+    assert generation_layout_errors(ParallelConfig(tp=4), 3, 1, model) == [
+        "rollout.tg = 3 must divide actor.parallel.tp = 4 (try tg in [1, 2, 4])"
+    ]
+    assert generation_layout_errors(ParallelConfig(tp=4), 4, 1, model) == [
+        "rollout.tg = 4 must divide the model's num_attention_heads = 4 and num_key_value_heads = 2"
+    ]
+    errs = generation_layout_errors(ParallelConfig(tp=2, pp=2), 1, 2, None)
+    assert [e.split(":")[0] for e in errs] == ["actor.parallel.pp = 2", "rollout.pg = 2"]
+    gpt2 = str(save_tiny_model(tmp_path / "g", size="tiny", arch="gpt2"))
+    assert (
+        "model_type 'gpt2' generates on the HF forward"
+        in generation_layout_errors(ParallelConfig(tp=2), 1, 1, gpt2)[0]
+    )
+
+
+def test_fsdp_switch_cost_hand_computed():
+    """t = 4, d = 2, tg = 2; split weights S = 800 bytes, whole weights W = 40 bytes (docs/hybrid_engine.md).
+    Between steps a rank holds S/8 + W/2; FSDP's all-gather receives S/8 + W/2 = 120."""
+    s, w = 800, 40
+    assert fsdp_switch_cost("hybridflow", s, w, 4, 2, 2) == (120 + 400 - 200, 400 + 40)  # + S/tg - S/t
+    assert fsdp_switch_cost("allgather", s, w, 4, 2, 2) == (120 + 800 - 200, 840)  # + S - S/t; M held
+    assert fsdp_switch_cost("vanilla", s, w, 4, 2, 2) == (120 + 800 - 200, 840)
+    assert fsdp_switch_cost("two_copy", s, w, 4, 2, 2) == (120 + 840, 440)  # + a full weight broadcast
+    # the paper's rows for the TP-split part with d = 1: HybridFlow (dg-1)/t M, all-gather (t-1)/t M
+    assert (
+        fsdp_switch_cost("hybridflow", s, 0, 4, 1, 2)[0]
+        == switch_cost("hybridflow", s, 1, 4, 1, 1, 2).comm_bytes
+    )
+    assert (
+        fsdp_switch_cost("allgather", s, 0, 4, 1, 2)[0]
+        == switch_cost("allgather", s, 1, 4, 1, 1, 2).comm_bytes
+    )
+    assert fsdp_switch_cost("hybridflow", s, w, 1, 1, 1) == (0, 840)  # one rank: nothing moves
+    with pytest.raises(ValueError, match="tg=3 must divide training t=4"):
+        fsdp_switch_cost("hybridflow", s, w, 4, 1, 3)
 
 
 def test_paper_table_70b():

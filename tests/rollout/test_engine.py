@@ -250,7 +250,8 @@ def test_greedy_n_samples_equal_single_sample_repeated(models, tokenizer, arch):
 def test_mkl_packed_linear_equals_matmul_for_any_row_count():
     """Decode packs each weight once per generate call (MKL packed GEMM) and multiplies it with 1..B
     rows as rows finish; the pack must give x @ w.T at every row count, with and without bias."""
-    from hybridflow.rollout.llama_decoder import MklPacked, _mm, _mm_residual, mkl_pack_works
+    from hybridflow.rollout.llama_decoder import _mm, _mm_residual
+    from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
 
     if not mkl_pack_works():
         pytest.skip("this torch build has no MKL packed GEMM (the decoder uses transposed copies)")
@@ -266,17 +267,18 @@ def test_mkl_packed_linear_equals_matmul_for_any_row_count():
 
 
 def test_decoder_uses_mkl_packs_on_fp32_cpu(models):
-    from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, MklPacked, mkl_pack_works
+    from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder
+    from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
 
     decoder = LlamaFamilyDecoder(models["llama"], pack_weights=True)
     decoder.load()
-    qkv = decoder.layers[0][1][0][0]
+    qkv = decoder.layers[0].qkv[0][0]
     assert isinstance(qkv, MklPacked) == mkl_pack_works()
     assert isinstance(decoder.lm_head[0], MklPacked) == mkl_pack_works()
     decoder = LlamaFamilyDecoder(models["llama"], pack_weights=False)
     decoder.load()
     assert (
-        decoder.layers[0][1][0][0].data_ptr()
+        decoder.layers[0].qkv[0][0].data_ptr()
         == models["llama"].model.layers[0].self_attn.q_proj.weight.data_ptr()
     )
 
