@@ -221,7 +221,8 @@ class Resharder:
             full = torch.empty(_full_shape(local, dim, self.t), dtype=local.dtype, device=local.device)
             if in_src_group:
                 slots = torch.empty((self.t, *local.shape), dtype=local.dtype, device=local.device)
-                self.comm.gather(local.contiguous(), slots if self.rank == 0 else None, 0, self.train_tp)
+                flat = slots.view(-1) if self.rank == 0 else None
+                self.comm.gather(local.contiguous().view(-1), flat, 0, self.train_tp)
                 if self.rank == 0:
                     full.copy_(torch.cat(slots.unbind(0), dim=dim))
         else:

@@ -88,11 +88,14 @@ def build_tiny_model(size: str = "tiny", arch: str = "llama", seed: int = 0, **o
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def save_tiny_model(path: str | os.PathLike, size: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
-    """Build a tiny model + tokenizer and save both as a normal HF directory; returns the path."""
+def save_tiny_model(
+    path: str | os.PathLike, size: str = "tiny", arch: str = "llama", seed: int = 0, **overrides
+) -> Path:
+    """Build a tiny model + tokenizer and save both as a normal HF directory; returns the path.
+    overrides: HF config fields (e.g. num_key_value_heads=4 for 4-way tensor parallelism)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(size, arch, seed)
+    model = build_tiny_model(size, arch, seed, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     build_char_tokenizer().save_pretrained(path)
     return path
