@@ -1,7 +1,8 @@
 """Training and generation layouts of the actor on the same N ranks, and their process groups (pure math).
 
-Training uses (p, t, d): pipeline, tensor and data parallel sizes, rank = d_i * (p*t) + p_i * t + t_i
-(tensor parallel fastest, as in Megatron). Generation uses (pg, tg, dg, d) on the same N = p*t*d ranks,
+Training uses (p, t, d): pipeline, tensor and data parallel sizes. Rank order is the project's one
+convention, (pp, dp, tp) with tp fastest (Megatron's; controller/worker.build_device_mesh, the engines'
+("dp", "tp") mesh and the planner use it): rank = p_i * (d*t) + d_i * t + t_i. Generation uses (pg, tg, dg, d) on the same N = p*t*d ranks,
 with micro-DP size dg = p*t / (pg*tg): inside each training model-parallel group (the p*t ranks with the
 same d_i) there are dg generation replicas, each a pg x tg grid.
 
@@ -9,7 +10,7 @@ Two ways to place the generation grid (docs/design.md §4):
 - "hybridflow": generation TP groups are strided by t/tg and PP groups by p/pg, so rank (p_i, t_i) with
   t_i = g_tp * (t/tg) + m_tp and p_i = g_pp * (p/pg) + m_pp gets generation coordinates (g_pp, g_tp) and
   micro-DP index m_pp * (t/tg) + m_tp. Every rank's training shard is then part of its generation shard,
-  and the ranks holding the rest of that shard are exactly its micro-DP group (consecutive ranks).
+  and the ranks holding the rest of that shard are exactly its micro-DP group (consecutive ranks for p = 1).
 - "vanilla" (HybridFlow-V): generation groups are consecutive ranks of the model-parallel group, the
   generation TP rank is the local rank modulo tg, which in general does not own any of the weights it
   needs, so the switch must gather the whole model inside the training model-parallel group.
@@ -45,11 +46,10 @@ class TrainLayout:
         """rank -> (d_i, p_i, t_i)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside training layout of {self.world_size} ranks")
-        mp = self.p * self.t
-        return rank // mp, (rank % mp) // self.t, rank % self.t
+        return (rank // self.t) % self.d, rank // (self.d * self.t), rank % self.t
 
     def rank(self, d_i: int, p_i: int, t_i: int) -> int:
-        return d_i * self.p * self.t + p_i * self.t + t_i
+        return p_i * self.d * self.t + d_i * self.t + t_i
 
     def tp_groups(self) -> list[list[int]]:
         return _groups(self.world_size, lambda r: (self.coords(r)[0], self.coords(r)[1]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost, switch_cost
 from hybridflow.planner.memory import GRAD_BYTES_PER_PARAM
 from hybridflow.planner.specs import DeviceSpec, ModelSpec, WorkloadSpec
 
@@ -144,28 +145,34 @@ def generation_time(
     return waves * (prefill + lr * step)
 
 
-SWITCH_METHODS = ("hybridflow", "hybridflow-v", "all-gather", "two-copies")
+SWITCH_METHODS = METHODS  # one vocabulary with rollout.reshard and the worker's counters
 
 
-def switch_bytes(method: str, actor_bytes: float, p: int, t: int, d: int, pg: int, tg: int) -> float:
-    """Bytes one device receives to go from training (p, t, d) to generation (pg, tg): docs/design.md §4 Table 2.
+def switch_bytes(
+    method: str,
+    actor_bytes: float,
+    p: int,
+    t: int,
+    d: int,
+    pg: int,
+    tg: int,
+    whole_bytes: float | None = None,
+) -> float:
+    """Bytes one device receives to go from training (p, t, d) to generation (pg, tg), from
+    hybrid_engine/cost.py (the one module that writes the switch's cost down; docs/hybrid_engine.md):
+    the paper's Table 2 (Megatron training), or, given `whole_bytes` (weights not TP-split: embeddings,
+    lm_head) and p = pg = 1, the formula of the layout the engines run (FSDP2 over dp), which the actor
+    worker's counters equal.
 
     hybridflow: all-gather inside the micro-DP group (dg = p*t/(pg*tg)) of the missing shards;
-    hybridflow-v: vanilla regrouping, gather the whole model over the model-parallel group;
-    all-gather: DeepSpeed-Chat, gather everything from every rank; two-copies: OpenRLHF, a full
-    weight transfer into a second actor copy.
+    vanilla: HybridFlow-V, gather the whole model over the model-parallel group; allgather:
+    DeepSpeed-Chat, gather everything from every rank; two_copy: OpenRLHF, a full weight transfer into a
+    second actor copy.
     """
-    M = actor_bytes
-    if method == "hybridflow":
-        dg = (p * t) // (pg * tg)
-        return (dg - 1) / (p * t) * M
-    if method == "hybridflow-v":
-        return (t * p - 1) / (t * p) * M
-    if method == "all-gather":
-        return (t * p * d - 1) / (t * p * d) * M
-    if method == "two-copies":
-        return M
-    raise ValueError(f"unknown switch method {method!r}; choose one of {SWITCH_METHODS}")
+    if whole_bytes is not None and p == pg == 1:
+        split = round(actor_bytes - whole_bytes)
+        return float(fsdp_switch_cost(method, split, round(whole_bytes), t, d, tg, t * d)[0])
+    return switch_cost(method, actor_bytes, p, t, d, pg, tg).comm_bytes
 
 
 def switch_time(
@@ -179,8 +186,12 @@ def switch_time(
     tg: int,
     method: str = "hybridflow",
 ) -> float:
-    """Train -> generate transition time of the actor (generate -> train just drops the extra shards)."""
-    nbytes = switch_bytes(method, spec.num_params * dev.bytes_per_param, p, t, d, pg, tg)
+    """Train -> generate transition time of the actor (generate -> train just drops the extra shards).
+    With p = pg = 1 it prices what the engines run: FSDP2's all-gather over dp, then the method's gather
+    (embeddings and lm_head stay whole over tp: engines/parallelize.py)."""
+    bpp = dev.bytes_per_param
+    whole = 2 * spec.vocab_size * spec.hidden * bpp
+    nbytes = switch_bytes(method, spec.num_params * bpp, p, t, d, pg, tg, whole)
     if nbytes <= 0:
         return 0.0
     # Ranks are laid out TP innermost, then DP, then PP; the gather stays inside a node only if every
@@ -188,11 +199,13 @@ def switch_time(
     if method == "hybridflow":
         group = (p * t) // (pg * tg)
         span = (t * d * (p // pg - 1) + t) if p > pg else t
-    elif method == "hybridflow-v":
+    elif method == "vanilla":
         group = p * t
         span = t * d * (p - 1) + t
     else:
         group = span = p * t * d
+    if p == pg == 1 and d > 1:  # FSDP's all-gather runs over the dp group: ranks t apart
+        span = max(span, t * d)
     if span <= devices_per_node:
         bw = dev.intra_node_bandwidth
     else:

@@ -58,9 +58,9 @@ def test_switch_bytes_follow_table_2():
     """docs/design.md §4 example: training 1-4-2 (p, t, d) to generation pg = 1, tg = 2 (micro-DP dg = 2)."""
     M = 1000.0
     assert sim.switch_bytes("hybridflow", M, 1, 4, 2, 1, 2) == pytest.approx(M / 4)  # (dg-1)/(tp)
-    assert sim.switch_bytes("hybridflow-v", M, 1, 4, 2, 1, 2) == pytest.approx(3 * M / 4)  # (tp-1)/tp
-    assert sim.switch_bytes("all-gather", M, 1, 4, 2, 1, 2) == pytest.approx(7 * M / 8)  # (tpd-1)/tpd
-    assert sim.switch_bytes("two-copies", M, 1, 4, 2, 1, 2) == M
+    assert sim.switch_bytes("vanilla", M, 1, 4, 2, 1, 2) == pytest.approx(3 * M / 4)  # (tp-1)/tp
+    assert sim.switch_bytes("allgather", M, 1, 4, 2, 1, 2) == pytest.approx(7 * M / 8)  # (tpd-1)/tpd
+    assert sim.switch_bytes("two_copy", M, 1, 4, 2, 1, 2) == M
     assert sim.switch_bytes("hybridflow", M, 2, 4, 2, 2, 4) == 0  # same layout: nothing to move
     with pytest.raises(ValueError, match="hybridflow"):
         sim.switch_bytes("magic", M, 1, 4, 2, 1, 2)
