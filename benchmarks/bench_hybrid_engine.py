@@ -1,135 +1,103 @@
-"""Benchmark the actor's train -> generate switch: HybridFlow vs all-gather (DeepSpeed-Chat), HybridFlow-V
-and two copies (OpenRLHF), on 8 gloo ranks with the "medium" tiny Llama (~25M params, fp32).
+"""The 3D-HybridEngine inside `hybridflow train`: GRPO on the "medium" tiny Llama (~25M params, fp32) with
+actor tp = 4, generation tg = 2, on 4 and 8 CPU ranks (dp = 1 and 2), per `rollout.reshard` method.
 
-Per method: bytes received per rank (counted at the collectives) next to Table 2's formula, peak extra
-memory per rank (buffer ledger), and the switch time (median over repeats of the slowest rank), as ratios
-to the all-gather baseline. Then the analytic Table 2 for 7B/13B/34B/70B from the same cost code.
+Each row is one `hybridflow train` run (a subprocess, as a user runs it). Per step the actor worker logs
+`reshard/bytes_per_rank` (counted at the collectives, max over ranks), the documented formula for that
+layout and method (hybrid_engine/cost.fsdp_switch_cost), `reshard/gen_weight_bytes_per_rank` (peak
+generation weights a rank holds) and `timing_s/reshard` (train -> generate -> train, slowest rank).
+The table shows the median over the steps after the first (warm-up), and ratios to the allgather row
+(the DeepSpeed-Chat switch) of the same world size. Then the paper's Table 2 for 7B-70B from the same
+cost module.
 
-    .venv/bin/python benchmarks/bench_hybrid_engine.py [--repeats 9] [--size medium]
+    .venv/bin/python benchmarks/bench_hybrid_engine.py [--steps 4] [--worlds 4 8] [--size medium]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from hybridflow.hybrid_engine import paper_table
+from hybridflow.models.tiny import build_tiny_model, save_tiny_model
 
-from hybridflow.hybrid_engine import (
-    METHODS,
-    EngineGroups,
-    HybridEngine,
-    LlamaShape,
-    TrainLayout,
-    generation_layout,
-    llama_param_specs,
-    paper_table,
-    switch_cost,
-)
-from hybridflow.hybrid_engine.sharding import split_bytes
-
-WORLD = 8
-# (p, t, d, pg, tg): the docs/design.md §4 example, and a pipeline-to-TP switch shaped like the paper's 70B one
-LAYOUTS = [(1, 4, 2, 1, 2), (2, 4, 1, 1, 4)]
-BUCKET_BYTES = 8 << 20
+METHODS = ("hybridflow", "allgather", "two_copy")
+MIB = 1 << 20
+KEYS = {
+    "bytes": "reshard/bytes_per_rank",
+    "formula": "reshard/formula_bytes_per_rank",
+    "held": "reshard/gen_weight_bytes_per_rank",
+    "held_formula": "reshard/formula_gen_weight_bytes_per_rank",
+    "reshard_s": "timing_s/reshard",
+    "gen_s": "timing_s/gen",
+}
 
 
-def _worker(rank: int, shape: LlamaShape, repeats: int, out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + out + ".rdzv", rank=rank, world_size=WORLD)
-    rows = []
-    for p, t, d, pg, tg in LAYOUTS:
-        train = TrainLayout(p, t, d)
-        groups = EngineGroups(train, pg, tg)
-        _, p_i, t_i = train.coords(rank)
-        torch.manual_seed(rank)  # weight values do not matter for the switch cost
-        shard = {}
-        for s in llama_param_specs(shape, p):
-            if s.stage == p_i:
-                dims = list(s.shape)
-                if s.split_dim is not None:
-                    dims[s.split_dim] //= t
-                shard[s.name] = torch.randn(dims)
-        engines = {
-            m: HybridEngine(shape, shard, generation_layout(m, train, pg, tg), m, groups, BUCKET_BYTES)
-            for m in METHODS
-        }
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
-        for _ in range(repeats + 1):  # round robin, so load swings on a shared machine hit every method alike
-            for method, eng in engines.items():
-                dist.barrier()
-                eng.to_generation()
-                slowest = torch.tensor([eng.stats.seconds])
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                times[method].append(slowest.item())
-                eng.to_training()
-        for method, eng in engines.items():
-            peak = torch.tensor([eng.stats.peak_extra_bytes], dtype=torch.float64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            rows.append(
-                dict(
-                    layout=(p, t, d, pg, tg),
-                    method=method,
-                    bytes=eng.stats.bytes_received,
-                    peak=int(peak[0]),
-                    seconds=statistics.median(times[method][1:]),  # the first round warms up connections
-                )
-            )
-    if rank == WORLD - 1:  # not the two_copy source rank: its bytes are the broadcast receivers'
-        torch.save(rows, out)
-    dist.barrier()
-    dist.destroy_process_group()
+def run(model: Path, out: Path, world: int, method: str, steps: int, tp: int, tg: int) -> dict:
+    name = f"w{world}_{method}"
+    overrides = [
+        f"model.path={model}", "data.dataset=synthetic:arithmetic",
+        "data.dataset_kwargs={num_samples: 256, val_size: 8, max_operand: 19}", "data.max_prompt_length=16",
+        "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "rollout.n=4", "rollout.response_length=8",
+        f"actor.parallel.tp={tp}", f"rollout.tg={tg}", f"rollout.reshard={method}",
+        "reward.num_workers=0", "resources.device=cpu", f"resources.n_gpus_per_node={world}",
+        f"trainer.total_steps={steps}", "trainer.val_before_train=false", "trainer.val_every=0",
+        "trainer.loggers=[jsonl]", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
+        "trainer.resume=never",
+    ]  # fmt: skip
+    cfg = out / "grpo.yaml"
+    cfg.write_text("algorithm: {name: grpo}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRIDFLOW_CPU_THREADS="1")
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(cfg), *overrides]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if KEYS["bytes"] in r][1:]  # the first step warms up
+    return {k: statistics.median(r[key] for r in rows) for k, key in KEYS.items()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=9, help="timed switches per method (median reported)")
-    ap.add_argument("--size", default="medium", help="tiny-model size from hybridflow/models/tiny.py")
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--size", default="medium")
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--tg", type=int, default=2)
     args = ap.parse_args()
-    from hybridflow.models.tiny import build_tiny_config
-
-    shape = LlamaShape.from_hf_config(build_tiny_config(args.size, "llama"))
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.pt")
-        mp.start_processes(_worker, args=(shape, args.repeats, out), nprocs=WORLD, start_method="spawn")
-        rows = torch.load(out, weights_only=False)
-    m_split, m_rep = split_bytes(llama_param_specs(shape, 1), 4)
-    m = m_split + m_rep
-    mb = 1 / 2**20
-    print(
-        f"\nmodel: {args.size} Llama, {m / 4 / 1e6:.1f}M params, M = {m * mb:.1f} MiB fp32 "
-        f"(TP-split weights M_s = {m_split * mb:.2f} MiB, norms {m_rep / 1024:.1f} KiB); {WORLD} gloo ranks on "
-        f"{os.cpu_count()} CPU cores; {args.repeats} timed switches, bucket {BUCKET_BYTES >> 20} MiB/rank\n"
-    )
-    for p, t, d, pg, tg in LAYOUTS:
-        sel = {r["method"]: r for r in rows if r["layout"] == (p, t, d, pg, tg)}
-        base = sel["allgather"]
-        dg = p * t // (pg * tg)
-        print(f"training p-t-d {p}-{t}-{d} -> generation pg-tg-dg-d {pg}-{tg}-{dg}-{d}\n")
+        tmp = Path(tmp)
+        model = save_tiny_model(tmp / "model", size=args.size)
+        n_params = sum(p.numel() for p in build_tiny_model(args.size).parameters())
         print(
-            "| method | MiB received / rank | Table 2 formula (M_s) MiB | measured / formula | "
-            "peak extra MiB / rank | switch ms (median) | bytes vs all-gather | time vs all-gather |"
+            f"model: {args.size} Llama, {n_params / 1e6:.1f}M params, M = {4 * n_params / MIB:.1f} MiB fp32; "
+            f"GRPO via `hybridflow train`, actor tp={args.tp}, rollout.tg={args.tg}; median of steps 2..{args.steps}\n"
         )
-        print("|---|---|---|---|---|---|---|---|")
-        for method in METHODS:
-            r = sel[method]
-            f = switch_cost(method, m_split, p, t, d, pg, tg).comm_bytes
-            print(
-                f"| {method} | {r['bytes'] * mb:.2f} | {f * mb:.2f} | {r['bytes'] / f:.4f} | {r['peak'] * mb:.2f} | "
-                f"{r['seconds'] * 1e3:.1f} | {r['bytes'] / base['bytes']:.3f}x | "
-                f"{r['seconds'] / base['seconds']:.3f}x |"
-            )
-        print()
-    print("Analytic Table 2 (bf16 weights, per GPU; same `switch_cost` code):\n")
+        for world in args.worlds:
+            res = {m: run(model, tmp, world, m, args.steps, args.tp, args.tg) for m in METHODS}
+            base = res["allgather"]
+            print(f"{world} ranks: training t-d {args.tp}-{world // args.tp} -> generation tg {args.tg}, "
+                  f"{world // args.tg} replicas\n")  # fmt: skip
+            print("| method | MiB received / rank | formula MiB | measured / formula | gen weights MiB / rank "
+                  "(formula) | reshard ms | gen s | bytes vs allgather | gen weights vs allgather | "
+                  "reshard time vs allgather |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|---|---|")
+            for m, r in res.items():
+                print(
+                    f"| {m} | {r['bytes'] / MIB:.2f} | {r['formula'] / MIB:.2f} | "
+                    f"{r['bytes'] / r['formula']:.4f} | {r['held'] / MIB:.2f} ({r['held_formula'] / MIB:.2f}) | "
+                    f"{1e3 * r['reshard_s']:.1f} | {r['gen_s']:.2f} | {r['bytes'] / base['bytes']:.3f}x | "
+                    f"{r['held'] / base['held']:.3f}x | {r['reshard_s'] / base['reshard_s']:.3f}x |"
+                )
+            print()
+    print(
+        "Analytic Table 2 (bf16 weights, per GPU; Megatron-style training; hybrid_engine/cost.switch_cost):\n"
+    )
     print(paper_table())
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,10 +1,12 @@
 """The built-in generation engine: batched prefill + incremental decode on the actor's own model.
 
 It holds a reference to the HF model it is given (the training actor's) and reads its parameters at
-every `generate`, so there is no weight copy when training and generation share a device and layout
-(docs/design.md §4). The parameters must be full tensors at that moment: an FSDP2-sharded actor is unsharded
-first (`model.unshard()`), a tensor-parallel one is gathered (3D-HybridEngine resharding). Llama / Qwen2 / Mistral run on a lean functional forward with a static KV cache
-(`llama_decoder.py`); other architectures fall back to the HF forward (`hf_decoder.py`).
+every `generate`, so there is no weight copy when training and generation share a device and layout.
+Under the 3D-HybridEngine (docs/hybrid_engine.md) the actor's Resharder hands it this rank's generation
+shard and tensor-parallel group instead (`set_shard`) for the duration of a call. Llama / Qwen2 / Mistral
+run on a lean functional forward with a static KV cache (`llama_decoder.py`, tensor-parallel when given
+a group); other architectures fall back to the HF forward on the model's own whole weights
+(`hf_decoder.py`).
 
 Finished rows stop costing compute: when the finished rows still in the decode batch exceed
 `compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
