@@ -6,9 +6,8 @@ collective (the one Table 2 of the paper uses):
 - broadcast of b bytes: every non-root rank receives b; the root sends b per receiver;
 - gather of c-byte slots to a root: the root receives (n-1)*c, every other member sends c.
 
-Peak memory: CPU tensors have no allocator statistics, so every buffer the switch creates comes from
-`MemoryLedger.empty` and is returned with `release`; the ledger keeps the running and peak byte counts.
-Views (the generation weights are views into gathered buffers) cost nothing and are not counted.
+Peak memory: CPU tensors have no allocator statistics, so the switch tells the ledger what it holds for
+generation (`hold`) and what it holds only while one unit is switched (`transient`).
 """
 
 from __future__ import annotations
@@ -84,23 +83,20 @@ class CountedComm:
 
 
 class MemoryLedger:
-    """Running and peak bytes of the buffers a switch allocates (CPU has no memory_allocated())."""
+    """Running and peak bytes of the generation weights a switch holds (CPU has no memory_allocated())."""
 
-    def __init__(self):
-        self.current = 0
-        self.peak = 0
+    def __init__(self, resident: int = 0):
+        self.current = self.peak = resident
 
-    def empty(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype, device=device)
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """Count `t` as held from now on (until the ledger is replaced); returns it."""
         self.current += _nbytes(t)
         self.peak = max(self.peak, self.current)
         return t
 
-    def release(self, t: torch.Tensor) -> None:
-        self.current -= _nbytes(t)
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
+    def transient(self, nbytes: int) -> None:
+        """Count `nbytes` held on top of the current bytes for a moment (a unit being switched)."""
+        self.peak = max(self.peak, self.current + nbytes)
 
 
 def _nbytes(t: torch.Tensor) -> int:

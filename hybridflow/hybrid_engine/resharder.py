@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from hybridflow.engines.parallelize import decoder_layers
 from hybridflow.hybrid_engine.comm import CountedComm, MemoryLedger
 from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost
 from hybridflow.hybrid_engine.layout import GenLayout, TrainLayout
@@ -80,7 +81,7 @@ def generation_layout(method: str, t: int, d: int, tg: int) -> GenLayout:
 class Resharder:
     """Owns the actor's generation weights. `with r.generation() as (weights, tp): ...` gives this rank's
     generation shard (HF name -> tensor) and its TPGroup (None when tg == 1); `r.stats` then holds the
-    round's counters. rank: this process's global rank (the training mesh is (dp, tp) over all ranks)."""
+    round's counters. engine: the actor's TrainEngine, whose ("dp", "tp") mesh spans all ranks."""
 
     def __init__(self, engine, method: str = "hybridflow", tg: int = 1):
         self.engine, self.method = engine, method
@@ -112,8 +113,6 @@ class Resharder:
         """(FSDP unit or None, parameter names) in forward order: each decoder layer, then the root."""
         names = [n for n, _ in self.engine.hf_model.named_parameters()]
         layer_of = {n: int(m.group(1)) for n in names if (m := _LAYER.search("." + n))}
-        from hybridflow.engines.parallelize import decoder_layers
-
         layers = decoder_layers(self.engine.hf_model)
         units = []
         for i, layer in enumerate(layers):
@@ -130,9 +129,8 @@ class Resharder:
         eng = self.engine
         eng.reload()
         self.comm.reset()
-        self.ledger = MemoryLedger()
-        if self._copy is not None:  # two_copy's resident copy counts all the time
-            self.ledger.current = self.ledger.peak = sum(_nbytes(v) for v in self._copy.values())
+        # two_copy's resident copy counts all the time
+        self.ledger = MemoryLedger(sum(_nbytes(v) for v in (self._copy or {}).values()))
         start = time.perf_counter()
         weights, split_bytes, whole_bytes, fsdp_bytes = self._to_generation()
         seconds = time.perf_counter() - start
@@ -148,14 +146,11 @@ class Resharder:
                 eng.offload()
             seconds += time.perf_counter() - start
         received, held = fsdp_switch_cost(
-            self.method, split_bytes, whole_bytes, self.t, self.d, self.tg, self._world()
+            self.method, split_bytes, whole_bytes, self.t, self.d, self.tg, self.t * self.d
         )
         self.stats = ReshardStats(
             fsdp_bytes + self.comm.stats.bytes_received, received, self.ledger.peak, held, seconds
         )
-
-    def _world(self) -> int:
-        return self.t * self.d
 
     def _to_generation(self):
         hf = self.engine.hf_model
@@ -180,7 +175,7 @@ class Resharder:
                 out[name] = self._generation_tensor(name, local, dim)
             keep = self.method == "hybridflow" and self.st == 1
             if not keep:  # the unsharded unit was a transient: peak while this unit's tensors exist
-                self.ledger.peak = max(self.ledger.peak, self.ledger.current + transient)
+                self.ledger.transient(transient)
             if unit is not None:
                 if keep:
                     self._kept.append(unit)
@@ -192,15 +187,17 @@ class Resharder:
         """This rank's generation tensor for one weight, from its (dp-unsharded) training tensor."""
         m = self.method
         if m == "hybridflow" and self.st == 1:
-            self._hold(local)  # the unit stays unsharded: its own tensors are the generation weights
+            self.ledger.hold(local)  # the unit stays unsharded: its own tensors are the generation weights
             return local
         if m == "two_copy":
             return self._refresh_copy(name, local, dim)
         if dim is None:
-            return self._hold(local.clone())
+            return self.ledger.hold(local.clone())
         if m == "hybridflow":
-            return self._hold(self._gather(local, dim, self.micro, self.st))
-        full = self._hold(self._gather(local, dim, self.train_tp, self.t))  # allgather / vanilla: hold M
+            return self.ledger.hold(self._gather(local, dim, self.micro, self.st))
+        full = self.ledger.hold(
+            self._gather(local, dim, self.train_tp, self.t)
+        )  # allgather / vanilla: hold M
         return full.chunk(self.tg, dim)[self.g_tp]
 
     def _gather(self, local: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
@@ -227,21 +224,16 @@ class Resharder:
                     full.copy_(torch.cat(slots.unbind(0), dim=dim))
         else:
             full = local.contiguous().clone() if self.rank == 0 else torch.empty_like(local)
-        self.ledger.peak = max(self.ledger.peak, self.ledger.current + _nbytes(full))
+        self.ledger.transient(_nbytes(full))
         self.comm.broadcast(full, src=0, group=None)
         piece = full if dim is None else full.chunk(self.tg, dim)[self.g_tp]
         if self._copy is None:
             self._copy = {}
         if name not in self._copy:
-            self._copy[name] = self._hold(piece.clone())
+            self._copy[name] = self.ledger.hold(piece.clone())
         else:
             self._copy[name].copy_(piece)
         return self._copy[name]
-
-    def _hold(self, t: torch.Tensor) -> torch.Tensor:
-        self.ledger.current += _nbytes(t)
-        self.ledger.peak = max(self.ledger.peak, self.ledger.current)
-        return t
 
 
 def _local(p: torch.Tensor) -> tuple[torch.Tensor, int | None]:
