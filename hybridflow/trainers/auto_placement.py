@@ -21,8 +21,9 @@ Departures: the training engine has no pipeline parallelism and shards whole hea
 columns, so `auto` plans under `ENGINE_LIMITS` (p = pg = 1, t dividing all three; the paper's
 auto_parallel allows p > 1 and replicated KV heads). A plan file may come from an unconstrained
 `hybridflow plan`: one with p > 1, or a t that does not divide the heads, is refused with what to
-change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg; the built-in rollout
-currently generates with full weights on every rank whatever they say.
+change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg (the 3D-HybridEngine runs them,
+docs/hybrid_engine.md); a model the plan checkpoints or offloads gets gradient_checkpointing / offload
+turned on (a setting the user turned on stays on).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class RoleParallel:
     dp: int
     pg: int = 1
     tg: int = 1
+    checkpoint: bool = False  # the plan's activation checkpointing for this model
+    offload: bool = False  # the plan parks this model's state in host memory between its stages
 
 
 # ---- config -> planner inputs ----------------------------------------------------------------------
@@ -303,7 +306,7 @@ def placement_from_plan(p: Plan, cfg, source: str = "plan"):
     for role in trainer_roles(cfg):
         m = p.model(PLANNER_ROLE[role])
         roles[role] = m.pool
-        parallel[role] = RoleParallel(pp=m.p, tp=m.t, dp=m.d, pg=m.pg, tg=m.tg)
+        parallel[role] = RoleParallel(m.p, m.t, m.d, m.pg, m.tg, m.checkpoint, m.offload)
     return Placement(pools, roles, parallel=parallel, plan=p)
 
 

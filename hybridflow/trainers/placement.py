@@ -81,17 +81,23 @@ def role_config(cfg, placement: Placement, role: str):
     sections = {"actor_rollout": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "reward": cfg.reward}
     for r, section in sections.items():
         if r in placement.parallel:
-            _set_parallel(section.parallel, placement.parallel[r])
+            _set_parallel(section, placement.parallel[r])
     if role == "cost" and "cost" in placement.parallel:
-        _set_parallel(cfg.reward.parallel, placement.parallel["cost"])
+        _set_parallel(cfg.reward, placement.parallel["cost"])
     actor = placement.parallel.get("actor_rollout")
     if actor is not None:
         cfg.rollout.pg, cfg.rollout.tg = actor.pg, actor.tg
     return cfg
 
 
-def _set_parallel(section_parallel, sizes) -> None:
-    section_parallel.pp, section_parallel.tp, section_parallel.dp = sizes.pp, sizes.tp, sizes.dp
+def _set_parallel(section, sizes) -> None:
+    p = section.parallel
+    p.pp, p.tp, p.dp = sizes.pp, sizes.tp, sizes.dp
+    # the plan's memory choices (auto_placement.RoleParallel); a setting the user turned on stays on
+    if getattr(sizes, "checkpoint", False) and hasattr(section, "gradient_checkpointing"):
+        section.gradient_checkpointing = True
+    if getattr(sizes, "offload", False) and hasattr(section, "offload"):
+        section.offload = True
 
 
 def _use_gpu(cfg) -> bool | None:

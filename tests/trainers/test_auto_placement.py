@@ -91,7 +91,7 @@ def test_plan_becomes_pools_roles_and_layouts(make_config, tiny_model_dir):
     reward model is skipped (its pool too, if it had one alone), names map to the trainer's roles, and
     each role's worker config carries the plan's sizes."""
     p = _tiny_plan(tiny_model_dir, "ppo", 4, reward_model=True)
-    p = _with_model(p, "actor", t=2, d=p.model("actor").n_devices // 2, tg=2)
+    p = _with_model(p, "actor", t=2, d=p.model("actor").n_devices // 2, tg=2, checkpoint=True, offload=True)
     cfg = make_config("ppo", "algorithm.kl.in_reward=true", devices=4)
     placement = placement_from_plan(p, cfg)
     assert placement.plan is p
@@ -109,6 +109,9 @@ def test_plan_becomes_pools_roles_and_layouts(make_config, tiny_model_dir):
         2, p.model("actor").d, 2,
     )  # fmt: skip
     assert worker_cfg.critic.parallel.dp == p.model("critic").d
+    # the plan's memory choices are applied, not just planned
+    assert worker_cfg.actor.gradient_checkpointing and worker_cfg.actor.offload
+    assert not cfg.actor.gradient_checkpointing and not cfg.actor.offload
     assert cfg.actor.parallel.tp == 1  # the trainer's own config is untouched
 
 
