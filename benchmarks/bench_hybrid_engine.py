@@ -1,7 +1,8 @@
 """The 3D-HybridEngine inside `hybridflow train`: GRPO on the "medium" tiny Llama (~25M params, fp32) with
 actor tp = 4, generation tg = 2, on 4 and 8 CPU ranks (dp = 1 and 2), per `rollout.reshard` method.
 
-Each row is one `hybridflow train` run (a subprocess, as a user runs it). Per step the actor worker logs
+Each row is one `hybridflow train` run (the CLI's entry point, in this process, on one shared local Ray
+cluster). Per step the actor worker logs
 `reshard/bytes_per_rank` (counted at the collectives, max over ranks), the documented formula for that
 layout and method (hybrid_engine/cost.fsdp_switch_cost), `reshard/gen_weight_bytes_per_rank` (peak
 generation weights a rank holds) and `timing_s/reshard` (train -> generate -> train, slowest rank).
@@ -18,11 +19,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import ray
+
+from hybridflow.cli import main as cli_main
 from hybridflow.hybrid_engine import paper_table
 from hybridflow.models.tiny import build_tiny_model, save_tiny_model
 
@@ -52,9 +55,8 @@ def run(model: Path, out: Path, world: int, method: str, steps: int, tp: int, tg
     ]  # fmt: skip
     cfg = out / "grpo.yaml"
     cfg.write_text("algorithm: {name: grpo}\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRIDFLOW_CPU_THREADS="1")
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(cfg), *overrides]
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if cli_main(["train", str(cfg), *overrides]) != 0:
+        sys.exit(f"{name}: hybridflow train failed")
     rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if KEYS["bytes"] in r][1:]  # the first step warms up
     return {k: statistics.median(r[key] for r in rows) for k, key in KEYS.items()}
@@ -68,6 +70,11 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--tg", type=int, default=2)
     args = ap.parse_args()
+    os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")
+    # one local Ray cluster for every run (the runs join it instead of starting their own)
+    ray.init(
+        num_cpus=2 * max(args.worlds), include_dashboard=False, log_to_driver=False, configure_logging=False
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = save_tiny_model(tmp / "model", size=args.size)

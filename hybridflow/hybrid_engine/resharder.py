@@ -109,6 +109,12 @@ class Resharder:
         self._copy: dict[str, torch.Tensor] | None = None  # two_copy's resident generation copy
         self._kept: list[FSDPModule] = []
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the generation weights are the model's own (FSDP-unsharded) parameters: hybridflow
+        with t = 1, so an engine reading the model needs no shard (the HF fallback decoder relies on it)."""
+        return self.method == "hybridflow" and self.t == 1
+
     def _units(self) -> list[tuple[torch.nn.Module | None, list[str]]]:
         """(FSDP unit or None, parameter names) in forward order: each decoder layer, then the root."""
         names = [n for n, _ in self.engine.hf_model.named_parameters()]

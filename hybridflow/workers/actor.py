@@ -162,9 +162,7 @@ class ActorRolloutRefWorker(Worker):
             return
         rs = self.resharder
         with rs.generation() as (weights, tp):
-            # hybridflow with t = 1: the weights are the model's own unsharded parameters
-            in_place = rs.method == "hybridflow" and rs.t == 1
-            self.rollout.set_shard(None if in_place else weights, tp)
+            self.rollout.set_shard(None if rs.in_place else weights, tp)
             try:
                 yield metrics
             finally:
