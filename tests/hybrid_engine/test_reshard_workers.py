@@ -31,6 +31,8 @@ LAYOUTS = {
     "tp4_tg2_allgather": (4, 2, "allgather"),
     "tp4_tg2_vanilla": (4, 2, "vanilla"),
     "tp4_tg2_two_copy": (4, 2, "two_copy"),
+    "qwen2_tp1": (1, 1, "hybridflow"),  # Qwen2: q/k/v biases, split over TP like their weights
+    "qwen2_tp4_tg2": (4, 2, "hybridflow"),
 }
 GREEDY = {"n": 1, "temperature": 0.0}
 
@@ -40,9 +42,10 @@ def setup(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
     # 4 kv heads so that tp = 4 can split them; a larger init scale so greedy tokens notice any layout bug
     model = save_tiny_model(tmp / "model", num_key_value_heads=4, initializer_range=0.2)
+    qwen2 = save_tiny_model(tmp / "qwen2", arch="qwen2", num_key_value_heads=4, initializer_range=0.2)
     roles = {}
     for name, (tp, tg, method) in LAYOUTS.items():
-        cfg = tiny_config(model, tmp / "runs", "grpo", f"actor.parallel.tp={tp}", f"rollout.tg={tg}",
+        cfg = tiny_config(qwen2 if name.startswith("qwen2") else model, tmp / "runs", "grpo", f"actor.parallel.tp={tp}", f"rollout.tg={tg}",
                           f"rollout.reshard={method}", "rollout.response_length=6", "actor.optim.lr=5e-2",
                           "actor.micro_batch_size_per_device=64", devices=4)  # fmt: skip
         roles[name] = (ActorRolloutRefWorker, {"config": cfg, "roles": ("actor", "rollout")})
@@ -65,10 +68,12 @@ def _unit_bytes(tp: int, vocab: int) -> int:
 
 def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
     groups, prompts = setup
-    ref = groups["tp1"].generate_sequences(prompts, sampling=GREEDY)
-    assert ref["responses"].shape == (6, 6)
+    refs = {a: groups[f"{a}tp1"].generate_sequences(prompts, sampling=GREEDY) for a in ("", "qwen2_")}
+    assert refs[""]["responses"].shape == (6, 6)
+    assert not torch.equal(refs[""]["responses"], refs["qwen2_"]["responses"])
     vocab = _vocab()
     for name, (tp, _tg, method) in LAYOUTS.items():
+        ref = refs["qwen2_" if name.startswith("qwen2") else ""]
         out = groups[name].generate_sequences(prompts, sampling=GREEDY)
         assert torch.equal(out["responses"], ref["responses"]), name
         assert torch.equal(out["response_mask"], ref["response_mask"]), name
