@@ -131,26 +131,24 @@ class Resharder:
     # ---- the switch -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def generation(self):
-        """train -> generate on entry, generate -> train on exit; counters in self.stats."""
-        eng = self.engine
-        eng.reload()
+        """train -> generate on entry, generate -> train on exit; counters in self.stats. The engine's
+        parameters stay on the device for the duration (with offload: moved in and out once)."""
         self.comm.reset()
         # two_copy's resident copy counts all the time
         self.ledger = MemoryLedger(sum(_nbytes(v) for v in (self._copy or {}).values()))
-        start = time.perf_counter()
-        weights, split_bytes, whole_bytes, fsdp_bytes = self._to_generation()
-        seconds = time.perf_counter() - start
-        try:
-            yield weights, self.tp
-        finally:
+        with self.engine.phase():
             start = time.perf_counter()
-            for unit in self._kept:
-                unit.reshard()
-            self._kept = []
-            del weights
-            if eng.config.offload:
-                eng.offload()
-            seconds += time.perf_counter() - start
+            weights, split_bytes, whole_bytes, fsdp_bytes = self._to_generation()
+            seconds = time.perf_counter() - start
+            try:
+                yield weights, self.tp
+            finally:
+                start = time.perf_counter()
+                for unit in self._kept:
+                    unit.reshard()
+                self._kept = []
+                del weights
+                seconds += time.perf_counter() - start
         received, held = fsdp_switch_cost(
             self.method, split_bytes, whole_bytes, self.t, self.d, self.tg, self.t * self.d
         )
