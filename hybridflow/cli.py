@@ -24,12 +24,16 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridflow import __version__
+
     parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training of LLMs (HybridFlow).")
+    parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
-        if "--help" in sys.argv or "-h" in sys.argv or name in sys.argv[1:2]:
+        # only the command being run imports its module (and that module imports torch/Ray lazily)
+        if name in sys.argv[1:2]:
             try:
                 importlib.import_module(module).add_arguments(p)
             except ModuleNotFoundError as e:
@@ -44,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:])
+    args, extra = parser.parse_known_args(sys.argv[1:])
+    # argparse stops filling positionals at an option (`config show --verl a=b`): the rest are overrides
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*(args.overrides or []), *extra]
+    elif extra:
+        parser.parse_args(sys.argv[1:])  # the usual "unrecognized arguments" error and exit 2
     if not args.command:
         parser.print_help()
         return 0

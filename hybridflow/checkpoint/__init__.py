@@ -10,18 +10,29 @@ Worker side (every rank): save_engine_state(engine, path, rank) / load_engine_st
 Export: export_hf(run_dir_or_step_dir, out_dir) or `hybridflow export`.
 """
 
-from hybridflow.checkpoint.engine_state import load_engine_state, read_engine_info, save_engine_state
-from hybridflow.checkpoint.export import export_hf
-from hybridflow.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    atomic_write_text,
-    config_hash,
-    find_checkpoint,
-    read_manifest,
+from hybridflow._lazy import lazy_exports
+
+# loaded on first use (PEP 562), so CLI --help does not import torch
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "load_engine_state": "engine_state",
+        "read_engine_info": "engine_state",
+        "save_engine_state": "engine_state",
+        "export_hf": "export",
+        "CheckpointError": "manager",
+        "CheckpointManager": "manager",
+        "atomic_write_text": "manager",
+        "config_hash": "manager",
+        "find_checkpoint": "manager",
+        "read_manifest": "manager",
+        "capture_rng_state": "rng",
+        "restore_rng_state": "rng",
+        "TRAINER_STATE": "trainer_state",
+        "load_trainer_state": "trainer_state",
+        "save_trainer_state": "trainer_state",
+    },
 )
-from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
-from hybridflow.checkpoint.trainer_state import TRAINER_STATE, load_trainer_state, save_trainer_state
 
 __all__ = [
     "TRAINER_STATE",

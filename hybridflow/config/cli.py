@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-5")
     parser.add_argument("--comments", action="store_true", help="append each field's help as a comment")
     parser.add_argument("--no-validate", action="store_true", help="print even if the config is inconsistent")
+    parser.add_argument(
+        "--verl", action="store_true", help="read verl's config layout and keys (docs/verl.md)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]  # only overrides were given
     try:
-        cfg = load_config(config, overrides, validate=not args.no_validate)
+        cfg = load_config(config, overrides, validate=not args.no_validate, verl=True if args.verl else None)
     except ConfigError as e:
         print(f"hybridflow config: {e}", file=sys.stderr)
         return 2

@@ -52,7 +52,13 @@ def leaf_paths(cls=HybridFlowConfig, prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str, path: str, candidates: list[str]) -> str:
-    """' (did you mean 'actor.optim.lr'?)' from siblings first, then from any key with a close last part."""
+    """' (did you mean 'actor.optim.lr'?)': a verl/TRL name's meaning first (config/aliases.py), then
+    spelling: siblings, then any key with a close last part."""
+    from hybridflow.config.aliases import alias_for
+
+    alias = alias_for(path)
+    if alias:
+        return f" (did you mean '{alias}'? its verl/TRL name)"
     prefix = path.rpartition(".")[0]
     near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if near:
@@ -193,8 +199,10 @@ def config_to_dict(cfg) -> dict:
 
 def config_from_dict(data: dict | None, cls=HybridFlowConfig):
     """Build a typed config from a nested mapping; raises ConfigError listing every bad key/value."""
+    from hybridflow.config.aliases import normalize_values
+
     errors: list[str] = []
-    cfg = _build(cls, data or {}, "", errors)
+    cfg = _build(cls, normalize_values(_deep_merge({}, data or {})), "", errors)
     if errors:
         raise ConfigError(errors)
     return cfg
@@ -244,6 +252,12 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
+def _print_note(note: str) -> None:
+    import sys
+
+    print(f"hybridflow: {note}", file=sys.stderr)
+
+
 def load_config(
     path: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
@@ -251,15 +265,25 @@ def load_config(
     resolve: bool = True,
     validate: bool = True,
     check_model: bool = True,
+    verl: bool | None = None,
+    notes=None,
 ) -> HybridFlowConfig:
     """defaults <- YAML `path` <- `overrides`, typed, resolved and validated (raises ConfigError).
 
     check_model: look at the disk: the model directory (its config.json: lengths against the context)
     and that the data files exist.
+    verl: read verl's layout and keys (config/verl.py; None = when a verl-only section appears);
+    each verl key without an equivalent is passed to `notes` (default: printed to stderr).
     """
     from hybridflow.config.validate import resolve_config, validate_config
+    from hybridflow.config.verl import from_verl, is_verl_config
 
     data = load_yaml(path) if path else {}
+    if verl or (verl is None and is_verl_config(data, overrides)):
+        data, verl_notes = from_verl(data, overrides)
+        overrides = ()
+        for note in verl_notes:
+            (notes or _print_note)(note)
     cfg = config_from_dict(apply_overrides(data, overrides))
     if resolve:
         cfg = resolve_config(cfg)

@@ -6,12 +6,32 @@ a resumable data loader, and GSM8K/MATH preprocessing.
     batch = loader.next_batch()   # Batch: input_ids/attention_mask/position_ids + uid, ground_truth, ...
 """
 
-from hybridflow.data.collate import collate_prompt_response, left_pad, position_ids_from_mask, right_pad
-from hybridflow.data.files import DatasetError, read_rows, write_jsonl, write_parquet
-from hybridflow.data.loader import StatefulDataLoader
-from hybridflow.data.pairs import PairDataset, PairSample, build_pair_dataset
-from hybridflow.data.prompts import PromptDataset, PromptSample, build_prompt_dataset
-from hybridflow.data.registry import get_dataset, list_datasets, register_dataset
+from hybridflow._lazy import lazy_exports
+
+# loaded on first use (PEP 562), so CLI --help does not import torch
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "collate_prompt_response": "collate",
+        "left_pad": "collate",
+        "position_ids_from_mask": "collate",
+        "right_pad": "collate",
+        "DatasetError": "files",
+        "read_rows": "files",
+        "write_jsonl": "files",
+        "write_parquet": "files",
+        "StatefulDataLoader": "loader",
+        "PairDataset": "pairs",
+        "PairSample": "pairs",
+        "build_pair_dataset": "pairs",
+        "PromptDataset": "prompts",
+        "PromptSample": "prompts",
+        "build_prompt_dataset": "prompts",
+        "get_dataset": "registry",
+        "list_datasets": "registry",
+        "register_dataset": "registry",
+    },
+)
 
 __all__ = [
     "DatasetError",

@@ -12,34 +12,51 @@ cli.py           `hybridflow train CONFIG [overrides]`
 eval_cli.py      `hybridflow eval SOURCE [overrides]`: validation only, from a checkpoint or an HF directory
 """
 
-from hybridflow.trainers.base import Trainer
-from hybridflow.trainers.grpo import GRPOTrainer
-from hybridflow.trainers.offline import DPOTrainer, SFTTrainer
-from hybridflow.trainers.placement import Placement
-from hybridflow.trainers.ppo import PPOTrainer
-from hybridflow.trainers.reinforce_pp import ReinforcePPTrainer
-from hybridflow.trainers.remax import ReMaxTrainer
-from hybridflow.trainers.rloo import RLOOTrainer
-from hybridflow.trainers.safe_rlhf import SafeRLHFTrainer
+from hybridflow._lazy import lazy_exports
 
-TRAINERS = {
-    "ppo": PPOTrainer,
-    "grpo": GRPOTrainer,
-    "remax": ReMaxTrainer,
-    "rloo": RLOOTrainer,
-    "reinforce_pp": ReinforcePPTrainer,
-    "safe_rlhf": SafeRLHFTrainer,
-    "dpo": DPOTrainer,
-    "sft": SFTTrainer,
+# name -> submodule, loaded on first use (PEP 562) so `hybridflow train --help` does not import torch/Ray
+_LAZY = {
+    "Trainer": "base",
+    "GRPOTrainer": "grpo",
+    "DPOTrainer": "offline",
+    "SFTTrainer": "offline",
+    "Placement": "placement",
+    "PPOTrainer": "ppo",
+    "ReinforcePPTrainer": "reinforce_pp",
+    "ReMaxTrainer": "remax",
+    "RLOOTrainer": "rloo",
+    "SafeRLHFTrainer": "safe_rlhf",
 }
+_lazy = lazy_exports(__name__, _LAZY)
 
 
-def build_trainer(config, placement: Placement | None = None, groups: dict | None = None) -> Trainer:
+def __getattr__(name: str):
+    if name == "TRAINERS":
+        return _trainers()
+    return _lazy(name)
+
+
+def _trainers() -> dict:
+    g = _lazy
+    return {
+        "ppo": g("PPOTrainer"),
+        "grpo": g("GRPOTrainer"),
+        "remax": g("ReMaxTrainer"),
+        "rloo": g("RLOOTrainer"),
+        "reinforce_pp": g("ReinforcePPTrainer"),
+        "safe_rlhf": g("SafeRLHFTrainer"),
+        "dpo": g("DPOTrainer"),
+        "sft": g("SFTTrainer"),
+    }
+
+
+def build_trainer(config, placement=None, groups: dict | None = None):
     """The trainer of config.algorithm.name, with its worker groups started (or `groups` reused)."""
     name = config.algorithm.name
-    if name not in TRAINERS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(TRAINERS)}")
-    return TRAINERS[name](config, placement, groups)
+    trainers = _trainers()
+    if name not in trainers:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(trainers)}")
+    return trainers[name](config, placement, groups)
 
 
 __all__ = [

@@ -16,9 +16,14 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file (see examples/configs)")
+    parser.add_argument("config", help="YAML config file (see examples/configs), or the first override")
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-5 trainer.total_steps=10"
+    )
+    parser.add_argument(
+        "--verl",
+        action="store_true",
+        help="read verl's config layout and keys (docs/verl.md); detected when a verl-only section is used",
     )
 
 
@@ -28,6 +33,13 @@ def one_line(error: Exception) -> str:
     if problems:
         return "invalid config: " + "; ".join(problems)
     return " ".join(str(error).split())
+
+
+def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """A command line of overrides only (verl's style: no YAML file) -> (None, all overrides)."""
+    if config and "=" in config and not config.endswith((".yaml", ".yml")):
+        return None, [config, *overrides]
+    return config, overrides
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -46,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = load_config(args.config, list(args.overrides))
+        config, overrides = split_config_arg(args.config, list(args.overrides))
+        cfg = load_config(config, overrides, verl=True if args.verl else None)
     except user_errors() as e:
         print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2
