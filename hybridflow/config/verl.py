@@ -86,10 +86,6 @@ def _clip_ratio(v, out):
     return {"actor.clip_ratio_low": float(v), "actor.clip_ratio_high": float(v)}
 
 
-def _overlong(v, out):
-    return {"data.truncation": "filter"} if v else {}
-
-
 # verl key -> our key (str) or a converter (value, mapped so far) -> {our key: value}
 RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "algorithm.adv_estimator": _estimator,
@@ -132,7 +128,6 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "reward_model.model.path": "model.reward_model_path",
     "reward_model.micro_batch_size_per_gpu": "reward.micro_batch_size_per_device",
     "data.max_response_length": "rollout.response_length",
-    "data.filter_overlong_prompts": _overlong,
     "trainer.test_freq": _freq("trainer.val_every"),
     "trainer.save_freq": _freq("trainer.save_every"),
     "trainer.logger": _logger,
@@ -254,6 +249,8 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
             )
     for key, value in flat.items():
         rule = RENAMES.get(key)
+        if key == "data.filter_overlong_prompts":
+            continue  # applied after the loop
         if isinstance(rule, str):
             mapped[rule] = value
         elif rule is not None:
@@ -273,6 +270,8 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
                 notes.append(f"verl key {key}={value!r} has no equivalent here and is ignored: {why}")
         else:
             notes.append(f"verl key {key}={value!r} is not known here and is ignored (see docs/verl.md)")
+    if flat.get("data.filter_overlong_prompts"):  # verl filters at load, before truncation could apply
+        mapped["data.truncation"] = "filter"
     if "trainer.logger" in flat and "jsonl" not in str(flat["trainer.logger"]):
         notes.append("trainer.logger: 'jsonl' added (metrics.jsonl feeds `hybridflow report`)")
     if errors:
