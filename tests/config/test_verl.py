@@ -209,3 +209,13 @@ def test_grpo_quickstart_trains_through_the_cli(ray_cluster, tiny_model_dir, gsm
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "actor/kl_loss" in rows[1] or any(k.startswith("actor/") for k in rows[1])
     assert "val/synthetic:arithmetic/acc@1" in rows[2]
+
+
+def test_docs_table_lists_every_verl_key():
+    from pathlib import Path
+
+    from hybridflow.config.verl import NO_EQUIVALENT, RENAMES
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "verl.md").read_text()
+    missing = [k for k in [*RENAMES, *NO_EQUIVALENT] if f"`{k}`" not in doc]
+    assert not missing, f"docs/verl.md does not list {missing}"
