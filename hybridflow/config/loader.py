@@ -285,6 +285,12 @@ def load_config(
         for note in verl_notes:
             (notes or _print_note)(note)
     cfg = config_from_dict(apply_overrides(data, overrides))
+    if check_model:  # model names -> absolute local directories (or cached Hub snapshots)
+        from hybridflow.models.resolve import resolve_model_paths
+
+        errors = resolve_model_paths(cfg.model)
+        if errors:
+            raise ConfigError(errors)
     if resolve:
         cfg = resolve_config(cfg)
     if validate:

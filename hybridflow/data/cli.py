@@ -15,7 +15,8 @@ from hybridflow.data.files import DatasetError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", choices=["gsm8k", "math", "arithmetic"], help="which dataset to prepare")
     parser.add_argument(
-        "--input", help="gsm8k: a .jsonl file; math: a .json/.jsonl file or a directory of them"
+        "--input",
+        help="a .parquet/.jsonl/.json file, a glob, or a directory (e.g. an HF dataset snapshot: the --split files)",
     )
     parser.add_argument("--output", required=True, help="the Parquet file to write")
     parser.add_argument("--split", default="train", help="split name stored in extra_info (train/test)")

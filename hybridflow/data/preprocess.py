@@ -11,11 +11,12 @@ dataset reads and the rule rewards route on (data_source 'openai/gsm8k' and
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 from pathlib import Path
 
-from hybridflow.data.files import DatasetError, read_rows, where, write_parquet
+from hybridflow.data.files import SUFFIXES, DatasetError, read_rows, where, write_parquet
 
 GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
@@ -53,8 +54,9 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
+    """Rows from a GSM8K file, a directory (an HF snapshot: main/ preferred) or a glob."""
     rows, bad = [], []
-    for i, rec in read_rows(path):
+    for file, i, rec in _records(input_files(path, split)):
         try:
             if isinstance(rec, ValueError):
                 raise rec
@@ -65,7 +67,7 @@ def gsm8k_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) ->
                 raise ValueError("missing 'answer' text")
             truth = extract_gsm8k_answer(answer)
         except ValueError as e:
-            bad.append(f"{where(path, i)}: {e}")
+            bad.append(f"{where(file, i)}: {e}")
             continue
         rows.append(
             {
@@ -87,19 +89,43 @@ def gsm8k_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) ->
     return rows
 
 
-def _math_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl", ".parquet"))
+def input_files(path: str | os.PathLike, split: str = "train") -> list[Path]:
+    """The data files `--input` names: a file; a glob (`data/train-*.parquet`); or a directory, such as
+    an HF dataset snapshot, whose files for `split` are used (a file named `split-...`/`split.*` or
+    under a `split/` folder; all files when none is), preferring a `main/` config folder (GSM8K's)."""
+    text = str(path)
+    if any(c in text for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).suffix in SUFFIXES)
         if not files:
-            raise DatasetError(f"{path}: no .json/.jsonl/.parquet files found")
+            raise DatasetError(f"--input {text!r}: no {'/'.join(SUFFIXES)} files match")
         return files
-    return [path]
+    path = Path(path)
+    if not path.is_dir():
+        return [path]
+    files = sorted(
+        p for p in path.rglob("*")
+        if p.suffix in SUFFIXES and p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )  # fmt: skip
+    if not files:
+        raise DatasetError(f"--input {text!r}: no {'/'.join(SUFFIXES)} files in this directory")
+    main = [p for p in files if "main" in p.relative_to(path).parts[:-1]]
+    files = main or files
+    named = re.compile(rf"^{re.escape(split)}([-_.]|$)")
+    for_split = [p for p in files if named.match(p.name) or split in p.relative_to(path).parts[:-1]]
+    return for_split or files
+
+
+def _records(files: list[Path]):
+    """(file, row number, record) over the files in order."""
+    for file in files:
+        for i, rec in read_rows(file):
+            yield file, i, rec
 
 
 def math_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
     """Rows from a MATH file or a directory tree of per-problem .json files (sorted, so stable)."""
     rows, bad = [], []
-    for file in _math_files(Path(path)):
+    for file in input_files(path, split):
         for i, rec in read_rows(file):
             try:
                 if isinstance(rec, ValueError):

@@ -95,3 +95,28 @@ def test_missing_input(kind, tmp_path, capsys):
         == 1
     )
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_gsm8k_from_hf_snapshot_dir_and_glob(tmp_path, capsys):
+    """--input as an HF dataset snapshot folder (main/ and socratic/ configs, train/test shards) or a glob."""
+    from hybridflow.data import write_parquet
+
+    snap = tmp_path / "datasets--openai--gsm8k" / "snapshots" / "abc123"
+    write_parquet(GSM8K[:2], snap / "main" / "train-00000-of-00002.parquet")
+    write_parquet(GSM8K[2:], snap / "main" / "train-00001-of-00002.parquet")
+    write_parquet(GSM8K[:1], snap / "main" / "test-00000-of-00001.parquet")
+    write_parquet(GSM8K, snap / "socratic" / "train-00000-of-00001.parquet")
+    (snap / ".cache").mkdir()
+    (snap / ".cache" / "x.json").write_text("{}")
+    for split, truths in (("train", ["7", "2400", "-7"]), ("test", ["7"])):
+        out = tmp_path / f"{split}.parquet"
+        assert main(["data", "gsm8k", "--input", str(snap), "--split", split, "--output", str(out)]) == 0
+        rows = pq.read_table(out).to_pylist()
+        assert [r["reward_model"]["ground_truth"] for r in rows] == truths  # main/ only, shards in order
+        assert rows[0]["extra_info"]["split"] == split
+    out = tmp_path / "glob.parquet"
+    assert main(["data", "gsm8k", "--input", str(snap / "socratic" / "*.parquet"), "--output", str(out)]) == 0
+    assert len(pq.read_table(out)) == 3
+    capsys.readouterr()
+    assert main(["data", "gsm8k", "--input", str(tmp_path / "none-*.parquet"), "--output", str(out)]) == 1
+    assert "no .parquet/.jsonl/.json files match" in capsys.readouterr().err
