@@ -84,7 +84,10 @@ class Trainer:
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader or ())
         self.global_step = self.skipped_in_a_row = 0
-        self.ckpt = CheckpointManager(cfg.run_dir, keep_last=t.keep_last, config=_hashed_config(cfg))
+        # absolute: worker processes write their parts there and need not share the driver's cwd
+        self.ckpt = CheckpointManager(
+            os.path.abspath(cfg.run_dir), keep_last=t.keep_last, config=_hashed_config(cfg)
+        )
         self.timers = Timers()
         self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
         self.tracker = None
