@@ -155,22 +155,28 @@ class TensorBoardBackend:
         self.writer.close()
 
 
-def _require(package: str):
+def _require(package: str, extra: str | None = None):
     import importlib
 
     try:
         return importlib.import_module(package)
     except ImportError:
+        name = package.partition(".")[0]
         raise TrackerError(
-            f"trainer.loggers includes {package!r} but the {package} package is not installed; "
-            f"`pip install {package}` or remove {package!r} from trainer.loggers"
+            f"trainer.loggers includes {name!r} but the {name} package is not installed; "
+            f"`pip install -c constraints.txt -e '.[{extra or name}]'` or remove {name!r} from trainer.loggers"
         ) from None
 
 
 class WandbBackend:
+    """wandb; WANDB_MODE=offline works without network, and its files go to WANDB_DIR when set (else
+    the run directory)."""
+
     def __init__(self, run_dir, project: str, name: str, config: dict | None):
         self.wandb = _require("wandb")
-        self.run = self.wandb.init(project=project, name=name, config=config, dir=str(run_dir))
+        where = os.environ.get("WANDB_DIR") or str(run_dir)
+        Path(where).mkdir(parents=True, exist_ok=True)
+        self.run = self.wandb.init(project=project, name=name, config=config, dir=where)
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
@@ -186,26 +192,50 @@ class WandbBackend:
 
 
 class MlflowBackend:
+    """MLflow (the `mlflow-skinny` package is enough). The store is MLFLOW_TRACKING_URI when set, else a
+    SQLite database inside the run directory (run_dir/mlflow/mlflow.db, artifacts beside it), so a run
+    needs no server and no deprecated file store; `mlflow ui --backend-store-uri sqlite:///...` reads it."""
+
     _BAD = re.compile(r"[^0-9A-Za-z_\-. /]")  # characters MLflow rejects in metric names (e.g. '@')
 
     def __init__(self, run_dir, project: str, name: str, config: dict | None):
-        self.mlflow = _require("mlflow")
-        self.mlflow.set_experiment(project)
-        self.run = self.mlflow.start_run(run_name=name)
+        _require("mlflow", "mlflow")
+        _require("sqlalchemy", "mlflow")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        local = Path(run_dir).absolute() / "mlflow"
+        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{local / 'mlflow.db'}"
+        if self.uri.startswith("sqlite:///"):
+            Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(self.uri)
+        exp = self.client.get_experiment_by_name(project)
+        if exp is not None:
+            exp_id = exp.experiment_id
+        else:
+            artifacts = (local / "artifacts").as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
+            exp_id = self.client.create_experiment(project, artifact_location=artifacts)
+        self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
         if config:
-            flat = _flatten(config)
-            self.mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
+            params = [Param(k, str(v)[:500]) for k, v in _flatten(config).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
 
     def log(self, metrics: dict, step: int) -> None:
-        self.mlflow.log_metrics({self._BAD.sub("_", k): v for k, v in metrics.items()}, step=step)
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(self._BAD.sub("_", k), float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
-        if rows:
-            data = {c: [str(r.get(c, "")) for r in rows] for c in rows[0]}
-            self.mlflow.log_table(data=data, artifact_file=f"{name}/step_{step}.json")
+        if rows:  # JSON, as MLflow's own tables are (log_table itself would need pandas)
+            text = json.dumps([{c: str(v) for c, v in r.items()} for r in rows], indent=1)
+            self.client.log_text(self.run_id, text, f"{name}/step_{step}.json")
 
     def close(self) -> None:
-        self.mlflow.end_run()
+        self.client.set_terminated(self.run_id)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
