@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.controller.layout import Layout, default_layout
+from hybridflow.controller.protocols import Protocol, register
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,22 @@ class Worker:
     @property
     def context(self) -> WorkerContext:
         return get_worker_context()
+
+    # ---- resources -----------------------------------------------------------------------------
+    @register(Protocol.ONE_TO_ALL)
+    def memory_stats(self) -> dict:
+        """This rank's peak host RSS and, on CUDA, peak device memory since the last call (which resets
+        it), in GiB: the trainer logs them per role every step (trainers/perf.py)."""
+        import resource
+
+        gib = 1024**3
+        out = {"host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+        if self.device.type == "cuda":
+            out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / gib
+            out["max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / gib
+            out["device_name"] = torch.cuda.get_device_name(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return out
 
     # ---- layouts -------------------------------------------------------------------------------
     def _layouts(self) -> dict[str, Layout]:

@@ -129,6 +129,7 @@ class RewardResult:
     scores: np.ndarray  # (B,) float32, failed samples scored per on_error
     errors: list[RewardError]
     metrics: dict[str, float]
+    extras: list[dict] = field(default_factory=list)  # per sample: the reward fn's other returned keys
 
     def token_level_scores(self, response_mask: torch.Tensor) -> torch.Tensor:
         """Scores placed on each response's last valid token: (B, L), the `token_level_scores` field."""
@@ -137,6 +138,16 @@ class RewardResult:
         from hybridflow.algorithms.utils import place_score_on_last_token
 
         return place_score_on_last_token(torch.from_numpy(self.scores), response_mask)
+
+
+def extra_metrics(extras: list[dict]) -> dict[str, float]:
+    """reward/extra/<key>/mean over the samples that returned a numeric <key> (bools count as 0/1)."""
+    values: dict[str, list[float]] = {}
+    for e in extras:
+        for k, v in e.items():
+            if isinstance(v, (bool, int, float)):
+                values.setdefault(k, []).append(float(v))
+    return {f"reward/extra/{k}/mean": sum(v) / len(v) for k, v in values.items()}
 
 
 def _fallback_score(on_error: str | float, error_score: float) -> float | None:
@@ -231,7 +242,9 @@ class RewardExecutor:
             "reward/num_timeouts": float(n_timeouts),
             "reward/fn_time_s": elapsed,
         }
-        return RewardResult(scores, errors, metrics)
+        extras = [getattr(scores_by_idx.get(i), "extra", None) or {} for i in range(n)]
+        metrics.update(extra_metrics(extras))
+        return RewardResult(scores, errors, metrics, extras)
 
     def score_batch(self, batch: Batch) -> RewardResult:
         """Score a Batch from its non-tensor fields: response_text, ground_truth (or reward_model

@@ -208,11 +208,26 @@ def load_reward_fn(spec: str) -> tuple[RewardFn, bool]:
     return fn, bool(getattr(fn, "batched", False))
 
 
+class Score(float):
+    """A score carrying the reward function's other returned keys (verl's reward_extra_info, e.g.
+    {"score": 1.0, "acc": True, "pred": "42"}) in `.extra`; pickles across the worker pipe."""
+
+    extra: dict
+
+    def __new__(cls, value: float, extra: dict | None = None):
+        obj = super().__new__(cls, value)
+        obj.extra = extra or {}
+        return obj
+
+
 def to_score(value: Any) -> float:
-    """A reward function's return value as a finite float; raises on anything else (never guesses)."""
+    """A reward function's return value as a finite float; raises on anything else (never guesses).
+    A dict's keys besides 'score' (numbers, bools, strings) ride along as a Score's `.extra`."""
+    extra = None
     if isinstance(value, dict):
         if "score" not in value:
             raise TypeError(f"reward function returned a dict without a 'score' key: {sorted(value)}")
+        extra = {k: v for k, v in value.items() if k != "score" and isinstance(v, (bool, int, float, str))}
         value = value["score"]
     try:
         score = float(value)
@@ -222,7 +237,7 @@ def to_score(value: Any) -> float:
         ) from None
     if not math.isfinite(score) or abs(score) > _FLOAT32_MAX:  # scores travel as float32
         raise ValueError(f"reward function returned {score!r}, which is not finite as float32")
-    return score
+    return Score(score, extra) if extra else score
 
 
 def run_per_sample(fn, item: Item, fn_kwargs: dict) -> float:

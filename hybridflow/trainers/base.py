@@ -171,6 +171,7 @@ class Trainer:
             with self.timers("step"), _at_step(self.global_step):
                 batch, metrics = self.train_step(batch)
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
+            metrics.update(self.resource_metrics(batch))
             last = self.global_step == self.total_steps
             if (t.val_every and self.global_step % t.val_every == 0) or last:
                 with _at_step(self.global_step, "validation at "):
@@ -206,11 +207,32 @@ class Trainer:
         atomic_write_text(path, to_yaml(self.cfg) + "\n")
         return path
 
+    def resource_metrics(self, batch: Batch) -> dict:
+        """Peak memory per role and achieved FLOP/s (MFU on a known accelerator) per phase of this step."""
+        from hybridflow.trainers import perf
+
+        if not hasattr(self, "_n_params"):  # parameter counts, once, from the models' safetensors headers
+            m = self.cfg.model
+            critic = "critic" in self.groups
+            self._n_params = (
+                perf.count_params(m.path),
+                perf.count_params(m.critic_path or m.path) if critic else 0,
+            )
+        out, device_name = perf.memory_metrics(self.groups)
+        c, a = self.cfg.critic, self.cfg.actor
+        flops = perf.phase_flops(*self._n_params, float(batch["attention_mask"].sum()), a.ppo_epochs, c.ppo_epochs,
+                                 recompute_old=not getattr(self, "on_policy", True))  # fmt: skip
+        role = {"values": "critic", "update_critic": "critic", "ref": "ref"}
+        devices = {p: self.groups.get(role.get(p, "actor_rollout"), self.actor).world_size for p in flops}
+        out.update(perf.flops_metrics(flops, self.timers.times, devices, perf.peak_flops(device_name)))
+        return out
+
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> dict:
         """Generate for every validation prompt (rollout.val sampling) and score. With a rule reward:
         val/{data_source}/acc@1 (the first sample of each prompt) and, when rollout.val.n > 1,
-        mean@n (all samples) and best@n (any sample right); with a reward model
+        mean@n (all samples), best@n (any sample right), maj@n (the majority answer right) and the
+        unbiased pass@k for k = 2, 4, ... < n (algorithms/eval_metrics.py); with a reward model
         val/{data_source}/reward. Also val/reward/mean, and a table of sample generations."""
         if self.val_dataset is None:
             return {}
@@ -218,6 +240,7 @@ class Trainer:
         sampling = {"n": v.n, "temperature": v.temperature, "top_k": v.top_k, "top_p": v.top_p}
         size = self.cfg.data.val_batch_size or len(self.val_dataset)
         per_source, rows = defaultdict(list), []  # source -> [(n,) scores of one prompt]
+        votes = defaultdict(list)  # source -> [(answers, correct) of one prompt], for maj@n / pass@k
         with self.timers("validate"):
             for start in range(0, len(self.val_dataset), size):
                 samples = [
@@ -225,10 +248,13 @@ class Trainer:
                 ]
                 gen = self.actor.generate_sequences(self.val_dataset.collate(samples), sampling=sampling)
                 scores = self.score(gen)[0].float()
+                extras = self.rule_reward.last_extras if self.rule_reward is not None else []
                 for i, s in enumerate(scores.view(-1, v.n)):  # rows come interleaved: prompt i's n samples
                     per_source[gen["data_source"][i * v.n]].append(s)
+                    if extras:
+                        votes[gen["data_source"][i * v.n]].append(_votes(gen, s, extras, i * v.n, v.n))
                 rows += self._generation_rows(
-                    gen, scores, self.cfg.trainer.val_generations_to_log - len(rows)
+                    gen, scores, self.cfg.trainer.val_generations_to_log - len(rows), extras
                 )
         if self.tracker is not None and rows:
             self.tracker.log_generations(rows, self.global_step)
@@ -242,6 +268,7 @@ class Trainer:
             if v.n > 1:
                 out[f"val/{src}/mean@{v.n}"] = float(s.mean())
                 out[f"val/{src}/best@{v.n}"] = float(s.max(1).mean())
+                out.update(_vote_metrics(f"val/{src}", votes[src], v.n))
         out["val/reward/mean"] = float(np.mean([float(g.mean()) for gs in per_source.values() for g in gs]))
         return out
 
@@ -250,10 +277,15 @@ class Trainer:
         return score_batch(batch, self.rule_reward, self.groups.get("reward"), "rm_scores")
 
     @staticmethod
-    def _generation_rows(batch: Batch, scores, limit: int) -> list[dict]:
+    def _generation_rows(batch: Batch, scores, limit: int, extras=()) -> list[dict]:
+        """Rows of the generations table: text, score, and the reward function's extra keys."""
         keys = [k for k in ("prompt_text", "response_text", "ground_truth") if k in batch]
         return [
-            {**{k: str(batch[k][i]) for k in keys}, "score": float(scores[i])}
+            {
+                **{k: str(batch[k][i]) for k in keys},
+                "score": float(scores[i]),
+                **(extras[i] if extras else {}),
+            }
             for i in range(max(0, min(limit, len(batch))))
         ]
 
@@ -327,6 +359,28 @@ def _at_step(step: int, what: str = ""):
         yield
     except RunStopped as e:
         raise RunStopped(f"{what}step {step}: {e}") from None
+
+
+def _votes(batch: Batch, scores, extras: list[dict], first: int, n: int) -> tuple[list, list[bool]]:
+    """One prompt's (answers, correct) over its n samples: the answer is the reward fn's 'pred' when it
+    returns one, else the stripped response; correct is its 'acc' when returned, else full marks."""
+    answers = [
+        extras[first + j].get("pred", str(batch["response_text"][first + j]).strip()) for j in range(n)
+    ]
+    correct = [bool(extras[first + j].get("acc", float(scores[j]) >= 1.0)) for j in range(n)]
+    return answers, correct
+
+
+def _vote_metrics(prefix: str, votes: list, n: int) -> dict[str, float]:
+    """maj@n and the unbiased pass@k (k < n) of one data source (algorithms/eval_metrics.py)."""
+    from hybridflow.algorithms.eval_metrics import maj_at_n, mean_pass_at_k, pass_ks
+
+    if not votes:
+        return {}
+    answers, correct = [a for a, _ in votes], [c for _, c in votes]
+    out = {f"{prefix}/maj@{n}": maj_at_n(answers, correct)}
+    out.update({f"{prefix}/pass@{k}": mean_pass_at_k(correct, k) for k in pass_ks(n)})
+    return out
 
 
 def _hashed_config(cfg) -> dict:

@@ -8,7 +8,7 @@ model is the checkpoint's actor, exported from its shards into a temporary direc
 and scored by the run's reward, exactly as validation inside `train` does, so the numbers match the
 run's `val/*` metrics for that step.
 
-Prints `val/{data_source}/acc@1` (and mean@n / best@n when rollout.val.n > 1) one per line and a
+Prints `val/{data_source}/acc@1` (and mean@n / best@n / maj@n / pass@k when rollout.val.n > 1) one per line and a
 table of sample generations; `--output FILE` also writes the metrics as JSON.
 """
 

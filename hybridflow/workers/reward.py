@@ -59,10 +59,12 @@ class RuleReward:
         if fn is not None:
             cfg.fn = fn
         self.executor = RewardExecutor(cfg)
+        self.last_extras: list[dict] = []
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,) float32, metrics). Needs non_tensors response_text and ground_truth."""
         result = self.executor.score_batch(batch)
+        self.last_extras = result.extras  # per sample, for the generations table and maj@n
         return torch.from_numpy(np.asarray(result.scores, dtype=np.float32)), result.metrics
 
     def close(self) -> None:

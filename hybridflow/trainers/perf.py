@@ -1,0 +1,100 @@
+"""Per-step resource metrics: peak device and host memory per role, and achieved FLOP/s (and MFU on a
+known accelerator) per phase. docs/metrics.md lists the names and their verl counterparts.
+
+FLOPs are the usual dense-transformer estimate: 2 N per token for a forward pass, 6 N for forward +
+backward, N the model's parameter count read from its safetensors headers; attention's L^2 term is left
+out (small next to 2 N at the sequence lengths of RL post-training). A phase's figure is its FLOPs over
+its wall seconds (timing_s/<phase>) and the devices of the group that ran it, so idle time inside a
+phase (waiting, Python) lowers it, as it should.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import struct
+from pathlib import Path
+
+GiB = 1024**3
+# torch.cuda.get_device_name() substring -> planner device catalogue key (planner/specs.py DEVICES)
+_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100-SXM4-80GB", "a100-80"), ("A100 80GB", "a100-80"), ("A100", "a100-40"))  # fmt: skip
+
+
+def count_params(model_dir: str | os.PathLike) -> int:
+    """Parameters of an HF directory, from its *.safetensors headers (no weights read); 0 if none."""
+    total = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name != "__metadata__":
+                count = 1
+                for d in t["shape"]:
+                    count *= d
+                total += count
+    return total
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    """Dense peak FLOP/s of a named accelerator from the planner's catalogue; None when unknown or CPU."""
+    if not device_name:
+        return None
+    from hybridflow.planner.specs import DEVICES
+
+    key = next((k for sub, k in _DEVICE_NAMES if sub in device_name), None)
+    return DEVICES[key].peak_flops if key else None
+
+
+def phase_flops(n_actor: int, n_critic: int, tokens: float, actor_epochs: int, critic_epochs: int,
+                recompute_old: bool) -> dict[str, float]:  # fmt: skip
+    """FLOPs of each phase of one RL step over `tokens` attended tokens (prompt + response)."""
+    out = {
+        "gen": 2.0 * n_actor * tokens,  # prefill + decode: one forward per token
+        "ref": 2.0 * n_actor * tokens,
+        "update_actor": 6.0 * n_actor * tokens * actor_epochs,
+    }
+    if recompute_old:
+        out["old_log_prob"] = 2.0 * n_actor * tokens
+    if n_critic:
+        out["values"] = 2.0 * n_critic * tokens
+        out["update_critic"] = 6.0 * n_critic * tokens * critic_epochs
+    return out
+
+
+def flops_metrics(flops: dict[str, float], times: dict[str, float], devices: dict[str, int],
+                  peak: float | None) -> dict[str, float]:  # fmt: skip
+    """perf/tflops_per_device/<phase> (and perf/mfu/<phase> when the device's peak is known)."""
+    out = {}
+    for phase, f in flops.items():
+        seconds = times.get(f"timing_s/{phase}")
+        if not seconds or not f:
+            continue
+        per_device = f / seconds / max(devices.get(phase, 1), 1)
+        out[f"perf/tflops_per_device/{phase}"] = per_device / 1e12
+        if peak:
+            out[f"perf/mfu/{phase}"] = per_device / peak
+    return out
+
+
+def memory_metrics(groups: dict, driver: bool = True) -> tuple[dict[str, float], str | None]:
+    """perf/memory/<role>/{host_peak_rss_gb, max_memory_allocated_gb, max_memory_reserved_gb}: the max
+    over the role's ranks (colocated roles share processes, so their figures coincide), plus the
+    driver's host RSS; -> (metrics, the accelerator's name or None)."""
+    out, name, seen = {}, None, {}
+    for role, group in groups.items():
+        key = id(group)
+        if key not in seen:
+            seen[key] = group.memory_stats()
+        for stats in seen[key]:
+            name = stats.get("device_name", name)
+            for k, v in stats.items():
+                if k != "device_name":
+                    m = f"perf/memory/{role}/{k}"
+                    out[m] = max(out.get(m, 0.0), float(v))
+    if driver:
+        out["perf/memory/driver/host_peak_rss_gb"] = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+        )
+    return out, name
