@@ -137,7 +137,9 @@ def test_grpo_quickstart_maps_every_key():
         load_config(None, command(GRPO_QUICKSTART), check_model=False, notes=lambda n: None)
     # ... and every key maps
     notes = []
-    cfg = load_config(None, command(GRPO_QUICKSTART), validate=False, verl=True, notes=notes.append)
+    cfg = load_config(
+        None, command(GRPO_QUICKSTART), validate=False, check_model=False, verl=True, notes=notes.append
+    )
     assert cfg.algorithm.name == "grpo" and cfg.rollout.n == 3
     assert cfg.data.truncation == "filter"  # filter_overlong_prompts wins, as in verl (filtered first)
     assert cfg.algorithm.use_kl_loss and cfg.algorithm.kl_loss_kind == "low_var_kl"
