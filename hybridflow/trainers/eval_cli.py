@@ -40,7 +40,8 @@ def build_eval_trainer(cfg):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "source", help="a run directory, a checkpoints/step_N directory, or an HF model directory"
+        "source",
+        help="a run directory, a checkpoints/step_N directory, an HF model directory, or a Hub id in the local cache",
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.val.n=4")
     parser.add_argument("--config", default=None, help="YAML config (default: SOURCE's run config.yaml)")
@@ -54,6 +55,13 @@ def resolve_source(source: str, step: int | None, scratch: str | None = None) ->
     from hybridflow.checkpoint import CheckpointError, export_hf, find_checkpoint, read_manifest
 
     path = Path(source)
+    if not path.exists():  # a Hub id such as Qwen/Qwen2.5-0.5B-Instruct: its local cache snapshot
+        from hybridflow.models.resolve import ModelNotFound, resolve_model_path
+
+        try:
+            path = Path(resolve_model_path(source))
+        except ModelNotFound as e:
+            raise CheckpointError(str(e)) from None
     if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
         if step is not None:
             raise CheckpointError(f"--step {step} needs a run or checkpoint directory; {path} is an HF model")

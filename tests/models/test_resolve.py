@@ -51,3 +51,7 @@ def test_hub_id_from_the_local_cache(tiny_model_dir, tmp_path):
     assert done.returncode == 2
     assert done.stderr.count("\n") <= 2 and "not in the local Hugging Face cache" in done.stderr
     assert "huggingface-cli download tiny-org/not-cached" in done.stderr
+    # `hybridflow eval` takes the same names
+    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "eval", "tiny-org/not-cached"], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "not in the local Hugging Face cache" in done.stderr
