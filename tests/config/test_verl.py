@@ -221,3 +221,31 @@ def test_docs_table_lists_every_verl_key():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "verl.md").read_text()
     missing = [k for k in [*RENAMES, *NO_EQUIVALENT] if f"`{k}`" not in doc]
     assert not missing, f"docs/verl.md does not list {missing}"
+
+
+def test_verl_yaml_layout_with_overrides(tmp_path):
+    """A verl-style YAML file (nested sections), detected without --verl, with dotted overrides on top."""
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "algorithm: {adv_estimator: rloo, kl_ctrl: {kl_coef: 0.01, type: adaptive, target_kl: 0.2}}\n"
+        "data: {train_files: [a.parquet], max_prompt_length: 64, max_response_length: 32, train_batch_size: 8}\n"
+        "actor_rollout_ref:\n"
+        "  model: {path: m, enable_gradient_checkpointing: true}\n"
+        "  actor: {ppo_mini_batch_size: 4, clip_ratio: 0.28, optim: {lr: 3.0e-6, lr_warmup_steps: -1}}\n"
+        "  rollout: {n: 4, name: hf, val_kwargs: {n: 8, do_sample: false}}\n"
+        "trainer: {test_freq: -1, save_freq: 5, project_name: p, experiment_name: e}\n"
+    )
+    cfg = load_config(
+        path, ["actor_rollout_ref.rollout.n=6", "trainer.total_epochs=2"], check_model=False, notes=print
+    )
+    assert cfg.algorithm.name == "rloo" and cfg.rollout.n == 6 and cfg.rollout.engine == "builtin"
+    assert (cfg.algorithm.kl.coef, cfg.algorithm.kl.controller, cfg.algorithm.kl.target) == (
+        0.01,
+        "adaptive",
+        0.2,
+    )
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.28
+    assert cfg.actor.optim.lr == 3e-6 and cfg.actor.optim.warmup_steps == 0
+    assert cfg.rollout.val.n == 8 and cfg.rollout.val.temperature == 0.0
+    assert (cfg.trainer.val_every, cfg.trainer.save_every, cfg.trainer.total_epochs) == (0, 5, 2)
+    assert cfg.actor.gradient_checkpointing and cfg.data.train_files == ["a.parquet"]

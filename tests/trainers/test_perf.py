@@ -42,3 +42,44 @@ def test_peak_flops_catalogue():
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops(None) is None and peak_flops("Some CPU") is None
+
+
+def test_worker_memory_stats_and_the_per_role_max(monkeypatch):
+    """A Worker's memory_stats on CPU (host RSS only), and on CUDA with torch.cuda's counters faked
+    (no GPU here: only the arithmetic and the reset are checked); memory_metrics takes the max per role."""
+    import torch
+
+    from hybridflow.controller import Worker
+    from hybridflow.controller.worker import local_worker_context, set_worker_context
+    from hybridflow.trainers.perf import memory_metrics
+
+    local_worker_context()
+    try:
+        stats = Worker().memory_stats()
+        assert set(stats) == {"host_peak_rss_gb"} and 0.01 < stats["host_peak_rss_gb"] < 64
+        local_worker_context(device="cuda:0")
+        reset = []
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 1024**3)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 4 * 1024**3)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: reset.append(d))
+        stats = Worker().memory_stats()
+        assert stats["max_memory_allocated_gb"] == 3.0 and stats["max_memory_reserved_gb"] == 4.0
+        assert stats["device_name"] == "NVIDIA H100 80GB HBM3" and len(reset) == 1
+    finally:
+        set_worker_context(None)
+
+    class Group:  # what a WorkerGroup's ONE_TO_ALL call returns: one dict per rank
+        def __init__(self, ranks):
+            self.ranks, self.calls = ranks, 0
+
+        def memory_stats(self):
+            self.calls += 1
+            return self.ranks
+
+    actor = Group([{"host_peak_rss_gb": 1.0, "max_memory_allocated_gb": 5.0, "device_name": "NVIDIA H200"},
+                   {"host_peak_rss_gb": 2.0, "max_memory_allocated_gb": 3.0, "device_name": "NVIDIA H200"}])  # fmt: skip
+    out, name = memory_metrics({"actor_rollout": actor, "ref": actor}, driver=False)
+    assert actor.calls == 1 and name == "NVIDIA H200"  # a colocated group is asked once
+    assert out["perf/memory/actor_rollout/host_peak_rss_gb"] == 2.0
+    assert out["perf/memory/ref/max_memory_allocated_gb"] == 5.0
