@@ -53,3 +53,13 @@ def pass_ks(n: int) -> list[int]:
         out.append(k)
         k *= 2
     return out
+
+
+def vote_metrics(prefix: str, votes: list[tuple[list, list[bool]]], n: int) -> dict[str, float]:
+    """{prefix}/maj@n and {prefix}/pass@k (k in pass_ks(n)) from each prompt's (answers, correct)."""
+    if not votes:
+        return {}
+    answers, correct = [a for a, _ in votes], [c for _, c in votes]
+    out = {f"{prefix}/maj@{n}": maj_at_n(answers, correct)}
+    out.update({f"{prefix}/pass@{k}": mean_pass_at_k(correct, k) for k in pass_ks(n)})
+    return out

@@ -26,6 +26,7 @@ import numpy as np
 import ray
 import torch
 
+from hybridflow.algorithms.eval_metrics import vote_metrics
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (
     CheckpointManager,
@@ -209,23 +210,9 @@ class Trainer:
 
     def resource_metrics(self, batch: Batch) -> dict:
         """Peak memory per role and achieved FLOP/s (MFU on a known accelerator) per phase of this step."""
-        from hybridflow.trainers import perf
+        from hybridflow.trainers.perf import step_resource_metrics
 
-        if not hasattr(self, "_n_params"):  # parameter counts, once, from the models' safetensors headers
-            m = self.cfg.model
-            critic = "critic" in self.groups
-            self._n_params = (
-                perf.count_params(m.path),
-                perf.count_params(m.critic_path or m.path) if critic else 0,
-            )
-        out, device_name = perf.memory_metrics(self.groups)
-        c, a = self.cfg.critic, self.cfg.actor
-        flops = perf.phase_flops(*self._n_params, float(batch["attention_mask"].sum()), a.ppo_epochs, c.ppo_epochs,
-                                 recompute_old=not getattr(self, "on_policy", True))  # fmt: skip
-        role = {"values": "critic", "update_critic": "critic", "ref": "ref"}
-        devices = {p: self.groups.get(role.get(p, "actor_rollout"), self.actor).world_size for p in flops}
-        out.update(perf.flops_metrics(flops, self.timers.times, devices, perf.peak_flops(device_name)))
-        return out
+        return step_resource_metrics(self, batch)
 
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> dict:
@@ -268,7 +255,7 @@ class Trainer:
             if v.n > 1:
                 out[f"val/{src}/mean@{v.n}"] = float(s.mean())
                 out[f"val/{src}/best@{v.n}"] = float(s.max(1).mean())
-                out.update(_vote_metrics(f"val/{src}", votes[src], v.n))
+                out.update(vote_metrics(f"val/{src}", votes[src], v.n))
         out["val/reward/mean"] = float(np.mean([float(g.mean()) for gs in per_source.values() for g in gs]))
         return out
 
@@ -369,18 +356,6 @@ def _votes(batch: Batch, scores, extras: list[dict], first: int, n: int) -> tupl
     ]
     correct = [bool(extras[first + j].get("acc", float(scores[j]) >= 1.0)) for j in range(n)]
     return answers, correct
-
-
-def _vote_metrics(prefix: str, votes: list, n: int) -> dict[str, float]:
-    """maj@n and the unbiased pass@k (k < n) of one data source (algorithms/eval_metrics.py)."""
-    from hybridflow.algorithms.eval_metrics import maj_at_n, mean_pass_at_k, pass_ks
-
-    if not votes:
-        return {}
-    answers, correct = [a for a, _ in votes], [c for _, c in votes]
-    out = {f"{prefix}/maj@{n}": maj_at_n(answers, correct)}
-    out.update({f"{prefix}/pass@{k}": mean_pass_at_k(correct, k) for k in pass_ks(n)})
-    return out
 
 
 def _hashed_config(cfg) -> dict:

@@ -98,3 +98,20 @@ def memory_metrics(groups: dict, driver: bool = True) -> tuple[dict[str, float],
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
         )
     return out, name
+
+
+def step_resource_metrics(trainer, batch) -> dict[str, float]:
+    """memory_metrics + flops_metrics of one step of `trainer` (a Trainer) on its finished `batch`, read
+    before the step's timers are popped. Parameter counts are read once and kept on the trainer."""
+    if not hasattr(trainer, "_n_params"):
+        m, critic = trainer.cfg.model, "critic" in trainer.groups
+        trainer._n_params = (count_params(m.path), count_params(m.critic_path or m.path) if critic else 0)
+    out, device_name = memory_metrics(trainer.groups)
+    a, c = trainer.cfg.actor, trainer.cfg.critic
+    tokens = float(batch["attention_mask"].sum())
+    recompute = not getattr(trainer, "on_policy", True)  # on-policy PPO reuses the rollout's log-probs
+    flops = phase_flops(*trainer._n_params, tokens, a.ppo_epochs, c.ppo_epochs, recompute_old=recompute)
+    role = {"values": "critic", "update_critic": "critic", "ref": "ref"}
+    devices = {p: trainer.groups.get(role.get(p, "actor_rollout"), trainer.actor).world_size for p in flops}
+    out.update(flops_metrics(flops, trainer.timers.times, devices, peak_flops(device_name)))
+    return out

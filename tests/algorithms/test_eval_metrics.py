@@ -41,3 +41,12 @@ def test_maj_at_n_hand_values():
 def test_pass_ks():
     assert pass_ks(1) == [] and pass_ks(2) == [] and pass_ks(3) == [2]
     assert pass_ks(8) == [2, 4] and pass_ks(16) == [2, 4, 8]
+
+
+def test_vote_metrics_names_and_values():
+    from hybridflow.algorithms.eval_metrics import vote_metrics
+
+    votes = [(["7", "8", "7", "9"], [1, 0, 1, 0]), (["1", "2", "3", "4"], [0, 0, 0, 1])]
+    out = vote_metrics("val/src", votes, 4)
+    assert out == {"val/src/maj@4": 0.5, "val/src/pass@2": pytest.approx((1 - 1 / 6 + 0.5) / 2)}
+    assert vote_metrics("val/src", [], 4) == {}
