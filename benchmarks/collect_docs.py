@@ -9,7 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-ORDER = ["controller", "train", "generation", "hybrid_engine", "planner", "rewards", "memory", "vs_trl", "cli"]
+ORDER = [
+    "controller",
+    "train",
+    "generation",
+    "hybrid_engine",
+    "planner",
+    "rewards",
+    "memory",
+    "vs_trl",
+    "cli",
+]
 
 HEADER = """# Benchmarks
 
