@@ -219,6 +219,9 @@ def _read_config(model_dir: str | None) -> dict | None:
     path = os.path.join(model_dir, "config.json") if model_dir else None
     if path is None or not os.path.isfile(path):
         return None
-    with open(path) as f:
-        hf = json.load(f)
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable or corrupt: the model.path check reports it in one line
     return {**hf.get("text_config", {}), **hf}

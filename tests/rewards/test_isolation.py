@@ -59,7 +59,7 @@ def test_user_module_is_imported_only_in_the_workers(reward_file):
         ("import sys\nsys.exit(5)\n", "importing it called sys.exit(5) (bad.py:2)"),
         ("import os\nos._exit(7)\n", "the reward worker exited with code 7 while importing it"),
         ("def f(:\n", "SyntaxError"),
-        ("import time\ntime.sleep(300)\n", "did not finish importing it within 1.5s"),
+        ("import time\ntime.sleep(300)\n", "did not finish importing it within 20s"),
     ],
 )
 def test_a_module_that_exits_fails_or_hangs_at_import_is_one_line(tmp_path, source, expected):
@@ -67,8 +67,9 @@ def test_a_module_that_exits_fails_or_hangs_at_import_is_one_line(tmp_path, sour
     path.write_text(source)
     start = time.monotonic()
     with pytest.raises(RewardSpecError) as info:
-        RewardExecutor(RewardConfig(fn=f"{path}:score", startup_timeout_s=1.5))
-    assert time.monotonic() - start < 60  # the hang costs startup_timeout_s, not forever
+        # 20 s: a worker's own start-up (Python, numpy) must fit inside it on a loaded 2-core CI machine
+        RewardExecutor(RewardConfig(fn=f"{path}:score", startup_timeout_s=20))
+    assert time.monotonic() - start < 90  # the hang costs startup_timeout_s, not forever
     message = str(info.value)
     assert expected in message and "\n" not in message and isinstance(info.value, UserError)
     assert message.startswith(f"reward.fn='{path}:score': ")
