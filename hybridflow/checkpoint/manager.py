@@ -2,7 +2,7 @@
 
 Layout (root = the run directory):
 
-    root/checkpoints/step_{N}/manifest.json      step, time, version, config hash, parts (files + sizes)
+    root/checkpoints/step_{N}/manifest.json      step, time, version, config hash, parts (files, sizes, SHA-256)
                              actor/ critic/ ...  written by the role workers (engine_state.py)
                              trainer_state.json  written by the driver (trainer_state.py)
     root/checkpoints/latest                      "step_{N}": the last committed checkpoint
@@ -11,11 +11,15 @@ Atomicity: writers fill a hidden temp directory in the same parent (`.tmp-step_N
 fsyncs every file and directory, writes the manifest last, and renames the temp directory to
 `step_N` (a rename inside one filesystem is atomic). A crash at any point leaves either the old
 state or the complete new checkpoint visible, never half of one; leftovers are hidden and removed by
-the next `begin`. Deletions (pruning, replacing a step) rename first and delete after, for the same
+the next `begin` once their owner (pid and host in the name) is dead. Deletions (pruning, replacing a step) rename first and delete after, for the same
 reason. The `latest` pointer is replaced atomically (tmp file + os.replace) after the rename; it is
 the source of truth for `resume=auto` (a crash between the two resumes from the previous, still
-complete checkpoint). Only one process (the driver) commits in a run directory; workers on other
-nodes write into the temp directory through a shared filesystem.
+complete checkpoint). Only one process (the driver) commits in a run directory (run_lock.py holds the
+directory for it); workers on other nodes write into the temp directory through a shared filesystem.
+
+Integrity: the manifest records the SHA-256 of every file; `validate` recomputes them before anything
+is loaded, so a checkpoint file that was corrupted or replaced is refused with its name (and, for
+`resume=auto`, the previous valid checkpoint is used instead, with a warning). See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import hybridflow
+from hybridflow.checkpoint.fsutil import (  # noqa: F401 — re-exported for engine_state, export
+    atomic_write_text,
+    fsync_path,
+    fsync_tree,
+    owner_alive,
+    owner_tag,
+    sha256_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,40 +59,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or does not hold what the caller needs."""
 
 
-# ---- filesystem helpers ------------------------------------------------------------------------------
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory fsync makes the names inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, under root (files may come from other processes:
-    fsync flushes the inode whoever wrote it)."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(Path(dirpath))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write text so readers see the old or the new content, never a prefix: tmp file, fsync, os.replace."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
+# ---- filesystem helpers (the rest in fsutil.py) -----------------------------------------------------
 def _remove_dir(path: Path) -> None:
     """Delete a directory so that it never appears half-deleted under its own name."""
-    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    trash = path.with_name(f".trash-{path.name}-{owner_tag()}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
     fsync_path(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
@@ -135,13 +117,14 @@ class CheckpointManager:
         (pointer lost or stale); None when there is none."""
         pointer = self.dir / LATEST
         if pointer.is_file():
-            m = _STEP_RE.match(pointer.read_text().strip())
+            text = pointer.read_bytes()[:200].decode("utf-8", errors="replace").strip()
+            m = _STEP_RE.match(text)
             if m and (self.dir / m.group(0) / MANIFEST).is_file():
                 return int(m.group(1))
             log.warning(
-                "checkpoint pointer %s is stale (%r); using the newest complete checkpoint",
+                "checkpoint pointer %s is stale or corrupt (%r); using the newest complete checkpoint",
                 pointer,
-                pointer.read_text().strip(),
+                text[:40],
             )
         steps = self.steps()
         return steps[-1] if steps else None
@@ -150,22 +133,41 @@ class CheckpointManager:
         step = self.latest_step()
         return None if step is None else self.step_dir(step)
 
-    def resolve(self, resume: str | os.PathLike | None) -> Path | None:
-        """The checkpoint to resume from: `trainer.resume` = "auto" (latest, or None on a fresh run),
-        "never"/"" (None), a step number ("12" or "step_12"), or a path to a step directory or to a run
-        directory (its latest). Explicit choices that do not exist raise CheckpointError."""
+    def resolve(self, resume: str | os.PathLike | None, require: Sequence[str] = ()) -> Path | None:
+        """The checkpoint to resume from, verified (sizes, SHA-256, `require`d parts): `trainer.resume` =
+        "auto" (latest, or None on a fresh run; a damaged one is skipped for the newest valid earlier
+        one, with a warning), "never"/"" (None), a step number ("12" or "step_12"), or a path to a step
+        directory or to a run directory (its latest). Explicit choices that fail raise CheckpointError."""
         if resume is None or str(resume).strip().lower() in ("never", "", "none", "false"):
             return None
         text = str(resume).strip()
         if text.lower() == "auto":
-            return self.latest()
+            return self._latest_valid(require)
         m = re.fullmatch(r"(?:step_)?(\d+)", text)
         try:
             path = self.step_dir(int(m.group(1))) if m and not Path(text).exists() else find_checkpoint(text)
-            self.validate(path)
+            self.validate(path, require)
         except CheckpointError as e:
             raise CheckpointError(f"trainer.resume={text!r}: {e} ({self._available()})") from e
         return path
+
+    def _latest_valid(self, require: Sequence[str]) -> Path | None:
+        latest = self.latest_step()
+        if latest is None:
+            return None
+        candidates = [latest] + [s for s in reversed(self.steps()) if s < latest]
+        for i, step in enumerate(candidates):
+            try:
+                self.validate(self.step_dir(step), require)
+            except CheckpointError as e:
+                if i + 1 == len(candidates):
+                    raise CheckpointError(f"trainer.resume=auto: {e}; no earlier valid checkpoint") from e
+                log.warning("skipping damaged checkpoint: %s", e)
+                continue
+            if step != latest:
+                log.warning("resuming from step_%d, the newest checkpoint that verifies", step)
+            return self.step_dir(step)
+        return None
 
     def _available(self) -> str:
         steps = self.steps()
@@ -173,12 +175,13 @@ class CheckpointManager:
 
     # ---- writing ---------------------------------------------------------------------------------
     def begin(self, step: int) -> Path:
-        """A fresh hidden temp directory to write checkpoint `step` into (stale temp dirs are removed)."""
+        """A fresh hidden temp directory to write checkpoint `step` into (leftovers of dead writers are
+        removed; a live writer's are left alone)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for p in self.dir.iterdir():
-            if p.name.startswith((".tmp-", ".trash-")) and p.is_dir():
+            if p.name.startswith((".tmp-", ".trash-")) and p.is_dir() and not owner_alive(p.name):
                 shutil.rmtree(p, ignore_errors=True)
-        tmp = self.dir / f".tmp-step_{int(step)}-{uuid.uuid4().hex[:8]}"
+        tmp = self.dir / f".tmp-step_{int(step)}-{owner_tag()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         return tmp
 
@@ -189,6 +192,10 @@ class CheckpointManager:
         """Make the temp directory checkpoint `step`: manifest, fsync, rename, pointer, prune."""
         tmp = Path(tmp)
         parts = {p.name: _list_files(p) for p in sorted(tmp.iterdir()) if p.name != MANIFEST}
+        digests = {
+            name: {rel: sha256_file(tmp / name / rel if rel else tmp / name) for rel in files}
+            for name, files in parts.items()
+        }
         if not parts:
             raise CheckpointError(f"nothing was written into {tmp}; refusing to commit an empty checkpoint")
         manifest = {
@@ -198,7 +205,10 @@ class CheckpointManager:
             "unix_time": time.time(),
             "hybridflow_version": hybridflow.__version__,
             "config_hash": self.config_hash,
-            "parts": {name: {"files": files, "bytes": sum(files.values())} for name, files in parts.items()},
+            "parts": {
+                name: {"files": files, "bytes": sum(files.values()), "sha256": digests[name]}
+                for name, files in parts.items()
+            },
             "meta": meta or {},
         }
         fsync_tree(tmp)
@@ -239,7 +249,8 @@ class CheckpointManager:
         """Check a checkpoint directory against its manifest; returns the manifest.
 
         require: part names the caller needs ("actor", "critic", "trainer_state.json"); a missing one
-        is named in the error. Files listed in the manifest must exist with their recorded sizes.
+        is named in the error. Files listed in the manifest must exist with their recorded sizes and
+        SHA-256 digests.
         """
         manifest = read_manifest(path, require)
         if self.config_hash and manifest.get("config_hash") and manifest["config_hash"] != self.config_hash:
@@ -252,8 +263,9 @@ class CheckpointManager:
         return manifest
 
 
-def read_manifest(path: str | os.PathLike, require: Sequence[str] = ()) -> dict:
-    """Load and verify `path/manifest.json` (see CheckpointManager.validate)."""
+def read_manifest(path: str | os.PathLike, require: Sequence[str] = (), _hint: bool = True) -> dict:
+    """Load `path/manifest.json` and verify the files against it (see CheckpointManager.validate); a
+    damaged file is named, with the newest earlier checkpoint that verifies."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -264,9 +276,9 @@ def read_manifest(path: str | os.PathLike, require: Sequence[str] = ()) -> dict:
             "Resume from another step or use resume=auto"
         )
     try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{mpath} is not valid JSON: {e}") from e
+        manifest = json.loads(mpath.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath} is not valid JSON: {e}{_previous_hint(path) if _hint else ''}") from e
     parts = manifest.get("parts", {})
     for name in require:
         if name not in parts:
@@ -281,9 +293,36 @@ def read_manifest(path: str | os.PathLike, require: Sequence[str] = ()) -> dict:
                 raise CheckpointError(f"checkpoint {path}: part '{name}' is missing file {f}")
             if f.stat().st_size != size:
                 raise CheckpointError(
-                    f"checkpoint {path}: part '{name}' file {f} has {f.stat().st_size} bytes, manifest says {size}"
+                    f"checkpoint {path}: part '{name}' file {f} has {f.stat().st_size} bytes, manifest says "
+                    f"{size}{_previous_hint(path) if _hint else ''}"
+                )
+    for name, info in parts.items():  # after the cheap checks: hashing reads every byte
+        for rel, digest in info.get("sha256", {}).items():
+            f = path / name / rel if rel else path / name
+            if sha256_file(f) != digest:
+                raise CheckpointError(
+                    f"checkpoint {path}: file {f} does not match the SHA-256 in its manifest (corrupted or "
+                    f"replaced){_previous_hint(path) if _hint else ''}"
                 )
     return manifest
+
+
+def _previous_hint(path: Path) -> str:
+    """'; previous valid checkpoint: .../step_K (trainer.resume=K)' for a damaged checkpoint, or ''."""
+    m = _STEP_RE.match(path.name)
+    if not m:
+        return ""
+    earlier = sorted(
+        (int(g.group(1)) for p in path.parent.iterdir() if (g := _STEP_RE.match(p.name))),
+        reverse=True,
+    )
+    for step in (s for s in earlier if s < int(m.group(1))):
+        try:
+            read_manifest(path.parent / f"step_{step}", _hint=False)
+        except CheckpointError:
+            continue
+        return f"; previous valid checkpoint: {path.parent / f'step_{step}'} (trainer.resume={step})"
+    return "; no earlier valid checkpoint"
 
 
 def find_checkpoint(source: str | os.PathLike, step: int | None = None) -> Path:

@@ -323,6 +323,7 @@ class ResourcesConfig:
     nnodes: int = _f(1, "number of nodes")
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
     ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
+    ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
 
     @property
     def num_devices(self) -> int:
@@ -337,8 +338,20 @@ class TrainerConfig:
     val_before_train: bool = _f(True, "validate once before the first step")
     val_generations_to_log: int = _f(4, "validation samples shown in the generations table")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    save_every_minutes: float = _f(
+        30.0, "also checkpoint after a step when this many minutes passed since the last save (0 = off)"
+    )
+    max_restarts: int = _f(
+        3,
+        "a dead worker or a collective timeout: tear down, restart the workers, reload the last checkpoint, continue (this many times)",
+    )
+    stop_grace_s: float = _f(
+        120.0, "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them"
+    )
     keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)")
-    resume: str = _f("auto", "auto = continue from the latest checkpoint, never, or a checkpoint path")
+    resume: str = _f(
+        "auto", "auto = continue from the latest checkpoint, never, a step number (12), or a checkpoint path"
+    )
     output_dir: str = _f("runs", "runs are written to output_dir/experiment_name")
     experiment_name: str = _f("default", "name of this run's directory and of the tracking run")
     project_name: str = _f("hybridflow", "wandb project / mlflow experiment")

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import ADV_ESTIMATORS, LOGGERS, HybridFlowConfig, ParallelConfig
@@ -250,10 +251,23 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     for name in t.loggers:
         if name not in LOGGERS:
             errors.append(f"trainer.loggers: unknown logger {name!r}; choose from {list(LOGGERS)}")
-    if t.resume not in ("auto", "never") and not os.path.exists(t.resume):
+    resume = str(t.resume).strip()
+    if (
+        resume not in ("auto", "never")
+        and not re.fullmatch(r"(step_)?\d+", resume)
+        and not os.path.exists(resume)
+    ):
         errors.append(
-            f"trainer.resume: {t.resume!r} is neither 'auto', 'never' nor an existing checkpoint path"
+            f"trainer.resume: {t.resume!r} is neither 'auto', 'never', a step number nor an existing checkpoint path"
         )
+    name = t.experiment_name
+    if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        errors.append(
+            f"trainer.experiment_name: {name!r} must be a relative name inside trainer.output_dir (no '..', not absolute)"
+        )
+    for key in ("max_restarts", "save_every_minutes", "stop_grace_s"):
+        if getattr(t, key) < 0:
+            errors.append(f"trainer.{key}: must be >= 0, got {getattr(t, key)}")
     placement = cfg.resources.placement
     if placement not in ("colocate", "split", "auto") and not os.path.isfile(placement):
         errors.append(

@@ -150,12 +150,15 @@ class WorkerProcess:
         if self.use_gpu:
             torch.cuda.set_device(0)
         backend = "nccl" if self.use_gpu else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.rank == 0:  # the rendezvous store listens on the node's address only, not on every interface
+            self._store_socket = socket.create_server((addr, port), backlog=1024)
+            store = dist.TCPStore(addr, port, self.world_size, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=self._store_socket.fileno())  # fmt: skip
+        else:
+            store = dist.TCPStore(addr, port, self.world_size, False, timeout)
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
         node = ray.get_runtime_context().get_node_id()
         ctx = WorkerContext(

@@ -12,49 +12,47 @@ optimizer shards of each rank, LR scheduler, per-rank RNG states, HF config; doc
 trainer_state.json (step, loader position, `extra_state`: KL coefficient / Lagrange multiplier, its
 own RNG state). `trainer.resume=auto` continues from `latest`, and the resumed run repeats the
 uninterrupted one exactly (tests/trainers/test_resume.py).
+
+The run's life around the loop (lifecycle.py, docs/operations.md): the run directory is locked before
+any worker starts, the checkpoint to resume is verified (SHA-256) and checked against this run's batch
+and model, a finished run raises RunFinished; a dead worker or a failed collective restarts the worker
+groups from the last checkpoint (trainer.max_restarts); a stop signal ends the loop after the step
+with a checkpoint (Preempted).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import ray
 import torch
 
 from hybridflow.algorithms.eval_metrics import vote_metrics
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (
+    CheckpointError,
     CheckpointManager,
     capture_rng_state,
     load_trainer_state,
     restore_rng_state,
     save_trainer_state,
 )
+from hybridflow.checkpoint.run_lock import RunLock
 from hybridflow.config import config_to_dict, resolve_config, validate_config
-from hybridflow.controller import ensure_ray
+from hybridflow.controller import WorkerError
 from hybridflow.data import StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
+from hybridflow.trainers import lifecycle
+from hybridflow.trainers.lifecycle import start_ray  # noqa: F401 — its home before lifecycle.py
 from hybridflow.trainers.metrics import Timers, throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown
 from hybridflow.workers import RuleReward
-
-
-def start_ray(cfg, num_devices: int) -> None:
-    """Join resources.ray_address, or start an embedded local cluster with room for every device."""
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    address = cfg.resources.ray_address or None
-    kwargs = {"address": address}
-    if address is None:
-        kwargs["num_cpus"] = max(cfg.resources.ray_num_cpus or os.cpu_count() or 1, num_devices)
-    ensure_ray(log_to_driver=False, **kwargs)
 
 
 def score_batch(batch: Batch, rule: RuleReward | None, model_group, key: str) -> tuple[torch.Tensor, dict]:
@@ -74,6 +72,7 @@ class Trainer:
     and this trainer does not shut them down."""
 
     name = "base"
+    owns_run_dir = True  # trains: locks the run directory and resumes from it (eval does neither)
 
     def __init__(self, config, placement: Placement | None = None, groups: dict | None = None):
         self.cfg = cfg = resolve_config(config)
@@ -90,6 +89,9 @@ class Trainer:
             os.path.abspath(cfg.run_dir), keep_last=t.keep_last, config=_hashed_config(cfg)
         )
         self.timers = Timers()
+        self.restarts, self.run_lock, self.resume_path = 0, None, None
+        if self.owns_run_dir:
+            self._claim_run_dir()
         self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
         self.tracker = None
         self.owns_groups = groups is None
@@ -142,29 +144,54 @@ class Trainer:
         """Train for trainer.total_steps (validating and checkpointing per trainer.*); returns the
         per-step metrics of this call (validation metrics are merged into the step they follow).
         stop_after: end this call after that step, with a checkpoint there, as a preempted run would;
-        the next fit (or a new run with resume=auto) continues from it."""
+        the next fit (or a new run with resume=auto) continues from it. A dead worker or a failed
+        collective restarts the groups from the last checkpoint, up to trainer.max_restarts times."""
         from hybridflow.logging import build_tracker
 
-        self.maybe_resume()
+        self._restore_point = self.maybe_resume()
         self.write_config()
-        self.tracker = build_tracker(
-            self.cfg, total_steps=self.total_steps, resume_step=self.global_step or None
+        self._initial = (
+            self.train_loader and self.train_loader.state_dict(),
+            self.extra_state(),
+            capture_rng_state(),
         )
-        history = []
-        try:
-            self._loop(history, min(stop_after or self.total_steps, self.total_steps))
-        finally:
-            self.tracker.close()
-        return history
+        self._last_save = time.monotonic()
+        history: list[dict] = []
+        while True:
+            step = self.global_step if self.global_step or self.restarts else None
+            self.tracker = build_tracker(self.cfg, total_steps=self.total_steps, resume_step=step)
+            try:
+                self._loop(history, min(stop_after or self.total_steps, self.total_steps))
+                return history
+            except Exception as e:
+                if not self._may_restart(e):
+                    raise
+                error = e
+            finally:
+                self.tracker.close()
+            self._restart(error, history)
+
+    def _may_restart(self, error: Exception) -> bool:
+        return (
+            lifecycle.is_recoverable(error)
+            and self.owns_groups
+            and self.restarts < self.cfg.trainer.max_restarts
+            and not lifecycle.stop_requested()
+        )
+
+    def _restart(self, error: Exception, history: list[dict]) -> None:
+        lifecycle.restart(self, error, history)
 
     def _loop(self, history: list[dict], stop: int) -> None:
         t = self.cfg.trainer
-        if t.val_before_train and self.global_step == 0:
+        if t.val_before_train and self.global_step == 0 and not history:
             with _at_step(0, "validation at "):
                 val = {**self.validate(), **self.timers.pop()}
             self.tracker.log(val, 0)
             history.append({"step": 0, **val})
         while self.global_step < stop:
+            if signum := lifecycle.stop_requested():  # after the step (and its checkpoint) in flight
+                raise lifecycle.Preempted(signum, self.global_step, self.latest_checkpoint())
             self.global_step += 1
             batch = self.train_loader.next_batch()
             batch.meta["global_step"] = self.global_step
@@ -177,9 +204,18 @@ class Trainer:
             if (t.val_every and self.global_step % t.val_every == 0) or last:
                 with _at_step(self.global_step, "validation at "):
                     metrics.update(self.validate())
-            if (t.save_every and self.global_step % t.save_every == 0) or last or self.global_step == stop:
+            by_time = t.save_every_minutes and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
+            stopping = lifecycle.stop_requested()
+            if (
+                (t.save_every and self.global_step % t.save_every == 0)
+                or last
+                or self.global_step == stop
+                or by_time
+                or stopping
+            ):
                 self.save_checkpoint()
             metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
+            metrics["trainer/restarts"] = self.restarts
             self.tracker.log(metrics, self.global_step)
             history.append({"step": self.global_step, **metrics})
             self._check_skipped(metrics)
@@ -283,14 +319,16 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Checkpoint this step (atomic; `latest` moves on success; older ones pruned to keep_last)."""
         m = self.cfg.model
-        meta = {"algorithm": self.name, "tokenizer_dir": os.path.abspath(m.tokenizer_path or m.path)}
+        meta = {"algorithm": self.name, "tokenizer_dir": os.path.abspath(m.tokenizer_path or m.path),
+                "fingerprint": lifecycle.resume_fingerprint(self.cfg)}  # fmt: skip
         with self.timers("save_checkpoint"), self.ckpt.writing(self.global_step, meta=meta) as tmp:
             for g in self.trainable_groups().values():
                 g.save_checkpoint(str(tmp))  # each writes tmp/<role>/ (a collective over its ranks)
             state = {"global_step": self.global_step, "algorithm": self.name, "loader": self.train_loader.state_dict(),
                      "extra": self.extra_state(), "rng": capture_rng_state()}  # fmt: skip
             save_trainer_state(tmp, state)
-        return self.ckpt.step_dir(self.global_step)
+        self._restore_point, self._last_save = self.ckpt.step_dir(self.global_step), time.monotonic()
+        return self._restore_point
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore every trainable group, the loader position, extra_state and the driver's RNG."""
@@ -301,7 +339,11 @@ class Trainer:
                 "set trainer.resume=never or another trainer.output_dir / experiment_name"
             )
         for g in self.trainable_groups().values():
-            g.load_checkpoint(str(path))
+            try:
+                g.load_checkpoint(str(path))
+            except WorkerError as e:  # e.g. shapes that do not fit this run's model
+                last = e.remote_traceback.strip().splitlines()[-1] if e.remote_traceback.strip() else str(e)
+                raise CheckpointError(f"could not load {path} into {g.name}: {last}") from e
         self.global_step = int(state["global_step"])
         self.train_loader.load_state_dict(state["loader"])
         self.load_extra_state(state.get("extra", {}))
@@ -311,18 +353,32 @@ class Trainer:
     def latest_checkpoint(self) -> Path | None:
         return self.ckpt.latest()
 
+    def _claim_run_dir(self) -> None:
+        self.run_lock = RunLock(self.cfg.run_dir)
+        try:
+            self.resume_path = lifecycle.check_run_dir(self)
+        except BaseException:
+            self.run_lock.release()
+            raise
+
     def maybe_resume(self) -> Path | None:
-        """Load the checkpoint trainer.resume names (auto: the latest, if any); -> its path or None."""
-        path = self.ckpt.resolve(self.cfg.trainer.resume)
+        """Load the checkpoint trainer.resume names (auto: the latest, if any; verified when this trainer
+        was built); -> its path or None."""
+        path = self.resume_path
+        if path is None and not self.owns_run_dir:
+            path = self.ckpt.resolve(
+                self.cfg.trainer.resume, require=[*self.checkpoint_parts(), "trainer_state.json"]
+            )
         if path is None or self.global_step != 0:
             return None
-        self.ckpt.validate(path, require=[*self.checkpoint_parts(), "trainer_state.json"])
         self.load_checkpoint(path)
+        print(f"hybridflow train: resumed from step {self.global_step} ({path})", file=sys.stderr, flush=True)
         return path
 
     def checkpoint_parts(self) -> list[str]:
         """The checkpoint parts (directories) this trainer's groups write: their role names."""
-        return [{"actor_rollout": "actor"}.get(r, r) for r in self.trainable_groups()]
+        trainable = ("actor_rollout", "critic", "cost_critic")
+        return [{"actor_rollout": "actor"}.get(r, r) for r in self.roles() if r in trainable]
 
     # ---- teardown -------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -331,6 +387,8 @@ class Trainer:
         if self.owns_groups:
             shutdown(self.groups, self.pools)
         self.groups, self.pools = {}, []
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def __enter__(self):
         return self
@@ -363,6 +421,7 @@ def _hashed_config(cfg) -> dict:
     resumed run may change freely (a mismatch elsewhere is logged as a warning on resume)."""
     d = config_to_dict(cfg)
     t = d["trainer"]
-    for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers"):
+    for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers",
+              "save_every_minutes", "max_restarts", "stop_grace_s"):  # fmt: skip
         t.pop(k, None)
     return d

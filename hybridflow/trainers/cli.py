@@ -3,9 +3,12 @@
 Without resources.ray_address an embedded local Ray cluster is started (and stopped at the end);
 with one, the run joins that cluster. With trainer.resume=auto (the default) a run directory that
 holds checkpoints continues from the latest. At the end the run's report (report.png/html) is
-written next to metrics.jsonl. Exit code 0 on success, 2 on a user error (hybridflow/errors.py: config,
-data files, reward code, model directories, checkpoints; or a run stopped by a safety check such as
-reward.max_error_fraction or trainer.max_skipped_steps): one line on stderr, no traceback.
+written next to metrics.jsonl. Exit code 0 on success (also when the run directory holds a finished
+run: nothing is trained), 2 on a user error (hybridflow/errors.py: config, data files, reward code,
+model directories, checkpoints, a run directory in use; or a run stopped by a safety check such as
+reward.max_error_fraction or trainer.max_skipped_steps): one line on stderr, no traceback; 128 + signal
+number after SIGTERM (143) / SIGINT (130): the step in flight and a checkpoint are finished first, a
+second signal abandons them; every process the run started is stopped either way (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from hybridflow.config import load_config
+    from hybridflow.controller import WorkerDiedError
     from hybridflow.trainers import build_trainer
+    from hybridflow.trainers.lifecycle import Abandoned, Preempted, RunFinished, StopSignals, stop_reaper
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -64,26 +69,39 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2
     embedded = not cfg.resources.ray_address and not ray.is_initialized()
-    try:
+    trainer = None
+    with StopSignals(cfg.trainer.stop_grace_s) as signals:
         try:
             trainer = build_trainer(cfg)
-        except user_errors() as e:
-            print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
-            return 2
-        try:
             history = trainer.fit()
+        except RunFinished as e:
+            print(f"hybridflow train: {one_line(e)}")
+            return 0
         except user_errors() as e:
             print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
             return 2
+        except Preempted as e:
+            print(f"hybridflow train: {e}", file=sys.stderr)
+            return 128 + e.signum
+        except Abandoned as e:
+            latest = trainer.latest_checkpoint() if trainer is not None else None
+            print(f"hybridflow train: {e}; latest checkpoint: {latest}", file=sys.stderr)
+            return 128 + e.signum
+        except WorkerDiedError as e:
+            restarts = trainer.restarts if trainer is not None else 0
+            print(f"hybridflow train: failed after {restarts} restarts: {one_line(e)}", file=sys.stderr)
+            return 1
         finally:
-            trainer.close()
-        val = {k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")}
-        print(f"hybridflow train: done, {trainer.global_step} steps; final {val}; run dir {cfg.run_dir}")
-        write_report_if_logged(cfg)
-        return 0
-    finally:
-        if embedded and ray.is_initialized():
-            ray.shutdown()
+            signals.shield()  # a further Ctrl-C must not interrupt the shutdown below
+            if trainer is not None:
+                trainer.close()
+            if embedded and ray.is_initialized():
+                ray.shutdown()
+            stop_reaper()
+    val = {k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")}
+    print(f"hybridflow train: done, {trainer.global_step} steps; final {val}; run dir {cfg.run_dir}")
+    write_report_if_logged(cfg)
+    return 0
 
 
 def write_report_if_logged(cfg) -> None:

@@ -28,6 +28,7 @@ def build_eval_trainer(cfg):
 
     class EvalTrainer(Trainer):
         name = "eval"
+        owns_run_dir = False  # reads a checkpoint; may run beside the training run that writes it
 
         def roles(self) -> dict[str, dict]:
             return {"actor_rollout": {}, **({"reward": {}} if self.cfg.reward.kind == "model" else {})}

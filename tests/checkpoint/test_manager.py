@@ -3,8 +3,12 @@ resolution and manifest validation; trainer state and RNG round trips. No model 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -28,6 +32,12 @@ def _save(manager: CheckpointManager, step: int, payload: str = "x") -> None:
         save_trainer_state(tmp, {"step": step})
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def _visible(manager: CheckpointManager) -> list[str]:
     return sorted(p.name for p in manager.dir.iterdir())
 
@@ -44,12 +54,17 @@ def test_crash_inside_writer_keeps_previous_checkpoint(tmp_path):
     assert (manager.dir / "latest").read_text().strip() == "step_1"
     assert manager.latest_step() == 1 and manager.resolve("auto") == manager.step_dir(1)
 
-    # A hard crash (no cleanup at all): the half-written temp dir stays hidden and is swept by begin().
-    tmp = manager.begin(2)
-    (tmp / "trainer_state.json").write_text('{"step": 2')
+    # A hard crash (no cleanup at all): the half-written temp dir stays hidden and is swept by begin()
+    # once its owner (host~pid in the name) is dead; a live owner's temp dir is left alone.
+    live = manager.begin(2)
+    (live / "trainer_state.json").write_text('{"step": 2')
+    dead_pid = _dead_pid()
+    dead = live.with_name(live.name.replace(f"~{os.getpid()}-", f"~{dead_pid}-"))
+    shutil.copytree(live, dead)
     assert manager.steps() == [1] and manager.latest_step() == 1
     _save(manager, 2)
-    assert _visible(manager) == ["latest", "step_1", "step_2"]
+    assert _visible(manager) == [live.name, "latest", "step_1", "step_2"]  # only the dead one swept
+    shutil.rmtree(live)
     assert load_trainer_state(manager.resolve("auto")) == {"step": 2}
 
 
@@ -163,3 +178,31 @@ def test_rng_restore_reproduces_draws():
     assert _draws() == first
     with pytest.raises(ValueError, match="lacks"):
         restore_rng_state({"python": state["python"]})
+
+
+def test_sha256_checked_before_load_and_previous_valid_checkpoint_named(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2):
+        _save(manager, step, payload="ab")
+    weights = manager.step_dir(2) / "actor" / "weights.bin"
+    digest = read_manifest(manager.step_dir(2))["parts"]["actor"]["sha256"]["weights.bin"]
+    assert digest == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert manager.resolve("2") == manager.resolve("step_2") == manager.step_dir(2)  # a step number
+    weights.write_text("ba" * 2)  # same size, other bytes: only the digest can tell
+    with pytest.raises(CheckpointError) as e:
+        manager.resolve("2")
+    msg = str(e.value)
+    assert "\n" not in msg and str(weights) in msg and "SHA-256" in msg
+    assert f"previous valid checkpoint: {manager.step_dir(1)} (trainer.resume=1)" in msg
+    assert manager.resolve("auto") == manager.step_dir(1)  # auto skips the damaged one, and says so
+    assert "skipping damaged checkpoint" in caplog.text
+    (manager.step_dir(1) / "trainer_state.json").write_text('{"step": 9}')
+    with pytest.raises(CheckpointError, match="no earlier valid checkpoint"):
+        manager.resolve("auto")
+
+
+def test_corrupt_latest_pointer_falls_back_to_newest_complete(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    (manager.dir / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    assert manager.latest_step() == 1 and "stale or corrupt" in caplog.text

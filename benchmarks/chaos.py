@@ -1,0 +1,139 @@
+"""Chaos: `hybridflow train` runs in which a random worker process is killed (SIGKILL) at a random step.
+
+Each run is the real CLI in a child process with its own embedded Ray cluster: GRPO on the tiny model,
+2 worker ranks (data parallel, so a kill may leave the other rank inside a collective), 8 steps,
+save_every=2, trainer.max_restarts=3. The run must recover on its own (docs/operations.md): tear the
+groups down, start them again, reload the last checkpoint, continue. Reported per run: exit code, steps
+completed, restarts, the step after which the kill was sent, the step that failed, the step resumed from, steps lost beyond the last
+checkpoint (goal 0), the steps redone, and whether every step's metrics equal those of one uninterrupted
+reference run of the same config (timings aside). Baseline: the reference run.
+
+    .venv/bin/python benchmarks/chaos.py [--runs 3] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")
+
+from tests.trainers.lifecycle_helpers import metric_rows, start_train, wait_for, worker_pids  # noqa: E402
+
+STEPS, SAVE_EVERY, RANKS = 8, 2, 2
+REWARD = """def overlap(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c in ground_truth for c in solution_str) / 4.0
+"""
+
+
+def write_config(tmp: Path) -> Path:
+    from hybridflow.models.tiny import save_tiny_model
+
+    model = save_tiny_model(tmp / "model", size="tiny", arch="llama", seed=0)
+    (tmp / "reward.py").write_text(REWARD)
+    path = tmp / "grpo.yaml"
+    path.write_text(
+        "algorithm: {name: grpo}\n"
+        f"model: {{path: {model}}}\n"
+        "data: {dataset: 'synthetic:arithmetic', dataset_kwargs: {num_samples: 64, val_size: 4},"
+        " max_prompt_length: 16, train_batch_size: 4}\n"
+        "actor: {ppo_mini_batch_size: 4, optim: {lr: 2.0e-2}}\n"
+        "rollout: {n: 2, response_length: 4}\n"
+        f"reward: {{fn: '{tmp / 'reward.py'}:overlap', num_workers: 0}}\n"
+        f"resources: {{device: cpu, n_gpus_per_node: {RANKS}}}\n"
+        f"trainer: {{output_dir: '{tmp}', total_steps: {STEPS}, save_every: {SAVE_EVERY},"
+        " max_restarts: 3, loggers: [jsonl]}\n"
+    )
+    return path
+
+
+def comparable(row: dict) -> dict:
+    skip = ("timing_s/", "perf/", "trainer/")
+    return {k: v for k, v in row.items() if not k.startswith(skip) and not k.endswith("_time_s")}
+
+
+def one_run(config: Path, name: str, kill_step: int | None, rng: random.Random) -> dict:
+    run = config.parent / name
+    log = config.parent / f"{name}.log"
+    start = time.perf_counter()
+    proc = start_train(config, f"trainer.experiment_name={name}", log=log)
+    victim = None
+    if kill_step is not None:  # the metrics row of step k-1 follows its checkpoint: kill during step k
+        wait_for(lambda: any(r["step"] == kill_step - 1 for r in metric_rows(run)), proc, poll=0.02)
+        workers = worker_pids(proc.pid)
+        victim = rng.choice(workers)
+        os.kill(victim, signal.SIGKILL)
+    rc = proc.wait(timeout=1800)
+    text = log.read_text()
+    resumed = [int(x.split()[0]) for x in text.split("resumed from step ")[1:]]
+    failed = [int(x) for x in re.findall(r"hybridflow train: restart 1/\d+ at step (\d+)", text)]
+    return {
+        "failed_step": failed[0] if failed else None,
+        "rc": rc,
+        "rows": metric_rows(run),
+        "restarts": text.count("hybridflow train: restart "),
+        "resumed": resumed[0] if resumed else None,
+        "kill_step": kill_step,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="hybridflow-chaos-") as tmp:
+        config = write_config(Path(tmp))
+        ref = one_run(config, "reference", None, rng)
+        assert ref["rc"] == 0, f"the reference run failed: see {config.parent / 'reference.log'}"
+        expected = [comparable(r) for r in ref["rows"]]
+        print(
+            f"chaos: {args.runs} runs of {STEPS} GRPO steps (tiny model, {RANKS} ranks, save_every={SAVE_EVERY}),"
+        )
+        print(
+            "one random worker process SIGKILLed during a random step; reference: the same run uninterrupted"
+        )
+        print()
+        print("| run | kill after step | failed in step | exit code | steps done | restarts | resumed from | lost beyond last checkpoint | steps redone | metrics = reference | wall s |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print(f"| reference | - | - | {ref['rc']} | {max(r['step'] for r in ref['rows'])} | 0 | - | - | - | - | {ref['wall_s']:.0f} |")  # fmt: skip
+        totals = {"completed": 0, "restarts": 0, "lost": 0, "equal": 0}
+        for i in range(args.runs):
+            k = rng.randint(1, STEPS)
+            r = one_run(config, f"run{i}", k, rng)
+            steps = sorted({row["step"] for row in r["rows"]})
+            done = steps[-1] if steps else 0
+            failed = r["failed_step"] or k  # the kill lands in step k, or later on a loaded machine
+            last_ckpt = (failed - 1) // SAVE_EVERY * SAVE_EVERY  # the newest checkpoint before the failure
+            lost = last_ckpt - r["resumed"] if r["resumed"] is not None else "-"
+            redone = (failed - 1) - r["resumed"] if r["resumed"] is not None else "-"
+            equal = [comparable(row) for row in r["rows"]] == expected
+            ok = r["rc"] == 0 and done == STEPS and steps == list(range(STEPS + 1))
+            totals["completed"] += ok
+            totals["restarts"] += r["restarts"]
+            totals["lost"] += lost if isinstance(lost, int) else 0
+            totals["equal"] += equal
+            print(f"| {i} | {k - 1} | {failed} | {r['rc']} | {done} | {r['restarts']} | {r['resumed']} | {lost} | {redone} | {equal} | {r['wall_s']:.0f} |")  # fmt: skip
+        print()
+        print(
+            f"completed {totals['completed']}/{args.runs}, restarts {totals['restarts']}, steps lost beyond the "
+            f"last checkpoint {totals['lost']}, metrics equal to the reference {totals['equal']}/{args.runs}"
+        )
+        print(json.dumps({"chaos": totals, "runs": args.runs}))
+
+
+if __name__ == "__main__":
+    main()

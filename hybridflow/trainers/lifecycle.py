@@ -1,0 +1,318 @@
+"""A run's life around the step loop: the embedded Ray cluster, stop signals, automatic recovery,
+and the checks made before any worker starts (finished run, resume compatibility).
+
+How these behave for a user is in docs/operations.md. In short:
+- `start_ray`: an embedded cluster listens on 127.0.0.1 only, with Ray token auth (a fresh random
+  token per run) and no dashboard unless resources.ray_dashboard; resources.ray_address joins a real
+  cluster instead (its own network and auth settings apply).
+- `StopSignals`: the first SIGTERM/SIGINT asks the loop to stop after the step in flight and its
+  checkpoint; a second one (or trainer.stop_grace_s passing) abandons them. Either way the CLI shuts
+  everything down and exits 128 + signal.
+- `is_recoverable`: which worker failures the trainer answers by restarting its worker groups from the
+  last checkpoint (trainer.max_restarts): a dead process or a failed/timed-out collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import ray
+
+from hybridflow.checkpoint import CheckpointError
+from hybridflow.controller import WorkerDiedError, WorkerError, ensure_ray
+
+log = logging.getLogger(__name__)
+
+
+class RunFinished(Exception):
+    """The run directory already holds the final checkpoint: nothing to train (the CLI exits 0)."""
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after its step and checkpoint (the CLI exits 128 + signum)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {where}")
+
+
+class Abandoned(BaseException):
+    """A second stop signal (or the grace period ran out): unwind now, like KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} again: step and checkpoint abandoned")
+
+
+# ---- the embedded cluster ----------------------------------------------------------------------------
+def start_ray(cfg, num_devices: int) -> None:
+    """Join resources.ray_address, or start an embedded local cluster with room for every device."""
+    if ray.is_initialized():
+        return
+    r = cfg.resources
+    if r.ray_address:
+        ensure_ray(address=r.ray_address, log_to_driver=False)
+    else:
+        _local_only()
+        if ACTIVE is not None:  # `hybridflow train`: this process is the run's, so is everything below it
+            start_reaper()
+        ensure_ray(
+            address=None,
+            num_cpus=max(r.ray_num_cpus or os.cpu_count() or 1, num_devices),
+            include_dashboard=r.ray_dashboard,
+            dashboard_host="127.0.0.1",
+            log_to_driver=False,
+        )
+    if ACTIVE is not None:
+        ACTIVE.install()  # ray.init replaced the SIGTERM handler with sys.exit
+
+
+def _local_only() -> None:
+    """Environment of an embedded cluster (inherited by every Ray process it starts): node address
+    127.0.0.1, so Ray's gRPC servers, agents and metrics endpoints bind to loopback (Ray's single-host
+    mode); token auth with a fresh token; gloo on the loopback interface; no usage reporting."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read at import time; this process imported Ray already
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    previous = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    try:  # Ray's config and token cache were read at import time
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError) as e:  # a Ray without token auth: loopback only
+        log.warning("Ray token auth unavailable (%s); the embedded cluster listens on 127.0.0.1 only", e)
+        for k, v in previous.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+
+
+_REAPER = None
+
+
+def start_reaper() -> None:
+    """hybridflow/reaper.py: kills the run's processes if this process dies without cleaning up."""
+    global _REAPER
+    if _REAPER is None and os.path.isdir("/proc"):
+        import subprocess
+
+        cmd = [sys.executable, "-m", "hybridflow.reaper", str(os.getpid())]
+        _REAPER = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
+
+
+def stop_reaper() -> None:
+    """Normal exit, after shutting Ray down: the reaper kills stragglers (Ray's agents exit late) and ends."""
+    global _REAPER
+    if _REAPER is not None:
+        _REAPER.stdin.close()
+        try:
+            _REAPER.wait(timeout=30)
+        except Exception:  # noqa: BLE001 — never let the helper hold the exit up
+            _REAPER.kill()
+        _REAPER = None
+
+
+# ---- stop signals ------------------------------------------------------------------------------------
+class StopSignals:
+    """SIGTERM/SIGINT handling of one `hybridflow train` (a context manager; see the module doc).
+    grace_s: after the first signal, how long the step and its checkpoint may take (0 = no limit)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, grace_s: float = 0.0):
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.abandoned = False
+        self.shielded = False
+        self._timer: threading.Timer | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        global ACTIVE
+        self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        self.install()
+        ACTIVE = self
+        return self
+
+    def install(self) -> None:
+        for s in self.SIGNALS:
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.shielded or self.abandoned:
+            return  # shutting down already: nothing may interrupt the cleanup
+        if self.signum is None:
+            self.signum = signum
+            limit = f" within {self.grace_s:g} s" if self.grace_s else ""
+            print(
+                f"hybridflow train: {signal.Signals(signum).name}: finishing the step and saving{limit} "
+                "(send it again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            if self.grace_s:
+                self._timer = threading.Timer(self.grace_s, os.kill, (os.getpid(), signum))
+                self._timer.daemon = True
+                self._timer.start()
+            return
+        self.abandoned = True
+        raise Abandoned(signum)
+
+    def shield(self) -> None:
+        """From now on signals are ignored: the caller is cleaning up."""
+        self.shielded = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def __exit__(self, *exc) -> None:
+        global ACTIVE
+        self.shield()
+        ACTIVE = None
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+ACTIVE: StopSignals | None = None
+
+
+def stop_requested() -> int | None:
+    """The signal that asked this run to stop, if any."""
+    return None if ACTIVE is None else ACTIVE.signum
+
+
+# ---- recovery ------------------------------------------------------------------------------------------
+_COLLECTIVE_FAILURES = (
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "timed out",
+    "Timed out",
+)
+
+
+def is_recoverable(error: BaseException) -> bool:
+    """A dead worker process, or a worker failing inside a collective (a peer died, a timeout)."""
+    if isinstance(error, WorkerDiedError):
+        return True
+    return isinstance(error, WorkerError) and any(t in error.remote_traceback for t in _COLLECTIVE_FAILURES)
+
+
+# ---- checks before any worker starts ------------------------------------------------------------------
+MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size")  # fmt: skip
+
+
+def resume_fingerprint(cfg) -> dict:
+    """What a checkpoint must agree on with the run resuming it: batch arithmetic and model shapes."""
+    out = {
+        "data.train_batch_size": cfg.data.train_batch_size,
+        "rollout.n": cfg.rollout.n,
+        "model.path": _model_shape(cfg.model.path),
+    }
+    if cfg.model.critic_path:
+        out["model.critic_path"] = _model_shape(cfg.model.critic_path)
+    return out
+
+
+def _model_shape(path: str) -> dict:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: config[k] for k in MODEL_KEYS if k in config}
+
+
+def check_resume_compatible(checkpoint: Path, manifest: dict, cfg) -> None:
+    """CheckpointError (one line) when the run would resume `checkpoint` with another batch or model."""
+    saved = manifest.get("meta", {}).get("fingerprint")
+    if not saved:
+        return  # written before fingerprints were recorded
+    now = resume_fingerprint(cfg)
+    for key, then in saved.items():
+        if key not in now or now[key] == then:
+            continue
+        if isinstance(then, dict):
+            diff = [f"{k} {then.get(k)} -> {now[key].get(k)}" for k in then if then.get(k) != now[key].get(k)]
+            change = f"the model at {key}={cfg_value(cfg, key)} differs ({', '.join(diff)})"
+        else:
+            change = f"it was written with {key}={then}, this run has {now[key]}"
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: {change}; keep the checkpoint's setting, or start a new run "
+            "(trainer.resume=never or another trainer.experiment_name)"
+        )
+
+
+def cfg_value(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_run_dir(trainer) -> Path | None:
+    """Before any worker starts (the run directory is locked): the checkpoint trainer.resume names,
+    verified, checked to fit this run; RunFinished when it is the final one. -> its path or None."""
+    require = [*trainer.checkpoint_parts(), "trainer_state.json"]
+    path = trainer.ckpt.resolve(trainer.cfg.trainer.resume, require=require)
+    if path is None:
+        return None
+    manifest = json.loads((path / "manifest.json").read_text())
+    check_resume_compatible(path, manifest, trainer.cfg)
+    if manifest["step"] >= trainer.total_steps:
+        raise RunFinished(
+            f"{trainer.cfg.run_dir} is finished: its checkpoint {path.name} reached trainer.total_steps="
+            f"{trainer.total_steps}; nothing to train (raise total_steps to continue, or use another "
+            "trainer.experiment_name)"
+        )
+    return path
+
+
+def restart(trainer, error: Exception, history: list[dict]) -> None:
+    """After a recoverable failure: new worker groups, then the state of the last checkpoint this run
+    wrote or loaded (or of its start when there is none); history loses the steps after it."""
+    from hybridflow.checkpoint import restore_rng_state
+    from hybridflow.trainers.placement import build_worker_groups, shutdown
+
+    trainer.restarts += 1
+    n = f"{trainer.restarts}/{trainer.cfg.trainer.max_restarts}"
+    reason = str(error).splitlines()[0]
+    print(
+        f"hybridflow train: restart {n} at step {trainer.global_step}: {reason}", file=sys.stderr, flush=True
+    )
+    shutdown(trainer.groups, trainer.pools)
+    trainer.groups, trainer.pools = {}, []
+    trainer.groups, trainer.pools = build_worker_groups(trainer.cfg, trainer.placement, trainer.roles())
+    trainer.global_step = 0
+    if trainer._restore_point is not None:
+        require = [*trainer.checkpoint_parts(), "trainer_state.json"]
+        trainer.ckpt.validate(trainer._restore_point, require=require)
+        trainer.load_checkpoint(trainer._restore_point)
+    else:
+        loader, extra, rng = trainer._initial
+        if loader is not None:
+            trainer.train_loader.load_state_dict(loader)
+        trainer.load_extra_state(extra)
+        restore_rng_state(rng)
+    history[:] = [h for h in history if h["step"] <= trainer.global_step]
+    trainer.timers.pop()
+    print(
+        f"hybridflow train: resumed from step {trainer.global_step} (restart {n})",
+        file=sys.stderr,
+        flush=True,
+    )

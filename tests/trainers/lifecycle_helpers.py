@@ -1,0 +1,97 @@
+"""Helpers of the lifecycle tests and benchmarks/chaos.py: `hybridflow train` as a child process, the
+processes it started (by pid, from /proc), the TCP ports they listen on, and worker processes to kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_train(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
+    """`python -m hybridflow.cli train CONFIG OVERRIDES` in its own session (so a Ctrl-C to its process
+    group reaches it the way a terminal's would), output to `log`."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = open(log, "w")
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(config), *overrides]
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(p)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The run's worker-group processes (Ray actors of hybridflow's WorkerProcess)."""
+    return sorted(p for p in descendants(pid) if cmdline(p).startswith("ray::WorkerProcess"))
+
+
+def listening(pids) -> dict[int, list[str]]:
+    """pid -> the local addresses (ip:port) it listens on (TCP), from `ss -ltnp`."""
+    text = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    out: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        for p in pids:
+            if f"pid={p}," in line:
+                out.setdefault(p, []).append(line.split()[3])
+    return out
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 600.0, poll: float = 0.05):
+    """Poll until predicate() is truthy (-> its value); fails if the process ends first or on timeout."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before the awaited state")
+        time.sleep(poll)
+    raise AssertionError("timed out waiting for the run")
