@@ -17,6 +17,7 @@ ORDER = [
     "planner",
     "rewards",
     "memory",
+    "chaos",
     "vs_trl",
     "cli",
 ]
@@ -38,6 +39,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | planner | the paper's search time (up to 30 min at 70B/128) | 70B/128 GPUs in 0.62 s |
 | rule rewards | per-sample timeouts one after another (computed) | 64 hanging samples, timeout 2 s: 5.4 s instead of 128 s (23.9x) |
 | memory (4 ranks, 106M) | the code before sharded checkpoints (2b42e07) | save adds 0 MiB vs 811 (2.0 M); export peaks at one tensor; init, resume equal on CPU |
+| fault recovery | the same run without a kill | random worker SIGKILLed: 3/3 runs complete, 0 steps lost beyond the last checkpoint, metrics equal |
 | end to end | TRL 1.16 `GRPOTrainer` | 1.77x / 1.38x / 1.16x / 1.14x tokens/s (goal 3x: not met; fp32 GEMMs bound both sides) |
 | CLI start-up | the eager torch/Ray/transformers import `--help` made before | `hybridflow --help` 0.008x the baseline's CPU time (0.06 s vs 7.9 s) |
 """
