@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -75,7 +74,9 @@ def main() -> int:
 
     start = time.time()
     shutil.rmtree(OUT, ignore_errors=True)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from hybridflow.trainers.lifecycle import start_local_ray
+
+    start_local_ray(4, configure_logging=False)  # 127.0.0.1 only, token auth (docs/operations.md)
     try:
         from hybridflow.models.tiny import save_tiny_model
 

@@ -61,18 +61,24 @@ def start_ray(cfg, num_devices: int) -> None:
     if r.ray_address:
         ensure_ray(address=r.ray_address, log_to_driver=False)
     else:
-        _local_only()
         if ACTIVE is not None:  # `hybridflow train`: this process is the run's, so is everything below it
             start_reaper()
-        ensure_ray(
-            address=None,
-            num_cpus=max(r.ray_num_cpus or os.cpu_count() or 1, num_devices),
-            include_dashboard=r.ray_dashboard,
-            dashboard_host="127.0.0.1",
-            log_to_driver=False,
-        )
+        start_local_ray(max(r.ray_num_cpus or os.cpu_count() or 1, num_devices), r.ray_dashboard)
     if ACTIVE is not None:
         ACTIVE.install()  # ray.init replaced the SIGTERM handler with sys.exit
+
+
+def start_local_ray(num_cpus: int, dashboard: bool = False, **init_kwargs) -> None:
+    """An embedded single-host Ray cluster on 127.0.0.1 with token auth (see `_local_only`)."""
+    _local_only()
+    init_kwargs.setdefault("log_to_driver", False)
+    ensure_ray(
+        address=None,
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        dashboard_host="127.0.0.1",
+        **init_kwargs,
+    )
 
 
 def _local_only() -> None:
