@@ -47,9 +47,10 @@ class Preempted(Exception):
 class Abandoned(BaseException):
     """A second stop signal (or the grace period ran out): unwind now, like KeyboardInterrupt."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, why: str = ""):
         self.signum = signum
-        super().__init__(f"{signal.Signals(signum).name} again: step and checkpoint abandoned")
+        why = why or f"{signal.Signals(signum).name} again"
+        super().__init__(f"{why}: the step and its checkpoint were abandoned")
 
 
 # ---- the embedded cluster ----------------------------------------------------------------------------
@@ -150,11 +151,15 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         global ACTIVE
         self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        if threading.current_thread() is not threading.main_thread():
+            self._previous = {}
         self.install()
         ACTIVE = self
         return self
 
     def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; a caller elsewhere keeps its handlers
         for s in self.SIGNALS:
             signal.signal(s, self._handle)
 
@@ -171,12 +176,18 @@ class StopSignals:
                 flush=True,
             )
             if self.grace_s:
-                self._timer = threading.Timer(self.grace_s, os.kill, (os.getpid(), signum))
+                self._timer = threading.Timer(self.grace_s, self._grace_over, (signum,))
                 self._timer.daemon = True
                 self._timer.start()
             return
         self.abandoned = True
-        raise Abandoned(signum)
+        raise Abandoned(signum, self._why)
+
+    _why = ""
+
+    def _grace_over(self, signum: int) -> None:
+        self._why = f"trainer.stop_grace_s={self.grace_s:g} passed after {signal.Signals(signum).name}"
+        os.kill(os.getpid(), signum)
 
     def shield(self) -> None:
         """From now on signals are ignored: the caller is cleaning up."""

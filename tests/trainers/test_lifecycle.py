@@ -17,6 +17,7 @@ from hybridflow.checkpoint import CheckpointManager, read_manifest
 from hybridflow.cli import main as cli_main
 from hybridflow.config import load_config
 from hybridflow.trainers import build_trainer
+from hybridflow.trainers.lifecycle import Abandoned, StopSignals, stop_requested
 from tests.trainers.lifecycle_helpers import (
     alive,
     descendants,
@@ -187,3 +188,22 @@ def test_checkpoints_by_time(ray_cluster, make_config):
     with build_trainer(cfg) as trainer:
         trainer.fit()
     assert CheckpointManager(cfg.run_dir).steps() == [1, 2, 3]
+
+
+def test_stop_signals_grace_second_signal_and_shield():
+    """The first signal only asks; a second one, or trainer.stop_grace_s passing, abandons; after
+    shield() (the CLI's cleanup) nothing interrupts. In-process, no Ray."""
+    with StopSignals(grace_s=0.3) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop_requested() == signal.SIGTERM
+        with pytest.raises(Abandoned, match=r"trainer.stop_grace_s=0.3 passed after SIGTERM: the step"):
+            time.sleep(5)  # a step that overruns the grace period
+    assert stop_requested() is None
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(Abandoned, match="SIGINT again"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        signals.shield()
+        os.kill(os.getpid(), signal.SIGINT)  # ignored during cleanup
+        time.sleep(0.1)
