@@ -1,0 +1,73 @@
+"""The one place that maps `rollout.engine` to a GenerationEngine, and says which rollout settings each
+engine uses (validation rejects the others; docs/rollout.md has the table).
+
+Engines: "builtin" (rollout/engine.py, any device) and "vllm" (rollout/vllm_engine.py, vLLM's offline
+engine; `make vllm` installs its CPU build in .venv-vllm). SGLang is not offered: it is CUDA-only, has
+no build for this project's CPU test machines, and an adapter nobody has run would be a setting
+accepted and not honoured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.rollout.base import GenerationEngine
+
+ENGINES = ("builtin", "vllm")
+
+
+def build_generation_engine(config, model: torch.nn.Module, world_size: int = 1) -> GenerationEngine:
+    """config: the whole HybridFlowConfig; model: the HF causal LM to generate with (the actor's own,
+    whose parameters are full tensors while generating); world_size: ranks of the rollout group."""
+    r = config.rollout
+    if r.engine == "builtin":
+        from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
+
+        return BuiltinEngine(model, BuiltinEngineConfig(cpu_threads=r.cpu_threads))
+    if r.engine == "vllm":
+        from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        return VLLMEngine(
+            model,
+            VLLMEngineConfig(
+                max_model_len=config.data.max_prompt_length + r.response_length,
+                max_num_seqs=max_sequences_per_call(config, world_size),
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tg,
+                seed=config.trainer.seed,
+                cpu_threads=r.cpu_threads,
+            ),
+        )
+    raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; choose one of {ENGINES}")
+
+
+def max_sequences_per_call(config, world_size: int) -> int:
+    """Most sequences one rank's generate call holds: its prompts per call times the larger n
+    (training or validation sampling)."""
+    r, d = config.rollout, config.data
+    prompts = r.micro_batch_size_per_device or -(-max(d.train_batch_size, d.val_batch_size or 0) // world_size)
+    return max(1, prompts) * max(r.n, r.val.n)
+
+
+def rollout_engine_errors(cfg) -> list[str]:
+    """One line per rollout setting the chosen engine would not use (see docs/rollout.md)."""
+    r, errors = cfg.rollout, []
+    if r.engine == "builtin" and r.gpu_memory_utilization:
+        errors.append(
+            f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} is a vLLM setting; the builtin engine "
+            "allocates its KV cache per call (remove it, or set rollout.engine=vllm)"
+        )
+    if r.engine == "vllm":
+        if not 0.0 <= r.gpu_memory_utilization < 1.0:
+            errors.append(
+                f"rollout.gpu_memory_utilization: must be in [0, 1) (0 = KV cache sized for the batch), "
+                f"got {r.gpu_memory_utilization}"
+            )
+        if r.pg > 1:
+            errors.append(f"rollout.pg: vLLM generation here is tensor parallel only; got pg={r.pg}, use pg=1")
+        if r.tg > 1 and cfg.resources.device == "cpu":
+            errors.append(
+                f"rollout.tg: vLLM tensor parallel (tg={r.tg}) runs on GPUs only; use tg=1 on CPU "
+                "or rollout.engine=builtin"
+            )
+    return errors
