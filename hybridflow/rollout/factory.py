@@ -9,6 +9,9 @@ accepted and not honoured.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from hybridflow.rollout.base import GenerationEngine
@@ -45,8 +48,23 @@ def max_sequences_per_call(config, world_size: int) -> int:
     """Most sequences one rank's generate call holds: its prompts per call times the larger n
     (training or validation sampling)."""
     r, d = config.rollout, config.data
-    prompts = r.micro_batch_size_per_device or -(-max(d.train_batch_size, d.val_batch_size or 0) // world_size)
+    prompts = r.micro_batch_size_per_device or -(
+        -max(d.train_batch_size, d.val_batch_size or 0) // world_size
+    )
     return max(1, prompts) * max(r.n, r.val.n)
+
+
+def require_rollout_engine(cfg) -> None:
+    """Raise ConfigError (one line) when the chosen engine cannot be imported here. Checked when a
+    run starts, not in validate_config: `hybridflow config show` must work on any machine."""
+    import importlib.util
+
+    from hybridflow.config.loader import ConfigError
+
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            ["rollout.engine: vllm is not installed in this Python; `make vllm` builds .venv-vllm with it"]
+        )
 
 
 def rollout_engine_errors(cfg) -> list[str]:
@@ -64,10 +82,35 @@ def rollout_engine_errors(cfg) -> list[str]:
                 f"got {r.gpu_memory_utilization}"
             )
         if r.pg > 1:
-            errors.append(f"rollout.pg: vLLM generation here is tensor parallel only; got pg={r.pg}, use pg=1")
+            errors.append(
+                f"rollout.pg: vLLM generation here is tensor parallel only; got pg={r.pg}, use pg=1"
+            )
         if r.tg > 1 and cfg.resources.device == "cpu":
             errors.append(
                 f"rollout.tg: vLLM tensor parallel (tg={r.tg}) runs on GPUs only; use tg=1 on CPU "
                 "or rollout.engine=builtin"
             )
+        head_dim = _head_dim(cfg.model.path)
+        if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS and not _cuda(cfg):
+            errors.append(
+                f"rollout.engine: vLLM's CPU attention supports head_dim {list(VLLM_CPU_HEAD_DIMS)}; "
+                f"{cfg.model.path} has {head_dim} (use rollout.engine=builtin)"
+            )
     return errors
+
+
+# vLLM 0.32 CPU attention (CPUAttentionBackend.get_supported_head_sizes)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _head_dim(model_path: str) -> int | None:
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            c = json.load(f)
+        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None  # unreadable configs are reported by the model checks
+
+
+def _cuda(cfg) -> bool:
+    return cfg.resources.device == "cuda" or (cfg.resources.device == "auto" and torch.cuda.is_available())

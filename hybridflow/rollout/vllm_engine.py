@@ -103,6 +103,17 @@ class VLLMEngine(GenerationEngine):
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine: model dtype {dtype} is not one of {list(_DTYPES)}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if not self.gpu:
+            from hybridflow.rollout.factory import VLLM_CPU_HEAD_DIMS
+
+            head_dim = (
+                getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            )
+            if head_dim not in VLLM_CPU_HEAD_DIMS:
+                raise ValueError(
+                    f"VLLMEngine: vLLM's CPU attention supports head_dim {list(VLLM_CPU_HEAD_DIMS)}, this model has {head_dim}"
+                )
         kw = dict(
             skip_tokenizer_init=True,  # prompts and outputs are token ids
             load_format="dummy",  # weights come from the actor at every generate, never from disk
@@ -123,7 +134,8 @@ class VLLMEngine(GenerationEngine):
             kw.update(enable_sleep_mode=True, enforce_eager=False)
             if c.tensor_parallel_size > 1:
                 kw.update(
-                    tensor_parallel_size=c.tensor_parallel_size, distributed_executor_backend="external_launcher"
+                    tensor_parallel_size=c.tensor_parallel_size,
+                    distributed_executor_backend="external_launcher",
                 )
         else:
             kw.update(enforce_eager=True)
@@ -148,7 +160,7 @@ class VLLMEngine(GenerationEngine):
     def sync_weights(self) -> float:
         """Stream `model`'s current parameters into vLLM; returns the seconds it took."""
         start = time.perf_counter()
-        self.load_weights((name, p.detach()) for name, p in self.model.named_parameters())
+        self.load_weights((name, _full(p.detach())) for name, p in self.model.named_parameters())
         return time.perf_counter() - start
 
     def sleep(self) -> None:
@@ -176,7 +188,9 @@ class VLLMEngine(GenerationEngine):
         try:
             sync_s = self._wake_and_sync()
             outputs = self.llm.generate(
-                prompts_as_vllm(ids, mask), vllm_sampling_params(params, len(ids), self.eos_ids), use_tqdm=False
+                prompts_as_vllm(ids, mask),
+                vllm_sampling_params(params, len(ids), self.eos_ids),
+                use_tqdm=False,
             )
         finally:
             torch.set_num_threads(threads)
@@ -247,7 +261,9 @@ def outputs_to_tensors(outputs, params: SamplingParams, pad_token_id: int):
     for i, request in enumerate(outputs):
         completions = sorted(request.outputs, key=lambda c: c.index)
         if len(completions) != params.n:
-            raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt, expected {params.n}")
+            raise RuntimeError(
+                f"vLLM returned {len(completions)} completions for a prompt, expected {params.n}"
+            )
         for j, c in enumerate(completions):
             r, toks = i * params.n + j, list(c.token_ids)[:lr]
             responses[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
@@ -265,6 +281,11 @@ def kv_cache_bytes(hf_config, dtype: torch.dtype, max_num_seqs: int, max_model_l
     blocks = -(-max_model_len // 16) + 1
     per_token = 2 * layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
     return max_num_seqs * blocks * 16 * per_token
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (tensor-parallel actor) gathered to the full tensor vLLM's loaders shard themselves."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _first(x):
