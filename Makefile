@@ -40,9 +40,9 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VSTAMP)
 
-# The vLLM tests (tests/vllm); elsewhere they skip, naming `make vllm`.
+# The vLLM tests (tests/rollout_vllm); elsewhere they skip, naming `make vllm`.
 test-vllm: $(VSTAMP)
-	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/vllm
+	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

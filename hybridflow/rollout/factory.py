@@ -85,7 +85,7 @@ def rollout_engine_errors(cfg) -> list[str]:
             errors.append(
                 f"rollout.pg: vLLM generation here is tensor parallel only; got pg={r.pg}, use pg=1"
             )
-        if r.tg > 1 and cfg.resources.device == "cpu":
+        if r.tg > 1 and not _cuda(cfg):
             errors.append(
                 f"rollout.tg: vLLM tensor parallel (tg={r.tg}) runs on GPUs only; use tg=1 on CPU "
                 "or rollout.engine=builtin"
