@@ -133,6 +133,10 @@ class VLLMEngine(GenerationEngine):
         if self.gpu:
             kw.update(enable_sleep_mode=True, enforce_eager=False)
             if c.tensor_parallel_size > 1:
+                # the external launcher reads the torchrun variables; Ray workers have the process group
+                # but not these (each worker sees its own GPU as device 0)
+                os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+                os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
                 kw.update(
                     tensor_parallel_size=c.tensor_parallel_size,
                     distributed_executor_backend="external_launcher",
