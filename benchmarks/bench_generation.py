@@ -194,10 +194,8 @@ def print_table(rows, with_vllm: bool) -> None:
             f"| **{ours_cpu / hf_cpu:.2f}x** |"
         )
         if with_vllm:
-            v, v_cpu, _ = res["vllm"]
-            line += (
-                f" {v:,.0f} | **{ours / v:.2f}x** | {v_cpu:,.0f} | **{ours_cpu / v_cpu:.2f}x** | {sync:.3f} |"
-            )
+            v, v_cpu, v_len = res["vllm"]
+            line += f" {v_len / b:.1f} | {v:,.0f} | **{ours / v:.2f}x** | {v_cpu:,.0f} | **{ours_cpu / v_cpu:.2f}x** | {sync:.3f} |"
         print(line)
 
 

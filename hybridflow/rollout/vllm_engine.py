@@ -103,7 +103,7 @@ class VLLMEngine(GenerationEngine):
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine: model dtype {dtype} is not one of {list(_DTYPES)}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU-build warnings are not ours to act on
         if not self.gpu:
             from hybridflow.rollout.factory import VLLM_CPU_HEAD_DIMS
 
