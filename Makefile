@@ -40,9 +40,10 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VSTAMP)
 
-# The vLLM tests (tests/rollout_vllm); elsewhere they skip, naming `make vllm`.
+# The vLLM tests (tests/rollout_vllm; elsewhere they skip, naming `make vllm`), and the rollout tests again
+# under the vLLM venv's transformers release (the package supports both).
 test-vllm: $(VSTAMP)
-	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm
+	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm tests/rollout
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
