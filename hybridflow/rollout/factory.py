@@ -17,6 +17,7 @@ import torch
 from hybridflow.rollout.base import GenerationEngine
 
 ENGINES = ("builtin", "vllm")
+_VLLM = None  # this process's vLLM engine, once built
 
 
 def build_generation_engine(config, model: torch.nn.Module, world_size: int = 1) -> GenerationEngine:
@@ -30,7 +31,13 @@ def build_generation_engine(config, model: torch.nn.Module, world_size: int = 1)
     if r.engine == "vllm":
         from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-        return VLLMEngine(
+        global _VLLM
+        if _VLLM is not None:
+            # One vLLM per process (its parallel groups are process-global): a later call (the worker's
+            # full-weights copy of a tensor-parallel actor) only changes where the weights come from.
+            _VLLM.model = model
+            return _VLLM
+        _VLLM = VLLMEngine(
             model,
             VLLMEngineConfig(
                 max_model_len=config.data.max_prompt_length + r.response_length,
@@ -41,6 +48,7 @@ def build_generation_engine(config, model: torch.nn.Module, world_size: int = 1)
                 cpu_threads=r.cpu_threads,
             ),
         )
+        return _VLLM
     raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; choose one of {ENGINES}")
 
 
