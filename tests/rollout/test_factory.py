@@ -64,7 +64,11 @@ def test_gpu_example_configs_validate_and_name_existing_engines(name, tmp_path, 
     from hybridflow.cli import main
 
     model = save_tiny_model(tmp_path / "q", "tiny", "qwen2", max_position_embeddings=4096)
-    assert main(["config", "show", str(EXAMPLES / name), f"model.path={model}"]) == 0
+    data = [tmp_path / "train.parquet", tmp_path / "test.parquet"]  # only their existence is checked
+    for f in data:
+        f.touch()
+    files = [f"data.train_files=[{data[0]}]", f"data.val_files=[{data[1]}]"]
+    assert main(["config", "show", str(EXAMPLES / name), f"model.path={model}", *files]) == 0
     shown = capsys.readouterr().out
     assert "engine: vllm" in shown and "gpu_memory_utilization: 0." in shown
 
