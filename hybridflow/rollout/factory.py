@@ -89,14 +89,10 @@ def rollout_engine_errors(cfg) -> list[str]:
                 f"rollout.gpu_memory_utilization: must be in [0, 1) (0 = KV cache sized for the batch), "
                 f"got {r.gpu_memory_utilization}"
             )
-        if r.pg > 1:
+        if r.tg > 1:
             errors.append(
-                f"rollout.pg: vLLM generation here is tensor parallel only; got pg={r.pg}, use pg=1"
-            )
-        if r.tg > 1 and not _cuda(cfg):
-            errors.append(
-                f"rollout.tg: vLLM tensor parallel (tg={r.tg}) runs on GPUs only; use tg=1 on CPU "
-                "or rollout.engine=builtin"
+                f"rollout.tg: vLLM generates from the full weights on each rank (tg=1); its own tensor "
+                f"parallel is not wired to the 3D-HybridEngine's tg={r.tg} shards yet (use tg=1 or engine=builtin)"
             )
         head_dim = _head_dim(cfg.model.path)
         if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS and not _cuda(cfg):

@@ -14,9 +14,9 @@ meta["rollout_log_probs_exact"] = False and the trainer recomputes old_log_probs
 
 GPU path (written, not yet run on a GPU): `gpu_memory_utilization` is passed to vLLM; between
 generate calls the engine sleeps (level 2: KV cache and weights freed) and wakes weights first, loads
-the actor's weights, then the KV cache (verl's order, lowest peak memory); tensor parallel size tg > 1
-runs vLLM's TP over the actor's own ranks with the "external_launcher" executor (vLLM groups of tg
-consecutive ranks inside the existing torch.distributed world).
+the actor's weights, then the KV cache (verl's order, lowest peak memory). vLLM's own tensor parallel
+(external_launcher) is written but validation rejects rollout.tg > 1 with vLLM: it is not wired to the
+3D-HybridEngine's tg-way shards yet.
 """
 
 from __future__ import annotations
@@ -161,10 +161,20 @@ class VLLMEngine(GenerationEngine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
 
+    def set_shard(self, weights, tp=None) -> None:
+        """The 3D-HybridEngine's generation weights for the next calls (hybrid_engine/resharder.py): HF
+        name -> full tensor, or None for the model's own (FSDP-unsharded) parameters. vLLM shards full
+        tensors itself, so a tg-way shard (tp given) cannot be loaded; validation rejects tg > 1."""
+        if tp is not None and tp.size > 1:
+            raise ValueError("VLLMEngine: loads full weights only; rollout.tg > 1 is not supported with vllm")
+        self.shard = weights
+
     def sync_weights(self) -> float:
-        """Stream `model`'s current parameters into vLLM; returns the seconds it took."""
+        """Stream the current generation weights into vLLM; returns the seconds it took."""
         start = time.perf_counter()
-        self.load_weights((name, _full(p.detach())) for name, p in self.model.named_parameters())
+        shard = getattr(self, "shard", None)
+        named = shard.items() if shard is not None else self.model.named_parameters()
+        self.load_weights((name, _full(p.detach())) for name, p in named)
         return time.perf_counter() - start
 
     def sleep(self) -> None:
