@@ -64,6 +64,8 @@ def test_gpu_example_configs_validate_and_name_existing_engines(name, tmp_path, 
     for f in data:
         f.touch()
     files = [f"data.train_files=[{data[0]}]", f"data.val_files=[{data[1]}]"]
+    if name.startswith("ppo"):  # the critic starts from the same (here: tiny) model
+        files.append(f"model.critic_path={model}")
     assert main(["config", "show", str(EXAMPLES / name), f"model.path={model}", *files]) == 0
     shown = capsys.readouterr().out
     assert "engine: vllm" in shown and "gpu_memory_utilization: 0." in shown
