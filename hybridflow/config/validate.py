@@ -16,6 +16,7 @@ import re
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import ADV_ESTIMATORS, LOGGERS, HybridFlowConfig, ParallelConfig
 from hybridflow.hybrid_engine.layout import generation_layout_errors
+from hybridflow.rollout.factory import rollout_engine_errors
 
 # algorithms that sample a group of responses per prompt and need at least two of them
 GROUP_ALGORITHMS = ("grpo", "rloo")
@@ -195,6 +196,8 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     for key, v in {"rollout.top_p": r.top_p, "rollout.val.top_p": r.val.top_p}.items():
         if not 0.0 < v <= 1.0:
             errors.append(f"{key}: must be in (0, 1], got {v}")
+
+    errors += rollout_engine_errors(cfg)
 
     # data and models
     if not d.train_files and not d.dataset:

@@ -270,6 +270,13 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
                 notes.append(f"verl key {key}={value!r} has no equivalent here and is ignored: {why}")
         else:
             notes.append(f"verl key {key}={value!r} is not known here and is ignored (see docs/verl.md)")
+    if mapped.get("rollout.engine", "builtin") != "vllm" and "rollout.gpu_memory_utilization" in mapped:
+        # a vLLM setting; validation rejects it for the builtin engine (docs/rollout.md)
+        value = mapped.pop("rollout.gpu_memory_utilization")
+        notes.append(
+            f"verl key actor_rollout_ref.rollout.gpu_memory_utilization={value!r} is a vLLM setting and is "
+            "dropped: rollout.engine is builtin here (set actor_rollout_ref.rollout.name=vllm for vLLM)"
+        )
     if flat.get("data.filter_overlong_prompts"):  # verl filters at load, before truncation could apply
         mapped["data.truncation"] = "filter"
     if "trainer.logger" in flat and "jsonl" not in str(flat["trainer.logger"]):

@@ -92,7 +92,8 @@ def save_tiny_model(
     path: str | os.PathLike, size: str = "tiny", arch: str = "llama", seed: int = 0, **overrides
 ) -> Path:
     """Build a tiny model + tokenizer and save both as a normal HF directory; returns the path.
-    overrides: HF config fields (e.g. num_key_value_heads=4 for 4-way tensor parallelism)."""
+    overrides: HF config fields (e.g. num_key_value_heads=4 for 4-way tensor parallelism, num_attention_heads=2
+    for vLLM's CPU attention, which needs head_dim >= 32)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(size, arch, seed, **overrides)

@@ -48,6 +48,7 @@ from hybridflow.controller import WorkerError
 from hybridflow.data import StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
+from hybridflow.rollout.factory import require_rollout_engine
 from hybridflow.trainers import lifecycle
 from hybridflow.trainers.lifecycle import start_ray  # noqa: F401 — its home before lifecycle.py
 from hybridflow.trainers.metrics import Timers, throughput_metrics
@@ -77,6 +78,7 @@ class Trainer:
     def __init__(self, config, placement: Placement | None = None, groups: dict | None = None):
         self.cfg = cfg = resolve_config(config)
         validate_config(cfg)
+        require_rollout_engine(cfg)
         self.placement = placement or Placement.from_config(cfg)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.train_loader = self.build_train_loader()

@@ -86,9 +86,11 @@ class RLTrainer(Trainer):
         return batch
 
     def old_log_probs(self, batch: Batch) -> Batch:
-        # The rollout's own log-probs stand in only in fp32: under bf16 the decoder's rounding differs
-        # from the training forward's, so the actor recomputes them and the first ratio is exactly 1.
-        if self.on_policy and computes_in_fp32(self.cfg.model.dtype, self.cfg.resources.device):
+        # The rollout's own log-probs stand in only in fp32 (under bf16 the decoder's rounding differs
+        # from the training forward's) and when the engine says they follow the training convention
+        # (vLLM's under top-k/top-p truncation do not: rollout/vllm_engine.py); else the actor recomputes.
+        exact = computes_in_fp32(self.cfg.model.dtype, self.cfg.resources.device)
+        if self.on_policy and exact and batch.meta.get("rollout_log_probs_exact", True):
             batch["old_log_probs"] = batch["rollout_log_probs"]
             return batch
         return batch.union(self.actor.compute_log_prob(batch))

@@ -36,7 +36,8 @@ from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
+from hybridflow.rollout import SamplingParams
+from hybridflow.rollout.factory import build_generation_engine
 from hybridflow.workers.common import (
     MetricLists,
     engine_config,
@@ -107,7 +108,7 @@ class ActorRolloutRefWorker(Worker):
                 r = self.config.rollout
                 self.resharder = Resharder(self.actor, r.reshard, r.tg)
             model = self.actor.hf_model if self.actor is not None else load_causal_lm(m.path).to(self.device)
-            self.rollout = BuiltinEngine(model, self._rollout_engine_config())
+            self.rollout = build_generation_engine(self.config, model, self.world_size)
         return info
 
     # ---- generation ----------------------------------------------------------------------------------
@@ -168,9 +169,6 @@ class ActorRolloutRefWorker(Worker):
             finally:
                 self.rollout.set_shard(None)
         metrics.update(_max_over_ranks(rs.stats.as_metrics()))
-
-    def _rollout_engine_config(self) -> BuiltinEngineConfig:
-        return BuiltinEngineConfig(cpu_threads=self.config.rollout.cpu_threads)
 
     # ---- inference ---------------------------------------------------------------------------------
     @register(Protocol.THREE_D, layout="train")

@@ -118,7 +118,8 @@ def test_ppo_quickstart_maps_every_key(gsm8k_like):
     assert (cfg.actor.optim.lr, cfg.critic.optim.lr) == (1e-6, 1e-5)
     assert (cfg.actor.ppo_mini_batch_size, cfg.actor.micro_batch_size_per_device) == (64, 4)
     assert (cfg.ref.micro_batch_size_per_device, cfg.critic.micro_batch_size_per_device) == (4, 4)
-    assert cfg.rollout.tg == 1 and cfg.rollout.gpu_memory_utilization == 0.4
+    assert cfg.rollout.tg == 1 and cfg.rollout.engine == "builtin" and cfg.rollout.gpu_memory_utilization == 0
+    assert any("gpu_memory_utilization=0.4 is a vLLM setting and is dropped" in n for n in notes)
     assert cfg.algorithm.kl.coef == 0.001
     assert cfg.trainer.loggers == ["console", "jsonl"] and cfg.trainer.val_before_train is False
     assert (cfg.trainer.save_every, cfg.trainer.val_every, cfg.trainer.total_epochs) == (10, 10, 15)
@@ -127,7 +128,7 @@ def test_ppo_quickstart_maps_every_key(gsm8k_like):
     assert any("log_prob_micro_batch_size_per_gpu=8" in n for n in notes)
     assert any("default_hdfs_dir" in n for n in notes)
     assert any("'jsonl' added" in n for n in notes)
-    assert len(notes) == 3, notes
+    assert len(notes) == 4, notes
 
 
 def test_grpo_quickstart_maps_every_key():

@@ -1,0 +1,120 @@
+"""The one place that maps `rollout.engine` to a GenerationEngine, and says which rollout settings each
+engine uses (validation rejects the others; docs/rollout.md has the table).
+
+Engines: "builtin" (rollout/engine.py, any device) and "vllm" (rollout/vllm_engine.py, vLLM's offline
+engine; `make vllm` installs its CPU build in .venv-vllm). SGLang is not offered: it is CUDA-only, has
+no build for this project's CPU test machines, and an adapter nobody has run would be a setting
+accepted and not honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from hybridflow.rollout.base import GenerationEngine
+
+ENGINES = ("builtin", "vllm")
+_VLLM = None  # this process's vLLM engine, once built
+
+
+def build_generation_engine(config, model: torch.nn.Module, world_size: int = 1) -> GenerationEngine:
+    """config: the whole HybridFlowConfig; model: the HF causal LM to generate with (the actor's own,
+    whose parameters are full tensors while generating); world_size: ranks of the rollout group."""
+    r = config.rollout
+    if r.engine == "builtin":
+        from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
+
+        return BuiltinEngine(model, BuiltinEngineConfig(cpu_threads=r.cpu_threads))
+    if r.engine == "vllm":
+        from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        global _VLLM
+        if _VLLM is not None:
+            # One vLLM per process (its parallel groups are process-global): a later call (the worker's
+            # full-weights copy of a tensor-parallel actor) only changes where the weights come from.
+            _VLLM.model = model
+            return _VLLM
+        _VLLM = VLLMEngine(
+            model,
+            VLLMEngineConfig(
+                max_model_len=config.data.max_prompt_length + r.response_length,
+                max_num_seqs=max_sequences_per_call(config, world_size),
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tg,
+                seed=config.trainer.seed,
+                cpu_threads=r.cpu_threads,
+            ),
+        )
+        return _VLLM
+    raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; choose one of {ENGINES}")
+
+
+def max_sequences_per_call(config, world_size: int) -> int:
+    """Most sequences one rank's generate call holds: its prompts per call times the larger n
+    (training or validation sampling)."""
+    r, d = config.rollout, config.data
+    prompts = r.micro_batch_size_per_device or -(
+        -max(d.train_batch_size, d.val_batch_size or 0) // world_size
+    )
+    return max(1, prompts) * max(r.n, r.val.n)
+
+
+def require_rollout_engine(cfg) -> None:
+    """Raise ConfigError (one line) when the chosen engine cannot be imported here. Checked when a
+    run starts, not in validate_config: `hybridflow config show` must work on any machine."""
+    import importlib.util
+
+    from hybridflow.config.loader import ConfigError
+
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            ["rollout.engine: vllm is not installed in this Python; `make vllm` builds .venv-vllm with it"]
+        )
+
+
+def rollout_engine_errors(cfg) -> list[str]:
+    """One line per rollout setting the chosen engine would not use (see docs/rollout.md)."""
+    r, errors = cfg.rollout, []
+    if r.engine == "builtin" and r.gpu_memory_utilization:
+        errors.append(
+            f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} is a vLLM setting; the builtin engine "
+            "allocates its KV cache per call (remove it, or set rollout.engine=vllm)"
+        )
+    if r.engine == "vllm":
+        if not 0.0 <= r.gpu_memory_utilization < 1.0:
+            errors.append(
+                f"rollout.gpu_memory_utilization: must be in [0, 1) (0 = KV cache sized for the batch), "
+                f"got {r.gpu_memory_utilization}"
+            )
+        if r.tg > 1:
+            errors.append(
+                f"rollout.tg: vLLM generates from the full weights on each rank (tg=1); its own tensor "
+                f"parallel is not wired to the 3D-HybridEngine's tg={r.tg} shards yet (use tg=1 or engine=builtin)"
+            )
+        head_dim = _head_dim(cfg.model.path)
+        if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS and not _cuda(cfg):
+            errors.append(
+                f"rollout.engine: vLLM's CPU attention supports head_dim {list(VLLM_CPU_HEAD_DIMS)}; "
+                f"{cfg.model.path} has {head_dim} (use rollout.engine=builtin)"
+            )
+    return errors
+
+
+# vLLM 0.32 CPU attention (CPUAttentionBackend.get_supported_head_sizes)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _head_dim(model_path: str) -> int | None:
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            c = json.load(f)
+        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None  # unreadable configs are reported by the model checks
+
+
+def _cuda(cfg) -> bool:
+    return cfg.resources.device == "cuda" or (cfg.resources.device == "auto" and torch.cuda.is_available())

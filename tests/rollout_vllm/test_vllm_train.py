@@ -1,0 +1,113 @@
+"""`hybridflow train examples/configs/grpo_tiny.yaml rollout.engine=vllm` from the demo's SFT warm start
+(examples/demo.py: sft_tiny.yaml, then export), on the tiny Llama with 2 heads (vLLM's CPU attention needs
+head_dim >= 32). The short run is the CI check; the full 100-step runs of both engines run with
+HYBRIDFLOW_VLLM_LONG=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.rollout.vllm_engine import available
+
+REASON = available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"{REASON}")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "configs"
+ACC = "val/synthetic:arithmetic/acc@1"
+
+
+def hybridflow(*argv: str) -> None:
+    from hybridflow.cli import main
+
+    assert main(list(argv)) == 0, f"hybridflow {' '.join(argv)} failed"
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    import ray
+
+    from hybridflow.models.tiny import save_tiny_model
+
+    out = tmp_path_factory.mktemp("vllm_train")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    base = save_tiny_model(
+        out / "tiny", "tiny", "llama", seed=0, num_attention_heads=2, num_key_value_heads=1
+    )
+    hybridflow(
+        "train",
+        str(CONFIGS / "sft_tiny.yaml"),
+        f"model.path={base}",
+        f"trainer.output_dir={out}",
+        "trainer.loggers=[]",
+    )
+    hybridflow("export", str(out / "sft_tiny"), "--output", str(out / "sft"))
+    yield out
+    ray.shutdown()
+
+
+def grpo(out: Path, name: str, *overrides: str, engine: str = "vllm") -> list[dict]:
+    hybridflow(
+        "train",
+        str(CONFIGS / "grpo_tiny.yaml"),
+        f"model.path={out / 'sft'}",
+        f"trainer.output_dir={out}",
+        f"trainer.experiment_name={name}",
+        "trainer.loggers=[jsonl]",
+        f"rollout.engine={engine}",
+        *overrides,
+    )
+    return metrics(out / name)
+
+
+def test_grpo_tiny_with_vllm_trains(warm_start):
+    rows = grpo(warm_start, "grpo_vllm_short", "trainer.total_steps=6", "trainer.save_every=0")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 6 and all(r["timing_s/gen"] > 0 for r in steps)
+    assert all(1 <= r["response_length/mean"] <= 4 for r in steps)
+    # on-policy, old_log_probs are vLLM's rollout_log_probs: the first update's KL to the actor's own
+    # log-probs is their mismatch
+    assert all(abs(r["actor/ppo_kl"]) < 1e-4 for r in steps)
+    assert sum(r["reward/mean"] for r in steps) > 0, "the warm start answers some sums: reward must be > 0"
+    vals = [r for r in rows if ACC in r]
+    assert vals[0]["step"] == 0 and vals[-1]["step"] == 6
+    # the actor moved, and what vLLM generated after the updates came from the new weights: the
+    # exported policy differs from the warm start
+    hybridflow("export", str(warm_start / "grpo_vllm_short"), "--output", str(warm_start / "grpo_short"))
+    from safetensors.torch import load_file
+
+    before = load_file(str(warm_start / "sft" / "model.safetensors"))
+    after = load_file(str(warm_start / "grpo_short" / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.skipif(
+    not os.environ.get("HYBRIDFLOW_VLLM_LONG"), reason="the 100-step runs: HYBRIDFLOW_VLLM_LONG=1"
+)
+def test_grpo_tiny_with_vllm_learns_like_builtin(warm_start):
+    """The full grpo_tiny run with each engine from the same warm start. The issue's +15 points is what
+    the demo's head_dim-16 model gains with the built-in engine; the vLLM-compatible model gains less
+    with either engine (docs/rollout.md has the measured figures), so vLLM is held to the built-in
+    engine's gain on the same model."""
+    gains, rises = {}, {}
+    for engine in ("builtin", "vllm"):
+        rows = grpo(warm_start, f"grpo_{engine}_full", engine=engine)
+        vals = [(r["step"], round(r[ACC], 2)) for r in rows if ACC in r]
+        reward = [r["reward/mean"] for r in rows if "reward/mean" in r]
+        print(f"{engine} held-out acc by step: {vals}; train reward {reward[:10]} .. {reward[-10:]}")
+        gains[engine] = vals[-1][1] - vals[0][1]
+        rises[engine] = sum(reward[-10:]) / 10 - sum(reward[:10]) / 10
+    # 100 held-out problems: +-0.05 is within the evaluation's noise
+    assert rises["vllm"] >= 0.05 and gains["vllm"] >= gains["builtin"] - 0.05, (gains, rises)
