@@ -1,7 +1,9 @@
 """The configuration tree: one dataclass per component, composed into `HybridFlowConfig`.
 
-This file is the single source of truth for every setting (docs/design.md §7): YAML files and dotted CLI
-overrides are checked against these classes, `hybridflow config show` prints them, and
+Each component's dataclass is defined once, with its help text (hybridflow/fields.py; docs/design.md §7):
+the engine's OptimConfig / ParallelConfig in engines/config.py, the rest here, all composed into
+`HybridFlowConfig`. YAML files and dotted CLI overrides are checked against these classes,
+`hybridflow config show` prints them, and
 `hybridflow config --help` lists each field's help string. Names follow verl without its sprawl.
 
 Conventions:
@@ -16,23 +18,13 @@ Conventions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from hybridflow.engines.config import OptimConfig, ParallelConfig
+from hybridflow.fields import section, setting
 
-def _f(default, help: str, choices: tuple | None = None):
-    """A dataclass field carrying its help string (and allowed values) in metadata."""
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _sub(cls, help: str, **kwargs):
-    """A nested component config."""
-    return field(default_factory=lambda: cls(**kwargs), metadata={"help": help})
+_f, _sub = setting, section  # short names keep the field lists readable
 
 
 ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "dpo", "sft")
@@ -53,28 +45,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
-# ---- shared pieces -----------------------------------------------------------------------------
-@dataclass
-class OptimConfig:
-    """AdamW with warmup and a decay schedule."""
-
-    lr: float = _f(1e-6, "peak learning rate")
-    weight_decay: float = _f(0.01, "AdamW weight decay")
-    betas: list[float] = _f([0.9, 0.999], "AdamW (beta1, beta2)")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    warmup_steps: int = _f(0, "linear warmup from 0 to lr over this many optimizer steps")
-    schedule: str = _f("constant", "lr schedule after warmup", choices=("constant", "linear", "cosine"))
-    min_lr_ratio: float = _f(0.0, "final lr as a fraction of lr for linear/cosine schedules")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = no clipping)")
-
-
-@dataclass
-class ParallelConfig:
-    """Training/inference parallelism of one model's worker group (docs/design.md §4)."""
-
-    tp: int = _f(1, "tensor-parallel size")
-    pp: int = _f(1, "pipeline-parallel size")
-    dp: int = _f(0, "data-parallel size (0 = derive: the group's devices / (tp * pp))")
+# ---- shared pieces: OptimConfig and ParallelConfig are the engine's (engines/config.py) -------
 
 
 # ---- algorithm ---------------------------------------------------------------------------------
@@ -282,6 +253,8 @@ class RefConfig:
 
 @dataclass
 class RewardConfig:
+    """Rule rewards (read as is by rewards/executor.py's RewardExecutor) or a reward model."""
+
     kind: str = _f("rule", "rule function(s) or a reward model", choices=("rule", "model"))
     fn: str = _f(
         "", "rule reward: 'path/to/file.py:function_name' or a registered name ('' = by data_source)"

@@ -1,24 +1,39 @@
 """Typed configs of the training engine: parallel layout, optimizer, engine behaviour.
 
-Sizes are global unless suffixed `_per_device` (docs/design.md §7). The layout stays 3-D (pp, tp, dp) as in
-the paper even though pipeline parallelism is not implemented yet, so plans and protocols that
-reason about (p, t, d) need no change when it is added.
+ParallelConfig and OptimConfig are defined here once, with their help text: the config tree
+(config/schema.py) composes them as `actor.parallel`, `actor.optim`, ... and the engine reads the
+same objects (docs/design.md §7). Fields hold what the user wrote, so they are not
+checked at construction: `validate_config` reports bad values with the key path before any worker
+starts, and the engine re-checks what it needs (`ParallelConfig.check`, `OptimConfig.check`).
+
+Sizes are global unless suffixed `_per_device`. The layout stays 3-D (pp, tp, dp) as in the paper
+even though pipeline parallelism is not implemented yet, so plans and protocols that reason about
+(p, t, d) need no change when it is added.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridflow.fields import setting
 
-@dataclass(frozen=True)
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
 class ParallelConfig:
     """How one model is laid out over its worker group (world size = pp * tp * dp)."""
 
-    tp: int = 1  # tensor-parallel size (DTensor colwise/rowwise shards inside each layer)
-    pp: int = 1  # pipeline-parallel size; must be 1 for now (kept so configs stay 3-D)
-    dp: int = 1  # data-parallel size; parameters, grads and optimizer state are FSDP2-sharded over it
+    tp: int = setting(1, "tensor-parallel size (DTensor column/row shards inside each layer)")
+    pp: int = setting(1, "pipeline-parallel size (only 1 is implemented)")
+    dp: int = setting(0, "data-parallel size, FSDP2-sharded (0 = derive: the group's devices / (tp * pp))")
 
-    def __post_init__(self) -> None:
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def check(self) -> None:
+        """Raise unless this is a concrete layout the engine can build (dp resolved, pp = 1)."""
         for name in ("tp", "pp", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -27,30 +42,38 @@ class ParallelConfig:
                 f"pipeline parallelism is not implemented (pp={self.pp}); use pp=1 and raise tp or dp instead"
             )
 
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.tp * self.dp
-
 
 @dataclass
 class OptimConfig:
-    """AdamW + learning-rate schedule + gradient clipping."""
+    """AdamW with linear warmup, a decay schedule and global gradient-norm clipping.
 
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_steps: int = 0  # linear warmup from 0 to lr over this many optimizer steps
-    total_steps: int = 0  # schedule length for cosine decay; 0 with "cosine" is an error
-    schedule: str = "constant"  # "constant" (after warmup) or "cosine" (decay to min_lr_ratio * lr)
-    min_lr_ratio: float = 0.0  # floor of the cosine schedule as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping (the norm is still reported)
+    Defaults are verl's actor defaults (lr 1e-6, weight decay 0.01, as torch's AdamW); the critic
+    section overrides lr to 1e-5 (config/schema.py)."""
 
-    def __post_init__(self) -> None:
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"OptimConfig.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
-        if self.schedule == "cosine" and self.total_steps <= 0:
-            raise ValueError("OptimConfig.schedule='cosine' needs total_steps > 0 (the decay length)")
+    lr: float = setting(1e-6, "peak learning rate")
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    betas: list[float] = setting([0.9, 0.999], "AdamW (beta1, beta2)")
+    eps: float = setting(1e-8, "AdamW epsilon")
+    warmup_steps: int = setting(0, "linear warmup from 0 to lr over this many optimizer steps")
+    schedule: str = setting(
+        "constant",
+        "lr after warmup: constant, linear or cosine decay to min_lr_ratio * lr at total_steps",
+        choices=SCHEDULES,
+    )
+    min_lr_ratio: float = setting(0.0, "final lr as a fraction of lr for linear/cosine schedules")
+    total_steps: int = setting(
+        0, "optimizer steps the linear/cosine decay spans (0 = the whole run's optimizer steps)"
+    )
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this value (0 = no clipping)")
+
+    def check(self) -> None:
+        """Raise ValueError for a schedule the engine cannot build."""
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"OptimConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule != "constant" and self.total_steps <= 0:
+            raise ValueError(
+                f"OptimConfig.schedule={self.schedule!r} needs total_steps > 0 (the decay length)"
+            )
 
 
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
@@ -71,7 +94,7 @@ def compute_dtype(mixed_precision: str, on_gpu: bool):
 class EngineConfig:
     """Behaviour of a TrainEngine for one model (actor, critic, reference or reward)."""
 
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(dp=1))
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Fixed micro-batch size per device (rows); used when max_tokens_per_micro_batch is 0.
     micro_batch_size_per_device: int = 8

@@ -22,6 +22,7 @@ def device_type() -> str:
 def build_mesh(parallel: ParallelConfig) -> DeviceMesh | None:
     """A ("dp", "tp") mesh over the default group, or None when no process group is initialised
     (single-process use: the model then runs unsharded)."""
+    parallel.check()
     if not dist.is_available() or not dist.is_initialized():
         if parallel.world_size != 1:
             raise RuntimeError(

@@ -21,7 +21,7 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         [p for p in params if p.requires_grad],
         lr=cfg.lr,
-        betas=cfg.betas,
+        betas=tuple(cfg.betas),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         foreach=False,
@@ -29,17 +29,20 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
-    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then constant or cosine."""
+    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then constant, or a
+    linear / cosine decay from 1 to min_lr_ratio at step total_steps (held there after it)."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
     decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    shape = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    cfg.check()
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 

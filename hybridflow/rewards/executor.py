@@ -22,11 +22,12 @@ import logging
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hybridflow.config.schema import RewardConfig  # the config tree's `reward` section, read as is
 from hybridflow.errors import RunStopped
 from hybridflow.rewards.pool import RewardError, WorkerPool
 from hybridflow.rewards.registry import (
@@ -53,43 +54,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("hybridflow.rewards")
-
-
-@dataclass
-class RewardConfig:
-    """How rule rewards are computed. Field names match `reward` in the config tree (config/schema.py)."""
-
-    # "" = by each sample's data_source; a registered name ("gsm8k", "math", "synthetic:arithmetic");
-    # "path/to/file.py:function_name"; or "package.module:function_name".
-    fn: str = ""
-    # Extra keyword arguments for the reward function (e.g. {"method": "flexible"} for gsm8k).
-    fn_kwargs: dict[str, Any] = field(default_factory=dict)
-    # True/False force the batched/per-sample convention; None reads the function's `batched` attribute.
-    batched: bool | None = None
-    # Seconds one sample may take (a batched call gets timeout_s * its chunk size). Hangs are killed.
-    timeout_s: float = 10.0
-    # Worker processes. 0 = score built-in rewards in-process (user functions still get one worker).
-    num_workers: int = 1
-    # On a failed sample: "zero" -> 0.0, "score" -> error_score, a number -> that score, "raise" -> abort
-    # after the batch with every failure listed.
-    on_error: str | float = "score"
-    error_score: float = 0.0
-    # Samples per chunk sent to a worker; 0 = about 4 chunks per worker (per-sample) or 1 (batched).
-    chunk_size: int = 0
-    # How many failures per batch are logged with their full traceback (all are counted and returned).
-    max_logged_errors: int = 5
-    # Seconds a worker may take to start and import the reward function before the run is aborted.
-    startup_timeout_s: float = 60.0
-    # A score whose magnitude exceeds this is a failed sample (1e30 would zero every advantage).
-    max_abs_score: float = 1e6
-    # More failed samples than this fraction of a batch stops the run (1 = never stop).
-    max_error_fraction: float = 0.5
-
-    @classmethod
-    def from_any(cls, cfg: Any) -> RewardConfig:
-        """Build from any object with some of these attributes (e.g. the config tree's `reward` node)."""
-        names = cls.__dataclass_fields__
-        return cls(**{k: getattr(cfg, k) for k in names if hasattr(cfg, k)})
 
 
 def _last_line(message: str) -> str:

@@ -10,6 +10,7 @@ metric, so a padded batch trains exactly as the unpadded one would.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import defaultdict
 from collections.abc import Iterator
@@ -41,22 +42,11 @@ def engine_parallel(section_parallel, world_size: int, what: str) -> ParallelCon
     return ParallelConfig(tp=tp, pp=pp, dp=derived)
 
 
-def engine_optim(optim, total_steps: int) -> OptimConfig:
-    """Config-tree OptimConfig -> engine OptimConfig. total_steps: optimizer steps of the whole run."""
-    if optim.schedule == "linear":
-        raise NotImplementedError(
-            "optim.schedule='linear' is not implemented by the training engine; use 'constant' or 'cosine'"
-        )
-    return OptimConfig(
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        warmup_steps=optim.warmup_steps,
-        total_steps=max(total_steps, 1),
-        schedule=optim.schedule,
-        min_lr_ratio=optim.min_lr_ratio,
-        grad_clip=optim.grad_clip,
+def engine_optim(optim: OptimConfig, total_steps: int) -> OptimConfig:
+    """The section's OptimConfig with the decay length filled in (optim.total_steps, 0 = the whole
+    run: `total_steps` optimizer steps)."""
+    return dataclasses.replace(
+        optim, betas=list(optim.betas), total_steps=optim.total_steps or max(total_steps, 1)
     )
 
 

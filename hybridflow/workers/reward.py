@@ -19,7 +19,7 @@ from hybridflow.batch import Batch
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import load_reward_model
-from hybridflow.rewards import RewardConfig, RewardExecutor
+from hybridflow.rewards import RewardExecutor
 from hybridflow.workers.common import engine_config, seed_everything, set_train_layout
 
 
@@ -55,10 +55,7 @@ class RuleReward:
     """
 
     def __init__(self, reward_cfg, fn: str | None = None):
-        cfg = RewardConfig.from_any(reward_cfg)
-        if fn is not None:
-            cfg.fn = fn
-        self.executor = RewardExecutor(cfg)
+        self.executor = RewardExecutor(reward_cfg, **({} if fn is None else {"fn": fn}))
         self.last_extras: list[dict] = []
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:

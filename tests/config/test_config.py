@@ -160,14 +160,16 @@ def test_choices_match_the_algorithms():
     assert set(schema.LOSS_AGG_MODES) == set(AGG_MODES)
 
 
-def test_reward_section_feeds_the_reward_executor():
-    from hybridflow.rewards.executor import RewardConfig
+def test_reward_section_is_what_the_reward_executor_reads():
+    """One RewardConfig: the executor takes the config tree's `reward` section as is."""
+    from hybridflow.rewards import RewardConfig as ExecutorRewardConfig
+    from hybridflow.rewards import RewardExecutor
 
     cfg = load_config(
         None, [*BASE, "reward.batched=true", "reward.on_error=raise", "reward.timeout_s=2"], check_model=False
     )
-    rc = RewardConfig.from_any(cfg.reward)
-    assert (rc.batched, rc.on_error, rc.timeout_s) == (True, "raise", 2.0)
+    assert ExecutorRewardConfig is type(cfg.reward)
+    with RewardExecutor(cfg.reward, fn="gsm8k") as ex:
+        assert (ex.batched, ex.fallback, ex.cfg.timeout_s, ex.cfg.fn) == (True, None, 2.0, "gsm8k")
+    assert cfg.reward.fn == ""  # the executor's overrides do not write into the config
     assert load_config(None, [*BASE, "reward.batched=null"], check_model=False).reward.batched is None
-    shared = set(RewardConfig.__dataclass_fields__)
-    assert shared <= {f.name for f in dataclasses.fields(type(cfg.reward))}

@@ -135,6 +135,14 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_factor(50, OptimConfig(warmup_steps=2)) == 1.0
 
 
+def test_lr_schedule_warmup_then_linear():
+    """Linear decay from lr to min_lr_ratio * lr between the end of warmup and total_steps."""
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, total_steps=10, schedule="linear", min_lr_ratio=0.2)
+    assert [lr_factor(s, cfg) for s in range(2)] == [0.5, 1.0]
+    # step 2 starts the decay at 1; 8 decay steps of 0.8 / 8 = 0.1 each
+    assert [lr_factor(s, cfg) for s in (2, 3, 6, 10, 50)] == pytest.approx([1.0, 0.9, 0.6, 0.2, 0.2])
+
+
 def test_train_step_clips_and_improves_and_resumes(model_dirs, tmp_path):
     cfg = EngineConfig(
         micro_batch_size_per_device=4, optim=OptimConfig(lr=1e-2, grad_clip=0.5, warmup_steps=2)
@@ -179,11 +187,14 @@ def test_clipping_bounds_the_update(model_dirs):
 
 def test_config_errors_are_clear():
     with pytest.raises(NotImplementedError, match="pipeline"):
-        ParallelConfig(pp=2)
+        build_mesh(ParallelConfig(pp=2, dp=1))
+    with pytest.raises(ValueError, match="dp must be >= 1"):
+        build_mesh(ParallelConfig())  # dp=0 ("derive") must be resolved before an engine is built
     with pytest.raises(RuntimeError, match="init_process_group"):
         build_mesh(ParallelConfig(dp=2))
-    with pytest.raises(ValueError, match="cosine"):
-        OptimConfig(schedule="cosine")
+    for schedule in ("cosine", "linear"):
+        with pytest.raises(ValueError, match=schedule):
+            OptimConfig(schedule=schedule).check()
 
 
 def test_activation_checkpointing_gives_the_same_gradients(model_dirs):

@@ -28,14 +28,15 @@ def test_engine_config_maps_the_config_tree():
     ec = engine_config(cfg.actor, 2, "actor", seed=7, total_steps=30)
     assert (ec.optim.lr, ec.optim.betas, ec.optim.total_steps, ec.optim.schedule) == (
         3e-4,
-        (0.8, 0.9),
+        [0.8, 0.9],
         30,
         "cosine",
     )
     assert (ec.micro_batch_size_per_device, ec.parallel.dp, ec.seed) == (5, 2, 7)
-    cfg.actor.optim.schedule = "linear"
-    with pytest.raises(NotImplementedError, match="'linear'"):
-        engine_config(cfg.actor, 2, "actor", seed=0)
+    assert ec.optim is not cfg.actor.optim and cfg.actor.optim.total_steps == 0  # the config is not mutated
+    cfg.actor.optim.schedule, cfg.actor.optim.total_steps = "linear", 12  # a set decay length wins
+    ec = engine_config(cfg.actor, 2, "actor", seed=0, total_steps=30)
+    assert (ec.optim.schedule, ec.optim.total_steps) == ("linear", 12)
 
 
 def test_mini_batches_first_epoch_in_order_then_permuted():
