@@ -3,7 +3,7 @@
 Each component's config dataclass lives with the component (engines/config.py: ParallelConfig,
 OptimConfig; config/schema.py: the rest) and declares its fields with `setting` / `section`; the
 config tree (config/schema.py) composes them, and `hybridflow config --help` / `config show --comments`
-print the metadata. No imports beyond dataclasses, so every module may use it (see docs/design.md).
+print the metadata. No imports beyond dataclasses, so every module may use it.
 """
 
 from __future__ import annotations
