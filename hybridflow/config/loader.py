@@ -275,7 +275,7 @@ def load_config(
     verl: read verl's layout and keys (config/verl.py; None = when a verl-only section appears);
     each verl key without an equivalent is passed to `notes` (default: printed to stderr).
     """
-    from hybridflow.config.validate import resolve_config, validate_config
+    from hybridflow.config.validate import derived_conflicts, resolve_config, validate_config
     from hybridflow.config.verl import from_verl, is_verl_config
 
     data = load_yaml(path) if path else {}
@@ -292,7 +292,9 @@ def load_config(
         if errors:
             raise ConfigError(errors)
     if resolve:
-        cfg = resolve_config(cfg)
+        given, cfg = cfg, resolve_config(cfg)
+        if validate and derived_conflicts(given, cfg):
+            raise ConfigError(derived_conflicts(given, cfg))
     if validate:
         validate_config(cfg, check_model=check_model)
     return cfg

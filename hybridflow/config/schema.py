@@ -13,7 +13,8 @@ Conventions:
   `ppo_mini_batch_size * rollout.n` sequences. Micro-batch sizes count sequences.
 - 0 (or "") means "derive it" where a help string says so; `resolve_config` fills those in, so the
   trainer reads concrete values.
-- A field with `choices` metadata is checked by `validate_config`.
+- A field with `choices` metadata is checked by `validate_config`. A `derived` field is computed by
+  `resolve_config` (batch arithmetic is done there once); a user value must agree with it.
 """
 
 from __future__ import annotations
@@ -21,24 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hybridflow.config.algorithms import ALGORITHM_SPECS, ALGORITHMS
 from hybridflow.engines.config import OptimConfig, ParallelConfig
 from hybridflow.fields import section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
 
 
-ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "dpo", "sft")
-# algorithm name -> advantage estimator (None: offline algorithms without advantages)
-ADV_ESTIMATORS = {
-    "ppo": "gae",
-    "grpo": "grpo",
-    "remax": "remax",
-    "rloo": "rloo",
-    "reinforce_pp": "reinforce_pp",
-    "safe_rlhf": "gae",
-    "dpo": "none",
-    "sft": "none",
-}
 # kept equal to hybridflow.algorithms (kl.KL_KINDS, losses.AGG_MODES) without importing torch here
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -102,9 +92,9 @@ class AlgorithmConfig:
     name: str = _f("ppo", "the RL algorithm", choices=ALGORITHMS)
     adv_estimator: str = _f(
         "",
-        "advantage estimator ('' = derive from name: ppo/safe_rlhf->gae, grpo->grpo, remax, rloo, "
-        "reinforce_pp; dpo/sft->none)",
-        choices=("", *sorted(set(ADV_ESTIMATORS.values()))),
+        "advantage estimator; each algorithm has its own ('' = derive from name: ppo/safe_rlhf->gae, "
+        "grpo, remax, rloo, reinforce_pp; dpo/sft->none); another value is rejected",
+        choices=("", *sorted({s.adv_estimator for s in ALGORITHM_SPECS.values()})),
     )
     gamma: float = _f(1.0, "discount factor")
     lam: float = _f(1.0, "GAE lambda")
@@ -175,6 +165,9 @@ class ActorConfig:
     optim: OptimConfig = _sub(OptimConfig, "actor optimizer")
     ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n sequences)")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
+    num_mini_batches: int = _f(
+        0, "derived: data.train_batch_size / ppo_mini_batch_size optimizer steps per epoch", derived=True
+    )
     micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
     clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low")
@@ -235,6 +228,9 @@ class CriticConfig:
     optim: OptimConfig = _sub(OptimConfig, "critic optimizer", lr=1e-5)
     ppo_mini_batch_size: int = _f(0, "prompts per critic optimizer step (0 = actor.ppo_mini_batch_size)")
     ppo_epochs: int = _f(0, "passes over each rollout batch (0 = actor.ppo_epochs)")
+    num_mini_batches: int = _f(
+        0, "derived: data.train_batch_size / ppo_mini_batch_size optimizer steps per epoch", derived=True
+    )
     micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
     cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value")

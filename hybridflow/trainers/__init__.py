@@ -37,17 +37,10 @@ def __getattr__(name: str):
 
 
 def _trainers() -> dict:
-    g = _lazy
-    return {
-        "ppo": g("PPOTrainer"),
-        "grpo": g("GRPOTrainer"),
-        "remax": g("ReMaxTrainer"),
-        "rloo": g("RLOOTrainer"),
-        "reinforce_pp": g("ReinforcePPTrainer"),
-        "safe_rlhf": g("SafeRLHFTrainer"),
-        "dpo": g("DPOTrainer"),
-        "sft": g("SFTTrainer"),
-    }
+    """algorithm name -> trainer class, keyed by the spec each class carries (config/algorithms.py)."""
+    names = ("PPOTrainer", "GRPOTrainer", "ReMaxTrainer", "RLOOTrainer", "ReinforcePPTrainer", "SafeRLHFTrainer",
+             "DPOTrainer", "SFTTrainer")  # fmt: skip
+    return {cls.spec.name: cls for cls in map(_lazy, names)}
 
 
 def build_trainer(config, placement=None, groups: dict | None = None):

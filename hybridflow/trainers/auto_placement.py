@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from hybridflow.config import ConfigError
+from hybridflow.config.algorithms import ALGORITHM_SPECS, algorithm_spec
 from hybridflow.planner import (
     ClusterSpec,
     Dataflow,
@@ -60,15 +61,6 @@ PLANNER_ROLE = {
     "reward": "reward",
     "cost": "cost",
 }
-# trainer algorithm -> planner dataflow (RLOO and REINFORCE++ have GRPO's models and stages)
-PLANNER_ALGORITHM = {
-    "ppo": "ppo",
-    "grpo": "grpo",
-    "rloo": "grpo",
-    "reinforce_pp": "grpo",
-    "remax": "remax",
-    "safe_rlhf": "safe-rlhf",
-}
 
 
 @dataclass(frozen=True)
@@ -86,33 +78,25 @@ class RoleParallel:
 
 # ---- config -> planner inputs ----------------------------------------------------------------------
 def trainer_roles(cfg) -> tuple[str, ...]:
-    """The worker roles the configured online-RL trainer starts (mirrors the trainers' `roles()`;
-    tests/trainers/test_auto_placement.py checks they agree)."""
-    a = cfg.algorithm
-    _check_algorithm(cfg)
-    roles = ["actor_rollout"]
-    if a.kl.in_reward or a.use_kl_loss:
-        roles.append("ref")
-    if a.name in ("ppo", "safe_rlhf"):
-        roles.append("critic")
-    if a.name == "safe_rlhf":
-        roles.append("cost_critic")
-    if cfg.reward.kind == "model":
-        roles.append("reward")
-    if a.name == "safe_rlhf" and not a.safe_rlhf.cost_fn:
-        roles.append("cost")
-    return tuple(roles)
+    """The worker roles the configured online-RL trainer starts: its spec's (config/algorithms.py)."""
+    planner_algorithm(cfg)  # raises for an algorithm the planner cannot place
+    return algorithm_spec(cfg).roles(cfg)
 
 
-def _check_algorithm(cfg) -> None:
-    if cfg.algorithm.name not in PLANNER_ALGORITHM:
+def planner_algorithm(cfg) -> str:
+    """The planner's dataflow for the configured algorithm (the spec says; RLOO and REINFORCE++ have
+    GRPO's models and stages), or a ConfigError for one the planner cannot place."""
+    spec = ALGORITHM_SPECS.get(cfg.algorithm.name)
+    if spec is None or not spec.planner:
+        planned = sorted(n for n, s in ALGORITHM_SPECS.items() if s.planner)
         raise ConfigError(
             [
                 f"resources.placement={cfg.resources.placement!r}: the planner has no dataflow for "
-                f"algorithm {cfg.algorithm.name!r} (it plans {sorted(PLANNER_ALGORITHM)}); "
+                f"algorithm {cfg.algorithm.name!r} (it plans {planned}); "
                 "use resources.placement=colocate or split"
             ]
         )
+    return spec.planner
 
 
 def _model_dirs(cfg) -> dict[str, str]:
@@ -133,7 +117,7 @@ def build_planner_dataflow(cfg) -> Dataflow:
     dirs = _model_dirs(cfg)
     specs = {role: ModelSpec.from_hf_config(dirs[role]) for role in needed}
     df = build_dataflow(
-        PLANNER_ALGORITHM[cfg.algorithm.name],
+        planner_algorithm(cfg),
         specs["actor"],
         reward_model="reward" in needed,
         samples_per_prompt=cfg.rollout.n,
@@ -150,7 +134,7 @@ def build_planner_workload(cfg) -> WorkloadSpec:
         prompt_len=d.max_prompt_length,
         response_len=cfg.rollout.response_length,
         ppo_epochs=act.ppo_epochs,
-        mini_batches=max(1, d.train_batch_size // act.ppo_mini_batch_size),
+        mini_batches=act.num_mini_batches,
         micro_batch_size=act.micro_batch_size_per_device,
         inference_micro_batch_size=cfg.ref.micro_batch_size_per_device,
     )
@@ -232,12 +216,9 @@ def load_plan(cfg) -> tuple[Plan, str]:
 
 def check_plan(p: Plan, cfg, source: str) -> list[str]:
     """Everything that stops `p` running under `cfg`, each message saying what to change."""
-    _check_algorithm(cfg)
+    replan = f"re-plan for this config (`hybridflow plan --algorithm {planner_algorithm(cfg)}`)"
     errors = []
     have = {m.role for m in p.models}
-    replan = (
-        f"re-plan for this config (`hybridflow plan --algorithm {PLANNER_ALGORITHM[cfg.algorithm.name]}`)"
-    )
     missing = sorted({PLANNER_ROLE[r] for r in trainer_roles(cfg)} - have)
     if missing:
         errors.append(

@@ -44,6 +44,7 @@ from hybridflow.checkpoint import (
 )
 from hybridflow.checkpoint.run_lock import RunLock
 from hybridflow.config import config_to_dict, resolve_config, validate_config
+from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
 from hybridflow.data import StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
@@ -74,6 +75,7 @@ class Trainer:
 
     name = "base"
     owns_run_dir = True  # trains: locks the run directory and resumes from it (eval does neither)
+    spec: AlgorithmSpec  # what the algorithm needs (config/algorithms.py): the one place that says it
 
     def __init__(self, config, placement: Placement | None = None, groups: dict | None = None):
         self.cfg = cfg = resolve_config(config)
@@ -110,8 +112,13 @@ class Trainer:
 
     # ---- what a subclass defines -------------------------------------------------------------------
     def roles(self) -> dict[str, dict]:
-        """role -> extra init kwargs (see placement.ROLES)."""
-        raise NotImplementedError
+        """role -> extra init kwargs (see placement.ROLES): the roles `spec` names for this config."""
+        kwargs = self.role_kwargs()
+        return {role: kwargs.get(role, {}) for role in self.spec.roles(self.cfg)}
+
+    def role_kwargs(self) -> dict[str, dict]:
+        """Extra init kwargs of some roles (e.g. the optimizer steps of the run, for LR schedules)."""
+        return {}
 
     def build_train_loader(self) -> StatefulDataLoader:
         ds = build_prompt_dataset(self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule")

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from hybridflow.algorithms import compute_grpo_advantages
 from hybridflow.batch import Batch
+from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
 
 class GRPOTrainer(PPOTrainer):
     name = "grpo"
-    use_critic = False
+    spec = ALGORITHM_SPECS["grpo"]
 
     def compute_advantages(self, batch: Batch) -> Batch:
         batch["advantages"], batch["returns"] = compute_grpo_advantages(

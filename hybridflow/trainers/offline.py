@@ -4,6 +4,7 @@ pairs, no generation). Both validate by generation like the RL trainers, so runs
 from __future__ import annotations
 
 from hybridflow.batch import Batch
+from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.data import StatefulDataLoader, build_pair_dataset
 from hybridflow.trainers.base import Trainer
 
@@ -20,7 +21,7 @@ class _PairTrainer(Trainer):
             raise ValueError(f"{self.name}: no training data; set data.train_files or data.dataset")
         return StatefulDataLoader(ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
 
-    def roles(self) -> dict[str, dict]:
+    def role_kwargs(self) -> dict[str, dict]:
         return {"actor_rollout": {"total_optim_steps": self.total_steps}}
 
 
@@ -28,6 +29,7 @@ class SFTTrainer(_PairTrainer):
     """Supervised fine-tuning: token-mean NLL of the `response` column, one optimizer step per batch."""
 
     name, kind = "sft", "sft"
+    spec = ALGORITHM_SPECS["sft"]
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
         with self.timers("update_actor"):
@@ -39,23 +41,7 @@ class DPOTrainer(_PairTrainer):
     """DPO: reference log-probs of both responses of each pair, then one optimizer step per batch."""
 
     name, kind = "dpo", "dpo"
-
-    def __init__(self, config, placement=None, groups=None):
-        super().__init__(config, placement, groups)
-        p = self.cfg.actor.parallel
-        dp = self.placement.pools[self.placement.pool_of("actor_rollout")] // (p.tp * p.pp)
-        if self.cfg.data.train_batch_size % dp:
-            self.close()
-            raise ValueError(
-                f"dpo: data.train_batch_size {self.cfg.data.train_batch_size} pairs must divide evenly over the "
-                f"actor's dp={dp} ranks (both rows of a pair must land on the same rank)"
-            )
-
-    def roles(self) -> dict[str, dict]:
-        roles = super().roles()
-        if not self.cfg.algorithm.dpo.reference_free:
-            roles["ref"] = {}
-        return roles
+    spec = ALGORITHM_SPECS["dpo"]  # pairs: validation checks data.train_batch_size divides the actor's dp
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
         if "ref" in self.groups:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from hybridflow.config.validate import split_sizes
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
@@ -60,9 +61,9 @@ class Placement:
                 raise ValueError(
                     "resources.placement=split needs at least 2 devices (actor+ref | critic+reward)"
                 )
-            half = n // 2
+            actor, critic = split_sizes(n)  # the sizes resolve_config derived dp from
             return cls(
-                {"actor": n - half, "critic": half},
+                {"actor": actor, "critic": critic},
                 {"actor_rollout": "actor", "ref": "actor", "critic": "critic", "cost_critic": "critic",
                  "reward": "critic", "cost": "critic"},
             )  # fmt: skip

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from hybridflow.algorithms import compute_gae
 from hybridflow.batch import Batch
+from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.rl import RLTrainer
 
 
 class PPOTrainer(RLTrainer):
     name = "ppo"
-    use_critic = True
+    spec = ALGORITHM_SPECS["ppo"]
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
         t = self.timers
@@ -22,7 +23,7 @@ class PPOTrainer(RLTrainer):
             batch = self.generate(batch)
         with t("old_log_prob"):
             batch = self.old_log_probs(batch)
-        if self.use_critic:
+        if self.spec.critic:
             with t("values"):
                 batch = self.values(batch)
         with t("ref"):
@@ -31,7 +32,7 @@ class PPOTrainer(RLTrainer):
             batch = self.reward(batch)
         with t("adv"):
             batch = self.compute_advantages(batch)
-        if self.use_critic:
+        if self.spec.critic:
             with t("update_critic"):
                 self.update_critic(batch)
         with t("update_actor"):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from hybridflow.algorithms import compute_reinforce_pp_advantages
 from hybridflow.batch import Batch
+from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
 
 class ReinforcePPTrainer(PPOTrainer):
     name = "reinforce_pp"
-    use_critic = False
+    spec = ALGORITHM_SPECS["reinforce_pp"]
 
     def compute_advantages(self, batch: Batch) -> Batch:
         batch["advantages"], batch["returns"] = compute_reinforce_pp_advantages(

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from hybridflow.algorithms import compute_remax_advantages
 from hybridflow.batch import Batch
+from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
 
 class ReMaxTrainer(PPOTrainer):
     name = "remax"
-    use_critic = False
+    spec = ALGORITHM_SPECS["remax"]
 
     def generate(self, prompts: Batch) -> Batch:
         batch = super().generate(prompts)

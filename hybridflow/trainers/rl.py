@@ -25,9 +25,7 @@ from hybridflow.workers.common import computes_in_fp32
 
 
 class RLTrainer(Trainer):
-    """Shared phases of online RL. Class attributes say which models an algorithm uses."""
-
-    use_critic = False
+    """Shared phases of online RL. The class's `spec` (config/algorithms.py) says which models run."""
 
     def __init__(self, config, placement=None, groups=None):
         super().__init__(config, placement, groups)
@@ -38,33 +36,21 @@ class RLTrainer(Trainer):
     # ---- setup ----------------------------------------------------------------------------------------
     @property
     def uses_ref(self) -> bool:
-        a = self.cfg.algorithm
-        return a.kl.in_reward or a.use_kl_loss
+        return self.spec.uses_reference(self.cfg)
 
     @property
     def num_mini_batches(self) -> int:
-        return max(1, self.cfg.data.train_batch_size // self.cfg.actor.ppo_mini_batch_size)
+        return self.cfg.actor.num_mini_batches
 
     @property
     def optim_steps_per_step(self) -> int:
         return self.num_mini_batches * self.cfg.actor.ppo_epochs
 
-    def roles(self) -> dict[str, dict]:
-        steps = self.total_steps * self.optim_steps_per_step
-        roles = {"actor_rollout": {"total_optim_steps": steps}}
-        if self.uses_ref:
-            roles["ref"] = {}
-        if self.use_critic:
-            c = self.cfg.critic
-            critic_steps = (
-                self.total_steps
-                * max(1, self.cfg.data.train_batch_size // c.ppo_mini_batch_size)
-                * c.ppo_epochs
-            )
-            roles["critic"] = {"total_optim_steps": critic_steps}
-        if self.cfg.reward.kind == "model":
-            roles["reward"] = {}
-        return roles
+    def role_kwargs(self) -> dict[str, dict]:
+        c = self.cfg.critic
+        critic = {"total_optim_steps": self.total_steps * c.num_mini_batches * c.ppo_epochs}
+        actor = {"total_optim_steps": self.total_steps * self.optim_steps_per_step}
+        return {"actor_rollout": actor, "critic": critic, "cost_critic": critic}
 
     @property
     def critic(self):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hybridflow.algorithms import add_kl_to_costs, compute_safe_rlhf_advantages, update_lagrange_multiplier
 from hybridflow.batch import Batch
+from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.base import score_batch
 from hybridflow.trainers.ppo import PPOTrainer
 from hybridflow.workers import RuleReward, token_level
@@ -18,24 +19,13 @@ from hybridflow.workers import RuleReward, token_level
 
 class SafeRLHFTrainer(PPOTrainer):
     name = "safe_rlhf"
-    use_critic = True
+    spec = ALGORITHM_SPECS["safe_rlhf"]  # a cost (rule or cost model) is required: validation says so
 
     def __init__(self, config, placement=None, groups=None):
-        s = config.algorithm.safe_rlhf
-        if not s.cost_fn and not config.model.cost_model_path:
-            raise ValueError(
-                "safe_rlhf needs a cost: set algorithm.safe_rlhf.cost_fn or model.cost_model_path"
-            )
         super().__init__(config, placement, groups)
+        s = self.cfg.algorithm.safe_rlhf
         self.lagrange = s.lambda_init
         self.rule_cost = RuleReward(self.cfg.reward, fn=s.cost_fn) if s.cost_fn else None
-
-    def roles(self) -> dict[str, dict]:
-        roles = super().roles()
-        roles["cost_critic"] = roles["critic"]
-        if not self.cfg.algorithm.safe_rlhf.cost_fn:
-            roles["cost"] = {}
-        return roles
 
     def values(self, batch: Batch) -> Batch:
         return super().values(batch).union(self.groups["cost_critic"].compute_values(batch))

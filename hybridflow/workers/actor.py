@@ -196,7 +196,7 @@ class ActorRolloutRefWorker(Worker):
         loss_fn = actor_loss_fn(a, algo)
         weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
         temperature = batch.meta.get("temperature", 1.0)
-        num_mini = max(1, self.config.data.train_batch_size // a.ppo_mini_batch_size)
+        num_mini = a.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         metrics = MetricLists()
         eng = self._engine("actor")
         # entropy is always logged; it needs grad only when it is part of the loss

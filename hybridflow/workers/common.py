@@ -23,9 +23,9 @@ from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig
 
 
 def engine_parallel(section_parallel, world_size: int, what: str) -> ParallelConfig:
-    """The engine's ParallelConfig for one model on a worker group of `world_size` ranks.
-
-    section_parallel: a config-tree ParallelConfig (dp = 0 means "the rest of the group").
+    """The engine's ParallelConfig for one model on a worker group of `world_size` ranks: the
+    section's own, whose dp resolve_config (or the placement's plan) has already derived. Checked
+    against the group actually started, since a Placement passed in code may differ from the config.
     """
     tp, pp, dp = section_parallel.tp, section_parallel.pp, section_parallel.dp
     if world_size % (tp * pp):
@@ -33,13 +33,12 @@ def engine_parallel(section_parallel, world_size: int, what: str) -> ParallelCon
             f"{what}.parallel: tp*pp = {tp * pp} does not divide the {world_size} devices of its pool; "
             "change tp/pp or the pool size"
         )
-    derived = world_size // (tp * pp)
-    if dp not in (0, derived):
+    if tp * pp * dp != world_size:
         raise ValueError(
             f"{what}.parallel.dp = {dp}, but its pool has {world_size} devices and tp*pp = {tp * pp}, "
-            f"so dp must be {derived} (or 0 to derive it)"
+            f"so dp must be {world_size // (tp * pp)} (resolve_config derives it from the placement)"
         )
-    return ParallelConfig(tp=tp, pp=pp, dp=derived)
+    return ParallelConfig(tp=tp, pp=pp, dp=dp)
 
 
 def engine_optim(optim: OptimConfig, total_steps: int) -> OptimConfig:

@@ -87,7 +87,7 @@ class CriticWorker(Worker):
         keys = [*_FIELDS, self.values_key, self.returns_key]
         loss_fn = critic_loss_fn(c, self.values_key, self.returns_key)
         weighting = "tokens" if c.loss_agg_mode == "token-mean" else "sequences"
-        num_mini = max(1, self.config.data.train_batch_size // c.ppo_mini_batch_size)
+        num_mini = c.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         metrics = MetricLists()
         rows = mask_padding(batch).select(keys)
         with self.engine.phase(optimizer=True):  # offload: state moves in and out once per update

@@ -102,7 +102,11 @@ def test_wrong_types_name_key_type_and_value(tmp_path):
             ["data.truncation=cut"],
             "data.truncation: 'cut' is not one of ['error', 'left', 'right', 'filter']",
         ),
-        (["algorithm.name=grpo", "rollout.n=2", "algorithm.adv_estimator=gae"], "'gae' needs a critic"),
+        (
+            ["algorithm.name=grpo", "rollout.n=2", "algorithm.adv_estimator=gae"],
+            "algorithm.adv_estimator: 'gae' is not grpo's estimator ('grpo'); each algorithm has its own, "
+            "so set algorithm.name=ppo or safe_rlhf instead",
+        ),
         (
             ["actor.parallel.tp=2", "rollout.tg=4", "resources.n_gpus_per_node=4"],
             "rollout.tg = 4 must divide actor.parallel.tp = 2",

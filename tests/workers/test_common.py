@@ -13,9 +13,10 @@ from hybridflow.workers.common import engine_config, engine_parallel, iter_mini_
 from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn
 
 
-def test_engine_parallel_derives_dp_and_rejects_bad_sizes():
-    assert engine_parallel(ParallelConfig(tp=2), 8, "actor").dp == 4
+def test_engine_parallel_checks_the_resolved_dp_against_the_group():
     assert engine_parallel(ParallelConfig(tp=2, dp=4), 8, "actor").world_size == 8
+    with pytest.raises(ValueError, match="dp must be 4"):
+        engine_parallel(ParallelConfig(tp=2), 8, "actor")  # dp=0: not resolved
     with pytest.raises(ValueError, match="actor.parallel: tp\\*pp = 3 does not divide the 8 devices"):
         engine_parallel(ParallelConfig(tp=3), 8, "actor")
     with pytest.raises(ValueError, match="dp must be 2"):
