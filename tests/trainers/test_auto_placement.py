@@ -55,26 +55,6 @@ def _with_model(plan_: Plan, role: str, **changes) -> Plan:
 
 
 # ---- no Ray --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "algorithm,overrides",
-    [
-        ("ppo", ()),
-        ("ppo", ("algorithm.kl.in_reward=true",)),
-        ("grpo", (KL_LOSS,)),
-        ("rloo", ()),
-        ("remax", (KL_LOSS,)),
-        ("reinforce_pp", ()),
-        ("safe_rlhf", ()),
-        ("safe_rlhf", ("algorithm.safe_rlhf.cost_fn=x.py:f", KL_LOSS)),
-    ],
-)
-def test_trainer_roles_mirror_the_trainers(make_config, algorithm, overrides):
-    cfg = make_config(algorithm, *overrides)
-    trainer = object.__new__(TRAINERS[algorithm])  # roles() reads only the config and step counts
-    trainer.cfg, trainer.total_steps = cfg, 1
-    assert trainer_roles(cfg) == tuple(trainer.roles())
-
-
 def test_planner_inputs_from_the_config(make_config, tiny_model_dir):
     cfg = make_config("ppo", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=3")
     df = build_planner_dataflow(cfg)
