@@ -83,7 +83,9 @@ class SFTConfig:
     """Supervised fine-tuning on (prompt, response) pairs; loss on response tokens only."""
 
     max_length: int = _f(
-        0, "max prompt + response tokens (0 = data.max_prompt_length + rollout.response_length)"
+        0,
+        "max prompt + response tokens of a training example; the response gets what its prompt leaves "
+        "(0 = data.max_prompt_length + rollout.response_length)",
     )
 
 

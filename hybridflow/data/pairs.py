@@ -76,7 +76,10 @@ class PairDataset:
         on_malformed: str = "error",
         apply_chat_template: bool = True,
         name: str = "",
+        max_length: int = 0,
     ) -> PairDataset:
+        """max_length > 0 also caps prompt + response tokens (SFT: algorithm.sft.max_length), so each
+        response gets what its prompt leaves, at most max_response_length."""
         stats = {"rows": len(records), "malformed": 0, "truncated": 0, "filtered": 0}
 
         def parse(row):
@@ -91,10 +94,10 @@ class PairDataset:
             ids = tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
             prompt_ids = fit_length(ids, max_prompt_length, truncation, f"{where(source, i)}: prompt")
             responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for r in p["responses"]]
-            cut = [
-                fit_length(r, max_response_length, truncation, f"{where(source, i)}: response")
-                for r in responses
-            ]
+            budget = max_response_length
+            if max_length > 0 and prompt_ids is not None:
+                budget = min(budget, max(max_length - len(prompt_ids), 0))
+            cut = [fit_length(r, budget, truncation, f"{where(source, i)}: response") for r in responses]
             if prompt_ids is None or any(r is None for r in cut):
                 stats["filtered"] += 1
                 continue
@@ -123,8 +126,11 @@ class PairDataset:
         )
 
 
-def build_pair_dataset(cfg, tokenizer, kind: str, split: str = "train", max_response_length: int = 512):
-    """SFT (kind='sft') or DPO (kind='dpo') dataset of a split per a DataConfig; None if no data."""
+def build_pair_dataset(
+    cfg, tokenizer, kind: str, split: str = "train", max_response_length: int = 512, max_length: int = 0
+):
+    """SFT (kind='sft') or DPO (kind='dpo') dataset of a split per a DataConfig; None if no data.
+    max_length > 0 caps prompt + response tokens (see PairDataset.from_records)."""
     found = dataset_records(cfg, split)
     if found is None:
         return None
@@ -141,4 +147,5 @@ def build_pair_dataset(cfg, tokenizer, kind: str, split: str = "train", max_resp
         on_malformed=cfg.on_malformed,
         apply_chat_template=cfg.apply_chat_template,
         name=name,
+        max_length=max_length,
     )

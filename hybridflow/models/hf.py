@@ -62,17 +62,28 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer (with its chat template) saved next to the model. Left padding, as prompts need."""
-    tok = AutoTokenizer.from_pretrained(_check_dir(path))
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
+    """The tokenizer (with its chat template) saved next to the model. Left padding, as prompts need.
+    trust_remote_code: run custom code shipped in the directory (model.trust_remote_code)."""
+    tok = AutoTokenizer.from_pretrained(_check_dir(path), trust_remote_code=trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token is None:  # common for Llama-style tokenizers: reuse eos
         tok.pad_token = tok.eos_token
     return tok
 
 
-def _load(auto_cls, path, dtype, dropout, attn_implementation, device=None, **config_overrides):
+def _load(
+    auto_cls,
+    path,
+    dtype,
+    dropout,
+    attn_implementation,
+    device=None,
+    trust_remote_code=False,
+    **config_overrides,
+):
     path = _check_dir(path)
+    config_overrides["trust_remote_code"] = trust_remote_code
     config = (
         AutoConfig.from_pretrained(path, **config_overrides)
         if dropout
@@ -81,9 +92,9 @@ def _load(auto_cls, path, dtype, dropout, attn_implementation, device=None, **co
     model = None
     if str(device) == "meta":  # weights stay on disk; the engine reads each rank's shards (models/meta.py)
         new_head = auto_cls is AutoModelForTokenClassification  # a critic may start from a causal LM
-        model = build_on_meta(auto_cls, path, config, dtype, attn_implementation, new_head)
+        model = build_on_meta(auto_cls, path, config, dtype, attn_implementation, new_head, trust_remote_code)
     if model is None:
-        kwargs = {"config": config, "dtype": dtype}
+        kwargs = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         model = auto_cls.from_pretrained(path, **kwargs)
@@ -99,10 +110,11 @@ def load_causal_lm(
     dropout: bool = False,
     attn_implementation: str | None = None,
     device: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A policy / reference model: any `AutoModelForCausalLM` (Llama, Qwen2, Mistral, GPT-2, ...).
     device="meta": parameters stay on disk for TrainEngine's sharded init (models/meta.py)."""
-    return _load(AutoModelForCausalLM, path, dtype, dropout, attn_implementation, device)
+    return _load(AutoModelForCausalLM, path, dtype, dropout, attn_implementation, device, trust_remote_code)
 
 
 def load_critic(
@@ -111,11 +123,19 @@ def load_critic(
     dropout: bool = False,
     attn_implementation: str | None = None,
     device: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A critic: `AutoModelForTokenClassification(num_labels=1)`. From a causal-LM directory the
     backbone is loaded and the value head is freshly initialised (see `init_critic_from_causal_lm`)."""
     return _load(
-        AutoModelForTokenClassification, path, dtype, dropout, attn_implementation, device, num_labels=1
+        AutoModelForTokenClassification,
+        path,
+        dtype,
+        dropout,
+        attn_implementation,
+        device,
+        trust_remote_code,
+        num_labels=1,
     )
 
 
@@ -125,29 +145,40 @@ def load_reward_model(
     dropout: bool = False,
     attn_implementation: str | None = None,
     device: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A reward or cost model: `AutoModelForSequenceClassification(num_labels=1)`; HF
     sequence-classification checkpoints (e.g. trained reward models) load as they are."""
     return _load(
-        AutoModelForSequenceClassification, path, dtype, dropout, attn_implementation, device, num_labels=1
+        AutoModelForSequenceClassification,
+        path,
+        dtype,
+        dropout,
+        attn_implementation,
+        device,
+        trust_remote_code,
+        num_labels=1,
     )
 
 
 def init_critic_from_causal_lm(
-    src: str | os.PathLike, dst: str | os.PathLike | None = None, seed: int = 0
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A critic whose backbone is the causal LM at `src` and whose value head is zero-initialised
     (values start at 0, so the first GAE is the plain discounted return). Saved to `dst` if given,
     with the tokenizer, as an ordinary HF token-classification directory."""
     torch.manual_seed(seed)
-    critic = load_critic(src)
+    critic = load_critic(src, trust_remote_code=trust_remote_code)
     head = scalar_head(critic)
     with torch.no_grad():
         head.weight.zero_()
         if head.bias is not None:
             head.bias.zero_()
     if dst is not None:
-        save_hf_model(critic, dst, tokenizer=load_tokenizer(src))
+        save_hf_model(critic, dst, tokenizer=load_tokenizer(src, trust_remote_code))
     return critic
 
 

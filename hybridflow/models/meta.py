@@ -56,7 +56,15 @@ def meta_parameters():
         nn.Module.register_parameter = register
 
 
-def build_on_meta(auto_cls, path: Path, config, dtype, attn_implementation=None, new_head: bool = False):
+def build_on_meta(
+    auto_cls,
+    path: Path,
+    config,
+    dtype,
+    attn_implementation=None,
+    new_head: bool = False,
+    trust_remote_code=False,
+):
     """The model of `config` with meta parameters, tagged with `path`; None when the directory's
     safetensors do not hold every parameter under the model's own names. new_head: a critic built
     from a causal-LM directory; its value head (absent from the files) starts at zero, as
@@ -64,7 +72,7 @@ def build_on_meta(auto_cls, path: Path, config, dtype, attn_implementation=None,
     files = weight_files(path)
     if not files:
         return None
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with meta_parameters():

@@ -82,7 +82,9 @@ class Trainer:
         validate_config(cfg)
         require_rollout_engine(cfg)
         self.placement = placement or Placement.from_config(cfg)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        self.tokenizer = load_tokenizer(
+            cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
+        )
         self.train_loader = self.build_train_loader()
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
         t = cfg.trainer

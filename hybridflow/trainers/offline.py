@@ -12,10 +12,15 @@ from hybridflow.trainers.base import Trainer
 class _PairTrainer(Trainer):
     kind = ""
 
+    def max_length(self) -> int:
+        """Cap on prompt + response tokens of a training pair (0 = only the per-part limits)."""
+        return 0
+
     def build_train_loader(self) -> StatefulDataLoader:
         d = self.cfg.data
+        cap = self.max_length()  # SFT: a response gets what its prompt leaves of max_length
         ds = build_pair_dataset(
-            d, self.tokenizer, self.kind, "train", max_response_length=self.cfg.rollout.response_length
+            d, self.tokenizer, self.kind, "train", cap or self.cfg.rollout.response_length, cap
         )
         if ds is None:
             raise ValueError(f"{self.name}: no training data; set data.train_files or data.dataset")
@@ -30,6 +35,9 @@ class SFTTrainer(_PairTrainer):
 
     name, kind = "sft", "sft"
     spec = ALGORITHM_SPECS["sft"]
+
+    def max_length(self) -> int:
+        return self.cfg.algorithm.sft.max_length
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
         with self.timers("update_actor"):

@@ -95,19 +95,28 @@ class ActorRolloutRefWorker(Worker):
         """Load the models of this worker's roles; returns parameter counts."""
         m = self.config.model
         seed_everything(self.config.trainer.seed)
-        self.tokenizer = load_tokenizer(m.tokenizer_path or m.path)
+        self.tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code)
+        remote = {"trust_remote_code": m.trust_remote_code}
         info = {}
         if "actor" in self.roles:
-            self.actor = TrainEngine(load_causal_lm(m.path, device="meta"), self.actor_cfg, trainable=True)
+            self.actor = TrainEngine(
+                load_causal_lm(m.path, device="meta", **remote), self.actor_cfg, trainable=True
+            )
             info["actor_params"] = self.actor.num_params()
         if "ref" in self.roles:
-            self.ref = TrainEngine(load_causal_lm(m.path, device="meta"), self.ref_cfg, trainable=False)
+            self.ref = TrainEngine(
+                load_causal_lm(m.path, device="meta", **remote), self.ref_cfg, trainable=False
+            )
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
             if self.actor is not None:
                 r = self.config.rollout
                 self.resharder = Resharder(self.actor, r.reshard, r.tg)
-            model = self.actor.hf_model if self.actor is not None else load_causal_lm(m.path).to(self.device)
+            model = (
+                self.actor.hf_model
+                if self.actor is not None
+                else load_causal_lm(m.path, **remote).to(self.device)
+            )
             self.rollout = build_generation_engine(self.config, model, self.world_size)
         return info
 

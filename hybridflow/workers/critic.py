@@ -67,11 +67,13 @@ class CriticWorker(Worker):
     @register(Protocol.ONE_TO_ALL)
     def init_model(self) -> dict:
         seed_everything(self.config.trainer.seed)
-        path = self.config.model.critic_path or self.config.model.path
+        m = self.config.model
+        path, remote = m.critic_path or m.path, m.trust_remote_code
         # Each rank reads only its shards; from a causal-LM directory the value head starts at zero.
-        model = load_critic(path, device="meta")
+        model = load_critic(path, device="meta", trust_remote_code=remote)
         if _is_causal_lm_dir(path) and not any(p.is_meta for p in model.parameters()):
-            model = init_critic_from_causal_lm(path, seed=self.config.trainer.seed)  # weights not sliceable
+            seed = self.config.trainer.seed  # weights not sliceable: load them whole
+            model = init_critic_from_causal_lm(path, seed=seed, trust_remote_code=remote)
         self.engine = TrainEngine(model, self.engine_cfg, trainable=True)
         return {f"{self.name}_params": self.engine.num_params()}
 

@@ -38,7 +38,10 @@ class RewardModelWorker(Worker):
     @register(Protocol.ONE_TO_ALL)
     def init_model(self) -> dict:
         seed_everything(self.config.trainer.seed)
-        model = load_reward_model(self.model_path, device="meta")  # each rank reads its shards
+        remote = self.config.model.trust_remote_code
+        model = load_reward_model(
+            self.model_path, device="meta", trust_remote_code=remote
+        )  # each rank: its shards
         self.engine = TrainEngine(model, self.engine_cfg, trainable=False)
         return {f"{self.score_key}_params": self.engine.num_params()}
 

@@ -170,6 +170,24 @@ def test_sft_and_dpo_batches(tok):
     assert s["response_mask"].sum().item() == len(sft[0].responses[0])
 
 
+def test_sft_max_length_caps_prompt_plus_response(tok):
+    """algorithm.sft.max_length: each response gets what its prompt leaves of the cap (cut per
+    data.truncation, or dropped with filter)."""
+    full = build_pair_dataset(DataConfig(dataset="synthetic:arithmetic_sft"), tok, "sft")
+    p, r = len(full[0].prompt_ids), len(full[0].responses[0])
+    assert r >= 3
+    cut = build_pair_dataset(
+        DataConfig(dataset="synthetic:arithmetic_sft", truncation="right"), tok, "sft", max_length=p + 2
+    )
+    assert cut[0].prompt_ids == full[0].prompt_ids and cut[0].responses[0] == full[0].responses[0][:2]
+    assert all(
+        len(s.prompt_ids) + len(s.responses[0]) <= p + 2 for s in cut.samples if len(s.prompt_ids) == p
+    )
+    assert cut.stats["truncated"] >= 1
+    with pytest.raises(ValueError, match="response"):
+        build_pair_dataset(DataConfig(dataset="synthetic:arithmetic_sft"), tok, "sft", max_length=p + 2)
+
+
 def test_iter_records_rejects_unknown_suffix(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DatasetError, match="unsupported file type '.csv'"):

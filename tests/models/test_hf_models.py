@@ -108,3 +108,41 @@ def test_missing_directory_error_names_the_path(tmp_path):
         TrainEngine(
             load_critic(save_tiny_model(tmp_path / "m", "tiny", "llama")), trainable=False
         ).compute_log_probs(make_rl_batch(40, batch_size=2))
+
+
+_REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class RemoteLlamaConfig(LlamaConfig):
+    model_type = "remote-llama"
+"""
+_REMOTE_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_remote import RemoteLlamaConfig
+
+
+class RemoteLlamaForCausalLM(LlamaForCausalLM):
+    config_class = RemoteLlamaConfig
+"""
+
+
+def test_trust_remote_code_is_passed_to_from_pretrained(tmp_path, monkeypatch):
+    """model.trust_remote_code: a directory whose config.json maps to modelling code shipped next to
+    it loads only when the flag is set (transformers refuses it otherwise)."""
+    import json
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    model_dir = save_tiny_model(tmp_path / "remote", size="tiny", arch="llama", seed=0)
+    (model_dir / "configuration_remote.py").write_text(_REMOTE_CONFIG)
+    (model_dir / "modeling_remote.py").write_text(_REMOTE_MODEL)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["model_type"] = "remote-llama"
+    cfg["auto_map"] = {
+        "AutoConfig": "configuration_remote.RemoteLlamaConfig",
+        "AutoModelForCausalLM": "modeling_remote.RemoteLlamaForCausalLM",
+    }
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_causal_lm(model_dir)
+    model = load_causal_lm(model_dir, trust_remote_code=True)
+    assert type(model).__name__ == "RemoteLlamaForCausalLM"

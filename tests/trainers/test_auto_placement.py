@@ -19,7 +19,7 @@ import pytest
 
 from hybridflow.config import ConfigError, validate_config
 from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
-from hybridflow.trainers import TRAINERS, Placement, build_trainer
+from hybridflow.trainers import Placement, build_trainer
 from hybridflow.trainers.auto_placement import (
     ENGINE_LIMITS,
     build_planner_cluster,
@@ -29,7 +29,6 @@ from hybridflow.trainers.auto_placement import (
     device_entry,
     placement_from_plan,
     plan_for_config,
-    trainer_roles,
 )
 from hybridflow.trainers.placement import role_config
 
