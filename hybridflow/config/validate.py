@@ -48,9 +48,8 @@ def section_devices(cfg: HybridFlowConfig) -> dict[str, int] | None:
     return None
 
 
-def _mini_batches(cfg: HybridFlowConfig, section: str) -> int:
-    mini = getattr(cfg, section).ppo_mini_batch_size
-    return max(1, cfg.data.train_batch_size // mini) if mini >= 1 else 0
+def _mini_batches(train_batch_size: int, mini: int) -> int:
+    return max(1, train_batch_size // mini) if mini >= 1 else 0  # validation rejects what does not divide
 
 
 def _dp(p: ParallelConfig, devices: int) -> int:
@@ -68,8 +67,9 @@ def resolve_config(cfg: HybridFlowConfig) -> HybridFlowConfig:
         cfg.critic.ppo_mini_batch_size = cfg.actor.ppo_mini_batch_size
     if cfg.critic.ppo_epochs == 0:
         cfg.critic.ppo_epochs = cfg.actor.ppo_epochs
-    for section in ("actor", "critic"):  # derived fields: always recomputed (see derived_conflicts)
-        getattr(cfg, section).num_mini_batches = _mini_batches(cfg, section)
+    # derived fields: always recomputed (a user value that disagrees: derived_conflicts)
+    cfg.actor.num_mini_batches = _mini_batches(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size)
+    cfg.critic.num_mini_batches = _mini_batches(cfg.data.train_batch_size, cfg.critic.ppo_mini_batch_size)
     if cfg.algorithm.sft.max_length == 0:
         cfg.algorithm.sft.max_length = cfg.data.max_prompt_length + cfg.rollout.response_length
     # dp derives where the pool sizes follow from the config (colocate, split); auto / a plan file

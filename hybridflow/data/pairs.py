@@ -9,7 +9,7 @@ rollouts. A DPO batch of B pairs holds 2B rows: chosen at even rows, rejected at
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.batch import Batch
 from hybridflow.data.collate import collate_prompt_response
@@ -24,6 +24,9 @@ from hybridflow.data.prompts import (
     parse_row,
     render_prompt,
 )
+
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import DataConfig
 
 
 @dataclass
@@ -127,7 +130,12 @@ class PairDataset:
 
 
 def build_pair_dataset(
-    cfg, tokenizer, kind: str, split: str = "train", max_response_length: int = 512, max_length: int = 0
+    cfg: DataConfig,
+    tokenizer,
+    kind: str,
+    split: str = "train",
+    max_response_length: int = 512,
+    max_length: int = 0,
 ):
     """SFT (kind='sft') or DPO (kind='dpo') dataset of a split per a DataConfig; None if no data.
     max_length > 0 caps prompt + response tokens (see PairDataset.from_records)."""

@@ -15,13 +15,16 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hybridflow.batch import Batch
 from hybridflow.data.collate import left_pad, position_ids_from_mask
 from hybridflow.data.files import DatasetError, read_rows, where
+
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import DataConfig
 
 logger = logging.getLogger("hybridflow.data")
 
@@ -237,7 +240,7 @@ def _pad_id(tokenizer) -> int:
     return pad if pad is not None else tokenizer.eos_token_id
 
 
-def dataset_records(cfg, split: str) -> tuple[list[Record], str] | None:
+def dataset_records(cfg: DataConfig, split: str) -> tuple[list[Record], str] | None:
     """Records for a split from data.train_files/val_files, else from the registered data.dataset."""
     files = cfg.train_files if split == "train" else cfg.val_files
     if files:
@@ -252,7 +255,7 @@ def dataset_records(cfg, split: str) -> tuple[list[Record], str] | None:
 
 
 def build_prompt_dataset(
-    cfg, tokenizer, split: str = "train", need_ground_truth: bool = True
+    cfg: DataConfig, tokenizer, split: str = "train", need_ground_truth: bool = True
 ) -> PromptDataset | None:
     """The prompt dataset of `split` ('train' or 'val') per a DataConfig; None if it has no data.
     need_ground_truth: the reward reads one (a rule reward), so data.missing_ground_truth applies."""

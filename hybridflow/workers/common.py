@@ -14,6 +14,7 @@ import dataclasses
 import random
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,8 +22,11 @@ import torch
 from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig
 
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import ActorConfig, CriticConfig, RefConfig, RewardConfig
 
-def engine_parallel(section_parallel, world_size: int, what: str) -> ParallelConfig:
+
+def engine_parallel(section_parallel: ParallelConfig, world_size: int, what: str) -> ParallelConfig:
     """The engine's ParallelConfig for one model on a worker group of `world_size` ranks: the
     section's own, whose dp resolve_config (or the placement's plan) has already derived. Checked
     against the group actually started, since a Placement passed in code may differ from the config.
@@ -50,7 +54,7 @@ def engine_optim(optim: OptimConfig, total_steps: int) -> OptimConfig:
 
 
 def engine_config(
-    section,
+    section: ActorConfig | CriticConfig | RefConfig | RewardConfig,
     world_size: int,
     what: str,
     seed: int,

@@ -8,12 +8,17 @@ micro-batch's (trimmed) response fields. Also the SFT loss and the DPO adapter (
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hybridflow.algorithms import aggregate_loss, dpo_loss, kl_loss, masked_mean, policy_loss, value_loss
 
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import ActorConfig, AlgorithmConfig, CriticConfig, DPOConfig
 
-def actor_loss_fn(actor_cfg, algo_cfg):
+
+def actor_loss_fn(actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig):
     """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference when use_kl_loss)."""
     agg = actor_cfg.loss_agg_mode
 
@@ -50,7 +55,7 @@ def actor_loss_fn(actor_cfg, algo_cfg):
     return loss_fn
 
 
-def critic_loss_fn(critic_cfg, values_key: str, returns_key: str):
+def critic_loss_fn(critic_cfg: CriticConfig, values_key: str, returns_key: str):
     """Clipped value loss against `returns_key`, clipping around the rollout-time `values_key`."""
 
     def loss_fn(out: dict, mb) -> tuple[torch.Tensor, dict]:
@@ -78,7 +83,7 @@ def sft_loss(out: dict, mb) -> tuple[torch.Tensor, dict]:
     return nll, {"nll": nll.detach()}
 
 
-def dpo_loss_fn(dpo_cfg):
+def dpo_loss_fn(dpo_cfg: DPOConfig):
     """DPO over a micro-batch of interleaved pairs (chosen at even rows, rejected at odd rows).
 
     Sequence log-probs are token sums, except for IPO: token means, as in the IPO paper (Azar et al.
