@@ -1,9 +1,9 @@
 """Load the config tree from YAML plus dotted overrides, with errors that name the key.
 
 A thin loader over dataclasses, without OmegaConf (not a dependency): the features needed -- merge,
-dotted overrides, type checks -- take ~100 lines here, while OmegaConf structured configs stop at the
-first bad key, cannot hold `Any`/`Optional[bool]`-style fields as they are, and would still need
-this module's nearest-key suggestions and type coercion (YAML 1.1's `1e-5` string) on top. Errors
+dotted overrides, type checks -- take ~100 lines here, while OmegaConf's structured-config merge
+raises at the first bad key, so this module's error collection and nearest-key suggestions would
+still be needed on top. Errors
 here name the full key path, the expected type, the bad value and -- for typos -- the nearest valid
 key, for every problem at once.
 
