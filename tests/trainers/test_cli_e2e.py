@@ -123,3 +123,26 @@ def test_config_typo_fails_in_one_line(config_file, capsys):
     assert cli_main(["eval", _model_dir(config_file)]) == 2  # an HF directory, but no validation data named
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no validation data" in err and "--config" in err
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("rollout.engine=vllm", "rollout.engine: 'vllm' is not supported yet"),
+        ("rollout.tg=2", "rollout.tg: 2 is not supported yet"),
+        ("actor.parallel.pp=2", "actor.parallel.pp: 2 is not supported yet (pipeline parallelism"),
+        ("rollout.gpu_memory_utilization=0.9", "rollout.gpu_memory_utilization: only the vllm engine"),
+        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator: 'gae' is not grpo's estimator"),
+        ("actor.num_mini_batches=3", "actor.num_mini_batches: is derived"),
+        (
+            "data.train_batch_size=6",
+            "actor.ppo_mini_batch_size: data.train_batch_size 6 is not divisible by 4",
+        ),
+    ],
+)
+def test_unsupported_or_inconsistent_settings_fail_in_one_line(config_file, capsys, override, expected):
+    """Settings accepted by the schema but not implemented (or contradicting what is derived) stop
+    `hybridflow train` before Ray starts, with one line naming the key."""
+    assert cli_main(["train", str(config_file), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and expected in err, err
