@@ -1,6 +1,7 @@
 """What every trainer shares: config -> Ray cluster, pools and worker groups, data, tracker; the step
-loop with validation and checkpoint hooks. An algorithm only says which roles it needs
-(`roles()`), what it trains on (`build_train_loader()`) and what one step does (`train_step`).
+loop with validation and checkpoint hooks. An algorithm only says what it needs (its `spec`, from
+config/algorithms.py: the roles follow from it), what it trains on (`build_train_loader()`) and what
+one step does (`train_step`).
 
     trainer = build_trainer(cfg)          # hybridflow/trainers/__init__.py
     history = trainer.fit()               # list of per-step metric dicts (also sent to the tracker)
