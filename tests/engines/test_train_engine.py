@@ -143,6 +143,20 @@ def test_lr_schedule_warmup_then_linear():
     assert [lr_factor(s, cfg) for s in (2, 3, 6, 10, 50)] == pytest.approx([1.0, 0.9, 0.6, 0.2, 0.2])
 
 
+def test_engine_steps_follow_the_linear_schedule(model_dirs):
+    """optim.schedule=linear end to end in the engine: the lr each train_step reports."""
+    optim = OptimConfig(lr=1e-3, schedule="linear", total_steps=4)
+    engine = TrainEngine(load_causal_lm(model_dirs["llama"]), EngineConfig(optim=optim))
+    batch = make_rl_batch(engine.hf_model.config.vocab_size, batch_size=2, seed=12)
+
+    def nll(out, mb):
+        m = mb["response_mask"].float()
+        return -(out["log_probs"] * m).sum() / m.sum(), {}
+
+    lrs = [engine.train_step(batch, nll)["lr"] for _ in range(5)]
+    assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0])
+
+
 def test_train_step_clips_and_improves_and_resumes(model_dirs, tmp_path):
     cfg = EngineConfig(
         micro_batch_size_per_device=4, optim=OptimConfig(lr=1e-2, grad_clip=0.5, warmup_steps=2)
