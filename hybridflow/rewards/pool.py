@@ -29,8 +29,12 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 from hybridflow.rewards.registry import Item, RewardSpecError
+
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import RewardConfig
 
 
 @dataclass
@@ -108,7 +112,7 @@ def _shutdown(workers: list[_Worker]) -> None:
 class WorkerPool:
     """Persistent workers; `run` feeds them chunks and enforces the per-sample timeout."""
 
-    def __init__(self, cfg, n: int):
+    def __init__(self, cfg: RewardConfig, n: int):
         self.cfg = cfg
         self.pending: deque = deque()  # (mode, chunk) not yet sent, of the batch being scored
         self.batched = False
