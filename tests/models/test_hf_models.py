@@ -146,3 +146,7 @@ def test_trust_remote_code_is_passed_to_from_pretrained(tmp_path, monkeypatch):
         load_causal_lm(model_dir)
     model = load_causal_lm(model_dir, trust_remote_code=True)
     assert type(model).__name__ == "RemoteLlamaForCausalLM"
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_causal_lm(model_dir, device="meta")  # the workers' path: sharded init from the files
+    meta = load_causal_lm(model_dir, device="meta", trust_remote_code=True)
+    assert type(meta).__name__ == "RemoteLlamaForCausalLM" and all(p.is_meta for p in meta.parameters())
