@@ -27,7 +27,6 @@ NOT_YET = {
     f"{s}.parallel.pp": ((1,), "pipeline parallelism is not implemented; raise tp or dp instead")
     for s in ("critic", "ref", "reward")
 }
-NOT_YET["rollout.engine"] = (("builtin",), "only the builtin engine runs generation for now")
 # The section each model's pool size is read from, per placement (the planner fills auto/plan files).
 _ACTOR_SIDE = ("actor", "ref")
 
@@ -259,13 +258,6 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     for key, v in {"rollout.top_p": r.top_p, "rollout.val.top_p": r.val.top_p}.items():
         if not 0.0 < v <= 1.0:
             errors.append(f"{key}: must be in (0, 1], got {v}")
-    default_util = next(f.default for f in dataclasses.fields(r) if f.name == "gpu_memory_utilization")
-    if r.engine != "vllm" and r.gpu_memory_utilization != default_util:
-        errors.append(
-            f"rollout.gpu_memory_utilization: only the vllm engine reserves device memory, and "
-            f"rollout.engine is {r.engine!r}; remove it"
-        )
-
     errors += rollout_engine_errors(cfg)
 
     # data and models

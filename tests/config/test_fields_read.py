@@ -50,8 +50,6 @@ BASE = ["model.path=m", "data.dataset=synthetic:arithmetic"]
 CHECKED_ONLY = {
     # each algorithm has its own estimator; the field exists for verl-style configs
     "algorithm.adv_estimator": [["algorithm.adv_estimator=grpo"]],
-    # vLLM reads it once rollout.engine=vllm exists; until then any non-default value is rejected
-    "rollout.gpu_memory_utilization": [["rollout.gpu_memory_utilization=0.9"]],
     # generation pipeline parallelism does not exist; hybrid_engine/layout.py rejects pg != 1
     "rollout.pg": [["rollout.pg=2"]],
 }
