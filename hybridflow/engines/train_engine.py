@@ -5,7 +5,7 @@ Role workers call a small API (docs/design.md §7: learning stays apart from sam
   compute_values(batch)     -> values (B, Lr)                                  critics
   compute_scores(batch)     -> scores (B,)                                     reward / cost models
   train_step(batch, loss_fn) -> metrics dict (one optimizer step over the whole batch)
-  full_state_dict() / iter_full_state_dict() / load_full_state_dict() / save_hf(path)
+  full_state_dict() / iter_full_state_dict() / save_hf(path)
   save_checkpoint(dir) / load_checkpoint(dir)   (each rank its shards as safetensors + JSON; no pickle)
   offload() / reload() / phase()   (engines/offload.py: each piece of state moved once per phase)
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.engines.config import EngineConfig, compute_dtype
@@ -314,28 +314,6 @@ class TrainEngine:
             if p.grad is None:
                 continue
             yield name, _gather(name, p.grad, transforms, device)
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy full HF-layout tensors into this rank's shards (every rank passes the same dict)."""
-        transforms = hf_layout_transforms(self.hf_model)
-        targets = self.hf_model.state_dict(keep_vars=True)
-        missing = [k for k in targets if k not in state_dict]
-        if missing:
-            raise KeyError(
-                f"load_full_state_dict: missing {missing[:5]} (and {max(len(missing) - 5, 0)} more)"
-            )
-        with self.phase():
-            for name, target in targets.items():
-                full = state_dict[name].to(self.device, target.dtype)
-                if name in transforms:
-                    dim, perm = transforms[name]
-                    full = full.index_select(dim, perm.to(full.device))
-                if isinstance(target, DTensor):
-                    local = distribute_tensor(full, target.device_mesh, target.placements).to_local()
-                    target.to_local().copy_(local)
-                else:
-                    target.copy_(full)
 
     def save_hf(self, path, tokenizer=None) -> None:
         """Write the full model as an HF directory from rank 0, streaming: each tensor is gathered
