@@ -146,8 +146,13 @@ def test_second_run_refused_sigterm_mid_save_then_three_sigints(config_file, tmp
     assert proc.wait(timeout=300) == 143
     last = _lines(tmp_path / "a.log")[-1]
     latest = CheckpointManager(run).latest()
-    assert latest.name == f"step_{step}" and f"stopped by SIGTERM after step {step}; checkpoint {latest}" == (
-        last.removeprefix("hybridflow train: ")
+    # On a loaded machine the save seen in flight may finish before the signal lands; the run then
+    # finishes the step it is in and saves that one: stopped at `step` or the one after, never later.
+    stopped = int(latest.name.removeprefix("step_"))
+    assert stopped in (step, step + 1), (stopped, step)
+    step = stopped
+    assert f"stopped by SIGTERM after step {step}; checkpoint {latest}" == last.removeprefix(
+        "hybridflow train: "
     )
     read_manifest(latest, require=["actor", "trainer_state.json"])  # complete, every SHA-256 matches
     assert [r["step"] for r in metric_rows(run)] == list(range(step + 1))  # one writer: no step twice
