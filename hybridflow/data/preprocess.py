@@ -53,42 +53,6 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced braces
 
 
-def gsm8k_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
-    """Rows from a GSM8K file, a directory (an HF snapshot: main/ preferred) or a glob."""
-    rows, bad = [], []
-    for file, i, rec in _records(input_files(path, split)):
-        try:
-            if isinstance(rec, ValueError):
-                raise rec
-            if not isinstance(rec, dict) or not isinstance(rec.get("question"), str):
-                raise ValueError("expected {'question': str, 'answer': str}")
-            answer = rec.get("answer")
-            if not isinstance(answer, str):
-                raise ValueError("missing 'answer' text")
-            truth = extract_gsm8k_answer(answer)
-        except ValueError as e:
-            bad.append(f"{where(file, i)}: {e}")
-            continue
-        rows.append(
-            {
-                "data_source": GSM8K_SOURCE,
-                "prompt": [{"role": "user", "content": f"{rec['question']} {GSM8K_INSTRUCTION}"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": truth},
-                "extra_info": {
-                    "split": split,
-                    "index": len(rows),
-                    "question": rec["question"],
-                    "answer": answer,
-                },
-            }
-        )
-        if limit and len(rows) >= limit:
-            break
-    _fail_on(bad)
-    return rows
-
-
 def input_files(path: str | os.PathLike, split: str = "train") -> list[Path]:
     """The data files `--input` names: a file; a glob (`data/train-*.parquet`); or a directory, such as
     an HF dataset snapshot, whose files for `split` are used (a file named `split-...`/`split.*` or
@@ -115,49 +79,71 @@ def input_files(path: str | os.PathLike, split: str = "train") -> list[Path]:
     return for_split or files
 
 
-def _records(files: list[Path]):
-    """(file, row number, record) over the files in order."""
-    for file in files:
-        for i, rec in read_rows(file):
-            yield file, i, rec
-
-
-def math_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
-    """Rows from a MATH file or a directory tree of per-problem .json files (sorted, so stable)."""
+def _rows(path, split: str, limit: int, convert) -> list[dict]:
+    """The rows `convert(record, split, index)` makes of every record under `path`; every malformed
+    record (convert raises ValueError) is collected and reported at once, by file and row."""
     rows, bad = [], []
     for file in input_files(path, split):
         for i, rec in read_rows(file):
             try:
                 if isinstance(rec, ValueError):
                     raise rec
-                if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str):
-                    raise ValueError("expected {'problem': str, 'solution': str}")
-                solution = rec.get("solution")
-                truth = last_boxed(solution) if isinstance(solution, str) else None
-                if truth is None:
-                    raise ValueError("solution has no \\boxed{...} answer")
+                rows.append(convert(rec, split, len(rows)))
             except ValueError as e:
                 bad.append(f"{where(file, i)}: {e}")
                 continue
-            rows.append(
-                {
-                    "data_source": MATH_SOURCE,
-                    "prompt": [{"role": "user", "content": f"{rec['problem']} {MATH_INSTRUCTION}"}],
-                    "ability": "math",
-                    "reward_model": {"style": "rule", "ground_truth": truth},
-                    "extra_info": {
-                        "split": split,
-                        "index": len(rows),
-                        "level": str(rec.get("level", "")),
-                        "type": str(rec.get("type", "")),
-                    },
-                }
-            )
             if limit and len(rows) >= limit:
-                _fail_on(bad)
-                return rows
+                break
+        if limit and len(rows) >= limit:
+            break
     _fail_on(bad)
     return rows
+
+
+def _rule_row(source: str, question: str, instruction: str, truth: str, extra: dict) -> dict:
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": f"{question} {instruction}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": extra,
+    }
+
+
+def _gsm8k_row(rec, split: str, index: int) -> dict:
+    if not isinstance(rec, dict) or not isinstance(rec.get("question"), str):
+        raise ValueError("expected {'question': str, 'answer': str}")
+    answer = rec.get("answer")
+    if not isinstance(answer, str):
+        raise ValueError("missing 'answer' text")
+    extra = {"split": split, "index": index, "question": rec["question"], "answer": answer}
+    return _rule_row(GSM8K_SOURCE, rec["question"], GSM8K_INSTRUCTION, extract_gsm8k_answer(answer), extra)
+
+
+def _math_row(rec, split: str, index: int) -> dict:
+    if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str):
+        raise ValueError("expected {'problem': str, 'solution': str}")
+    solution = rec.get("solution")
+    truth = last_boxed(solution) if isinstance(solution, str) else None
+    if truth is None:
+        raise ValueError("solution has no \\boxed{...} answer")
+    extra = {
+        "split": split,
+        "index": index,
+        "level": str(rec.get("level", "")),
+        "type": str(rec.get("type", "")),
+    }
+    return _rule_row(MATH_SOURCE, rec["problem"], MATH_INSTRUCTION, truth, extra)
+
+
+def gsm8k_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
+    """Rows from a GSM8K file, a directory (an HF snapshot: main/ preferred) or a glob."""
+    return _rows(path, split, limit, _gsm8k_row)
+
+
+def math_rows(path: str | os.PathLike, split: str = "train", limit: int = 0) -> list[dict]:
+    """Rows from a MATH file or a directory tree of per-problem .json files (sorted, so stable)."""
+    return _rows(path, split, limit, _math_row)
 
 
 def _fail_on(bad: list[str]) -> None:
