@@ -6,10 +6,12 @@ t/tg micro-DP replicas, so there are d * t/tg generation replicas. Per FSDP unit
 the root's embeddings / final norm / lm_head), every method first unshards the unit over dp (FSDP2's own
 all-gather), then:
 
-  hybridflow  all-gather the TP-split weights inside the micro-DP group (consecutive ranks, size t/tg):
+  hybridflow  all-gather the TP-split weights inside the micro-DP group (consecutive ranks, size t/tg),
+              one collective per unit (a flat bucket of the unit's pieces, then copied out per weight):
               the result is exactly this rank's generation shard. With tg == t nothing moves and the
               unit simply stays unsharded while generating (no copy).
-  allgather   all-gather every TP-split weight over the whole training TP group: each rank then holds
+  allgather   all-gather the TP-split weights over the whole training TP group (one bucket per unit, as
+              DeepSpeed-Chat gathers a module's parameters together): each rank then holds
               the full model (DeepSpeed-Chat) and generates on its tg-shard views of it.
   vanilla     HybridFlow-V: generation groups of consecutive ranks, so a rank owns none of its generation
               shard in general; it gathers the whole model inside the TP group, as allgather does.
@@ -58,6 +60,7 @@ class ReshardStats:
     gen_weight_bytes: int = 0  # peak bytes of generation weights held
     formula_gen_weight_bytes: int = 0
     seconds: float = 0.0  # both directions
+    collectives: int = 0  # collectives this rank called: FSDP's unit all-gathers (d > 1) and ours
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -65,6 +68,7 @@ class ReshardStats:
             "reshard/formula_bytes_per_rank": float(self.formula_bytes),
             "reshard/gen_weight_bytes_per_rank": float(self.gen_weight_bytes),
             "reshard/formula_gen_weight_bytes_per_rank": float(self.formula_gen_weight_bytes),
+            "reshard/collectives_per_rank": float(self.collectives),
             "timing_s/reshard": self.seconds,
         }
 
@@ -152,19 +156,26 @@ class Resharder:
         received, held = fsdp_switch_cost(
             self.method, split_bytes, whole_bytes, self.t, self.d, self.tg, self.t * self.d
         )
+        fsdp_calls = sum(u is not None for u, _ in self.units) if self.d > 1 else 0
         self.stats = ReshardStats(
-            fsdp_bytes + self.comm.stats.bytes_received, received, self.ledger.peak, held, seconds
+            fsdp_bytes + self.comm.stats.bytes_received,
+            received,
+            self.ledger.peak,
+            held,
+            seconds,
+            fsdp_calls + self.comm.stats.calls,
         )
 
     def _to_generation(self):
         hf = self.engine.hf_model
         out: dict[str, torch.Tensor] = {}
         split_bytes = whole_bytes = fsdp_bytes = 0
+        keep = self.method == "hybridflow" and self.st == 1
         for unit, names in self.units:
             if unit is not None:
                 unit.unshard()
             params = dict(hf.named_parameters())
-            transient = 0
+            transient, bucket = 0, []
             for name in names:
                 local, dim = _local(params[name])
                 nbytes = _nbytes(local)
@@ -176,9 +187,17 @@ class Resharder:
                     rows = -(-local.shape[0] // self.d)
                     fsdp_bytes += (self.d - 1) * rows * (nbytes // max(local.shape[0], 1))
                 transient += nbytes
-                out[name] = self._generation_tensor(name, local, dim)
-            keep = self.method == "hybridflow" and self.st == 1
-            if not keep:  # the unsharded unit was a transient: peak while this unit's tensors exist
+                if keep:  # the unit stays unsharded: its own tensors are the generation weights
+                    out[name] = self.ledger.hold(local)
+                elif self.method == "two_copy":
+                    out[name] = self._refresh_copy(name, local, dim)
+                elif dim is None:
+                    out[name] = self.ledger.hold(local.clone())
+                else:
+                    bucket.append((name, local, dim))
+            if bucket:  # hybridflow / allgather / vanilla: one collective for the unit's TP-split weights
+                out.update(self._gather_unit(bucket, unit, transient))
+            elif not keep:  # the unsharded unit was a transient: peak while this unit's tensors exist
                 self.ledger.transient(transient)
             if unit is not None:
                 if keep:
@@ -187,32 +206,41 @@ class Resharder:
                     unit.reshard()
         return out, split_bytes, whole_bytes, fsdp_bytes
 
-    def _generation_tensor(self, name: str, local: torch.Tensor, dim: int | None) -> torch.Tensor:
-        """This rank's generation tensor for one weight, from its (dp-unsharded) training tensor."""
-        m = self.method
-        if m == "hybridflow" and self.st == 1:
-            self.ledger.hold(local)  # the unit stays unsharded: its own tensors are the generation weights
-            return local
-        if m == "two_copy":
-            return self._refresh_copy(name, local, dim)
-        if dim is None:
-            return self.ledger.hold(local.clone())
-        if m == "hybridflow":
-            return self.ledger.hold(self._gather(local, dim, self.micro, self.st))
-        full = self.ledger.hold(
-            self._gather(local, dim, self.train_tp, self.t)
-        )  # allgather / vanilla: hold M
-        return full.chunk(self.tg, dim)[self.g_tp]
-
-    def _gather(self, local: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
-        """cat over the group's members (in group order) of their `local` along `dim`."""
-        if n == 1:
-            return local.clone()
-        buf = torch.empty((n, *local.shape), dtype=local.dtype, device=local.device)
-        self.comm.all_gather_into(buf.view(-1), local.contiguous().view(-1), group)
-        if dim == 0:
-            return buf.view(n * local.shape[0], *local.shape[1:])
-        return torch.cat(buf.unbind(0), dim=dim)
+    def _gather_unit(self, bucket, unit, unsharded: int) -> dict[str, torch.Tensor]:
+        """This rank's generation tensors for one unit's TP-split weights [(name, local, dim)], with one
+        all-gather per dtype over the micro-DP group (hybridflow) or the training TP group (allgather,
+        vanilla): each member packs its pieces into its slot of a flat buffer, the all-gather fills the
+        others' slots in place, and every weight is copied out as the cat of its n pieces along its split
+        dim. The unit is resharded before the collective (its pieces are in the slot by then), so at the
+        peak a rank holds either the unsharded unit and its slot, or the gathered buffer."""
+        hybrid = self.method == "hybridflow"
+        group, n = (self.micro, self.st) if hybrid else (self.train_tp, self.t)
+        me = dist.get_rank(group) if n > 1 else 0
+        by_dtype: dict[torch.dtype, list] = {}
+        for item in bucket:
+            by_dtype.setdefault(item[1].dtype, []).append(item)
+        bufs = []
+        for dtype, items in by_dtype.items():
+            numel = sum(local.numel() for _, local, _ in items)
+            buf = torch.empty((n, numel), dtype=dtype, device=items[0][1].device)
+            torch.cat([local.reshape(-1) for _, local, _ in items], out=buf[me])
+            bufs.append((buf, items))
+        slots = sum(_nbytes(buf[0]) for buf, _ in bufs)
+        self.ledger.transient(unsharded + slots)
+        if unit is not None:
+            unit.reshard()  # its tensors are packed: free the unsharded unit before the gather
+        out = {}
+        for buf, items in bufs:
+            if n > 1:
+                self.comm.all_gather_into(buf.view(-1), buf[me], group)
+            off = 0
+            for name, local, dim in items:
+                pieces = [row[off : off + local.numel()].view(local.shape) for row in buf.unbind(0)]
+                full = self.ledger.hold(torch.cat(pieces, dim=dim))
+                out[name] = full if hybrid else full.chunk(self.tg, dim)[self.g_tp]  # allgather holds M
+                off += local.numel()
+        self.ledger.transient(sum(_nbytes(buf) for buf, _ in bufs))
+        return out
 
     def _refresh_copy(self, name: str, local: torch.Tensor, dim: int | None) -> torch.Tensor:
         """two_copy: global rank 0 gathers the weight from its TP group and broadcasts it whole; every
