@@ -16,9 +16,10 @@ import torch
 from hybridflow.controller import ResourcePool, create_colocated_groups
 from hybridflow.data import build_prompt_dataset
 from hybridflow.models import load_tokenizer
-from hybridflow.models.tiny import save_tiny_model
+from hybridflow.models.tiny import build_tiny_config, save_tiny_model
 from hybridflow.trainers.placement import shutdown
 from hybridflow.workers import ActorRolloutRefWorker
+from tests.hybrid_engine.bounds import unit_bytes
 from tests.trainers.configs import tiny_config
 
 # name -> (actor tp, rollout.tg, rollout.reshard); dp = 4 / tp
@@ -59,24 +60,12 @@ def setup(ray_cluster, tmp_path_factory):
     shutdown(groups, [pool])
 
 
-def _unit_bytes(tp: int, tg: int, method: str, vocab: int) -> int:
-    """The most one FSDP unit adds to the held generation weights on one rank, fp32: the root (embeddings
-    + lm_head + final norm, whole), or a decoder layer of the tiny model, either unsharded (its TP pieces
-    + 2 norms) with its packed bucket slot, or its gathered bucket (the pieces of n = micro-DP or TP group
-    members; two_copy moves one weight at a time, counted within the layer)."""
-    h, inter = 64, 128
-    split = 4 * h * h + 3 * h * inter
-    n = tp // tg if method == "hybridflow" else tp
-    layer = max(2 * split // tp + 2 * h, n * split // tp)
-    return 4 * max(layer, 2 * vocab * h + h)
-
-
 def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
     groups, prompts = setup
     refs = {a: groups[f"{a}tp1"].generate_sequences(prompts, sampling=GREEDY) for a in ("", "qwen2_")}
     assert refs[""]["responses"].shape == (6, 6)
     assert not torch.equal(refs[""]["responses"], refs["qwen2_"]["responses"])
-    vocab = _vocab()
+    vocab = build_tiny_config("tiny").vocab_size
     for name, (tp, tg, method) in LAYOUTS.items():
         ref = refs["qwen2_" if name.startswith("qwen2") else ""]
         out = groups[name].generate_sequences(prompts, sampling=GREEDY)
@@ -86,7 +75,7 @@ def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
         m = out.meta["reshard_metrics"]
         assert m["reshard/bytes_per_rank"] == m["reshard/formula_bytes_per_rank"], (name, m)
         held, formula = m["reshard/gen_weight_bytes_per_rank"], m["reshard/formula_gen_weight_bytes_per_rank"]
-        assert formula <= held <= formula + _unit_bytes(tp, tg, method, vocab), (name, m)
+        assert formula <= held <= formula + unit_bytes(tp, tg, method, vocab), (name, m)
         if tp > 1 or method != "hybridflow":
             assert m["reshard/bytes_per_rank"] > 0, name
         # one bucketed all-gather per decoder layer (2 layers) where TP pieces move, plus FSDP's own
@@ -106,12 +95,6 @@ def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
         < cost["tp4_tg2_two_copy"]["reshard/bytes_per_rank"]
     )
     assert hf["reshard/gen_weight_bytes_per_rank"] < ag["reshard/gen_weight_bytes_per_rank"]
-
-
-def _vocab() -> int:
-    from hybridflow.models.tiny import build_tiny_config
-
-    return build_tiny_config("tiny").vocab_size
 
 
 def test_every_method_samples_the_same_rollouts(setup):
