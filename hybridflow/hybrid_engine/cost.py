@@ -51,30 +51,40 @@ def switch_cost(
 
 
 def fsdp_switch_cost(
-    method: str, split_bytes: int, whole_bytes: int, t: int, d: int, tg: int, world: int | None = None
+    method: str,
+    split_bytes: int,
+    whole_bytes: int,
+    t: int,
+    d: int,
+    tg: int,
+    world: int | None = None,
+    vocab_bytes: int = 0,
 ) -> tuple[int, int]:
     """(bytes received, generation-weight bytes held) per rank for one train -> generate switch of the
     layout that runs: t-way TP x d-way FSDP2, generation tg-way TP (p = pg = 1).
 
     split_bytes: weights TP-split in training (q/k/v/o, gate/up/down); whole_bytes: weights every TP rank
-    holds whole (embeddings, norms, lm_head), so M = split + whole. Between steps a rank holds
-    split/(td) + whole/d; FSDP's all-gather brings it to split/t + whole ((d-1)/d of that received), then:
-      hybridflow  micro-DP all-gather to split/tg:        received += split/tg - split/t; held split/tg + whole
+    holds whole (embeddings, norms, lm_head), so M = split + whole; vocab_bytes: the part of whole that
+    generation splits over the vocabulary (embeddings and lm_head, V/tg rows per rank; 0 if kept whole).
+    Between steps a rank holds split/(td) + whole/d; FSDP's all-gather brings it to split/t + whole
+    ((d-1)/d of that received), then:
+      hybridflow  micro-DP all-gather to split/tg:        received += split/tg - split/t;
+                  held split/tg + whole - vocab + vocab/tg
       allgather, vanilla  TP all-gather to the whole model: received += split - split/t;  held M
       two_copy    rank 0 broadcasts every weight whole:  received += M (the max over ranks, rank 0 excluded);
-                  held: the resident copy, split/tg + whole
+                  held: the resident copy, split/tg + whole - vocab + vocab/tg
     """
     if t % tg:
         raise ValueError(f"generation tg={tg} must divide training t={t}")
-    s, w = Fraction(split_bytes), Fraction(whole_bytes)
+    s, w, v = Fraction(split_bytes), Fraction(whole_bytes), Fraction(vocab_bytes)
     fsdp = (d - 1) * (s / t + w) / d
     if method == "hybridflow":
-        received, held = fsdp + s / tg - s / t, s / tg + w
+        received, held = fsdp + s / tg - s / t, s / tg + w - v + v / tg
     elif method in ("allgather", "vanilla"):
         received, held = fsdp + s - s / t, s + w
     elif method == "two_copy":
         received = fsdp + (s + w if (world or t * d) > 1 else 0)
-        held = s / tg + w
+        held = s / tg + w - v + v / tg
     else:
         raise ValueError(f"unknown switch method {method!r}; choose one of {METHODS}")
     return round(received), round(held)

@@ -87,7 +87,7 @@ class Resharder:
     generation shard (HF name -> tensor) and its TPGroup (None when tg == 1); `r.stats` then holds the
     round's counters. engine: the actor's TrainEngine, whose ("dp", "tp") mesh spans all ranks."""
 
-    def __init__(self, engine, method: str = "hybridflow", tg: int = 1):
+    def __init__(self, engine, method: str = "hybridflow", tg: int = 1, split_vocab: bool = False):
         self.engine, self.method = engine, method
         mesh = engine.mesh
         self.t = mesh["tp"].size() if mesh is not None else 1
@@ -106,6 +106,9 @@ class Resharder:
             if tg > 1:
                 group = gen_mesh["gen_tp"].get_group()
                 self.tp = TPGroup(group, tg, dist.get_global_rank(group, 0))
+        self.tp_index = self.tp.rank() if self.tp is not None else 0
+        # split_vocab: the generation engine runs embeddings / lm_head vocab-parallel (V/tg rows each)
+        self.vocab = self._vocab_names() if split_vocab and self.tp is not None else frozenset()
         self.train_tp = mesh["tp"].get_group() if mesh is not None and self.t > 1 else None
         self.units = self._units()
         self.comm, self.ledger = CountedComm(), MemoryLedger()
@@ -132,6 +135,17 @@ class Resharder:
         units.append((root, [n for n in names if n not in layer_of]))
         return units
 
+    def _vocab_names(self) -> frozenset[str]:
+        """Parameter names of the input and output embeddings, if their rows divide by tg."""
+        hf = self.engine.hf_model
+        emb = (hf.get_input_embeddings(), hf.get_output_embeddings())
+        if emb[0].num_embeddings % self.tg:
+            return frozenset()
+        return frozenset(
+            f"{name}.{p}" for name, mod in hf.named_modules() if any(mod is e for e in emb)
+            for p, _ in mod.named_parameters(recurse=False)
+        )  # fmt: skip
+
     # ---- the switch -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def generation(self):
@@ -142,7 +156,7 @@ class Resharder:
         self.ledger = MemoryLedger(sum(_nbytes(v) for v in (self._copy or {}).values()))
         with self.engine.phase():
             start = time.perf_counter()
-            weights, split_bytes, whole_bytes, fsdp_bytes = self._to_generation()
+            weights, split_bytes, whole_bytes, fsdp_bytes, vocab_bytes = self._to_generation()
             seconds = time.perf_counter() - start
             try:
                 yield weights, self.tp
@@ -154,7 +168,7 @@ class Resharder:
                 del weights
                 seconds += time.perf_counter() - start
         received, held = fsdp_switch_cost(
-            self.method, split_bytes, whole_bytes, self.t, self.d, self.tg, self.t * self.d
+            self.method, split_bytes, whole_bytes, self.t, self.d, self.tg, self.t * self.d, vocab_bytes
         )
         fsdp_calls = sum(u is not None for u, _ in self.units) if self.d > 1 else 0
         self.stats = ReshardStats(
@@ -169,9 +183,11 @@ class Resharder:
     def _to_generation(self):
         hf = self.engine.hf_model
         out: dict[str, torch.Tensor] = {}
-        split_bytes = whole_bytes = fsdp_bytes = 0
-        keep = self.method == "hybridflow" and self.st == 1
+        split_bytes = whole_bytes = fsdp_bytes = vocab_bytes = 0
         for unit, names in self.units:
+            # hybridflow with tg == t: the unit stays unsharded and is its own generation weights, unless
+            # it holds embeddings to split over the vocabulary
+            keep = self.method == "hybridflow" and self.st == 1 and not self.vocab.intersection(names)
             if unit is not None:
                 unit.unshard()
             params = dict(hf.named_parameters())
@@ -181,6 +197,7 @@ class Resharder:
                 nbytes = _nbytes(local)
                 if dim is None:
                     whole_bytes += nbytes
+                    vocab_bytes += nbytes if name in self.vocab else 0
                 else:
                     split_bytes += nbytes * self.t
                 if unit is not None:  # FSDP2 all-gathers a dim-0 shard (padded to d equal rows) per rank
@@ -192,7 +209,7 @@ class Resharder:
                 elif self.method == "two_copy":
                     out[name] = self._refresh_copy(name, local, dim)
                 elif dim is None:
-                    out[name] = self.ledger.hold(local.clone())
+                    out[name] = self._whole(name, local)
                 else:
                     bucket.append((name, local, dim))
             if bucket:  # hybridflow / allgather / vanilla: one collective for the unit's TP-split weights
@@ -204,7 +221,17 @@ class Resharder:
                     self._kept.append(unit)
                 else:
                     unit.reshard()
-        return out, split_bytes, whole_bytes, fsdp_bytes
+        return out, split_bytes, whole_bytes, fsdp_bytes, vocab_bytes
+
+    def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The generation tensor of a weight every TP rank holds whole: a copy, or for the embeddings under
+        split_vocab this generation TP rank's V/tg rows (hybridflow copies only those; allgather and
+        vanilla hold the whole model anyway)."""
+        vocab = name in self.vocab
+        if vocab and self.method == "hybridflow":
+            return self.ledger.hold(local.chunk(self.tg, 0)[self.tp_index].clone())
+        full = self.ledger.hold(local.clone())
+        return full.chunk(self.tg, 0)[self.tp_index] if vocab else full
 
     def _gather_unit(self, bucket, unit, unsharded: int) -> dict[str, torch.Tensor]:
         """This rank's generation tensors for one unit's TP-split weights [(name, local, dim)], with one
@@ -258,7 +285,10 @@ class Resharder:
             full = local.contiguous().clone() if self.rank == 0 else torch.empty_like(local)
         self.ledger.transient(_nbytes(full))
         self.comm.broadcast(full, src=0, group=None)
-        piece = full if dim is None else full.chunk(self.tg, dim)[self.g_tp]
+        if dim is None:
+            piece = full.chunk(self.tg, 0)[self.tp_index] if name in self.vocab else full
+        else:
+            piece = full.chunk(self.tg, dim)[self.g_tp]
         if self._copy is None:
             self._copy = {}
         if name not in self._copy:

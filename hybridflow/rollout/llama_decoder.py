@@ -15,8 +15,8 @@ outputs match `generate` token for token. Where it departs from a plain port, fo
 Tensor parallel (the 3D-HybridEngine's generation layout, docs/hybrid_engine.md): given a TPGroup of size
 tg and this rank's generation shard of the weights, the same forward runs Megatron-style: q/k/v and
 gate/up column-parallel (heads/tg heads, intermediate/tg columns per rank, biases split alike), o and
-down row-parallel with one all-reduce each per layer; embeddings, norms and lm_head stay whole, as in
-the training layout (engines/parallelize.py), so every rank computes the full logits.
+down row-parallel with one all-reduce each per layer; norms whole; embeddings and lm_head vocab-parallel
+when the shard holds V/tg of their rows (the lookup all-reduced, the logits all-gathered), else whole.
 
 Cache layout per layer: k, v of shape (capacity, kv_heads, max_len, head_dim). Prompts are left-padded,
 so every row writes its next token at the same slot; `key_bias` (capacity, max_len) masks prompt
@@ -180,8 +180,9 @@ class LlamaFamilyDecoder:
     weights: HF name -> tensor this rank computes with; None = the model's own parameters, re-read at
     each `load`, so in-place updates by the trainer or `load_weights` are always seen. With `tp` (a
     TPGroup of size tg) the weights are this rank's generation shard: q/k/v, gate/up split on their
-    output features, o/down on their input features, embeddings, norms and lm_head whole; each rank
-    runs heads/tg heads and intermediate/tg MLP columns and all-reduces o's and down's outputs."""
+    output features, o/down on their input features, norms whole, embeddings and lm_head whole or
+    vocab-parallel (V/tg rows each: the lookup is all-reduced, the logits all-gathered); each rank runs
+    heads/tg heads and intermediate/tg MLP columns and all-reduces o's and down's outputs."""
 
     def __init__(
         self,
@@ -229,6 +230,10 @@ class LlamaFamilyDecoder:
         # (see _weights_for).
         self.raw_layers = [pack_layer(w, m, p, False) for m, p in zip(mods, names)] if mkl else self.layers
         self.raw_lm_head = (head.t(), head_bias)
+        # Vocab-parallel (docs/hybrid_engine.md): a generation shard with 1/tg of the embedding rows holds
+        # rows [rank * V/tg, (rank + 1) * V/tg) of the embeddings and lm_head.
+        whole = self.tp is None or self.embed.shape[0] == self.model.get_input_embeddings().num_embeddings
+        self.vocab_start = None if whole else self.tp.rank() * self.embed.shape[0]
         self.rot = rotate_half_matrix(self.head_dim, self.embed.dtype, self.embed.device)
 
     def start(self, capacity: int, max_len: int, max_position: int) -> None:
@@ -297,7 +302,13 @@ class LlamaFamilyDecoder:
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """x_last: (b, hidden) -> logits (b, vocab)."""
         head = self.raw_lm_head if x_last.shape[0] == 1 else self.lm_head
-        return _mm(_rms_norm(x_last, *self.final_norm), *head)
+        logits = _mm(_rms_norm(x_last, *self.final_norm), *head)
+        return logits if self.vocab_start is None else self.tp.gather_last(logits)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_start is None:
+            return F.embedding(ids, self.embed)
+        return self.tp.embedding(ids, self.embed, self.vocab_start)
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, repeat: int = 1
@@ -320,7 +331,7 @@ class LlamaFamilyDecoder:
         attn_mask = (causal & key_ok[:, None, :]) | torch.eye(s, dtype=torch.bool, device=ids.device)
         flat_pos = pos.reshape(-1)[real]
         cos, sin = self.cos[flat_pos][:, None], self.sin[flat_pos][:, None]  # (N, 1, hd)
-        x = F.embedding(ids.reshape(-1)[real], self.embed)  # (N, hidden)
+        x = self._embed(ids.reshape(-1)[real])  # (N, hidden)
         # Padded q/k/v; padding slots stay 0 (masked as keys, discarded as queries).
         q_pad = x.new_zeros(b * s, nq, hd)
         k_pad, v_pad = x.new_zeros(b * s, nkv, hd), x.new_zeros(b * s, nkv, hd)
@@ -359,7 +370,7 @@ class LlamaFamilyDecoder:
         group = self.num_heads // nkv
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (b, 1, hd)
         bias = self.key_bias[:b, None, None, : slot + 1]  # (b, 1, 1, L)
-        x = F.embedding(tokens, self.embed)  # (b, hidden)
+        x = self._embed(tokens)  # (b, hidden)
         for i, layer in enumerate(self._weights_for(b)):
             q, k, v = self._qkv(x, layer, cos, sin)
             kc, vc = self.k_cache[i][:b], self.v_cache[i][:b]

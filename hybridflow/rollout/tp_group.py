@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,25 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
         return x
+
+    def rank(self) -> int:
+        """This rank's index in the group (its generation shard's index)."""
+        return dist.get_rank(self.group)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+        """Vocab-parallel lookup: `weight` holds rows [start, start + len(weight)) of the embedding; a
+        member contributes zeros for the ids it does not hold and the all-reduce sums the owners' rows."""
+        local = ids - start
+        outside = (local < 0) | (local >= weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), weight)
+        return self.all_reduce(x.masked_fill_(outside[..., None], 0.0))
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """cat over the members (in group order) of their `x` along its last dim: vocab-parallel logits
+        -> full-vocabulary logits."""
+        out = x.new_empty((self.size, *x.shape))
+        dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=self.group)
+        return torch.cat(out.unbind(0), dim=-1)
 
     def agree(self, tokens: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src's (tokens, log-probs) on every member: one float64 broadcast (token ids are exact)."""

@@ -111,7 +111,8 @@ class ActorRolloutRefWorker(Worker):
         if "rollout" in self.roles:
             if self.actor is not None:
                 r = self.config.rollout
-                self.resharder = Resharder(self.actor, r.reshard, r.tg)
+                # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md)
+                self.resharder = Resharder(self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin")
             model = (
                 self.actor.hf_model
                 if self.actor is not None

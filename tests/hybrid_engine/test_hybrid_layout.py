@@ -128,6 +128,11 @@ def test_fsdp_switch_cost_hand_computed():
         == switch_cost("allgather", s, 1, 4, 1, 1, 2).comm_bytes
     )
     assert fsdp_switch_cost("hybridflow", s, w, 1, 1, 1) == (0, 840)  # one rank: nothing moves
+    # 32 of W's 40 bytes are embeddings / lm_head, split over the vocabulary in generation: held
+    # S/tg + (W - V) + V/tg = 400 + 8 + 16; the bytes moved do not change (each rank slices its rows)
+    assert fsdp_switch_cost("hybridflow", s, w, 4, 2, 2, vocab_bytes=32) == (320, 424)
+    assert fsdp_switch_cost("two_copy", s, w, 4, 2, 2, vocab_bytes=32) == (960, 424)
+    assert fsdp_switch_cost("allgather", s, w, 4, 2, 2, vocab_bytes=32) == (720, 840)  # holds M anyway
     with pytest.raises(ValueError, match="tg=3 must divide training t=4"):
         fsdp_switch_cost("hybridflow", s, w, 4, 1, 3)
 

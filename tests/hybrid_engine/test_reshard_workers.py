@@ -76,6 +76,11 @@ def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
         assert m["reshard/bytes_per_rank"] == m["reshard/formula_bytes_per_rank"], (name, m)
         held, formula = m["reshard/gen_weight_bytes_per_rank"], m["reshard/formula_gen_weight_bytes_per_rank"]
         assert formula <= held <= formula + unit_bytes(tp, tg, method, vocab), (name, m)
+        # held = S/tg + norms + the embeddings and lm_head split over the vocabulary (V/tg rows each);
+        # allgather and vanilla hold the whole model M
+        share = 1 if method in ("allgather", "vanilla") else tg
+        split = 4 * 64 * 64 + 3 * 64 * 128 + 3 * 64 * name.startswith("qwen2")  # q/k/v biases
+        assert formula == 4 * (2 * split // share + 5 * 64 + 2 * vocab * 64 // share), (name, m)
         if tp > 1 or method != "hybridflow":
             assert m["reshard/bytes_per_rank"] > 0, name
         # one bucketed all-gather per decoder layer (2 layers) where TP pieces move, plus FSDP's own

@@ -1,8 +1,10 @@
 """The built-in engine tensor-parallel over 2 gloo ranks (torch.multiprocessing, no Ray): each rank gets its
 generation shard sliced by hand from the full weights (q/k/v, gate/up and the q/k/v biases by output
-rows, o/down by input columns, the rest whole: the Megatron split docs/hybrid_engine.md describes), and
-must produce the tg = 1 engine's rollouts: greedy tokens, sampled tokens with n > 1 and stop tokens
-(finished rows dropped), and log-probs. Qwen2 (q/k/v biases) and Mistral; one spawn for both."""
+rows, o/down by input columns, norms whole, embeddings and lm_head whole or vocab-parallel (V/2 rows per
+rank): the Megatron split docs/hybrid_engine.md describes), and must produce the tg = 1 engine's
+rollouts: greedy tokens, sampled tokens with n > 1 and stop tokens (finished rows dropped), and
+log-probs. Qwen2 (q/k/v biases; whole embeddings), Mistral (vocab-parallel) and Qwen2 with tied
+embeddings (vocab-parallel, lm_head = embed_tokens); one spawn for all."""
 
 from __future__ import annotations
 
@@ -28,12 +30,19 @@ CASES = {
 }
 
 
+VOCAB_PARALLEL = {"qwen2": False, "mistral": True, "qwen2_tied": True}
+
+
 def _models() -> dict:
     # initializer_range 0.2: peaked logits, so sampled tokens do not sit on a rounding boundary
-    return {
+    models = {
         arch: build_tiny_model("tiny", arch, seed=1, initializer_range=0.2).eval()
         for arch in ("qwen2", "mistral")
     }
+    models["qwen2_tied"] = build_tiny_model(
+        "tiny", "qwen2", seed=2, initializer_range=0.2, tie_word_embeddings=True
+    ).eval()
+    return models
 
 
 def _prompts() -> Batch:
@@ -45,11 +54,11 @@ def _prompts() -> Batch:
     return Batch({"input_ids": ids * mask, "attention_mask": mask})
 
 
-def shard(model, rank: int, size: int) -> dict[str, torch.Tensor]:
+def shard(model, rank: int, size: int, vocab: bool = False) -> dict[str, torch.Tensor]:
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # tied: lm_head.weight is embed_tokens.weight, listed once
         kind = name.split(".")[-2]
-        if kind in COLUMN:
+        if kind in COLUMN or (vocab and kind in ("embed_tokens", "lm_head")):
             out[name] = p.detach().chunk(size, 0)[rank]
         elif kind in ROW and name.endswith("weight"):
             out[name] = p.detach().chunk(size, 1)[rank]
@@ -64,7 +73,7 @@ def _worker(rank: int, rdzv: str, results: dict) -> None:
     tp = TPGroup(dist.group.WORLD, 2, 0)
     for arch, model in _models().items():
         engine = BuiltinEngine(model)
-        engine.set_shard(shard(model, rank, 2), tp)
+        engine.set_shard(shard(model, rank, 2, VOCAB_PARALLEL[arch]), tp)
         for case, kw in CASES.items():
             out = engine.generate(_prompts(), SamplingParams(**kw))
             results[(arch, case, rank)] = {
