@@ -341,6 +341,12 @@ class TrainerConfig:
         "(non-finite loss or gradient norm)",
     )
     seed: int = _f(1, "global seed (model init, sampling, dropout)")
+    overlap_phases: bool = _f(
+        True,
+        "issue an RL step's independent phases (values, reference, reward and cost models; the critic "
+        "and actor updates) together as futures, so groups on different pools run at once; false waits "
+        "for each phase before the next (the sequential baseline: same numbers, docs/metrics.md)",
+    )
 
 
 @dataclass

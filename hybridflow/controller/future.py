@@ -5,10 +5,15 @@ waits for every rank (reporting the first failure at once, even while other rank
 collective), then fetches only the collected ranks' outputs. Passed as an argument to another
 group's method, a Future of a sharded protocol is never fetched by the driver: each consumer rank
 receives the refs and cuts out its own shard (process.FutureShard).
+
+`calls()` gives each rank's CallInfo (output rows, busy interval, published info) without fetching
+outputs; `observe_calls` lets the driver's phase timers see every call made inside a block.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -66,6 +71,11 @@ class Future:
                 pass
             raise
 
+    def calls(self) -> list:
+        """Each rank's CallInfo (process.py: rows, start/end stamps, info), in rank order; waits, and
+        raises like wait() on a failure. Outputs stay in the object store."""
+        return wait_all(self._size_refs, self._ranks, self.group_name, self.method)
+
     def get(self):
         """The collected result (as the blocking call would have returned it)."""
         if not self._done:
@@ -98,6 +108,25 @@ def wait_all(refs: list, ranks: list[int], group: str, method: str) -> list:
             except Exception as e:  # noqa: BLE001 — re-raised with group/rank/method
                 raise_worker_error(e, group, rank, method)
     return ray.get(list(refs))
+
+
+_OBSERVERS: list[Callable[[Future], None]] = []
+
+
+@contextlib.contextmanager
+def observe_calls(callback: Callable[[Future], None]):
+    """Inside the block, every group call (blocking or not) is passed to `callback` as its Future
+    when issued. Blocks nest: only the innermost observer sees a call (a phase inside a phase)."""
+    _OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(callback)
+
+
+def notify_observer(future: Future) -> None:
+    if _OBSERVERS:
+        _OBSERVERS[-1](future)
 
 
 def get(x):

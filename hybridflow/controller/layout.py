@@ -66,12 +66,13 @@ def default_layout(rank: int, world_size: int) -> Layout:
 class ShardPlan:
     """How a sharded protocol maps ranks to data shards.
 
-    shard_of_rank[r]: the shard rank r receives (several ranks may share one: a tp/pp group).
+    shard_of_rank[r]: the shard rank r receives (several ranks may share one: a tp/pp group), or
+        None when rank r takes no part in the call.
     collect_ranks[s]: the rank whose output is gathered for shard s, in shard order.
     """
 
     n_shards: int
-    shard_of_rank: list[int]
+    shard_of_rank: list[int | None]
     collect_ranks: list[int]
 
 

@@ -10,14 +10,16 @@ colocated roles share the process, the device and the process group. Every group
 2. calls the method;
 3. drops the rows produced by padding (the driver padded the batch to a multiple of the dp size; the
    method itself sees the count in `batch.meta[PAD_KEY]`, so training can mask those rows out);
-4. returns (n_rows, output) as two objects (num_returns=2), so the driver can learn output sizes
-   without fetching outputs.
+4. returns (CallInfo, output) as two objects (num_returns=2), so the driver learns the output's
+   size, the method's start/end wall-clock stamps (docs/metrics.md: each phase's busy time) and
+   the small values a Batch output publishes in meta[INFO_KEY], all without fetching the output.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,24 @@ import torch
 from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.controller.layout import shard_indices
 from hybridflow.controller.worker import WorkerContext, set_worker_context
+
+INFO_KEY = "_call_info"  # Batch.meta entry a method publishes to the driver beside the output
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """What the driver learns of one rank's call without fetching its output.
+
+    rows: the output's row count (Batch outputs; None otherwise), for consumers cutting shards.
+    start / end: wall-clock seconds (time.time()) around the method itself, after its arguments
+    were resolved: the rank's busy interval, comparable across processes of one machine.
+    info: what the method put in its output Batch's meta[INFO_KEY] (small: metrics), or None.
+    """
+
+    rows: int | None
+    start: float
+    end: float
+    info: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -41,7 +61,7 @@ class PutShard:
 class FutureShard:
     """Shard `shard` of `n_shards` of another call's collected outputs, cut out by the consumer.
 
-    size_refs / out_refs: the producer's collected ranks in shard order (sizes are ints).
+    size_refs / out_refs: the producer's collected ranks in shard order (sizes are CallInfos).
     n_shards = 0 means "the whole output" (a broadcast of a future).
     """
 
@@ -61,7 +81,7 @@ def resolve(arg):
 
 
 def _resolve_future_shard(f: FutureShard) -> tuple[Batch, int]:
-    sizes = ray.get(f.size_refs)
+    sizes = [c.rows for c in ray.get(f.size_refs)]
     if any(s is None for s in sizes):
         raise TypeError("a future passed on as a batch must come from a method returning a Batch")
     offsets = np.cumsum([0, *sizes])
@@ -178,10 +198,13 @@ class WorkerProcess:
         args = tuple(_take(resolve(a), pads) for a in args)
         kwargs = {k: _take(resolve(v), pads) for k, v in kwargs.items()}
         n_in = next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
+        start = time.time()
         out = getattr(self.roles[role], method)(*args, **kwargs)
+        end = time.time()
         out = drop_padding(out, n_in, pads[0] if pads else 0, method)
-        size = len(out) if isinstance(out, Batch) else None
-        return size, out
+        if isinstance(out, Batch):
+            return CallInfo(len(out), start, end, out.meta.pop(INFO_KEY, None)), out
+        return CallInfo(None, start, end), out
 
 
 def _take(resolved, pads: list):

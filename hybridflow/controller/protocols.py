@@ -2,7 +2,7 @@
 
 `@register(protocol)` on a Worker method names one of these. Two kinds exist:
 
-* **sharded** protocols (DP_PROTO, 3D_PROTO, 3D_ALL_MICRO_DP, DP_METRICS) split every `Batch`
+* **sharded** protocols (DP_PROTO, 3D_PROTO, 3D_ALL_MICRO_DP, DP_METRICS, WHOLE_BATCH) split every `Batch`
   argument (or future of one) into shards, one per data-parallel rank / replica, broadcast each
   shard to all ranks of its model-parallel group, and gather one output per shard. Because the
   rule is declarative (a `ShardPlan`), a consumer rank can cut its own shard out of a producer's
@@ -36,6 +36,7 @@ class Protocol(str, Enum):
     THREE_D_ALL_MICRO_DP = "3D_ALL_MICRO_DP"  # the same over generation replicas ("rollout" layout)
     THREE_D_PP_ONLY = "3D_PP_ONLY"  # broadcast; collect one output per pp stage (dp=0, tp=0)
     DP_METRICS = "DP_METRICS"  # split like DP_PROTO, reduce the per-rank metric dicts
+    WHOLE_BATCH = "WHOLE_BATCH"  # the whole batch (and futures) to rank 0 only; its output a 1-shard future
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,10 @@ def _plan_layout(view: GroupView) -> ShardPlan:
     return plan_from_layouts(view.layouts, view.name)
 
 
+def _plan_rank_zero(view: GroupView) -> ShardPlan:
+    return ShardPlan(1, [0] + [None] * (view.world_size - 1), [0])
+
+
 def _broadcast(view: GroupView, args: tuple, kwargs: dict) -> list:
     return [(args, kwargs)] * view.world_size
 
@@ -235,3 +240,4 @@ register_protocol(
     default_layout="rollout",
 )
 register_protocol(Protocol.DP_METRICS.value, plan=_plan_layout, collect=lambda v, o: reduce_metrics(o))
+register_protocol(Protocol.WHOLE_BATCH.value, plan=_plan_rank_zero, collect=lambda v, o: o[0])

@@ -107,6 +107,14 @@ class Worker:
             torch.cuda.reset_peak_memory_stats(self.device)
         return out
 
+    @register(Protocol.WHOLE_BATCH)
+    def apply(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on rank 0, Batch and future arguments whole: a small computation
+        moved to where the data already is (the RL drivers' advantage phase, docs/design.md §3), so
+        futures feed it and its output feeds other groups without passing through the driver. `fn`
+        must be importable here (a module-level function); ranks other than 0 are not called."""
+        return fn(*args, **kwargs)
+
     # ---- layouts -------------------------------------------------------------------------------
     def _layouts(self) -> dict[str, Layout]:
         return self.__dict__.setdefault("_hf_layouts", {})

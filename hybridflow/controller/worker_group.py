@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
-from hybridflow.controller.future import Future, wait_all
+from hybridflow.controller.future import Future, notify_observer, wait_all
 from hybridflow.controller.layout import shard_indices
 from hybridflow.controller.process import FutureShard, PutShard, WorkerProcess
 from hybridflow.controller.protocols import (
@@ -153,7 +153,8 @@ class WorkerGroup:
         if proto.sharded:
             plan = proto.plan(view)
             shards = _shard_arguments(args, kwargs, plan.n_shards, f"{self.name}.{method}")
-            calls = [(r, shards[plan.shard_of_rank[r]]) for r in range(self.world_size)]
+            # a rank whose shard is None takes no part (WHOLE_BATCH: only rank 0 runs)
+            calls = [(r, shards[s]) for r, s in enumerate(plan.shard_of_rank) if s is not None]
             collect_ranks = plan.collect_ranks
         else:
             args, kwargs = (
@@ -177,6 +178,7 @@ class WorkerGroup:
             view,
             collect_ranks,
         )
+        notify_observer(future)
         blocking = spec.blocking if blocking is None else blocking
         return future.get() if blocking else future
 

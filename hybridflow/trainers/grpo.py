@@ -10,12 +10,15 @@ from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
 
+def grpo_advantages(batch: Batch, algo, state: dict) -> dict:
+    """Each sample's score against its prompt's group (centred, over the std unless Dr. GRPO)."""
+    batch["advantages"], batch["returns"] = compute_grpo_advantages(
+        batch["token_level_rewards"], batch["uid"], batch["response_mask"], algo.norm_by_std
+    )
+    return {}
+
+
 class GRPOTrainer(PPOTrainer):
     name = "grpo"
     spec = ALGORITHM_SPECS["grpo"]
-
-    def compute_advantages(self, batch: Batch) -> Batch:
-        batch["advantages"], batch["returns"] = compute_grpo_advantages(
-            batch["token_level_rewards"], batch["uid"], batch["response_mask"], self.cfg.algorithm.norm_by_std
-        )
-        return batch
+    advantage_fn = staticmethod(grpo_advantages)

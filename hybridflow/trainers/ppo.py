@@ -2,7 +2,9 @@
 
 The loop body is the paper's eight lines: generate, values, reference log-probs, reward, advantages
 (GAE), update critic, update actor — plus the old log-probs, which cost nothing when the update is
-on-policy (see rl.py). Each phase runs inside a named timer (timing_s/<name>).
+on-policy (see rl.py). Each phase runs inside a named timer (timing_s/<name>: the busy time of the
+workers that ran it). The phases are futures (rl.py): values, reference and reward run at the same
+time when their groups are on different pools, and so do the critic and actor updates.
 """
 
 from __future__ import annotations
@@ -13,12 +15,21 @@ from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.rl import RLTrainer
 
 
+def gae_advantages(batch: Batch, algo, state: dict) -> dict:
+    """GAE over the KL-shaped token rewards and the critic's values (whitened advantages)."""
+    batch["advantages"], batch["returns"] = compute_gae(
+        batch["token_level_rewards"], batch["values"], batch["response_mask"], algo.gamma, algo.lam
+    )
+    return {}
+
+
 class PPOTrainer(RLTrainer):
     name = "ppo"
     spec = ALGORITHM_SPECS["ppo"]
+    advantage_fn = staticmethod(gae_advantages)
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
-        t = self.timers
+        t = self.timers.phase
         with t("gen"):
             batch = self.generate(batch)
         with t("old_log_prob"):
@@ -38,10 +49,3 @@ class PPOTrainer(RLTrainer):
         with t("update_actor"):
             self.update_actor(batch)
         return self.finish(batch)
-
-    def compute_advantages(self, batch: Batch) -> Batch:
-        a = self.cfg.algorithm
-        batch["advantages"], batch["returns"] = compute_gae(
-            batch["token_level_rewards"], batch["values"], batch["response_mask"], a.gamma, a.lam
-        )
-        return batch

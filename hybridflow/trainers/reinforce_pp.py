@@ -9,12 +9,15 @@ from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
 
+def reinforce_pp_advantages(batch: Batch, algo, state: dict) -> dict:
+    """The discounted reward-to-go, whitened over the batch."""
+    batch["advantages"], batch["returns"] = compute_reinforce_pp_advantages(
+        batch["token_level_rewards"], batch["response_mask"], algo.gamma
+    )
+    return {}
+
+
 class ReinforcePPTrainer(PPOTrainer):
     name = "reinforce_pp"
     spec = ALGORITHM_SPECS["reinforce_pp"]
-
-    def compute_advantages(self, batch: Batch) -> Batch:
-        batch["advantages"], batch["returns"] = compute_reinforce_pp_advantages(
-            batch["token_level_rewards"], batch["response_mask"], self.cfg.algorithm.gamma
-        )
-        return batch
+    advantage_fn = staticmethod(reinforce_pp_advantages)

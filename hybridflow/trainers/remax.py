@@ -9,9 +9,18 @@ from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
 
+def remax_advantages(batch: Batch, algo, state: dict) -> dict:
+    """The reward-to-go less the greedy response's score."""
+    batch["advantages"], batch["returns"] = compute_remax_advantages(
+        batch["token_level_rewards"], batch["reward_baselines"], batch["response_mask"]
+    )
+    return {}
+
+
 class ReMaxTrainer(PPOTrainer):
     name = "remax"
     spec = ALGORITHM_SPECS["remax"]
+    advantage_fn = staticmethod(remax_advantages)
 
     def generate(self, prompts: Batch) -> Batch:
         batch = super().generate(prompts)
@@ -19,10 +28,4 @@ class ReMaxTrainer(PPOTrainer):
             greedy = self.actor.generate_sequences(prompts, sampling={"n": 1, "temperature": 0.0})
             baseline = self.score(greedy)[0]
         batch["reward_baselines"] = baseline.repeat_interleave(len(batch) // len(prompts))
-        return batch
-
-    def compute_advantages(self, batch: Batch) -> Batch:
-        batch["advantages"], batch["returns"] = compute_remax_advantages(
-            batch["token_level_rewards"], batch["reward_baselines"], batch["response_mask"]
-        )
         return batch

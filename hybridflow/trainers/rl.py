@@ -10,18 +10,31 @@ critic update, advantages). Each phase takes the batch and returns it with new f
                      recompute would give the same numbers — verl's shortcut), else an actor forward
   ref_log_probs      ref_log_probs, when a KL term needs them
   values             values from the critic
-  reward             scores (B,), token_level_scores, token_level_rewards (KL-shaped if kl.in_reward)
+  reward             scores (B,) from a rule in the driver, or the reward model's rm_scores
+  compute_advantages token_level_scores / _rewards (KL-shaped if kl.in_reward), advantages, returns:
+                     the class's `advantage_fn` run by experience.make_experience on the actor's rank 0
   update_critic / update_actor   the worker groups' training loops; return metrics
+
+Every phase after generation is non-blocking (docs/design.md §3): it issues its group call as a
+future and returns at once, so phases on different pools run at the same time, and each consumer
+takes its inputs from the object store, never through the driver (experience.py). The driver waits
+in `finish`, for the updates' metrics and the experience's; trainer.overlap_phases=false makes every
+phase wait for its own calls instead (the sequential baseline; the same numbers).
 """
 
 from __future__ import annotations
 
-from hybridflow.algorithms import apply_kl_penalty, build_kl_controller
+from hybridflow.algorithms import build_kl_controller
 from hybridflow.batch import Batch
 from hybridflow.trainers.base import Trainer
-from hybridflow.trainers.metrics import data_metrics
-from hybridflow.workers import token_level
+from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.workers.common import computes_in_fp32
+
+# phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
+OVERLAP_SECTIONS = {
+    "experience": ("old_log_prob", "values", "ref", "reward", "adv"),
+    "update": ("update_critic", "update_actor"),
+}
 
 
 class RLTrainer(Trainer):
@@ -32,6 +45,8 @@ class RLTrainer(Trainer):
         k = self.cfg.algorithm.kl
         self.kl_ctrl = build_kl_controller(k.controller, k.coef, k.target, k.horizon)
         self.metrics: dict = {}
+        self.updates: list = []  # this step's update futures (their metrics are read in finish)
+        self.timers.wait_each_phase = not self.cfg.trainer.overlap_phases
 
     # ---- setup ----------------------------------------------------------------------------------------
     @property
@@ -71,55 +86,72 @@ class RLTrainer(Trainer):
         batch.meta.update(prompts.meta)
         return batch
 
-    def old_log_probs(self, batch: Batch) -> Batch:
+    def old_log_probs(self, batch: Batch | Pending) -> Pending:
         # The rollout's own log-probs stand in only in fp32 (under bf16 the decoder's rounding differs
         # from the training forward's) and when the engine says they follow the training convention
         # (vLLM's under top-k/top-p truncation do not: rollout/vllm_engine.py); else the actor recomputes.
+        batch = _pending(batch)
         exact = computes_in_fp32(self.cfg.model.dtype, self.cfg.resources.device)
         if self.on_policy and exact and batch.meta.get("rollout_log_probs_exact", True):
             batch["old_log_probs"] = batch["rollout_log_probs"]
             return batch
-        return batch.union(self.actor.compute_log_prob(batch))
+        return batch.add(self.actor.compute_log_prob.future(batch.local))
 
-    def ref_log_probs(self, batch: Batch) -> Batch:
-        return batch.union(self.ref.compute_ref_log_prob(batch)) if self.uses_ref else batch
+    def ref_log_probs(self, batch: Batch | Pending) -> Pending:
+        batch = _pending(batch)
+        return batch.add(self.ref.compute_ref_log_prob.future(batch.local)) if self.uses_ref else batch
 
-    def values(self, batch: Batch) -> Batch:
-        return batch.union(self.critic.compute_values(batch))
+    def values(self, batch: Batch | Pending) -> Pending:
+        batch = _pending(batch)
+        return batch.add(self.critic.compute_values.future(batch.local))
 
-    def reward(self, batch: Batch) -> Batch:
-        batch["scores"], metrics = self.score(batch)
+    def reward(self, batch: Batch | Pending) -> Pending:
+        """Sequence scores: a rule runs here in the driver (it needs the responses, which the driver
+        holds), while the phases issued before it run on their groups; a reward model is a future."""
+        batch = _pending(batch)
+        if self.rule_reward is None:
+            return batch.add(self.groups["reward"].compute_reward.future(batch.local))
+        batch["scores"], metrics = self.score(batch.local)
         self.metrics.update(metrics)
-        batch["token_level_scores"] = token_level(batch["scores"], batch["response_mask"])
-        k = self.cfg.algorithm.kl
-        if not k.in_reward:
-            batch["token_level_rewards"] = batch["token_level_scores"]
-            return batch
-        rewards, kl = apply_kl_penalty(
-            batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_probs"],
-            batch["response_mask"], self.kl_ctrl.value, k.kind,
-        )  # fmt: skip
-        self.metrics.update(
-            {"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
-        )
-        self.kl_ctrl.update(float(kl), len(batch))
-        batch["token_level_rewards"] = rewards
         return batch
 
-    def compute_advantages(self, batch: Batch) -> Batch:
-        raise NotImplementedError
+    advantage_fn = None  # (batch, algorithm config, state) -> metrics; adds advantages and returns
 
-    def update_critic(self, batch: Batch) -> None:
-        self.metrics.update(self.critic.update_critic(batch))
+    def advantage_state(self) -> dict:
+        """Driver-side state the advantage function reads (Safe-RLHF: the Lagrange multiplier)."""
+        return {}
 
-    def update_actor(self, batch: Batch) -> None:
-        self.metrics.update(self.actor.update_actor(batch))
+    def compute_advantages(self, batch: Pending) -> Pending:
+        """Issue make_experience on the actor's rank 0, fed by the rollout and every phase's future."""
+        fn, kl = type(self).advantage_fn, self.kl_ctrl.value
+        batch.experience = self.actor.apply.future(
+            make_experience, fn, self.cfg.algorithm, kl, self.advantage_state(), batch.local, *batch.parts
+        )
+        return batch
 
-    def finish(self, batch: Batch) -> tuple[Batch, dict]:
-        """Collect this step's metrics (the phases' plus those of the batch)."""
+    def update_critic(self, batch: Pending) -> None:
+        self.updates.append(self.critic.update_critic.future(batch.experience))
+
+    def update_actor(self, batch: Pending) -> None:
+        self.updates.append(self.actor.update_actor.future(batch.experience))
+
+    def finish(self, batch: Pending) -> tuple[Pending, dict]:
+        """Wait for the step: its calls' timing, the updates' metrics and the experience's (data
+        metrics, KL); the adaptive KL controller moves by this step's KL."""
+        self.timers.collect(OVERLAP_SECTIONS)
         metrics, self.metrics = self.metrics, {}
-        metrics.update(data_metrics(batch))
+        updates, self.updates = self.updates, []
+        for fut in updates:
+            metrics.update(fut.get())
+        info = next(c.info for c in batch.experience.calls() if c.info is not None)
+        metrics.update(info)
+        if "actor/reward_kl_penalty" in info:
+            self.kl_ctrl.update(info["actor/reward_kl_penalty"], len(batch))
+        self.after_experience(info)
         return batch, metrics
+
+    def after_experience(self, metrics: dict) -> None:
+        """Read back driver-side state the advantage phase updated (Safe-RLHF: lambda)."""
 
     # ---- state ------------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
@@ -128,3 +160,7 @@ class RLTrainer(Trainer):
     def load_extra_state(self, state: dict) -> None:
         if "kl_ctrl" in state:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+
+def _pending(batch: Batch | Pending) -> Pending:
+    return batch if isinstance(batch, Pending) else Pending(batch)

@@ -9,12 +9,15 @@ from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
 
+def rloo_advantages(batch: Batch, algo, state: dict) -> dict:
+    """Each sample's score against the mean of the other samples of its prompt."""
+    batch["advantages"], batch["returns"] = compute_rloo_advantages(
+        batch["token_level_rewards"], batch["uid"], batch["response_mask"]
+    )
+    return {}
+
+
 class RLOOTrainer(PPOTrainer):
     name = "rloo"
     spec = ALGORITHM_SPECS["rloo"]
-
-    def compute_advantages(self, batch: Batch) -> Batch:
-        batch["advantages"], batch["returns"] = compute_rloo_advantages(
-            batch["token_level_rewards"], batch["uid"], batch["response_mask"]
-        )
-        return batch
+    advantage_fn = staticmethod(rloo_advantages)

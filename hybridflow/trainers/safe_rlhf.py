@@ -3,23 +3,48 @@ Lagrange multiplier lambda that trades them off: the actor follows (A_r - lambda
 and lambda rises while the mean cost exceeds algorithm.safe_rlhf.cost_limit (hybridflow/algorithms/
 safe_rlhf.py). The cost is a cost model (model.cost_model_path) or a rule (safe_rlhf.cost_fn).
 
-Edits of PPO: values also from the cost critic, reward also scores the cost (and, as in the PKU
-implementation, the cost gets +beta KL where the reward gets -beta KL), advantages combine the two
-unwhitened GAEs, the critic update also trains the cost critic."""
+Edits of PPO: values also from the cost critic, reward also scores the cost, advantages add the cost
+(as in the PKU implementation, the cost gets +beta KL where the reward gets -beta KL) and combine the
+two unwhitened GAEs, the critic update also trains the cost critic."""
 
 from __future__ import annotations
 
 from hybridflow.algorithms import add_kl_to_costs, compute_safe_rlhf_advantages, update_lagrange_multiplier
 from hybridflow.batch import Batch
 from hybridflow.config.algorithms import ALGORITHM_SPECS
-from hybridflow.trainers.base import score_batch
+from hybridflow.trainers.experience import Pending
 from hybridflow.trainers.ppo import PPOTrainer
 from hybridflow.workers import RuleReward, token_level
+
+
+def safe_rlhf_advantages(batch: Batch, algo, state: dict) -> dict:
+    """The cost on its last token plus beta KL_t (the beta KL_t the reward lost, 0 without
+    kl.in_reward), lambda moved by the batch's mean cost, then (A_r - lambda A_c) / (1 + lambda) from
+    the two unwhitened GAEs. Runs where make_experience does; the driver keeps lambda."""
+    s = algo.safe_rlhf
+    costs = batch["costs"] if "costs" in batch else batch["cost_scores"]
+    batch["costs"] = costs
+    kl_penalty = batch["token_level_scores"] - batch["token_level_rewards"]
+    batch["token_level_costs"] = add_kl_to_costs(token_level(costs, batch["response_mask"]), kl_penalty)
+    mean_cost = float(costs.mean())
+    lagrange = min(
+        s.lambda_max, update_lagrange_multiplier(state["lagrange"], mean_cost, s.cost_limit, s.lambda_lr)
+    )
+    batch["advantages"], batch["returns"], batch["cost_returns"] = compute_safe_rlhf_advantages(
+        batch["token_level_rewards"], batch["values"], batch["token_level_costs"], batch["cost_values"],
+        batch["response_mask"], lagrange, algo.gamma, algo.lam,
+    )  # fmt: skip
+    return {
+        "safe_rlhf/lambda": lagrange,
+        "safe_rlhf/cost_mean": mean_cost,
+        "safe_rlhf/cost_limit": s.cost_limit,
+    }
 
 
 class SafeRLHFTrainer(PPOTrainer):
     name = "safe_rlhf"
     spec = ALGORITHM_SPECS["safe_rlhf"]  # a cost (rule or cost model) is required: validation says so
+    advantage_fn = staticmethod(safe_rlhf_advantages)
 
     def __init__(self, config, placement=None, groups=None):
         super().__init__(config, placement, groups)
@@ -27,37 +52,26 @@ class SafeRLHFTrainer(PPOTrainer):
         self.lagrange = s.lambda_init
         self.rule_cost = RuleReward(self.cfg.reward, fn=s.cost_fn) if s.cost_fn else None
 
-    def values(self, batch: Batch) -> Batch:
-        return super().values(batch).union(self.groups["cost_critic"].compute_values(batch))
+    def values(self, batch) -> Pending:
+        batch = super().values(batch)
+        return batch.add(self.groups["cost_critic"].compute_values.future(batch.local))
 
-    def reward(self, batch: Batch) -> Batch:
+    def reward(self, batch) -> Pending:
         batch = super().reward(batch)
-        batch["costs"] = score_batch(batch, self.rule_cost, self.groups.get("cost"), "cost_scores")[0]
-        kl_penalty = (
-            batch["token_level_scores"] - batch["token_level_rewards"]
-        )  # beta KL_t, 0 without kl.in_reward
-        batch["token_level_costs"] = add_kl_to_costs(
-            token_level(batch["costs"], batch["response_mask"]), kl_penalty
-        )
+        if self.rule_cost is None:
+            return batch.add(self.groups["cost"].compute_reward.future(batch.local))
+        batch["costs"] = self.rule_cost(batch.local)[0]
         return batch
 
-    def compute_advantages(self, batch: Batch) -> Batch:
-        s, a = self.cfg.algorithm.safe_rlhf, self.cfg.algorithm
-        mean_cost = float(batch["costs"].mean())
-        self.lagrange = min(
-            s.lambda_max, update_lagrange_multiplier(self.lagrange, mean_cost, s.cost_limit, s.lambda_lr)
-        )
-        batch["advantages"], batch["returns"], batch["cost_returns"] = compute_safe_rlhf_advantages(
-            batch["token_level_rewards"], batch["values"], batch["token_level_costs"], batch["cost_values"],
-            batch["response_mask"], self.lagrange, a.gamma, a.lam,
-        )  # fmt: skip
-        self.metrics.update({"safe_rlhf/lambda": self.lagrange, "safe_rlhf/cost_mean": mean_cost,
-                             "safe_rlhf/cost_limit": s.cost_limit})  # fmt: skip
-        return batch
+    def advantage_state(self) -> dict:
+        return {"lagrange": self.lagrange}
 
-    def update_critic(self, batch: Batch) -> None:
+    def after_experience(self, metrics: dict) -> None:
+        self.lagrange = metrics["safe_rlhf/lambda"]
+
+    def update_critic(self, batch: Pending) -> None:
         super().update_critic(batch)
-        self.metrics.update(self.groups["cost_critic"].update_critic(batch))
+        self.updates.append(self.groups["cost_critic"].update_critic.future(batch.experience))
 
     def extra_state(self) -> dict:
         return {**super().extra_state(), "lagrange": self.lagrange}
