@@ -1,0 +1,89 @@
+"""PPO on split pools (actor + reference | critic + reward model): the phases are futures.
+
+The values, reference and reward outputs carry tripwires that raise if unpickled in the driver
+(tests/trainers/tripwire_workers.py): a step that completes proves that they reached the advantage
+phase and the updates without passing through the driver. The logged busy intervals
+(timeline_s/<phase>/{start,end}) of phases on different pools intersect when overlapped, and follow one
+another with trainer.overlap_phases=false.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from hybridflow.models import load_reward_model, save_hf_model
+from hybridflow.trainers import build_trainer, placement
+from tests.trainers.configs import tiny_config
+from tests.trainers.test_drivers import _step
+from tests.trainers.tripwire_workers import TRIP_CLASSES
+
+
+def _overrides(rm_dir) -> list[str]:
+    return ["reward.kind=model", f"model.reward_model_path={rm_dir}", "resources.placement=split",
+            "algorithm.kl.in_reward=true"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def split_ppo(ray_cluster, tiny_model_dir, tmp_path_factory):
+    torch.manual_seed(3)
+    rm_dir = save_hf_model(load_reward_model(tiny_model_dir), tmp_path_factory.mktemp("rm"))
+    cfg = tiny_config(tiny_model_dir, tmp_path_factory.mktemp("runs"), "ppo", *_overrides(rm_dir), devices=2)
+    spec = placement._spec
+
+    def tripwired(cfg, role, kwargs, with_ref):
+        cls, kw = spec(cfg, role, kwargs, with_ref)
+        return TRIP_CLASSES[cls], {**kw, "driver_pid": os.getpid()}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(placement, "_spec", tripwired)
+        trainer = build_trainer(cfg)
+    with trainer:
+        yield trainer, rm_dir
+
+
+def _span(metrics: dict, phase: str) -> tuple[float, float]:
+    return metrics[f"timeline_s/{phase}/start"], metrics[f"timeline_s/{phase}/end"]
+
+
+def _intersect(a, b) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
+
+
+def test_split_ppo_phases_skip_the_driver_and_overlap(split_ppo):
+    trainer, _ = split_ppo
+    assert trainer.groups["critic"].pool is trainer.groups["reward"].pool is not trainer.actor.pool
+    batch, metrics = _step(trainer)  # raises if the driver unpickled a values / ref / reward output
+    for key in (
+        "actor/pg_loss",
+        "critic/vf_loss",
+        "reward/mean",
+        "actor/reward_kl_penalty",
+        "advantages/mean",
+    ):
+        assert math.isfinite(metrics[key]), key
+    span = {p: _span(metrics, p) for p in ("values", "ref", "reward", "adv", "update_critic", "update_actor")}
+    assert _intersect(span["values"], span["ref"]) and _intersect(span["update_critic"], span["update_actor"])
+    # the advantage phase consumes all three, so it starts after each has ended
+    assert span["adv"][0] >= max(span[p][1] for p in ("values", "ref", "reward"))
+    busy = sum(metrics[f"timing_s/{p}"] for p in ("values", "ref", "reward"))
+    assert metrics["timing_s/overlap/experience"] < busy  # the section's wall < its phases' busy time
+    assert metrics["timing_s/values"] <= span["values"][1] - span["values"][0] + 1e-6
+    with pytest.raises(Exception, match="driver deserialised"):
+        batch["advantages"]  # fetching the finished batch into the driver does trip it
+
+
+def test_sequential_phases_follow_one_another(split_ppo, tiny_model_dir, tmp_path):
+    trainer, rm_dir = split_ppo
+    cfg = tiny_config(
+        tiny_model_dir, tmp_path, "ppo", *_overrides(rm_dir), "trainer.overlap_phases=false", devices=2
+    )
+    with build_trainer(cfg, groups=trainer.groups) as sequential:
+        _, metrics = _step(sequential)
+    order = [_span(metrics, p) for p in ("values", "ref", "reward", "adv", "update_critic", "update_actor")]
+    for before, after in zip(order, order[1:]):
+        assert before[1] <= after[0]
+    assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["critic/vf_loss"])
