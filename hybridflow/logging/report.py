@@ -27,7 +27,7 @@ PANELS = [
     ("KL to reference", [r"^actor/reward_kl_penalty$", r"^actor/kl_loss$"]),
     ("Entropy", [r"^actor/entropy$"]),
     ("Response length (tokens)", [r"^response_length/mean$"]),
-    ("Time per phase (s)", [r"^timing_s/.*"]),
+    ("Time per phase (s)", [r"^timing_s/(?!timeline/).*"]),  # phases and overlap sections, not timelines
     ("Throughput (tokens/s)", [r"^perf/throughput$"]),
     (
         "Losses",

@@ -7,7 +7,7 @@ advantages/{mean,max,min}, returns/mean
 critic/{vf_explained_var,values_mean}       when the batch carries values
 timing_s/<phase>                  seconds per named phase: the workers' busy time (see Timers)
 timing_s/overlap/<section>        wall seconds of a section of phases issued together
-timeline_s/<phase>/{start,end}    the phase's busy interval, seconds after the step's first phase began
+timing_s/timeline/<phase>/{start,end}    the phase's busy interval, seconds after the step's first phase began
 perf/throughput                   (prompt + response tokens) / step seconds, also per device
 """
 
@@ -28,7 +28,7 @@ class Timers:
     `with timers.phase("values"): ...` times a phase of the dataflow (docs/metrics.md): every worker
     group call issued inside the block is attributed to it, and timing_s/values becomes the workers'
     own busy time (per call the max over ranks of the method's run time, summed over the calls),
-    with the busy interval (earliest start, latest end) kept for timeline_s/ and the overlap
+    with the busy interval (earliest start, latest end) kept for timing_s/timeline/ and the overlap
     sections; a phase that issued no call (a rule reward in the driver) reports the driver's wall
     time instead. Calls are non-blocking, so these figures are read in `collect()`, after the step.
     `wait_each_phase` makes every phase wait for its calls (the sequential baseline).
@@ -85,7 +85,7 @@ class Timers:
             return
         t0 = min(s for s, _ in self.spans.values())
         for name, (start, end) in self.spans.items():
-            self.times[f"timeline_s/{name}/start"], self.times[f"timeline_s/{name}/end"] = (
+            self.times[f"timing_s/timeline/{name}/start"], self.times[f"timing_s/timeline/{name}/end"] = (
                 start - t0,
                 end - t0,
             )

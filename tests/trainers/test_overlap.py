@@ -3,7 +3,7 @@
 The values, reference and reward outputs carry tripwires that raise if unpickled in the driver
 (tests/trainers/tripwire_workers.py): a step that completes proves that they reached the advantage
 phase and the updates without passing through the driver. The logged busy intervals
-(timeline_s/<phase>/{start,end}) of phases on different pools intersect when overlapped, and follow one
+(timing_s/timeline/<phase>/{start,end}) of phases on different pools intersect when overlapped, and follow one
 another with trainer.overlap_phases=false.
 """
 
@@ -46,7 +46,7 @@ def split_ppo(ray_cluster, tiny_model_dir, tmp_path_factory):
 
 
 def _span(metrics: dict, phase: str) -> tuple[float, float]:
-    return metrics[f"timeline_s/{phase}/start"], metrics[f"timeline_s/{phase}/end"]
+    return metrics[f"timing_s/timeline/{phase}/start"], metrics[f"timing_s/timeline/{phase}/end"]
 
 
 def _intersect(a, b) -> bool:
