@@ -11,6 +11,7 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 ORDER = [
     "controller",
+    "overlap",
     "train",
     "generation",
     "hybrid_engine",

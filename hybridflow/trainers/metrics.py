@@ -97,7 +97,8 @@ class Timers:
         self.spans = {}
 
     def pop(self) -> dict[str, float]:
-        self.collect()
+        """This step's times; calls not collected (a step that failed before its end) are dropped."""
+        self._calls, self.spans = [], {}
         out, self.times = self.times, {}
         return out
 

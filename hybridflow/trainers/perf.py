@@ -4,8 +4,8 @@ known accelerator) per phase. docs/metrics.md lists the names and their verl cou
 FLOPs are the usual dense-transformer estimate: 2 N per token for a forward pass, 6 N for forward +
 backward, N the model's parameter count read from its safetensors headers; attention's L^2 term is left
 out (small next to 2 N at the sequence lengths of RL post-training). A phase's figure is its FLOPs over
-its wall seconds (timing_s/<phase>) and the devices of the group that ran it, so idle time inside a
-phase (waiting, Python) lowers it, as it should.
+its busy seconds (timing_s/<phase>: the workers' own time in the phase's methods, docs/metrics.md) and
+the devices of the group that ran it, so idle time inside a method (Python, communication) lowers it.
 """
 
 from __future__ import annotations

@@ -138,9 +138,9 @@ class RLTrainer(Trainer):
     def finish(self, batch: Pending) -> tuple[Pending, dict]:
         """Wait for the step: its calls' timing, the updates' metrics and the experience's (data
         metrics, KL); the adaptive KL controller moves by this step's KL."""
+        updates, self.updates = self.updates, []
         self.timers.collect(OVERLAP_SECTIONS)
         metrics, self.metrics = self.metrics, {}
-        updates, self.updates = self.updates, []
         for fut in updates:
             metrics.update(fut.get())
         info = next(c.info for c in batch.experience.calls() if c.info is not None)
@@ -158,6 +158,7 @@ class RLTrainer(Trainer):
         return {"kl_ctrl": self.kl_ctrl.state_dict()}
 
     def load_extra_state(self, state: dict) -> None:
+        self.updates = []  # a restart (lifecycle.py) drops the calls of the step that failed
         if "kl_ctrl" in state:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 

@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Future, get, shard_indices
+from tests.controller.workers import publish_rows
 
 
 def _rows(n: int, n_shards: int, s: int) -> list[float]:
@@ -60,3 +61,20 @@ def test_disjoint_pools_run_concurrently(groups2, groups4):
     latest_start = max(s for s, _ in spans)
     earliest_end = min(e for _, e in spans)
     assert latest_start < earliest_end  # every rank of both groups was sleeping at the same moment
+
+
+def test_apply_runs_on_rank_zero_and_its_output_feeds_another_group(groups2, groups4):
+    """Worker.apply (WHOLE_BATCH): the whole future to rank 0 only; its output, never fetched by the
+    driver (tripwires), is sliced by a 2-rank consumer; the driver reads the published info and stamps."""
+    n = 7
+    fut = groups2["dp"].produce(
+        Batch({"x": torch.arange(n, dtype=torch.float32)}), driver_pid=os.getpid(), payload=32768
+    )
+    whole = groups4["dp"].apply.future(publish_rows, fut)
+    (call,) = whole.calls()  # one rank ran
+    assert call.info == {"rows": n, "pid": groups4["dp"].pids[0]} and call.rows == n
+    assert 0 <= call.end - call.start < 5
+    out = groups2["tp"].consume_3d(whole)
+    assert out["x"].tolist() == [float(i) for i in range(n)]
+    with pytest.raises(Exception, match="driver deserialised"):
+        whole.get()

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Protocol, Worker, register, register_protocol
+from hybridflow.controller.process import INFO_KEY
 
 
 class EchoWorker(Worker):
@@ -104,6 +105,12 @@ class Tripwire:
 
     def __reduce__(self):
         return (_load_tripwire, (self.forbidden_pid,))
+
+
+def publish_rows(batch: Batch) -> Batch:
+    """For Worker.apply: the batch unchanged, its size and this process's pid published to the driver."""
+    batch.meta[INFO_KEY] = {"rows": len(batch), "pid": os.getpid()}
+    return batch
 
 
 def _last_rank_only(view, args, kwargs):
