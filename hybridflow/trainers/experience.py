@@ -19,12 +19,17 @@ are exactly those of the driver-side computation, whatever the placement.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybridflow.algorithms import apply_kl_penalty
 from hybridflow.batch import Batch
 from hybridflow.controller import Future, get
 from hybridflow.controller.process import INFO_KEY
 from hybridflow.trainers.metrics import data_metrics
 from hybridflow.workers import token_level
+
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import AlgorithmConfig
 
 
 class Pending:
@@ -78,7 +83,7 @@ def join(*parts: Batch) -> Batch:
     return batch
 
 
-def make_experience(advantage_fn, algo, kl_coef: float, state: dict, *parts: Batch) -> Batch:
+def make_experience(advantage_fn, algo: AlgorithmConfig, kl_coef: float, state: dict, *parts: Batch) -> Batch:
     """Runs on the actor group's rank 0 (Worker.apply). parts: the rollout and the phases' outputs.
 
     Sequence scores (`scores` from a rule, else the reward model's `rm_scores`) go on each

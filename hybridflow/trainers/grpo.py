@@ -4,13 +4,18 @@ Usually paired with the KL *loss* (algorithm.use_kl_loss) instead of KL in the r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybridflow.algorithms import compute_grpo_advantages
 from hybridflow.batch import Batch
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.ppo import PPOTrainer
 
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import AlgorithmConfig
 
-def grpo_advantages(batch: Batch, algo, state: dict) -> dict:
+
+def grpo_advantages(batch: Batch, algo: AlgorithmConfig, state: dict) -> dict:
     """Each sample's score against its prompt's group (centred, over the std unless Dr. GRPO)."""
     batch["advantages"], batch["returns"] = compute_grpo_advantages(
         batch["token_level_rewards"], batch["uid"], batch["response_mask"], algo.norm_by_std

@@ -9,13 +9,18 @@ time when their groups are on different pools, and so do the critic and actor up
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybridflow.algorithms import compute_gae
 from hybridflow.batch import Batch
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.trainers.rl import RLTrainer
 
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import AlgorithmConfig
 
-def gae_advantages(batch: Batch, algo, state: dict) -> dict:
+
+def gae_advantages(batch: Batch, algo: AlgorithmConfig, state: dict) -> dict:
     """GAE over the KL-shaped token rewards and the critic's values (whitened advantages)."""
     batch["advantages"], batch["returns"] = compute_gae(
         batch["token_level_rewards"], batch["values"], batch["response_mask"], algo.gamma, algo.lam

@@ -9,6 +9,8 @@ two unwhitened GAEs, the critic update also trains the cost critic."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybridflow.algorithms import add_kl_to_costs, compute_safe_rlhf_advantages, update_lagrange_multiplier
 from hybridflow.batch import Batch
 from hybridflow.config.algorithms import ALGORITHM_SPECS
@@ -16,8 +18,11 @@ from hybridflow.trainers.experience import Pending
 from hybridflow.trainers.ppo import PPOTrainer
 from hybridflow.workers import RuleReward, token_level
 
+if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.schema import AlgorithmConfig
 
-def safe_rlhf_advantages(batch: Batch, algo, state: dict) -> dict:
+
+def safe_rlhf_advantages(batch: Batch, algo: AlgorithmConfig, state: dict) -> dict:
     """The cost on its last token plus beta KL_t (the beta KL_t the reward lost, 0 without
     kl.in_reward), lambda moved by the batch's mean cost, then (A_r - lambda A_c) / (1 + lambda) from
     the two unwhitened GAEs. Runs where make_experience does; the driver keeps lambda."""

@@ -106,4 +106,4 @@ def test_worker_layouts_are_fixed_once_read():
         w.set_layout("train", dp_rank=0, dp_size=1, collect=False)
     with pytest.raises(KeyError, match="has no layout 'rollout'"):
         w.get_layout("rollout")
-    assert set(registered_methods(W)) == {"memory_stats"}  # only the base class's own
+    assert set(registered_methods(W)) == {"apply", "memory_stats"}  # only the base class's own
