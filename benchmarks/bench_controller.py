@@ -142,7 +142,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, no 512 MB")
     args = parser.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     repeats = 20 if args.quick else 50
     sizes_mb = [1, 64] if args.quick else [1, 64, 512]
     dispatch = bench_dispatch([1, 2, 4, 8], repeats)

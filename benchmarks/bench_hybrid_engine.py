@@ -73,7 +73,11 @@ def main() -> None:
     os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")
     # one local Ray cluster for every run (the runs join it instead of starting their own)
     ray.init(
-        num_cpus=2 * max(args.worlds), include_dashboard=False, log_to_driver=False, configure_logging=False
+        address="local",
+        num_cpus=2 * max(args.worlds),
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

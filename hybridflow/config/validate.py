@@ -195,6 +195,10 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     }.items():
         if not v > 0:
             errors.append(f"{key}: must be > 0, got {v}")
+    if spec and not spec.generation and not t.overlap_phases:
+        errors.append(
+            f"trainer.overlap_phases: {a.name} has one phase per step, nothing to overlap; remove it"
+        )
     if t.total_steps == 0 and t.total_epochs == 0:
         errors.append("trainer.total_steps: both total_steps and total_epochs are 0; set one of them")
 

@@ -74,7 +74,7 @@ def start_local_ray(num_cpus: int, dashboard: bool = False, **init_kwargs) -> No
     _local_only()
     init_kwargs.setdefault("log_to_driver", False)
     ensure_ray(
-        address=None,
+        address="local",  # our own cluster, even when `ray start` left a cluster's address in /tmp/ray
         num_cpus=num_cpus,
         include_dashboard=dashboard,
         dashboard_host="127.0.0.1",

@@ -114,6 +114,7 @@ def test_wrong_types_name_key_type_and_value(tmp_path):
         (["actor.parallel.tp=3", "resources.n_gpus_per_node=4"], "actor.parallel: tp*pp = 3 does not divide"),
         (["trainer.loggers=[console, wandbb]"], "trainer.loggers: unknown logger 'wandbb'"),
         (["resources.placement=plan.json"], "resources.placement: 'plan.json' is not colocate|split|auto"),
+        (["algorithm.name=sft", "trainer.overlap_phases=false"], "trainer.overlap_phases: sft has one phase"),
     ],
 )
 def test_inconsistent_values(overrides, expected):

@@ -41,7 +41,9 @@ def warm_start(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("vllm_train")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
     base = save_tiny_model(
         out / "tiny", "tiny", "llama", seed=0, num_attention_heads=2, num_key_value_heads=1
     )
