@@ -33,7 +33,9 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
     if not t.rollout_ahead:
         errors = []
         if r:
-            errors.append(f"resources.rollout_devices: {r} is only used with trainer.rollout_ahead=1; remove it")
+            errors.append(
+                f"resources.rollout_devices: {r} is only used with trainer.rollout_ahead=1; remove it"
+            )
         if cfg.actor.tis_imp_ratio_cap != _CAP_DEFAULT:
             errors.append(
                 "actor.tis_imp_ratio_cap: only used with trainer.rollout_ahead=1 (a synchronous rollout "
@@ -41,7 +43,9 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             )
         return errors
     if spec is not None and not spec.generation:
-        return [f"trainer.rollout_ahead: {spec.name} trains on a fixed dataset, nothing to generate ahead; use 0"]
+        return [
+            f"trainer.rollout_ahead: {spec.name} trains on a fixed dataset, nothing to generate ahead; use 0"
+        ]
     if n < 2:
         return [
             f"trainer.rollout_ahead: 1 needs at least 2 devices (a training pool and a rollout pool), "

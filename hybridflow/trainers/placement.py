@@ -61,7 +61,9 @@ class Placement:
         if rollout_devices(cfg):  # trainer.rollout_ahead=1: the rollout pool, beside the training pools
             pools = {**placement.pools, "rollout": rollout_devices(cfg)}
             default = placement.default_pool or next(iter(placement.pools))
-            return cls(pools, {**placement.roles, "rollout": "rollout"}, default, placement.parallel, placement.plan)
+            return cls(
+                pools, {**placement.roles, "rollout": "rollout"}, default, placement.parallel, placement.plan
+            )
         return placement
 
     @classmethod

@@ -73,7 +73,12 @@ class RolloutAhead:
             ahead = t.train_loader.next_batch()
             ahead.meta["global_step"] = step + 1
             future = self.group.generate_sequences.future(ahead)
-            self.pending = {"step": step + 1, "prompts": ahead, "result": future, "version": self.rollout_version}
+            self.pending = {
+                "step": step + 1,
+                "prompts": ahead,
+                "result": future,
+                "version": self.rollout_version,
+            }
         return batch
 
     # ---- weight sync --------------------------------------------------------------------------------

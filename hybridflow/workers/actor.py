@@ -205,9 +205,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         a, algo = self.config.actor, self.config.algorithm
         # trainer.rollout_ahead=1: the rollout's policy is a step older; weigh its tokens (algorithms/off_policy.py)
         is_cap = a.tis_imp_ratio_cap if self.config.trainer.rollout_ahead else 0.0
-        keys = [*_ACTOR_FIELDS, "old_log_probs", "advantages"] + (
-            ["ref_log_probs"] if algo.use_kl_loss else []
-        ) + (["rollout_log_probs"] if is_cap > 0 else [])
+        keys = (
+            [*_ACTOR_FIELDS, "old_log_probs", "advantages"]
+            + (["ref_log_probs"] if algo.use_kl_loss else [])
+            + (["rollout_log_probs"] if is_cap > 0 else [])
+        )
         loss_fn = actor_loss_fn(a, algo, is_cap)
         weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
         temperature = batch.meta.get("temperature", 1.0)
