@@ -355,7 +355,6 @@ class TrainerConfig:
         0,
         "1 = one-step off-policy: a rollout pool of its own (resources.rollout_devices) samples step k+1's "
         "responses while the actor trains on step k; weights synced after each update (docs/design.md)",
-        choices=(0, 1),
     )
 
 

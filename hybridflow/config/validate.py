@@ -120,8 +120,8 @@ def _check_choices(obj, prefix: str, errors: list[str]) -> None:
         if dataclasses.is_dataclass(value):
             _check_choices(value, path + ".", errors)
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
-            choices = [c for c in f.metadata["choices"] if c != ""]  # "" = derive; 0 may be a choice
-            near = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
+            choices = [c for c in f.metadata["choices"] if c]
+            near = difflib.get_close_matches(str(value), choices, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             errors.append(f"{path}: {value!r} is not one of {choices}{hint}")
 
