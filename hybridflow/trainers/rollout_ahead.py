@@ -18,6 +18,7 @@ trains on that very batch, so it continues with the same lag and the same number
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from hybridflow.batch import Batch
@@ -89,9 +90,9 @@ class RolloutAhead:
             return
         t = self.trainer
         with t.timers("weight_sync"):
-            sent = t.actor.send_weights.future(self._spec)
-            received = self.group.receive_weights.future(self._spec)
-            sent, received = sent.get(), received.get()
+            sent, received = _get_both(
+                t.actor.send_weights.future(self._spec), self.group.receive_weights.future(self._spec)
+            )
         t.metrics["sync/bytes"] = max(m["sync/bytes"] for m in sent)
         if min(m["sync/bytes"] for m in received) != t.metrics["sync/bytes"]:
             raise RuntimeError(f"weight sync: sent {sent[0]} but the rollout ranks received {received}")
@@ -105,12 +106,10 @@ class RolloutAhead:
             return
         addr, port = t.actor.weight_sync_address()
         world = 1 + self.group.world_size
-        joins = [
+        _get_both(
             t.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S),
             self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S),
-        ]
-        for f in joins:
-            f.get()
+        )
         spec, shapes = self.group.weight_spec(), t.actor.weight_shapes()
         bad = [f"{n} {s}" for n, s, _ in spec if shapes.get(n) != s]
         if bad:
@@ -146,6 +145,19 @@ class RolloutAhead:
     def reset(self) -> None:
         """Forget the batch in flight (its groups are gone: a restart)."""
         self.pending = None
+
+
+def _get_both(a: Future, b: Future) -> tuple:
+    """Both results; whichever side fails first is raised at once (its partner would otherwise wait in the
+    collective until SYNC_TIMEOUT_S), so a dead worker reaches the trainer's restart without that wait."""
+    pending = [a, b]
+    while pending:
+        for f in [f for f in pending if f.done()]:
+            f.wait()  # raises WorkerError / WorkerDiedError naming the group and rank
+            pending.remove(f)
+        if pending:
+            time.sleep(0.002)
+    return a.get(), b.get()
 
 
 def _result(x: Future | Batch) -> Batch:
