@@ -4,6 +4,7 @@ No process groups, no configs, no models: drivers and workers call these on tens
   advantages.py  GAE (PPO), GRPO / Dr.GRPO, RLOO, ReMax, REINFORCE++
   losses.py      PPO clipped policy loss (dual clip), clipped value loss, DPO loss, loss aggregation
   kl.py          KL estimators k1/k2/k3/abs, KL-in-reward, KL loss, fixed / adaptive KL controllers
+  off_policy.py  truncated importance weights for a rollout one step behind the actor
   safe_rlhf.py   reward & cost advantages, Lagrange multiplier update, combined advantage
   utils.py       masked mean / var / whiten, entropy and log-probs from logits, explained variance
 """
@@ -33,6 +34,7 @@ from hybridflow.algorithms.losses import (
     policy_loss,
     value_loss,
 )
+from hybridflow.algorithms.off_policy import truncated_is_weights
 from hybridflow.algorithms.safe_rlhf import (
     add_kl_to_costs,
     combine_reward_cost_advantages,
@@ -84,6 +86,7 @@ __all__ = [
     "place_score_on_last_token",
     "policy_loss",
     "sequence_scores",
+    "truncated_is_weights",
     "update_lagrange_multiplier",
     "value_loss",
 ]

@@ -50,6 +50,7 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = None,
     agg: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip (DAPO) and optional dual clip.
 
@@ -58,6 +59,8 @@ def policy_loss(
         loss_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
     Dual clip (Ye et al. 2020), when clip_ratio_c (> 1) is given: for A < 0 the loss is also capped at
     -A * clip_ratio_c, so one very off-policy token cannot dominate.
+    is_weights (B, L), when given, multiply each token's loss after the clips (the truncated importance
+    weights of a rollout one step behind: off_policy.truncated_is_weights).
     Returns (loss, metrics) with metrics: clipfrac (share of tokens where the clip is active),
     clipfrac_lower (dual clip active), approx_kl (mean of old_log_probs - log_probs, k1).
     """
@@ -84,6 +87,8 @@ def policy_loss(
         metrics["clipfrac_lower"] = masked_mean(lower_active.float(), mask).detach()
     else:
         metrics["clipfrac_lower"] = torch.zeros((), device=log_probs.device)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     return aggregate_loss(per_token, mask, agg), metrics
 
 

@@ -175,6 +175,11 @@ class ActorConfig:
     clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low")
     clip_ratio_high: float = _f(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (raise for DAPO clip-higher)")
     clip_ratio_c: float = _f(3.0, "dual-clip constant for negative advantages (> 1)")
+    tis_imp_ratio_cap: float = _f(
+        2.0,
+        "trainer.rollout_ahead=1: each token's policy loss is weighted by min(exp(old - rollout log-prob), "
+        "this cap), correcting for the rollout's one-step-older policy (verl's name; <= 0 = no correction)",
+    )
     loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
@@ -300,6 +305,11 @@ class ResourcesConfig:
     device: str = _f("auto", "auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
     n_gpus_per_node: int = _f(1, "devices per node (on CPU: worker processes per node)")
     nnodes: int = _f(1, "number of nodes")
+    rollout_devices: int = _f(
+        0,
+        "trainer.rollout_ahead=1: devices of the rollout pool, taken from the n_gpus_per_node * nnodes "
+        "(the rest train; 0 = half of them, rounded down)",
+    )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
     ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
     ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
@@ -346,6 +356,11 @@ class TrainerConfig:
         "issue an RL step's independent phases (values, reference, reward and cost models; the critic "
         "and actor updates) together as futures, so groups on different pools run at once; false waits "
         "for each phase before the next (the sequential baseline: same numbers, docs/metrics.md)",
+    )
+    rollout_ahead: int = _f(
+        0,
+        "1 = one-step off-policy: a rollout pool of its own (resources.rollout_devices) samples step k+1's "
+        "responses while the actor trains on step k; weights synced after each update (docs/design.md)",
     )
 
 

@@ -15,6 +15,7 @@ import re
 
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.loader import ConfigError
+from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices
 from hybridflow.config.schema import LOGGERS, HybridFlowConfig, ParallelConfig
 from hybridflow.hybrid_engine.layout import generation_layout_errors
 from hybridflow.rollout.factory import rollout_engine_errors
@@ -37,8 +38,9 @@ def split_sizes(num_devices: int) -> tuple[int, int]:
 
 
 def section_devices(cfg: HybridFlowConfig) -> dict[str, int] | None:
-    """Devices of the pool each model section runs on, or None where the planner decides (auto/plan)."""
-    n, placement = cfg.resources.num_devices, cfg.resources.placement
+    """Devices of the pool each model section runs on, or None where the planner decides (auto/plan).
+    With trainer.rollout_ahead=1 the rollout pool's devices are not among them (config/rollout_pool.py)."""
+    n, placement = training_devices(cfg), cfg.resources.placement
     if placement == "colocate":
         return dict.fromkeys(("actor", "critic", "ref", "reward"), n)
     if placement == "split":
@@ -244,8 +246,8 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     if not 0.0 <= a.dpo.label_smoothing < 0.5:
         errors.append(f"algorithm.dpo.label_smoothing: must be in [0, 0.5), got {a.dpo.label_smoothing}")
     for key, optim in {"actor.optim": act.optim, "critic.optim": cfg.critic.optim}.items():
-        if optim.lr <= 0:
-            errors.append(f"{key}.lr: must be > 0, got {optim.lr}")
+        if optim.lr < 0:  # 0 freezes the model (e.g. to check that a pipeline changes nothing)
+            errors.append(f"{key}.lr: must be >= 0, got {optim.lr}")
         for name in ("warmup_steps", "total_steps"):
             if getattr(optim, name) < 0:
                 errors.append(f"{key}.{name}: must be >= 0, got {getattr(optim, name)}")
@@ -263,6 +265,7 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         if not 0.0 < v <= 1.0:
             errors.append(f"{key}: must be in (0, 1], got {v}")
     errors += rollout_engine_errors(cfg)
+    errors += rollout_ahead_errors(cfg, spec)
 
     # data and models
     if not d.train_files and not d.dataset:

@@ -135,6 +135,13 @@ class Trainer:
         """One iteration on a batch from the loader -> (finished batch, metrics)."""
         raise NotImplementedError
 
+    def next_prompts(self) -> Batch:
+        """The prompts of the step about to run (rl.py: those drawn a step ahead, trainer.rollout_ahead)."""
+        return self.train_loader.next_batch()
+
+    def save_driver_parts(self, directory) -> None:
+        """Write driver-side checkpoint parts besides trainer_state.json (rl.py: the batch in flight)."""
+
     def extra_state(self) -> dict:
         return {}
 
@@ -205,7 +212,7 @@ class Trainer:
             if signum := lifecycle.stop_requested():  # after the step (and its checkpoint) in flight
                 raise lifecycle.Preempted(signum, self.global_step, self.latest_checkpoint())
             self.global_step += 1
-            batch = self.train_loader.next_batch()
+            batch = self.next_prompts()
             batch.meta["global_step"] = self.global_step
             start = time.perf_counter()
             with self.timers("step"), _at_step(self.global_step):
@@ -336,6 +343,7 @@ class Trainer:
         with self.timers("save_checkpoint"), self.ckpt.writing(self.global_step, meta=meta) as tmp:
             for g in self.trainable_groups().values():
                 g.save_checkpoint(str(tmp))  # each writes tmp/<role>/ (a collective over its ranks)
+            self.save_driver_parts(tmp)
             state = {"global_step": self.global_step, "algorithm": self.name, "loader": self.train_loader.state_dict(),
                      "extra": self.extra_state(), "rng": capture_rng_state()}  # fmt: skip
             save_trainer_state(tmp, state)

@@ -5,14 +5,17 @@ pool are colocated: they share one process per device (create_colocated_groups) 
 roles on different pools run in separate processes on disjoint devices.
 
 Roles: "actor_rollout" (ActorRolloutRefWorker with actor + rollout), "ref", "critic",
-"cost_critic", "reward" (reward model), "cost" (cost model). A ref on the actor's pool joins the
-actor's worker instance (one process, two engines), as verl's ActorRolloutRefWorker does.
+"cost_critic", "reward" (reward model), "cost" (cost model), "rollout" (trainer.rollout_ahead=1: an
+ActorRolloutRefWorker with only the rollout engine, on a pool of its own). A ref on the actor's pool
+joins the actor's worker instance (one process, two engines), as verl's ActorRolloutRefWorker does.
 
 From the config (`resources.placement`): "colocate" puts every role on one pool of all devices;
 "split" puts actor + ref on one half and critic + reward (+ cost) on the other; "auto" runs the
 planner and a path loads a plan file (`hybridflow plan --output plan.yaml`): auto_placement.py turns
 the plan into pools plus each role's parallel sizes, which `role_config` writes into the config
-each worker group is built with (the trainer's own config keeps what the user wrote).
+each worker group is built with (the trainer's own config keeps what the user wrote). With
+trainer.rollout_ahead=1 a "rollout" pool of resources.rollout_devices is added and the pools above
+share the remaining devices (config/rollout_pool.py).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from hybridflow.config.rollout_pool import rollout_devices, training_devices
 from hybridflow.config.validate import split_sizes
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
-ROLES = ("actor_rollout", "ref", "critic", "cost_critic", "reward", "cost")
+ROLES = ("actor_rollout", "ref", "critic", "cost_critic", "reward", "cost", "rollout")
 
 
 @dataclass
@@ -53,7 +57,18 @@ class Placement:
 
     @classmethod
     def from_config(cls, cfg) -> Placement:
-        n, kind = cfg.resources.num_devices, cfg.resources.placement
+        placement = cls._training(cfg)
+        if rollout_devices(cfg):  # trainer.rollout_ahead=1: the rollout pool, beside the training pools
+            pools = {**placement.pools, "rollout": rollout_devices(cfg)}
+            default = placement.default_pool or next(iter(placement.pools))
+            return cls(
+                pools, {**placement.roles, "rollout": "rollout"}, default, placement.parallel, placement.plan
+            )
+        return placement
+
+    @classmethod
+    def _training(cls, cfg) -> Placement:
+        n, kind = training_devices(cfg), cfg.resources.placement
         if kind == "colocate":
             return cls({"global": n})
         if kind == "split":
@@ -101,6 +116,16 @@ def _set_parallel(section, sizes) -> None:
         section.offload = True
 
 
+def rollout_pool_config(cfg):
+    """The config of the rollout pool's workers: the actor's and reference's parallel sizes (read when
+    the worker is built, though it trains nothing) become those of the rollout pool, one replica per
+    device."""
+    cfg = copy.deepcopy(cfg)
+    for p in (cfg.actor.parallel, cfg.ref.parallel):
+        p.tp, p.pp, p.dp = 1, 1, rollout_devices(cfg)
+    return cfg
+
+
 def _use_gpu(cfg) -> bool | None:
     return {"cpu": False, "cuda": True}.get(cfg.resources.device)
 
@@ -144,6 +169,8 @@ def build_worker_groups(
 
 
 def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
+    if role == "rollout":  # generation only, on its own pool: plain replicas (tp 1), no actor layout
+        return ActorRolloutRefWorker, {"config": rollout_pool_config(cfg), "roles": ("rollout",), **kwargs}
     if role == "actor_rollout":
         worker_roles = ("actor", "rollout", "ref") if with_ref else ("actor", "rollout")
         return ActorRolloutRefWorker, {"config": cfg, "roles": worker_roles, **kwargs}

@@ -4,7 +4,9 @@ A driver's `train_step` strings them together (ppo.py is the full list); variant
 two phases (grpo.py: advantages; remax.py: generation + advantages; safe_rlhf.py: values, reward,
 critic update, advantages). Each phase takes the batch and returns it with new fields:
 
-  generate           prompts -> rollouts (responses, response_mask, rollout_log_probs, response_text)
+  generate           prompts -> rollouts (responses, response_mask, rollout_log_probs, response_text);
+                     with trainer.rollout_ahead=1 the batch the rollout pool generated a step ahead
+                     (rollout_ahead.py), and the next step's generation issued
   old_log_probs      old_log_probs: the rollout's own log-probs when the update is on-policy
                      (ppo_epochs == 1 and one mini-batch: the policy has not moved since sampling, so a
                      recompute would give the same numbers — verl's shortcut), else an actor forward
@@ -28,6 +30,7 @@ from hybridflow.algorithms import build_kl_controller
 from hybridflow.batch import Batch
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
+from hybridflow.trainers.rollout_ahead import RolloutAhead
 from hybridflow.workers.common import computes_in_fp32
 
 # phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
@@ -47,6 +50,7 @@ class RLTrainer(Trainer):
         self.metrics: dict = {}
         self.updates: list = []  # this step's update futures (their metrics are read in finish)
         self.timers.wait_each_phase = not self.cfg.trainer.overlap_phases
+        self.ahead = RolloutAhead(self)
 
     # ---- setup ----------------------------------------------------------------------------------------
     @property
@@ -60,6 +64,12 @@ class RLTrainer(Trainer):
     @property
     def optim_steps_per_step(self) -> int:
         return self.num_mini_batches * self.cfg.actor.ppo_epochs
+
+    def roles(self) -> dict[str, dict]:
+        roles = super().roles()
+        if self.cfg.trainer.rollout_ahead:  # a rollout-only worker group on a pool of its own
+            roles["rollout"] = {}
+        return roles
 
     def role_kwargs(self) -> dict[str, dict]:
         c = self.cfg.critic
@@ -77,11 +87,16 @@ class RLTrainer(Trainer):
 
     @property
     def on_policy(self) -> bool:
-        return self.cfg.actor.ppo_epochs == 1 and self.num_mini_batches == 1
+        # a rollout a step ahead samples from older weights: the actor always recomputes old log-probs
+        a = self.cfg.actor
+        return a.ppo_epochs == 1 and self.num_mini_batches == 1 and not self.cfg.trainer.rollout_ahead
 
     # ---- phases ---------------------------------------------------------------------------------------
     def generate(self, prompts: Batch) -> Batch:
-        batch = self.actor.generate_sequences(prompts)
+        if self.ahead.serves(self.global_step):
+            batch = self.ahead.generate(prompts)
+        else:
+            batch = self.actor.generate_sequences(prompts)
         self.metrics.update(batch.meta.pop("reshard_metrics", {}))  # reshard/*, timing_s/reshard
         batch.meta.update(prompts.meta)
         return batch
@@ -153,14 +168,26 @@ class RLTrainer(Trainer):
     def after_experience(self, metrics: dict) -> None:
         """Read back driver-side state the advantage phase updated (Safe-RLHF: lambda)."""
 
+    def next_prompts(self) -> Batch:
+        ahead = self.ahead.next_prompts(self.global_step)
+        return ahead if ahead is not None else super().next_prompts()
+
     # ---- state ------------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
         return {"kl_ctrl": self.kl_ctrl.state_dict()}
 
     def load_extra_state(self, state: dict) -> None:
         self.updates = []  # a restart (lifecycle.py) drops the calls of the step that failed
+        self.ahead.reset()  # a restart or a resume: what was in flight is gone (load_checkpoint restores it)
         if "kl_ctrl" in state:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+    def save_driver_parts(self, directory) -> None:
+        self.ahead.save(directory)
+
+    def load_checkpoint(self, path) -> None:
+        super().load_checkpoint(path)
+        self.ahead.load(path)
 
 
 def _pending(batch: Batch | Pending) -> Pending:

@@ -19,6 +19,8 @@ Methods and transfer protocols:
   update_actor(batch)            DP_METRICS       PPO epochs x mini-batches; metrics pooled over ranks
   train_sft / train_dpo(batch)   DP_METRICS       offline trainers (warm start, preference pairs)
   save/load_checkpoint, save_hf_model  ONE_TO_ALL (collective)
+  weight_sync_address, init_weight_sync, weight_spec, weight_shapes, send_weights, receive_weights
+                                 the actor -> rollout pool sync of trainer.rollout_ahead=1 (weight_sync.py)
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ from hybridflow.workers.common import (
     set_train_layout,
 )
 from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn, sft_loss
+from hybridflow.workers.weight_sync import WeightSyncMixin
 
 ROLES = ("actor", "rollout", "ref")
 # fields update_actor needs; everything else stays on the controller side
 _ACTOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     """config: the whole HybridFlowConfig; roles: a subset of ("actor", "rollout", "ref");
     total_optim_steps: optimizer steps of the whole run (for warmup / cosine schedules)."""
 
@@ -200,10 +203,14 @@ class ActorRolloutRefWorker(Worker):
         """PPO update: `ppo_epochs` passes, `train_batch_size / ppo_mini_batch_size` optimizer steps each.
         Needs old_log_probs and advantages (and ref_log_probs with use_kl_loss). Returns actor/* lists."""
         a, algo = self.config.actor, self.config.algorithm
-        keys = [*_ACTOR_FIELDS, "old_log_probs", "advantages"] + (
-            ["ref_log_probs"] if algo.use_kl_loss else []
+        # trainer.rollout_ahead=1: the rollout's policy is a step older; weigh its tokens (algorithms/off_policy.py)
+        is_cap = a.tis_imp_ratio_cap if self.config.trainer.rollout_ahead else 0.0
+        keys = (
+            [*_ACTOR_FIELDS, "old_log_probs", "advantages"]
+            + (["ref_log_probs"] if algo.use_kl_loss else [])
+            + (["rollout_log_probs"] if is_cap > 0 else [])
         )
-        loss_fn = actor_loss_fn(a, algo)
+        loss_fn = actor_loss_fn(a, algo, is_cap)
         weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
         temperature = batch.meta.get("temperature", 1.0)
         num_mini = a.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size

@@ -12,19 +12,34 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridflow.algorithms import aggregate_loss, dpo_loss, kl_loss, masked_mean, policy_loss, value_loss
+from hybridflow.algorithms import (
+    aggregate_loss,
+    dpo_loss,
+    kl_loss,
+    masked_mean,
+    policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import ActorConfig, AlgorithmConfig, CriticConfig, DPOConfig
 
 
-def actor_loss_fn(actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig):
-    """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference when use_kl_loss)."""
+def actor_loss_fn(actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, is_cap: float = 0.0):
+    """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference when use_kl_loss). is_cap > 0:
+    each token's policy loss weighted by min(exp(old - rollout log-prob), is_cap) (a rollout one step
+    behind: algorithms/off_policy.py), logged as is_weight_mean / is_weight_clipfrac."""
     agg = actor_cfg.loss_agg_mode
 
     def loss_fn(out: dict, mb) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
         log_probs = out["log_probs"]
+        is_weights, is_metrics = None, {}
+        if is_cap > 0:
+            is_weights, is_metrics = truncated_is_weights(
+                mb["old_log_probs"], mb["rollout_log_probs"], mask, is_cap
+            )
         loss, m = policy_loss(
             log_probs,
             mb["old_log_probs"],
@@ -34,12 +49,14 @@ def actor_loss_fn(actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig):
             actor_cfg.clip_ratio_high,
             actor_cfg.clip_ratio_c,
             agg,
+            is_weights,
         )
         metrics = {
             "pg_loss": loss.detach(),
             "pg_clipfrac": m["clipfrac"],
             "pg_clipfrac_lower": m["clipfrac_lower"],
             "ppo_kl": m["approx_kl"],
+            **is_metrics,
         }
         if "entropy" in out:
             entropy = aggregate_loss(out["entropy"], mask, agg)

@@ -1,0 +1,78 @@
+"""trainer.rollout_ahead=1: how resources.num_devices splits into training and rollout, and what that
+schedule cannot serve yet (one line each). Pure config arithmetic, no torch: validation, placement
+(trainers/placement.py) and resolve_config's dp sizes read the same split (docs/design.md,
+"One-step-ahead rollout")."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hybridflow.config.schema import ActorConfig
+
+
+def rollout_devices(cfg) -> int:
+    """Devices of the rollout pool: 0 without trainer.rollout_ahead, else resources.rollout_devices
+    (0 = half of the devices, rounded down)."""
+    if not cfg.trainer.rollout_ahead:
+        return 0
+    return cfg.resources.rollout_devices or cfg.resources.num_devices // 2
+
+
+def training_devices(cfg) -> int:
+    """Devices left for the training pools (every role but the rollout)."""
+    return cfg.resources.num_devices - rollout_devices(cfg)
+
+
+_CAP_DEFAULT = next(f.default for f in dataclasses.fields(ActorConfig) if f.name == "tis_imp_ratio_cap")
+
+
+def rollout_ahead_errors(cfg, spec) -> list[str]:
+    """Problems of the rollout_ahead settings (`spec`: the algorithm's AlgorithmSpec, None if unknown)."""
+    t, res = cfg.trainer, cfg.resources
+    n, r = res.num_devices, res.rollout_devices
+    if t.rollout_ahead not in (0, 1):
+        return [f"trainer.rollout_ahead: {t.rollout_ahead!r} is not one of [0, 1] (steps generated ahead)"]
+    if not t.rollout_ahead:
+        errors = []
+        if r:
+            errors.append(
+                f"resources.rollout_devices: {r} is only used with trainer.rollout_ahead=1; remove it"
+            )
+        if cfg.actor.tis_imp_ratio_cap != _CAP_DEFAULT:
+            errors.append(
+                "actor.tis_imp_ratio_cap: only used with trainer.rollout_ahead=1 (a synchronous rollout "
+                "samples from the actor's current weights); remove it"
+            )
+        return errors
+    if spec is not None and not spec.generation:
+        return [
+            f"trainer.rollout_ahead: {spec.name} trains on a fixed dataset, nothing to generate ahead; use 0"
+        ]
+    if n < 2:
+        return [
+            f"trainer.rollout_ahead: 1 needs at least 2 devices (a training pool and a rollout pool), "
+            f"resources has {n}; raise resources.n_gpus_per_node or use 0"
+        ]
+    errors = []
+    if not 0 <= r < n:
+        errors.append(
+            f"resources.rollout_devices: must leave training at least one of the {n} devices "
+            f"(0 < rollout_devices < {n}, or 0 = {n // 2}), got {r}"
+        )
+    placement = res.placement
+    if placement not in ("colocate", "split"):
+        errors.append(
+            f"trainer.rollout_ahead: resources.placement={placement!r} is not supported with 1 yet (the "
+            "planner does not place a rollout pool); use colocate or split"
+        )
+    elif placement == "split" and 0 <= r < n and n - rollout_devices(cfg) < 2:
+        errors.append(
+            f"resources.placement: split needs 2 training devices besides the rollout pool's "
+            f"{rollout_devices(cfg)} of {n}; lower resources.rollout_devices or add devices"
+        )
+    if cfg.rollout.engine != "builtin":
+        errors.append(
+            f"rollout.engine: {cfg.rollout.engine!r} is not supported with trainer.rollout_ahead=1 yet (the "
+            "rollout pool's weight sync is built and tested with the builtin engine); use builtin"
+        )
+    return errors

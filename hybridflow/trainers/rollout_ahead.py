@@ -1,0 +1,182 @@
+"""The one-step-ahead schedule of trainer.rollout_ahead=1, driven from the generate phase (docs/design.md,
+"One-step-ahead rollout").
+
+Step k takes the batch the rollout pool generated during step k-1, syncs the actor's weights (version
+k-1: the updates so far) to the rollout pool, and issues the generation of step k+1's prompts as a Future
+before the rest of the step runs; the actor trains on batch k meanwhile. So batch k was sampled with
+weights one update older than those it is trained from: rollout/policy_lag = 1 (0 at the first step,
+which has nothing drawn ahead), corrected in the loss by truncated importance weights (workers/losses.py).
+
+Versions count the actor updates: the actor runs step k with version k-1; a batch remembers the version
+of the rollout weights that sampled it. A new rollout pool holds model.path's weights (version 0).
+
+Checkpoints: the batch in flight is waited for and written into the checkpoint (rollout_ahead/: prompts
+and rollouts as safetensors + JSON, no pickle), with the loader already past its prompts; a resumed run
+trains on that very batch, so it continues with the same lag and the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from hybridflow.batch import Batch
+from hybridflow.checkpoint import atomic_write_text
+from hybridflow.controller import Future
+
+PART = "rollout_ahead"  # the checkpoint part holding the batch in flight
+SYNC_TIMEOUT_S = 600.0
+
+
+class RolloutAhead:
+    """Driver state of the schedule: the generation in flight, the rollout pool's weight version, the
+    sync group. `trainer` is the RLTrainer it serves (its groups, loader, metrics, timers)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.enabled = bool(trainer.cfg.trainer.rollout_ahead)
+        self.pending: dict | None = None  # step, prompts, result (Future or Batch), version
+        self.rollout_version = 0
+        self._spec, self._connected_to = None, None
+
+    @property
+    def group(self):
+        return self.trainer.groups["rollout"]
+
+    def serves(self, step: int) -> bool:
+        """Whether the generate phase of `step` goes through here (the schedule is on, or a resumed run
+        has this step's batch from a checkpoint)."""
+        return self.enabled or self._pending_for(step)
+
+    def _pending_for(self, step: int) -> bool:
+        return self.pending is not None and self.pending["step"] == step
+
+    def next_prompts(self, step: int) -> Batch | None:
+        """The prompts of `step` when they were drawn a step ahead (else None: the loader's next)."""
+        return self.pending["prompts"] if self._pending_for(step) else None
+
+    # ---- the generate phase -------------------------------------------------------------------------
+    def generate(self, prompts: Batch) -> Batch:
+        t = self.trainer
+        step = int(prompts.meta["global_step"])
+        actor_version = step - 1
+        if self._pending_for(step):
+            p, self.pending = self.pending, None
+            batch = _result(p["result"])
+            version = p["version"]
+        else:  # the first step (or a schedule just turned on): nothing was drawn ahead
+            self.sync(actor_version)
+            batch, version = self.group.generate_sequences(prompts), actor_version
+        t.metrics["rollout/policy_lag"] = float(actor_version - version)
+        if self.enabled and step < t.total_steps:
+            self.sync(actor_version)
+            ahead = t.train_loader.next_batch()
+            ahead.meta["global_step"] = step + 1
+            future = self.group.generate_sequences.future(ahead)
+            self.pending = {
+                "step": step + 1,
+                "prompts": ahead,
+                "result": future,
+                "version": self.rollout_version,
+            }
+        return batch
+
+    # ---- weight sync --------------------------------------------------------------------------------
+    def sync(self, version: int) -> None:
+        """Bring the rollout pool to the actor's weights (of `version`) unless it has them already."""
+        self._connect()
+        if self.rollout_version == version:
+            return
+        t = self.trainer
+        with t.timers("weight_sync"):
+            sent, received = _get_both(
+                t.actor.send_weights.future(self._spec), self.group.receive_weights.future(self._spec)
+            )
+        t.metrics["sync/bytes"] = max(m["sync/bytes"] for m in sent)
+        if min(m["sync/bytes"] for m in received) != t.metrics["sync/bytes"]:
+            raise RuntimeError(f"weight sync: sent {sent[0]} but the rollout ranks received {received}")
+        self.rollout_version = version
+
+    def _connect(self) -> None:
+        """Build the sync group (actor rank 0 + the rollout ranks) once per pair of groups; a new rollout
+        pool (first use, or after a restart) holds model.path's weights, version 0."""
+        t = self.trainer
+        if self._connected_to is self.group:
+            return
+        addr, port = t.actor.weight_sync_address()
+        world = 1 + self.group.world_size
+        _get_both(
+            t.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S),
+            self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S),
+        )
+        spec, shapes = self.group.weight_spec(), t.actor.weight_shapes()
+        bad = [f"{n} {s}" for n, s, _ in spec if shapes.get(n) != s]
+        if bad:
+            raise ValueError(
+                f"rollout pool: the actor's model has no tensor of the same name and shape for {bad[:3]} "
+                f"(the actor has e.g. {list(shapes)[:3]})"
+            )
+        self._spec, self._connected_to, self.rollout_version = spec, self.group, 0
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def save(self, directory: Path) -> None:
+        """Write the batch in flight (waiting for it) into checkpoint directory `directory`/rollout_ahead."""
+        if self.pending is None:
+            return
+        self.pending["result"] = _result(self.pending["result"])  # the next step uses it as it is
+        out = Path(directory) / PART
+        out.mkdir(parents=True, exist_ok=True)
+        _save_batch(self.pending["prompts"], out / "prompts")
+        _save_batch(self.pending["result"], out / "rollouts")
+        state = {"step": self.pending["step"], "version": self.pending["version"]}
+        atomic_write_text(out / "state.json", json.dumps(state))
+
+    def load(self, directory: Path) -> None:
+        """Restore the batch in flight of checkpoint `directory` (none: nothing in flight). The actor's
+        weights came from the checkpoint, so the rollout pool's are stale until the next sync."""
+        self.pending, self.rollout_version = None, -1
+        part = Path(directory) / PART
+        if part.is_dir():
+            state = json.loads((part / "state.json").read_text())
+            self.pending = {"step": int(state["step"]), "version": int(state["version"]),
+                            "prompts": _load_batch(part / "prompts"), "result": _load_batch(part / "rollouts")}  # fmt: skip
+
+    def reset(self) -> None:
+        """Forget the batch in flight (its groups are gone: a restart)."""
+        self.pending = None
+
+
+def _get_both(a: Future, b: Future) -> tuple:
+    """Both results; whichever side fails first is raised at once (its partner would otherwise wait in the
+    collective until SYNC_TIMEOUT_S), so a dead worker reaches the trainer's restart without that wait."""
+    pending = [a, b]
+    while pending:
+        for f in [f for f in pending if f.done()]:
+            f.wait()  # raises WorkerError / WorkerDiedError naming the group and rank
+            pending.remove(f)
+        if pending:
+            time.sleep(0.002)
+    return a.get(), b.get()
+
+
+def _result(x: Future | Batch) -> Batch:
+    return x.get() if isinstance(x, Future) else x
+
+
+def _save_batch(batch: Batch, stem: Path) -> None:
+    """A Batch as stem.safetensors (tensors) + stem.json (non-tensor fields and meta): nothing pickled."""
+    from safetensors.torch import save_file
+
+    from hybridflow.checkpoint.trainer_state import _to_json
+
+    save_file({k: v.contiguous() for k, v in batch.tensors.items()}, f"{stem}.safetensors")
+    fields = {"non_tensors": {k: v.tolist() for k, v in batch.non_tensors.items()}, "meta": batch.meta}
+    atomic_write_text(Path(f"{stem}.json"), json.dumps(fields, default=_to_json))
+
+
+def _load_batch(stem: Path) -> Batch:
+    from safetensors.torch import load_file
+
+    fields = json.loads(Path(f"{stem}.json").read_text())
+    return Batch(load_file(f"{stem}.safetensors"), fields["non_tensors"], fields["meta"])

@@ -1,0 +1,143 @@
+"""Weight sync from the actor's pool to the rollout pool (trainer.rollout_ahead=1; docs/design.md,
+"One-step-ahead rollout").
+
+The two pools are separate worker groups, each with its own torch.distributed process group. The sync
+uses a third one that spans actor rank 0 and every rank of the rollout pool (gloo on CPU, NCCL on GPU),
+built from a TCPStore on actor rank 0's node beside the pools' own groups. After an update every actor
+rank takes part in gathering the full tensors (the FSDP2 / TP all-gathers are collectives over the
+actor's group: engines/train_engine.iter_full_state_dict) and actor rank 0 broadcasts them, packed into
+buckets of one dtype; each rollout rank copies them into its model in place (rollout/base.
+load_named_weights), which its engine reads at the next generate call.
+
+Both sides walk the same list of (name, shape, dtype), the rollout model's state dict without tied
+duplicates, so they cut the same buckets without sending any layout information per sync.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller import Protocol, register
+from hybridflow.rollout.base import load_named_weights
+
+BUCKET_BYTES = 64 << 20  # one broadcast per bucket: few calls, bounded extra memory on both sides
+
+
+def plan_buckets(spec: list, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of `spec` ([name, shape, dtype] entries) cut into consecutive buckets of one dtype and at
+    most `bucket_bytes` each (a larger tensor gets a bucket of its own)."""
+    buckets, size, dtype = [], 0, None
+    for i, (_, shape, dt) in enumerate(spec):
+        nbytes = math.prod(shape) * _dtype(dt).itemsize
+        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, dt
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+class WeightSyncMixin:
+    """Worker methods of the sync; mixed into ActorRolloutRefWorker (sender: its actor engine, rank 0;
+    receiver: a rollout-only worker's model)."""
+
+    @register(Protocol.RANK_ZERO)
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Open the sync group's rendezvous socket on this node's address (not every interface), kept open
+        for init_weight_sync; -> (address, port)."""
+        import ray
+
+        addr = ray.util.get_node_ip_address()
+        self._sync_socket = socket.create_server((addr, 0), backlog=1024)
+        return addr, self._sync_socket.getsockname()[1]
+
+    @register(Protocol.ONE_TO_ALL)
+    def init_weight_sync(self, addr: str, port: int, world: int, first_rank: int, timeout_s: float) -> None:
+        """Join the sync group as rank first_rank + this rank; an actor group passes first_rank=0 and only
+        its rank 0 joins (the other actor ranks only help gather). All members must call concurrently."""
+        if first_rank == 0 and self.rank != 0:
+            return
+        rank, timeout = first_rank + self.rank, datetime.timedelta(seconds=timeout_s)
+        if rank == 0:
+            store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=self._sync_socket.fileno())  # fmt: skip
+        else:
+            store = dist.TCPStore(addr, port, world, False, timeout)
+        if self.context.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, rank, world, opts)
+        else:
+            group = dist.ProcessGroupGloo(store, rank, world, timeout)
+        self._sync_store, self._sync_group = store, group
+
+    @register(Protocol.RANK_ZERO)
+    def weight_spec(self) -> list:
+        """[name, shape, dtype] of the tensors a sync carries: the rollout model's state dict, tied
+        duplicates left out (copying the first updates its twin)."""
+        seen, spec = set(), []
+        for name, t in self.rollout.model.state_dict().items():
+            if t.untyped_storage().data_ptr() in seen or not t.is_floating_point():
+                continue
+            seen.add(t.untyped_storage().data_ptr())
+            spec.append([name, list(t.shape), str(t.dtype).removeprefix("torch.")])
+        return spec
+
+    @register(Protocol.RANK_ZERO)
+    def weight_shapes(self) -> dict:
+        """The actor's full (unsharded) shape of each state-dict tensor, to check a spec against."""
+        return {n: list(t.shape) for n, t in self._engine("actor").hf_model.state_dict().items()}
+
+    @register(Protocol.ONE_TO_ALL)
+    def send_weights(self, spec: list) -> dict:
+        """Every actor rank gathers the full tensors; rank 0 broadcasts the spec's, in buckets.
+        -> sync/bytes (rank 0's; 0 on the others)."""
+        gathered = self._engine("actor").iter_full_state_dict(device=self.device)
+        if self.rank != 0:
+            for _ in gathered:  # each gather is a collective over the actor's group
+                pass
+            return {"sync/bytes": 0.0}
+        wanted, have, sent = {s[0] for s in spec}, {}, 0
+        for bucket in plan_buckets(spec):
+            for i in bucket:
+                while spec[i][0] not in have:
+                    name, t = next(gathered)
+                    if name in wanted:
+                        have[name] = t
+            dtype = _dtype(spec[bucket[0]][2])
+            flat = torch.cat([have.pop(spec[i][0]).to(dtype).reshape(-1) for i in bucket])
+            _broadcast(self._sync_group, flat)
+            sent += flat.numel() * flat.element_size()
+        for _ in gathered:
+            pass
+        return {"sync/bytes": float(sent)}
+
+    @register(Protocol.ONE_TO_ALL)
+    def receive_weights(self, spec: list) -> dict:
+        """Receive the buckets from actor rank 0 into this rank's rollout model, in place.
+        -> sync/bytes received."""
+        received = 0
+        model = self.rollout.model
+        for bucket in plan_buckets(spec):
+            numels = [math.prod(spec[i][1]) for i in bucket]
+            flat = torch.empty(sum(numels), dtype=_dtype(spec[bucket[0]][2]), device=self.device)
+            _broadcast(self._sync_group, flat)
+            parts = flat.split(numels)
+            load_named_weights(model, ((spec[i][0], p.view(spec[i][1])) for i, p in zip(bucket, parts)))
+            received += flat.numel() * flat.element_size()
+        return {"sync/bytes": float(received)}

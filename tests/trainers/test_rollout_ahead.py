@@ -1,0 +1,125 @@
+"""trainer.rollout_ahead=1 through the trainer (real Ray groups, gloo): a rollout pool of its own samples
+step k+1 while the actor trains on step k, the weights go over a gloo group spanning both pools, the loss
+carries truncated importance weights, and a run resumed from a checkpoint repeats the uninterrupted one
+(the batch in flight is in the checkpoint). Learning on the demo recipe: tests/trainers/test_learning.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.config import ConfigError
+from hybridflow.models import load_causal_lm
+from hybridflow.trainers import build_trainer
+
+DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
+AHEAD = (DIGITS, "trainer.rollout_ahead=1", "trainer.val_before_train=false")
+LAG = "rollout/policy_lag"
+
+
+def _comparable(row: dict) -> dict:
+    return {
+        k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/")) and not k.endswith("_time_s")
+    }
+
+
+def _param_bytes(model_dir) -> int:
+    model = load_causal_lm(model_dir)
+    return sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+def test_six_steps_lag_one_and_resume_repeats_the_uninterrupted_run(ray_cluster, make_config, tiny_model_dir):
+    settings = (*AHEAD, "trainer.total_steps=6", "trainer.save_every=3", "trainer.val_every=3")
+    with build_trainer(make_config("grpo", *settings, "trainer.experiment_name=whole", devices=2)) as trainer:
+        assert trainer.placement.pools == {"global": 1, "rollout": 1}
+        assert trainer.groups["rollout"].world_size == 1 and trainer.cfg.actor.parallel.dp == 1
+        whole = trainer.fit()
+        # after a last sync the rollout pool samples exactly as the trained actor does
+        trainer.ahead.sync(trainer.global_step)
+        prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(4)])
+        greedy = {"n": 1, "temperature": 0.0}
+        ours, theirs = (
+            g.generate_sequences(prompts, sampling=greedy) for g in (trainer.actor, trainer.groups["rollout"])
+        )
+    assert torch.equal(ours["responses"], theirs["responses"])
+    assert torch.allclose(ours["rollout_log_probs"], theirs["rollout_log_probs"], atol=1e-5)
+
+    steps = [h for h in whole if h["step"] > 0]
+    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # steps 2-5 sync the whole model (tied embeddings once) over the gloo group spanning both pools before
+    # issuing the next generation; step 1's rollout pool already holds model.path, step 6 has nothing to issue
+    for h in (steps[0], steps[-1]):
+        assert "sync/bytes" not in h and "timing_s/weight_sync" not in h
+    assert {h["sync/bytes"] for h in steps[1:-1]} == {float(_param_bytes(tiny_model_dir))}
+    assert all(h["timing_s/weight_sync"] > 0 for h in steps[1:-1])
+    for h in steps:  # the loss carries the truncated importance weights, metrics pooled over the update
+        assert 0 < h["actor/is_weight_mean"] <= 2.0 and 0 <= h["actor/is_weight_clipfrac"] <= 1
+    assert abs(steps[0]["actor/is_weight_mean"] - 1) < 1e-5  # lag 0: sampled by the very same weights
+    assert any(abs(h["actor/is_weight_mean"] - 1) > 1e-4 for h in steps[1:])  # lag 1: the policy moved
+
+    cfg = make_config("grpo", *settings, "trainer.experiment_name=parts", "trainer.resume=auto", devices=2)
+    with build_trainer(cfg) as trainer:
+        first = trainer.fit(stop_after=3)
+    ckpt = Path(cfg.run_dir) / "checkpoints" / "step_3"
+    assert json.loads((ckpt / "rollout_ahead" / "state.json").read_text()) == {"step": 4, "version": 2}
+    with build_trainer(cfg) as trainer:  # fresh worker processes; the batch in flight comes from step_3
+        rest = trainer.fit()
+    assert [h["step"] for h in first + rest] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(whole, first + rest, strict=True):
+        assert _comparable(a) == _comparable(b), a["step"]
+
+
+def test_with_learning_rate_zero_the_importance_weights_are_one(ray_cluster, make_config):
+    cfg = make_config("grpo", *AHEAD, "actor.optim.lr=0", "trainer.total_steps=3", devices=2)
+    with build_trainer(cfg) as trainer:
+        steps = trainer.fit()
+    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0]
+    for h in steps:
+        # the rollout's log-probs (its KV-cached decoder) and the actor's recompute (one full forward) agree to
+        # float32 rounding: the same weights, so nothing is truncated and nothing is reweighted
+        assert abs(h["actor/is_weight_mean"] - 1) < 1e-5, h["actor/is_weight_mean"]
+        assert h["actor/is_weight_clipfrac"] == 0.0
+        assert math.isfinite(h["actor/pg_loss"])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("trainer.rollout_ahead=1",), "trainer.rollout_ahead: 1 needs at least 2 devices"),
+        (("trainer.rollout_ahead=2",), "trainer.rollout_ahead: 2 is not one of [0, 1]"),
+        (("resources.rollout_devices=1",), "resources.rollout_devices: 1 is only used with trainer.rollout_ahead=1"),
+        (("actor.tis_imp_ratio_cap=5",), "actor.tis_imp_ratio_cap: only used with trainer.rollout_ahead=1"),
+        (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "resources.rollout_devices=2"),
+         "resources.rollout_devices: must leave training at least one of the 2 devices"),
+        (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "resources.placement=split"),
+         "resources.placement: split needs 2 training devices"),
+        (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "resources.placement=auto"),
+         "trainer.rollout_ahead: resources.placement='auto' is not supported"),
+        (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "rollout.engine=vllm"),
+         "rollout.engine: 'vllm' is not supported with trainer.rollout_ahead=1"),
+        (("algorithm.name=sft", "trainer.rollout_ahead=1", "resources.n_gpus_per_node=2"),
+         "trainer.rollout_ahead: sft trains on a fixed dataset"),
+    ],
+)  # fmt: skip
+def test_what_the_schedule_cannot_serve_is_one_line(make_config, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        make_config("grpo", *overrides)
+    assert any(line.startswith(message) for line in e.value.errors), e.value.errors
+
+
+def test_the_devices_split_between_training_and_rollout(make_config):
+    from hybridflow.trainers.placement import Placement
+
+    cfg = make_config("ppo", "trainer.rollout_ahead=1", devices=5)
+    assert Placement.from_config(cfg).pools == {"global": 3, "rollout": 2}  # 0 = half, rounded down
+    assert cfg.actor.parallel.dp == cfg.critic.parallel.dp == 3
+    cfg = make_config("ppo", "trainer.rollout_ahead=1", "resources.placement=split", "resources.rollout_devices=1",
+                      devices=5)  # fmt: skip
+    placement = Placement.from_config(cfg)
+    assert placement.pools == {"actor": 2, "critic": 2, "rollout": 1}
+    assert placement.pool_of("rollout") == "rollout" and placement.pool_of("ref") == "actor"
