@@ -8,7 +8,8 @@ needs (`resources.placement: auto` applies them itself).
 
 `--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
-which stages the winner gains and loses time.
+which stages the winner gains and loses time; then the synchronous schedule beside the one-step-ahead
+one (`--schedule`, docs/planner.md): each one's predicted iteration and what decides between them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from hybridflow.planner.ahead import search_ahead
 from hybridflow.planner.dataflow import ALGORITHMS, STAGES, build_dataflow
-from hybridflow.planner.plan import Plan, build_plan
+from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
 from hybridflow.planner.search import bell_number, search
 from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
 
@@ -60,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--mini-batches", type=int, default=defaults.mini_batches, help="optimizer steps per epoch"
     )
+    w.add_argument(
+        "--schedule",
+        default="auto",
+        choices=SCHEDULES,
+        help="sync: generation, preparation, training in turn; ahead: trainer.rollout_ahead=1, generation "
+        "on its own pool one step ahead; auto: whichever predicts the shorter iteration",
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--explain", action="store_true", help="compare with colocate / split / standalone")
     o.add_argument("--top", type=int, default=5, help="alternatives to list")
@@ -94,8 +103,9 @@ def plan_from_args(args) -> tuple[Plan, float]:
     limits = EngineLimits(args.max_pp, args.max_pg, args.tp_whole_heads)
     start = time.perf_counter()
     results = search(dataflow, cluster, wl, limits)
+    ahead = search_ahead(dataflow, cluster, wl, limits) if args.schedule != "sync" else None
     seconds = time.perf_counter() - start
-    return build_plan(dataflow, cluster, wl, results, limits), seconds
+    return build_plan(dataflow, cluster, wl, results, limits, ahead, args.schedule), seconds
 
 
 def _fmt_placement(placement, allocation) -> str:
@@ -109,9 +119,12 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
     took = (
         f", searched {len(plan.alternatives)} placements in {search_seconds:.2f} s" if search_seconds else ""
     )
+    schedule = (
+        f" + rollout pool one step ahead ({plan.ahead.n_devices} devices)" if plan.rollout_ahead else ""
+    )
     console.print(
         f"[bold]{plan.algorithm.upper()}[/] {models} on {plan.num_devices} x {plan.device}: "
-        f"[bold]{plan.strategy}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
+        f"[bold]{plan.strategy}{schedule}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
         f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
     )
     if plan.limits != EngineLimits():
@@ -143,8 +156,20 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         t.add_row(
             p.name, str(p.n_devices), *(f"{p.stage_seconds[s]:.2f}" for s in STAGES), f"{p.peak_gib:.1f}"
         )
+    if plan.rollout_ahead:
+        r = plan.ahead
+        gen = f"{r.generation_seconds:.2f}"
+        pool = f"rollout (pg={r.pg}, tg={r.tg})"
+        t.add_row(pool, str(r.n_devices), gen, "-", "-", f"{r.weight_gib + r.kv_gib:.1f}")
     t.add_row("[bold]iteration[/]", "", *(f"[bold]{plan.stage_seconds[s]:.2f}[/]" for s in STAGES), "")
     console.print(t)
+    if plan.rollout_ahead:
+        r = plan.ahead
+        console.print(
+            f"one step ahead (trainer.rollout_ahead=1): iteration = max(generation {r.generation_seconds:.2f} s, "
+            f"preparation + training {r.training_side_seconds:.2f} s) + weight sync {r.sync_seconds:.3f} s "
+            f"({r.sync_bytes / 2**30:.2f} GiB per rollout device) = {r.iteration_seconds:.2f} s"
+        )
     t = Table(title=f"best {top} placements (each with its best allocation)", title_justify="left")
     for col in ("rank", "strategy", "pools:devices", "iteration s", "vs best"):
         t.add_column(col, justify="right" if col in ("rank", "iteration s", "vs best") else "left")
@@ -202,6 +227,59 @@ def explain(plan: Plan, console) -> None:
     console.print(
         f"searched all {bell_number(n_roles)} placements of {n_roles} models; a placement missing above "
         "cannot fit in memory"
+    )
+    explain_schedules(plan, console)
+
+
+def explain_schedules(plan: Plan, console) -> None:
+    """The synchronous schedule's best plan beside the one-step-ahead one's (ahead.py)."""
+    from rich.table import Table
+
+    sync, ahead = plan.synchronous_seconds or None, plan.ahead
+    t = Table(title="schedules: synchronous vs one step ahead (trainer.rollout_ahead)", title_justify="left")
+    for col in (
+        "schedule",
+        "pools:devices",
+        "generation s",
+        "prep + train s",
+        "weight sync s",
+        "iteration s",
+        "vs plan",
+    ):
+        t.add_column(col, justify="left" if col in ("schedule", "pools:devices") else "right")
+    if sync:
+        best = plan.alternatives[0]
+        g = best.stage_seconds["generation"]
+        t.add_row(
+            "synchronous (rollout_ahead=0)" + (" <- plan" if not plan.rollout_ahead else ""),
+            _fmt_placement(best.placement, best.allocation), f"{g:.2f}", f"{sync - g:.2f}", "-",
+            f"{sync:.2f}", f"{sync / plan.iteration_seconds:.3f}x",
+        )  # fmt: skip
+    if ahead:
+        pools = _fmt_placement(ahead.placement, ahead.allocation) + f" | rollout:{ahead.n_devices}"
+        t.add_row(
+            "one step ahead (rollout_ahead=1)" + (" <- plan" if plan.rollout_ahead else ""), pools,
+            f"{ahead.generation_seconds:.2f}", f"{ahead.training_side_seconds:.2f}", f"{ahead.sync_seconds:.3f}",
+            f"{ahead.iteration_seconds:.2f}", f"{ahead.iteration_seconds / plan.iteration_seconds:.3f}x",
+        )  # fmt: skip
+    console.print(t)
+    if not ahead:
+        console.print(
+            "- one step ahead: no plan (--schedule sync, or a rollout pool of its own needs >= 2 devices "
+            "and memory for the rest)"
+        )
+        return
+    if not sync:
+        console.print("- synchronous: no placement fits; one step ahead does")
+        return
+    hidden = min(ahead.generation_seconds, ahead.training_side_seconds)
+    verdict = "wins" if ahead.iteration_seconds < sync else "loses"
+    console.print(
+        f"- one step ahead {verdict} ({ahead.iteration_seconds / sync:.2f}x the synchronous iteration): it hides "
+        f"{hidden:.2f} s of the shorter side behind the longer one, but generation runs on {ahead.n_devices} "
+        f"of {plan.num_devices} devices and the rest on {plan.num_devices - ahead.n_devices} "
+        f"(longer side {max(ahead.generation_seconds, ahead.training_side_seconds):.2f} s), "
+        f"and the weights move every iteration ({ahead.sync_seconds:.3f} s); responses are one step off-policy"
     )
 
 
