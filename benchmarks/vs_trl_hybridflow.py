@@ -143,19 +143,9 @@ def run(args) -> dict:
     return {"side": "hybridflow", "algorithm": args.algorithm, "steps": steps, "rewards": rewards}
 
 
-def run_cli(args) -> dict:
-    """`hybridflow train <overrides>` in a subprocess, as a user runs it; per-step figures come from
-    its metrics.jsonl (timing_s/step is the driver's step time, perf/total_tokens the step's prompt +
-    response tokens). Ray start-up, the final validation and checkpoint are outside the steps."""
-    run_dir = os.path.join(args.workdir, "hf_cli_runs")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [
-        sys.executable, "-m", "hybridflow.cli", "train", *overrides(args),
-        f"trainer.output_dir={run_dir}", "trainer.experiment_name=bench", "trainer.loggers=[jsonl]",
-        "trainer.save_every_minutes=0",
-    ]  # fmt: skip
-    metrics = os.path.join(run_dir, "bench", "metrics.jsonl")
-    # CPU seconds of the whole process tree (driver, Ray daemons, workers) when each step's line lands
+def _train_once(cmd: list[str], metrics: str) -> tuple[int, list[float]]:
+    """Run `cmd`; -> (exit code, CPU seconds of its whole process tree (driver, Ray daemons, workers)
+    when each step's line landed in `metrics`)."""
     proc, cpu_at = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr), []
     while proc.poll() is None:
         time.sleep(0.1)
@@ -164,8 +154,28 @@ def run_cli(args) -> dict:
             with open(metrics) as f:
                 lines = sum(1 for line in f if '"timing_s/step"' in line)
             cpu_at += [cpu] * (lines - len(cpu_at))
-    if proc.returncode != 0 or not os.path.exists(metrics):
-        raise SystemExit(f"hybridflow train failed (exit {proc.returncode}): {' '.join(cmd)}")
+    return proc.returncode, cpu_at
+
+
+def run_cli(args) -> dict:
+    """`hybridflow train <overrides>` in a subprocess, as a user runs it; per-step figures come from
+    its metrics.jsonl (timing_s/step is the driver's step time, perf/total_tokens the step's prompt +
+    response tokens). Ray start-up, the final validation and checkpoint are outside the steps."""
+    run_dir = os.path.join(args.workdir, "hf_cli_runs")
+    cmd = [
+        sys.executable, "-m", "hybridflow.cli", "train", *overrides(args),
+        f"trainer.output_dir={run_dir}", "trainer.experiment_name=bench", "trainer.loggers=[jsonl]",
+        "trainer.save_every_minutes=0",
+    ]  # fmt: skip
+    metrics = os.path.join(run_dir, "bench", "metrics.jsonl")
+    for _attempt in range(3):  # on a loaded machine Ray's start-up can time out (a fixed 30 s in ray)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        returncode, cpu_at = _train_once(cmd, metrics)
+        if returncode == 0 or os.path.exists(metrics):
+            break
+        print(f"hybridflow train exited {returncode} before its first step; retrying", file=sys.stderr)
+    if returncode != 0 or not os.path.exists(metrics):
+        raise SystemExit(f"hybridflow train failed (exit {returncode}): {' '.join(cmd)}")
     steps, rewards = [], []
     with open(metrics) as f:
         for line in f:
