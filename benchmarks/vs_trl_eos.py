@@ -18,6 +18,7 @@ best synchronous run's own phases: tokens / max(generation, rest) against tokens
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -70,6 +71,9 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
                 res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_{tag}_ahead.log")
                 row["ahead"] = summarize_eos(res, args.warmup, summarize)
             rows.append(row)
+            # partial results survive an interrupted run (the machine may be shared and slow)
+            (workdir / "natural_eos_rows.json").write_text(json.dumps(rows, indent=1))
+            print(natural_table(rows), file=sys.stderr, flush=True)
     return rows
 
 
@@ -93,7 +97,7 @@ def natural_table(rows: list[dict]) -> str:
     head = (
         "| model | Lr (max) | resp. tokens TRL / hf | TRL tok/s | hybridflow sync tok/s | **sync / TRL** | "
         "best sync setting | rollout_ahead=1 tok/s | **ahead / TRL** | gen s / rest s (sync) | "
-        "ideal overlap tok/s (/ TRL) |\n" + "|---" * 11 + "|\n"
+        "ideal overlap tok/s (/ TRL) | CPU tokens/s: TRL, hybridflow sync (ratio) |\n" + "|---" * 12 + "|\n"
     )
     body = ""
     for r in rows:
@@ -108,7 +112,8 @@ def natural_table(rows: list[dict]) -> str:
         body += (
             f"| {r['size']} | {r['length']} | {trl['response_mean']:.1f} / {hf['response_mean']:.1f} | "
             f"{_rate(trl):.0f} | {_rate(hf):.0f} | **{_rate(hf) / _rate(trl):.2f}x** | {name} | {ahead} | "
-            f"{ahead_ratio} | {gen:.2f} / {rest:.2f} | {ideal:.0f} ({ideal / _rate(trl):.2f}x) |\n"
+            f"{ahead_ratio} | {gen:.2f} / {rest:.2f} | {ideal:.0f} ({ideal / _rate(trl):.2f}x) | "
+            f"{trl['cpu_rate']:.0f}, {hf['cpu_rate']:.0f} ({hf['cpu_rate'] / trl['cpu_rate']:.2f}x) |\n"
         )
     return head + body
 
@@ -132,6 +137,10 @@ def summarize_eos(result: dict, warmup: int, summarize) -> dict:
     out = summarize(result, warmup)
     steps = result["steps"][warmup:] or result["steps"][-1:]
     out["rate"] = sum(s["tokens"] for s in steps) / sum(s["iteration"] for s in steps)
+    timed = [s for s in steps if s["cpu"] == s["cpu"] and s["cpu"] > 0]  # nan: CPU not read for that step
+    out["cpu_rate"] = (
+        sum(s["tokens"] for s in timed) / sum(s["cpu"] for s in timed) if timed else float("nan")
+    )
     out["response_mean"] = statistics.fmean(s.get("response_len", 0.0) for s in steps)
     out["policy_lag"] = statistics.fmean(s.get("policy_lag", 0.0) for s in steps)
     return out

@@ -168,12 +168,13 @@ def run_cli(args) -> dict:
         "trainer.save_every_minutes=0",
     ]  # fmt: skip
     metrics = os.path.join(run_dir, "bench", "metrics.jsonl")
-    for _attempt in range(3):  # on a loaded machine Ray's start-up can time out (a fixed 30 s in ray)
+    for attempt in range(5):  # on a loaded machine Ray's start-up can time out (a fixed 30 s in ray)
         shutil.rmtree(run_dir, ignore_errors=True)
         returncode, cpu_at = _train_once(cmd, metrics)
         if returncode == 0 or os.path.exists(metrics):
             break
         print(f"hybridflow train exited {returncode} before its first step; retrying", file=sys.stderr)
+        time.sleep(10 * (attempt + 1))
     if returncode != 0 or not os.path.exists(metrics):
         raise SystemExit(f"hybridflow train failed (exit {returncode}): {' '.join(cmd)}")
     steps, rewards = [], []
