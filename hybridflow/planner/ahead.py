@@ -81,7 +81,7 @@ def rollout_option(
     dev, dpn, spec = cluster.device, cluster.devices_per_node, task.spec
     budget = dev.memory_bytes * dev.usable_memory_fraction
     best = None
-    for tg in _powers_of_two_upto(min(n, dpn)):
+    for tg in _powers_of_two_upto(min(n, dpn, limits.max_rollout_tg or n)):
         if not limits.allows_tp(spec, tg):
             continue
         for pg in range(1, min(spec.num_layers, limits.max_pg or n) + 1):
@@ -135,17 +135,18 @@ class AheadResult:
 
 def best_split(generation, training, sync, num_devices: int) -> tuple[float, int] | None:
     """(iteration seconds, rollout devices) minimising max(generation(n), training(N - n)) + sync(n)
-    over n = 1..N-1, or None. `generation`, `training`, `sync` map a device count to seconds (None or
-    inf: does not fit). Assumes, as the simulator gives, that training(m) does not grow with m (idle
-    devices are allowed) and sync(n) does not shrink with n, so the scan stops once
-    training(N - n) + sync(n) alone reaches the best found."""
+    over n = 1..N-1, or None. `generation(n)` and `sync(n)` map a device count to seconds (None: does
+    not fit); `training(m, limit)` gives the training side's seconds on m devices, or None when it does
+    not fit or cannot beat `limit` (the search passes what would still improve the best split).
+    Assumes, as the simulator gives, that training(m) does not grow with m (idle devices are allowed)
+    and sync(n) does not shrink with n, so the scan stops once training(N - n) + sync(n) alone reaches
+    the best found."""
     best = None
     for n in range(1, num_devices):
-        t, s = training(num_devices - n), sync(n)
+        s = sync(n)
+        t = training(num_devices - n, math.inf if best is None else best[0] - s)
         if t is None or not math.isfinite(t):
-            break  # fewer devices for the training side only make it worse
-        if best is not None and t + s >= best[0]:
-            break
+            break  # fewer devices for the training side, more sync: no later n can do better
         g = generation(n)
         if g is None or not math.isfinite(g):
             continue
@@ -156,9 +157,14 @@ def best_split(generation, training, sync, num_devices: int) -> tuple[float, int
 
 
 def search_ahead(
-    dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, limits: EngineLimits = UNCONSTRAINED
+    dataflow: Dataflow,
+    cluster: ClusterSpec,
+    wl: WorkloadSpec,
+    limits: EngineLimits = UNCONSTRAINED,
+    rollout_devices: int | None = None,
 ) -> AheadResult | None:
-    """The fastest one-step-ahead plan of `dataflow` on `cluster`, or None (one device, or nothing fits).
+    """The fastest one-step-ahead plan of `dataflow` on `cluster`, or None (one device, or nothing fits);
+    `rollout_devices` fixes the rollout pool's size (a user's resources.rollout_devices), else searched.
 
     The training side's placements and allocations are searched exactly as the synchronous schedule's
     (search.py), for every device count the rollout pool leaves; candidates are computed once.
@@ -177,22 +183,33 @@ def search_ahead(
             if roles not in cache:
                 tasks = tuple(side.model(r) for r in roles)
                 cache[roles] = pool_candidates(tasks, cluster, wl, n_total - 1, limits=limits)
-    train_memo: dict[int, tuple[float, tuple, tuple] | None] = {}
+    # a placement's cost on n_total - 1 devices bounds it from below on fewer: try the cheap ones first
+    floor = {pl: best_allocation([cache[r] for r in pl], n_total - 1) for pl in placements}
+    ranked = sorted((f[0], i, pl) for i, (pl, f) in enumerate(floor.items()) if f is not None)
+    found_at: dict[int, tuple[float, tuple, tuple]] = {}
 
-    def train_best(m: int):
-        if m not in train_memo:
-            found = None
-            for placement in placements:
-                r = best_allocation([cache[roles] for roles in placement], m)
-                if r is not None and (found is None or r[0] < found[0] - 1e-12):
-                    found = (r[0], placement, r[1])
-            train_memo[m] = found
-        return train_memo[m]
+    def train_best(m: int, limit: float = math.inf):
+        """The training side's best (seconds, placement, allocation index) on m devices below `limit`."""
+        found = None
+        for lower, _, placement in ranked:
+            if lower >= limit:
+                break
+            r = best_allocation([cache[roles] for roles in placement], m)
+            if r is not None and r[0] < limit:
+                limit, found = r[0], (r[0], placement, r[1])
+        if found is not None:
+            found_at[m] = found
+        return found
 
-    rollout_memo = {n: rollout_option(actor, cluster, wl, n, limits) for n in range(1, n_total)}
+    sizes = (
+        range(1, n_total) if not rollout_devices else [rollout_devices] if rollout_devices < n_total else []
+    )
+    rollout_memo = {
+        n: rollout_option(actor, cluster, wl, n, limits) if n in sizes else None for n in range(1, n_total)
+    }
     split = best_split(
         lambda n: rollout_memo[n].generation_seconds if rollout_memo[n] else None,
-        lambda m: train_best(m)[0] if train_best(m) else None,
+        lambda m, limit: (train_best(m, limit) or (None,))[0],
         lambda n: weight_sync_seconds(actor, cluster, n, *_layout(rollout_memo[n])),
         n_total,
     )
@@ -200,7 +217,7 @@ def search_ahead(
         return None
     n_rollout = split[1]
     option = rollout_memo[n_rollout]
-    cost, placement, idx = train_best(n_total - n_rollout)
+    cost, placement, idx = found_at[n_total - n_rollout]
     cands = [cache[roles] for roles in placement]
     choices = tuple(c.choices[i] for c, i in zip(cands, idx))
     stage = [max(c.costs[i][s] for c, i in zip(cands, idx)) for s in range(cands[0].costs.shape[1])]

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--max-pg", type=int, default=None, help="largest generation pipeline size pg")
     e.add_argument(
+        "--max-rollout-tg",
+        type=int,
+        default=None,
+        help="largest tg of a one-step-ahead rollout pool (1: plain replicas, as the built-in trainer runs it)",
+    )
+    e.add_argument(
         "--tp-whole-heads",
         action="store_true",
         help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
@@ -100,7 +106,7 @@ def plan_from_args(args) -> tuple[Plan, float]:
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
     )
-    limits = EngineLimits(args.max_pp, args.max_pg, args.tp_whole_heads)
+    limits = EngineLimits(args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg)
     start = time.perf_counter()
     results = search(dataflow, cluster, wl, limits)
     ahead = search_ahead(dataflow, cluster, wl, limits) if args.schedule != "sync" else None

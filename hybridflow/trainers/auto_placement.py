@@ -64,7 +64,8 @@ from hybridflow.trainers.plan_schedule import (
 # What the built-in engines run: TrainEngine has no pipeline parallelism (ParallelConfig pp must be 1,
 # and so generation pg, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
 # columns. `hybridflow plan --max-pp 1 --tp-whole-heads` plans under the same limits.
-ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
+# A one-step-ahead rollout pool runs plain replicas (tg = 1).
+ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True, max_rollout_tg=1)
 
 # trainer role -> planner role
 PLANNER_ROLE = {
@@ -208,7 +209,8 @@ def plan_for_config(cfg) -> Plan:
         if ahead is None:
             return plan(df, cluster, wl, limits=ENGINE_LIMITS)
         results = search(df, cluster, wl, ENGINE_LIMITS)
-        best_ahead = search_ahead(df, cluster, wl, ENGINE_LIMITS)
+        fixed = getattr(cfg.resources, "rollout_devices", 0) or None  # the user's split, if set
+        best_ahead = search_ahead(df, cluster, wl, ENGINE_LIMITS, fixed)
         schedule = "ahead" if ahead else "sync"
         return build_plan(df, cluster, wl, results, ENGINE_LIMITS, best_ahead, schedule)
     except ConfigError:
@@ -246,7 +248,7 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             f"plan {source!r} (algorithm {p.algorithm}) has no model {missing} that {cfg.algorithm.name} "
             f"needs with this config; {replan} or use resources.placement=auto"
         )
-    errors += check_schedule(p, cfg, source, _model_dirs(cfg)["actor"])
+    errors += check_schedule(p, cfg, source)
     used = _used_pools(p, cfg)
     need = sum(pool.n_devices for pool in p.pools if pool.name in used)
     sizes = ", ".join(f"{pool.name}:{pool.n_devices}" for pool in p.pools if pool.name in used)

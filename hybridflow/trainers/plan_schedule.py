@@ -7,11 +7,10 @@ placement's). Builds without the setting accept only synchronous plans. auto_pla
 
 from __future__ import annotations
 
-import os
-
-from hybridflow.planner import ModelSpec, Plan
+from hybridflow.planner import Plan
 
 REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
+AHEAD_FLAGS = "--max-pg 1 --max-rollout-tg 1"  # the rollout pool runs plain replicas
 
 
 def config_rollout_ahead(cfg) -> int | None:
@@ -19,7 +18,7 @@ def config_rollout_ahead(cfg) -> int | None:
     return getattr(cfg.trainer, "rollout_ahead", None)
 
 
-def check_schedule(p: Plan, cfg, source: str, actor_dir: str) -> list[str]:
+def check_schedule(p: Plan, cfg, source: str) -> list[str]:
     """The plan's schedule against the config's trainer.rollout_ahead, and the rollout pool's layout."""
     want = config_rollout_ahead(cfg)
     if p.rollout_ahead and want is None:
@@ -41,15 +40,17 @@ def check_schedule(p: Plan, cfg, source: str, actor_dir: str) -> list[str]:
             errors.append(
                 f"{where}: the rollout engines have no pipeline parallelism; edit the plan to pg: 1"
             )
-        if r.n_devices % (r.pg * r.tg):
-            errors.append(f"{where}: pg*tg must divide its devices; fix the plan")
-        if r.tg > 1 and os.path.isdir(actor_dir):
-            spec = ModelSpec.from_hf_config(actor_dir)
-            if spec.num_heads % r.tg or spec.num_kv_heads % r.tg:
-                errors.append(
-                    f"{where}: tg={r.tg} does not divide the heads / KV heads of {actor_dir}; re-plan with "
-                    f"`hybridflow plan ... {REPLAN_FLAGS}`"
-                )
+        if r.tg != 1:
+            errors.append(
+                f"{where}: the rollout pool runs plain replicas (tg = 1); edit the plan to tg: 1 or re-plan "
+                f"with `hybridflow plan ... {REPLAN_FLAGS} {AHEAD_FLAGS}`"
+            )
+        fixed = getattr(cfg.resources, "rollout_devices", 0)
+        if fixed and fixed != r.n_devices:
+            errors.append(
+                f"{where}: resources.rollout_devices={fixed} differs; remove the setting (the plan sizes "
+                "the pool) or edit the plan"
+            )
     return errors
 
 

@@ -65,15 +65,19 @@ def test_iteration_is_the_longer_side_plus_the_weight_sync():
 
 def test_best_split_on_hand_made_curves():
     # generation does not scale with devices (weight reads per replica), training does
-    gen, train, sync = (lambda n: 4.0), (lambda m: 12.0 / m), (lambda n: 0.25)
+    gen, train, sync = (lambda n: 4.0), (lambda m, limit: 12.0 / m), (lambda n: 0.25)
     assert best_split(gen, train, sync, 4) == (4.25, 1)  # n=1: max(4, 4) + 0.25
     # both scale linearly: the best split (2 | 2) is 6/2 + 0.5 = 3.5, worse than in turn on all
     # four devices, 6/4 + 6/4 = 3.0: with perfect scaling, overlap never pays for the split and sync
     lin = lambda n: 6.0 / n  # noqa: E731
-    assert best_split(lin, lin, lambda n: 0.5, 4) == (3.5, 2)
+    assert best_split(lin, lambda m, limit: lin(m), lambda n: 0.5, 4) == (3.5, 2)
     # nothing fits the training side with 1 device: only splits leaving it 2+
-    assert best_split(gen, lambda m: None if m < 2 else 1.0, sync, 3) == (4.25, 1)
-    assert best_split(gen, lambda m: None, sync, 3) is None
+    assert best_split(gen, lambda m, limit: None if m < 2 else 1.0, sync, 3) == (4.25, 1)
+    assert best_split(gen, lambda m, limit: None, sync, 3) is None
+    # the training side is asked only for what could still beat the best split found
+    limits = []
+    best_split(lin, lambda m, limit: limits.append(limit) or lin(m), lambda n: 0.5, 4)
+    assert limits == [math.inf, 6.5 - 0.5, 3.5 - 0.5]
 
 
 def test_ahead_wins_when_generation_matches_training():

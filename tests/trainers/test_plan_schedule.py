@@ -50,7 +50,8 @@ def test_one_step_ahead_plan_adds_the_rollout_pool(make_config, tiny_model_dir):
     placement = placement_from_plan(p, _config(make_config, 1))
     assert placement.pools == {**{pool.name: pool.n_devices for pool in p.pools}, "rollout": r.n_devices}
     assert placement.num_devices == 3 and placement.pool_of("rollout") == "rollout"
-    assert placement.parallel["rollout"] == RoleParallel(1, r.tg, r.n_devices // r.tg, 1, r.tg)
+    assert r.tg == 1  # ENGINE_LIMITS: the trainer's rollout pool runs plain replicas
+    assert placement.parallel["rollout"] == RoleParallel(1, 1, r.n_devices, 1, 1)
     # the training side runs where the plan put it; the actor no longer generates there
     assert placement.roles["actor_rollout"] == p.model("actor").pool
     assert p.model("actor").stage_seconds["generation"] == 0.0
@@ -68,23 +69,29 @@ def test_the_plan_schedule_must_match_the_config(make_config, tiny_model_dir):
         placement_from_plan(sync, _config(make_config, 1))
     # a build without the setting runs synchronous plans only
     no_setting = SimpleNamespace(trainer=SimpleNamespace())
-    assert check_schedule(sync, no_setting, "p.yaml", str(tiny_model_dir)) == []
-    (msg,) = check_schedule(ahead, no_setting, "p.yaml", str(tiny_model_dir))
+    assert check_schedule(sync, no_setting, "p.yaml") == []
+    (msg,) = check_schedule(ahead, no_setting, "p.yaml")
     assert "no trainer.rollout_ahead" in msg and "--schedule sync" in msg
     # the rollout pool counts towards the devices, and its layout must be one the engines run
     with pytest.raises(ConfigError, match=r"needs 3 devices \(.*rollout:1\) but .* = 2"):
         placement_from_plan(ahead, _config(make_config, 1, devices=2))
     bad = copy.deepcopy(ahead)
-    bad.ahead.tg, bad.ahead.pg = 3, 2
-    errors = check_schedule(bad, _config(make_config, 1), "p.yaml", str(tiny_model_dir))
-    assert any("no pipeline parallelism" in e for e in errors)
-    assert any("pg*tg must divide" in e for e in errors)
-    assert any("tg=3 does not divide the heads" in e for e in errors)
+    bad.ahead.tg, bad.ahead.pg = 2, 2
+    cfg = _config(make_config, 1)
+    cfg.resources.rollout_devices = 2  # the user's split, which the plan does not have
+    errors = check_schedule(bad, cfg, "p.yaml")
+    assert len(errors) == 3
+    assert "no pipeline parallelism" in errors[0]
+    assert "plain replicas (tg = 1)" in errors[1] and "--max-rollout-tg 1" in errors[1]
+    assert "resources.rollout_devices=2 differs" in errors[2]
 
 
-def test_auto_plans_the_schedule_the_config_asks_for(make_config, capsys):
+def test_auto_plans_the_schedule_the_config_asks_for(make_config):
     p = plan_for_config(_config(make_config, 1, "resources.placement=auto"))
     assert p.rollout_ahead == 1 and p.iteration_seconds == p.ahead.iteration_seconds
     q = plan_for_config(_config(make_config, 0, "resources.placement=auto"))
     assert q.rollout_ahead == 0 and q.iteration_seconds == q.synchronous_seconds
     assert q.ahead == p.ahead  # searched anyway, for the note comparing the two
+    fixed = _config(make_config, 1, "resources.placement=auto")
+    fixed.resources.rollout_devices = 3 - p.ahead.n_devices  # the user's split is kept
+    assert plan_for_config(fixed).ahead.n_devices == 3 - p.ahead.n_devices
