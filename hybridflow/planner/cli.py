@@ -195,16 +195,23 @@ def explain(plan: Plan, console) -> None:
     """The winner against the paper's fixed strategies, stage by stage."""
     from rich.table import Table
 
+    if not plan.alternatives:  # one step ahead fits, no synchronous placement does
+        explain_schedules(plan, console)
+        return
     best = plan.alternatives[0]
+    # one step ahead planned: the fixed strategies are compared with the best synchronous placement
+    ref = "the best synchronous placement" if plan.rollout_ahead else "the plan"
+    head = "best synchronous" if plan.rollout_ahead else "plan"
     fixed: dict = {}  # best result per strategy: alternatives are ranked, the first seen is the best
     for a in plan.alternatives:
         fixed.setdefault(a.strategy, a)
     t = Table(
-        title="why this plan: the fixed strategies, each with its best allocation", title_justify="left"
+        title=f"why this {'placement' if plan.rollout_ahead else 'plan'}: the fixed strategies, each with its best allocation",
+        title_justify="left",
     )
-    for col in ("strategy", "pools:devices", *(f"{s} s" for s in STAGES), "iteration s", "vs plan"):
+    for col in ("strategy", "pools:devices", *(f"{s} s" for s in STAGES), "iteration s", f"vs {head}"):
         t.add_column(col, justify="left" if col in ("strategy", "pools:devices") else "right")
-    rows = [("plan: " + best.strategy, best)]
+    rows = [(f"{head}: " + best.strategy, best)]
     rows += [
         (k, fixed[k]) for k in ("colocate", "split", "standalone") if k in fixed and fixed[k] is not best
     ]
@@ -220,13 +227,13 @@ def explain(plan: Plan, console) -> None:
             continue
         a = fixed[k]
         if a is best:
-            console.print(f"- {k}: this is the plan")
+            console.print(f"- {k}: this is {ref}")
             continue
         delta = {s: a.stage_seconds[s] - best.stage_seconds[s] for s in STAGES}
         loses = [f"{s} +{v:.1f} s" for s, v in delta.items() if v > 0.05]
         gains = [f"{s} {v:.1f} s" for s, v in delta.items() if v < -0.05]
         console.print(
-            f"- {k} is {a.iteration_seconds / best.iteration_seconds:.2f}x the plan's time: slower in "
+            f"- {k} is {a.iteration_seconds / best.iteration_seconds:.2f}x {ref}'s time: slower in "
             f"{', '.join(loses) or 'no stage'}; faster in {', '.join(gains) or 'no stage'}"
         )
     n_roles = len(plan.models)
