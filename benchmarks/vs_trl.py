@@ -27,7 +27,12 @@ Learning alike (--learn-steps): a tiny model is SFT-warm-started once by hybridf
 does), then both sides run GRPO from that same directory with the same settings, responses ending at
 EOS, and the two reward curves are reported side by side.
 
+Natural EOS (vs_trl_eos.py, issue 14): responses end at EOS at random lengths, TRL at its defaults
+except activation checkpointing off, hybridflow through `hybridflow train`; the best synchronous
+setting a user can choose by config, `trainer.rollout_ahead=1`, and the ideal overlap bound.
+
     .venv/bin/python benchmarks/vs_trl.py [--sizes small medium] [--lengths 32 128] [--ppo]
+                                          [--natural-eos yes|no|only] [--eos-steps 5]
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from vs_trl_eos import natural_rows, natural_table, variants_table  # noqa: E402
+
 PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
 
@@ -231,6 +239,17 @@ def main(argv=None) -> int:
     p.add_argument(
         "--ppo", action="store_true", help="also run hybridflow PPO on the small/32 and medium/32 rows"
     )
+    p.add_argument(
+        "--natural-eos",
+        choices=("yes", "no", "only"),
+        default="yes",
+        help="the natural-EOS table through `hybridflow train` (vs_trl_eos.py); only = skip the other rows",
+    )
+    p.add_argument("--eos-sizes", nargs="+", default=["small", "medium"])
+    p.add_argument("--eos-lengths", nargs="+", type=int, default=[32, 128], help="max response tokens")
+    p.add_argument(
+        "--eos-steps", type=int, default=5, help="iterations per natural-EOS run (warm-up included)"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workdir", default="", help="where models and logs go (default: a temp dir)")
     p.add_argument("--json", default="", help="also write all raw results here")
@@ -241,7 +260,9 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vs_trl_"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    rows, curves, raw = [], {}, []
+    rows, curves, raw, eos_rows = [], {}, [], []
+    if args.natural_eos == "only":
+        args.sizes, args.learn_steps = [], 0
     for i_size, size in enumerate(args.sizes):
         model = str(save_tiny_model(workdir / f"model_{size}", size))
         for i_len, length in enumerate(args.lengths):
@@ -261,16 +282,19 @@ def main(argv=None) -> int:
                 raw.append({"size": size, "length": length, **res})
                 row["hybridflow_ppo"] = summarize(res, args.warmup)
             rows.append(row)
+    if args.natural_eos != "no":
+        eos_rows = natural_rows(args, workdir, run_grpo_side, common_args, summarize)
     if args.learn_steps > 0:
         curves = learning_curves(args, workdir)
 
-    print(report(args, rows, curves, time.time() - started))
+    print(report(args, rows, curves, time.time() - started, eos_rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "curves": curves, "raw": raw}, indent=1))
+        raw_out = {"rows": rows, "curves": curves, "raw": raw, "natural_eos": eos_rows}
+        Path(args.json).write_text(json.dumps(raw_out, indent=1))
     return 0
 
 
-def report(args, rows: list[dict], curves: dict, seconds: float) -> str:
+def report(args, rows: list[dict], curves: dict, seconds: float, eos_rows=()) -> str:
     try:
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
@@ -284,11 +308,19 @@ def report(args, rows: list[dict], curves: dict, seconds: float) -> str:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at the end {load}; "
         f"whole benchmark {seconds / 60:.1f} min.",
         "",
-        throughput_table(rows),
-        "Phase split (median seconds per iteration):",
-        "",
-        phase_table(rows),
     ]
+    if rows:
+        out += [throughput_table(rows), "Phase split (median seconds per iteration):", "", phase_table(rows)]
+    if eos_rows:
+        out += [
+            f"### Natural EOS: responses end at EOS at random lengths; hybridflow through `hybridflow train` "
+            f"(tokens/s over {args.eos_steps - args.warmup} steps after {args.warmup} warm-up)",
+            "",
+            natural_table(eos_rows),
+            "Every run of the natural-EOS rows, phases in median seconds per step:",
+            "",
+            variants_table(eos_rows, PHASES),
+        ]
     if any(not r[s]["tokens_equal"] for r in rows for s in ("trl", "hybridflow")):
         out.append("WARNING: token counts varied between iterations of a row.\n")
     if any(r["trl"]["tokens"] != r["hybridflow"]["tokens"] for r in rows):

@@ -27,12 +27,16 @@ def workload_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def tree_cpu_seconds() -> float:
+def tree_cpu_seconds(pid: int | None = None) -> float:
     """User + system CPU seconds of this process and every descendant alive now (Ray's GCS, raylet
-    and worker processes are descendants of the driver that started the local cluster). Under a
+    and worker processes are descendants of the driver that started the local cluster); with `pid`,
+    that process's tree instead (a `hybridflow train` subprocess; 0 once it has exited). Under a
     loaded machine this moves far less than wall time, so the table reports both."""
-    procs = [psutil.Process()]
-    procs += procs[0].children(recursive=True)
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:  # the process (pid) has exited
+        return 0.0
     total = 0.0
     for p in procs:
         try:

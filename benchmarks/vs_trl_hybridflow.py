@@ -20,6 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 from vs_trl_common import tree_cpu_seconds, workload_parser
@@ -34,11 +37,10 @@ PHASE_KEYS = {
 }
 
 
-def build_config(args):
-    from hybridflow.config import load_config
-
+def overrides(args) -> list[str]:
+    """The workload as `hybridflow train` overrides (the same list the API and the CLI modes run)."""
     seqs = args.batch_size * args.n
-    overrides = [
+    out = [
         f"algorithm.name={args.algorithm}",
         "algorithm.use_kl_loss=true",
         f"algorithm.kl_loss_coef={args.kl_coef}",
@@ -80,12 +82,18 @@ def build_config(args):
         f"trainer.seed={args.seed}",
     ]
     if args.algorithm == "ppo":
-        overrides += [
+        out += [
             f"critic.micro_batch_size_per_device={seqs}",
             f"critic.optim.lr={args.lr}",
             "critic.optim.weight_decay=0.0",
         ]
-    return load_config(None, overrides)
+    return out + list(args.set)
+
+
+def build_config(args):
+    from hybridflow.config import load_config
+
+    return load_config(None, overrides(args))
 
 
 def fixed_length(trainer_cls):
@@ -135,16 +143,80 @@ def run(args) -> dict:
     return {"side": "hybridflow", "algorithm": args.algorithm, "steps": steps, "rewards": rewards}
 
 
+def _train_once(cmd: list[str], metrics: str) -> tuple[int, list[float]]:
+    """Run `cmd`; -> (exit code, CPU seconds of its whole process tree (driver, Ray daemons, workers)
+    when each step's line landed in `metrics`)."""
+    proc, cpu_at = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr), []
+    while proc.poll() is None:
+        time.sleep(0.1)
+        cpu = tree_cpu_seconds(proc.pid)
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                lines = sum(1 for line in f if '"timing_s/step"' in line)
+            cpu_at += [cpu] * (lines - len(cpu_at))
+    return proc.returncode, cpu_at
+
+
+def run_cli(args) -> dict:
+    """`hybridflow train <overrides>` in a subprocess, as a user runs it; per-step figures come from
+    its metrics.jsonl (timing_s/step is the driver's step time, perf/total_tokens the step's prompt +
+    response tokens). Ray start-up, the final validation and checkpoint are outside the steps."""
+    run_dir = os.path.join(args.workdir, "hf_cli_runs")
+    cmd = [
+        sys.executable, "-m", "hybridflow.cli", "train", *overrides(args),
+        f"trainer.output_dir={run_dir}", "trainer.experiment_name=bench", "trainer.loggers=[jsonl]",
+        "trainer.save_every_minutes=0",
+    ]  # fmt: skip
+    metrics = os.path.join(run_dir, "bench", "metrics.jsonl")
+    for attempt in range(5):  # on a loaded machine Ray's start-up can time out (a fixed 30 s in ray)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        returncode, cpu_at = _train_once(cmd, metrics)
+        if returncode == 0 or os.path.exists(metrics):
+            break
+        print(f"hybridflow train exited {returncode} before its first step; retrying", file=sys.stderr)
+        time.sleep(10 * (attempt + 1))
+    if returncode != 0 or not os.path.exists(metrics):
+        raise SystemExit(f"hybridflow train failed (exit {returncode}): {' '.join(cmd)}")
+    steps, rewards = [], []
+    with open(metrics) as f:
+        for line in f:
+            m = json.loads(line)
+            if "timing_s/step" not in m:
+                continue  # validation-only records
+            row = {
+                phase: sum(m.get(f"timing_s/{k}", 0.0) for k in keys) for phase, keys in PHASE_KEYS.items()
+            }
+            row["iteration"] = m["timing_s/step"]
+            row["other"] = row["iteration"] - sum(v for k, v in row.items() if k not in ("iteration",))
+            i = len(steps)  # this step's CPU: between its line and the previous one (0: start-up too)
+            row["cpu"] = cpu_at[i] - cpu_at[i - 1] if 0 < i < len(cpu_at) else float("nan")
+            row["tokens"] = m["perf/total_tokens"]
+            row["response_len"] = m.get("response_length/mean", 0.0)
+            row["policy_lag"] = m.get("rollout/policy_lag", 0.0)
+            steps.append(row)
+            rewards.append(m.get("reward/mean", 0.0))
+    return {
+        "side": "hybridflow",
+        "algorithm": args.algorithm,
+        "steps": steps,
+        "rewards": rewards,
+        "cli": True,
+    }
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = workload_parser(__doc__.split("\n")[0])
     p.add_argument("--algorithm", default="grpo", choices=("grpo", "ppo"))
     p.add_argument("--workers", type=int, default=1, help="worker processes (dp) in the colocated pool")
     p.add_argument("--reward-workers", type=int, default=0, help="reward.num_workers (0 = in-process)")
+    p.add_argument("--cli", action="store_true", help="run `hybridflow train` in a subprocess (as users do)")
+    p.add_argument("--set", action="append", default=[], help="extra override key=value (repeatable)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    print(json.dumps(run(parse_args(argv))), flush=True)
+    args = parse_args(argv)
+    print(json.dumps(run_cli(args) if args.cli else run(args)), flush=True)
     return 0
 
 

@@ -171,6 +171,7 @@ def build_trainer(args, timer: PhaseTimer):
                 timer.rewards.append(float(logs["reward"]))
                 tokens = float(logs["num_tokens"])
                 timer.steps[-1]["tokens"] = tokens - timer.tokens_seen
+                timer.steps[-1]["response_len"] = float(logs.get("completions/mean_length", 0.0))
                 timer.tokens_seen = tokens
 
     trainer.add_callback(Hooks())

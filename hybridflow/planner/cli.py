@@ -8,7 +8,8 @@ needs (`resources.placement: auto` applies them itself).
 
 `--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
-which stages the winner gains and loses time.
+which stages the winner gains and loses time; then the synchronous schedule beside the one-step-ahead
+one (`--schedule`, docs/planner.md): each one's predicted iteration and what decides between them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from hybridflow.planner.ahead import search_ahead
 from hybridflow.planner.dataflow import ALGORITHMS, STAGES, build_dataflow
-from hybridflow.planner.plan import Plan, build_plan
+from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
 from hybridflow.planner.search import bell_number, search
 from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
 
@@ -46,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--max-pg", type=int, default=None, help="largest generation pipeline size pg")
     e.add_argument(
+        "--max-rollout-tg",
+        type=int,
+        default=None,
+        help="largest tg of a one-step-ahead rollout pool (1: plain replicas, as the built-in trainer runs it)",
+    )
+    e.add_argument(
         "--tp-whole-heads",
         action="store_true",
         help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
@@ -59,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--ppo-epochs", type=int, default=defaults.ppo_epochs)
     w.add_argument(
         "--mini-batches", type=int, default=defaults.mini_batches, help="optimizer steps per epoch"
+    )
+    w.add_argument(
+        "--schedule",
+        default="auto",
+        choices=SCHEDULES,
+        help="sync: generation, preparation, training in turn; ahead: trainer.rollout_ahead=1, generation "
+        "on its own pool one step ahead; auto: whichever predicts the shorter iteration",
     )
     o = parser.add_argument_group("output")
     o.add_argument("--explain", action="store_true", help="compare with colocate / split / standalone")
@@ -91,11 +106,12 @@ def plan_from_args(args) -> tuple[Plan, float]:
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
     )
-    limits = EngineLimits(args.max_pp, args.max_pg, args.tp_whole_heads)
+    limits = EngineLimits(args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg)
     start = time.perf_counter()
     results = search(dataflow, cluster, wl, limits)
+    ahead = search_ahead(dataflow, cluster, wl, limits) if args.schedule != "sync" else None
     seconds = time.perf_counter() - start
-    return build_plan(dataflow, cluster, wl, results, limits), seconds
+    return build_plan(dataflow, cluster, wl, results, limits, ahead, args.schedule), seconds
 
 
 def _fmt_placement(placement, allocation) -> str:
@@ -109,9 +125,12 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
     took = (
         f", searched {len(plan.alternatives)} placements in {search_seconds:.2f} s" if search_seconds else ""
     )
+    schedule = (
+        f" + rollout pool one step ahead ({plan.ahead.n_devices} devices)" if plan.rollout_ahead else ""
+    )
     console.print(
         f"[bold]{plan.algorithm.upper()}[/] {models} on {plan.num_devices} x {plan.device}: "
-        f"[bold]{plan.strategy}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
+        f"[bold]{plan.strategy}{schedule}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
         f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
     )
     if plan.limits != EngineLimits():
@@ -143,8 +162,20 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         t.add_row(
             p.name, str(p.n_devices), *(f"{p.stage_seconds[s]:.2f}" for s in STAGES), f"{p.peak_gib:.1f}"
         )
+    if plan.rollout_ahead:
+        r = plan.ahead
+        gen = f"{r.generation_seconds:.2f}"
+        pool = f"rollout (pg={r.pg}, tg={r.tg})"
+        t.add_row(pool, str(r.n_devices), gen, "-", "-", f"{r.weight_gib + r.kv_gib:.1f}")
     t.add_row("[bold]iteration[/]", "", *(f"[bold]{plan.stage_seconds[s]:.2f}[/]" for s in STAGES), "")
     console.print(t)
+    if plan.rollout_ahead:
+        r = plan.ahead
+        console.print(
+            f"one step ahead (trainer.rollout_ahead=1): iteration = max(generation {r.generation_seconds:.2f} s, "
+            f"preparation + training {r.training_side_seconds:.2f} s) + weight sync {r.sync_seconds:.3f} s "
+            f"({r.sync_bytes / 2**30:.2f} GiB per rollout device) = {r.iteration_seconds:.2f} s"
+        )
     t = Table(title=f"best {top} placements (each with its best allocation)", title_justify="left")
     for col in ("rank", "strategy", "pools:devices", "iteration s", "vs best"):
         t.add_column(col, justify="right" if col in ("rank", "iteration s", "vs best") else "left")
@@ -164,16 +195,23 @@ def explain(plan: Plan, console) -> None:
     """The winner against the paper's fixed strategies, stage by stage."""
     from rich.table import Table
 
+    if not plan.alternatives:  # one step ahead fits, no synchronous placement does
+        explain_schedules(plan, console)
+        return
     best = plan.alternatives[0]
+    # one step ahead planned: the fixed strategies are compared with the best synchronous placement
+    ref = "the best synchronous placement" if plan.rollout_ahead else "the plan"
+    head = "best synchronous" if plan.rollout_ahead else "plan"
     fixed: dict = {}  # best result per strategy: alternatives are ranked, the first seen is the best
     for a in plan.alternatives:
         fixed.setdefault(a.strategy, a)
     t = Table(
-        title="why this plan: the fixed strategies, each with its best allocation", title_justify="left"
+        title=f"why this {'placement' if plan.rollout_ahead else 'plan'}: the fixed strategies, each with its best allocation",
+        title_justify="left",
     )
-    for col in ("strategy", "pools:devices", *(f"{s} s" for s in STAGES), "iteration s", "vs plan"):
+    for col in ("strategy", "pools:devices", *(f"{s} s" for s in STAGES), "iteration s", f"vs {head}"):
         t.add_column(col, justify="left" if col in ("strategy", "pools:devices") else "right")
-    rows = [("plan: " + best.strategy, best)]
+    rows = [(f"{head}: " + best.strategy, best)]
     rows += [
         (k, fixed[k]) for k in ("colocate", "split", "standalone") if k in fixed and fixed[k] is not best
     ]
@@ -189,19 +227,72 @@ def explain(plan: Plan, console) -> None:
             continue
         a = fixed[k]
         if a is best:
-            console.print(f"- {k}: this is the plan")
+            console.print(f"- {k}: this is {ref}")
             continue
         delta = {s: a.stage_seconds[s] - best.stage_seconds[s] for s in STAGES}
         loses = [f"{s} +{v:.1f} s" for s, v in delta.items() if v > 0.05]
         gains = [f"{s} {v:.1f} s" for s, v in delta.items() if v < -0.05]
         console.print(
-            f"- {k} is {a.iteration_seconds / best.iteration_seconds:.2f}x the plan's time: slower in "
+            f"- {k} is {a.iteration_seconds / best.iteration_seconds:.2f}x {ref}'s time: slower in "
             f"{', '.join(loses) or 'no stage'}; faster in {', '.join(gains) or 'no stage'}"
         )
     n_roles = len(plan.models)
     console.print(
         f"searched all {bell_number(n_roles)} placements of {n_roles} models; a placement missing above "
         "cannot fit in memory"
+    )
+    explain_schedules(plan, console)
+
+
+def explain_schedules(plan: Plan, console) -> None:
+    """The synchronous schedule's best plan beside the one-step-ahead one's (ahead.py)."""
+    from rich.table import Table
+
+    sync, ahead = plan.synchronous_seconds or None, plan.ahead
+    t = Table(title="schedules: synchronous vs one step ahead (trainer.rollout_ahead)", title_justify="left")
+    for col in (
+        "schedule",
+        "pools:devices",
+        "generation s",
+        "prep + train s",
+        "weight sync s",
+        "iteration s",
+        "vs plan",
+    ):
+        t.add_column(col, justify="left" if col in ("schedule", "pools:devices") else "right")
+    if sync:
+        best = plan.alternatives[0]
+        g = best.stage_seconds["generation"]
+        t.add_row(
+            "synchronous (rollout_ahead=0)" + (" <- plan" if not plan.rollout_ahead else ""),
+            _fmt_placement(best.placement, best.allocation), f"{g:.2f}", f"{sync - g:.2f}", "-",
+            f"{sync:.2f}", f"{sync / plan.iteration_seconds:.3f}x",
+        )  # fmt: skip
+    if ahead:
+        pools = _fmt_placement(ahead.placement, ahead.allocation) + f" | rollout:{ahead.n_devices}"
+        t.add_row(
+            "one step ahead (rollout_ahead=1)" + (" <- plan" if plan.rollout_ahead else ""), pools,
+            f"{ahead.generation_seconds:.2f}", f"{ahead.training_side_seconds:.2f}", f"{ahead.sync_seconds:.3f}",
+            f"{ahead.iteration_seconds:.2f}", f"{ahead.iteration_seconds / plan.iteration_seconds:.3f}x",
+        )  # fmt: skip
+    console.print(t)
+    if not ahead:
+        console.print(
+            "- one step ahead: no plan (--schedule sync, or a rollout pool of its own needs >= 2 devices "
+            "and memory for the rest)"
+        )
+        return
+    if not sync:
+        console.print("- synchronous: no placement fits; one step ahead does")
+        return
+    hidden = min(ahead.generation_seconds, ahead.training_side_seconds)
+    verdict = "wins" if ahead.iteration_seconds < sync else "loses"
+    console.print(
+        f"- one step ahead {verdict} ({ahead.iteration_seconds / sync:.2f}x the synchronous iteration): it hides "
+        f"{hidden:.2f} s of the shorter side behind the longer one, but generation runs on {ahead.n_devices} "
+        f"of {plan.num_devices} devices and the rest on {plan.num_devices - ahead.n_devices} "
+        f"(longer side {max(ahead.generation_seconds, ahead.training_side_seconds):.2f} s), "
+        f"and the weights move every iteration ({ahead.sync_seconds:.3f} s); responses are one step off-policy"
     )
 
 

@@ -6,6 +6,11 @@ layout (pg, tg), and predicted seconds per stage and bytes per device. It also c
 placement's best result, ranked, so a user can see what the winner beat, and the `EngineLimits` it
 was searched under. `plan_to_resources` reduces a plan to what the trainer needs to build its resource
 pools and parallel configs.
+
+A plan also says which schedule it runs (docs/planner.md): synchronous (`rollout_ahead: 0`, the paper's
+stages one after another) or one step ahead (`rollout_ahead: 1`, ahead.py: generation on its own pool,
+`rollout`, overlapping the other models' work). Either way it records the best plan of the other
+schedule (`synchronous_seconds`, `ahead`) so `hybridflow plan --explain` can set them side by side.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hybridflow.planner.ahead import ROLLOUT_POOL, AheadResult, search_ahead, training_side
 from hybridflow.planner.dataflow import STAGES, Dataflow
 from hybridflow.planner.parallel import UNCONSTRAINED
 from hybridflow.planner.search import PlacementResult, search, strategy_name
@@ -61,6 +67,30 @@ class Alternative:
     stage_seconds: dict[str, float]
 
 
+SCHEDULES = ("auto", "sync", "ahead")  # auto: whichever predicts the shorter iteration
+
+
+@dataclass
+class RolloutPlan:
+    """The one-step-ahead schedule's best plan (ahead.py): a rollout pool that only generates, placed
+    after the training side's pools, and the predicted overlap."""
+
+    n_devices: int
+    first_device: int
+    pg: int  # generation layout on the rollout pool
+    tg: int
+    waves: int
+    generation_seconds: float  # on the rollout pool, no hybrid-engine switch
+    training_side_seconds: float  # preparation + training of the other pools
+    sync_seconds: float  # actor weights -> rollout pool, each iteration
+    sync_bytes: float  # received per rollout device, each iteration
+    iteration_seconds: float  # max(generation, training side) + sync
+    placement: list[list[str]]  # the training side's pools
+    allocation: list[int]
+    weight_gib: float  # per rollout device
+    kv_gib: float
+
+
 @dataclass
 class Plan:
     algorithm: str
@@ -76,6 +106,9 @@ class Plan:
     alternatives: list[Alternative] = field(default_factory=list)  # ranked, the winner first
     # EngineLimits fields the search ran under; {} (plans written before limits existed) = none
     engine_limits: dict = field(default_factory=dict)
+    rollout_ahead: int = 0  # the schedule this plan runs: 0 synchronous, 1 one step ahead (`ahead`)
+    ahead: RolloutPlan | None = None  # the best one-step-ahead plan (None: not searched or no fit)
+    synchronous_seconds: float = 0.0  # the best synchronous plan's iteration (0: none fits)
 
     @property
     def limits(self) -> EngineLimits:
@@ -100,6 +133,12 @@ class Plan:
         data["pools"] = [PoolPlan(**p) for p in data["pools"]]
         data["models"] = [ModelPlan(**m) for m in data["models"]]
         data["alternatives"] = [Alternative(**a) for a in data.get("alternatives", [])]
+        if data.get("ahead") is not None:
+            data["ahead"] = RolloutPlan(**data["ahead"])
+        if data.get("rollout_ahead", 0) not in (0, 1):
+            raise ValueError(f"rollout_ahead must be 0 or 1, got {data['rollout_ahead']!r}")
+        if data.get("rollout_ahead") == 1 and data.get("ahead") is None:
+            raise ValueError("rollout_ahead: 1 needs the `ahead` section (the rollout pool)")
         return cls(**data)
 
     def save(self, path: str | Path) -> Path:
@@ -135,21 +174,7 @@ def _pool_name(roles) -> str:
     return "+".join(roles)
 
 
-def build_plan(
-    dataflow: Dataflow,
-    cluster: ClusterSpec,
-    wl: WorkloadSpec,
-    results: list[PlacementResult],
-    limits: EngineLimits = UNCONSTRAINED,
-) -> Plan:
-    """Turn ranked search results (best first), searched under `limits`, into a Plan."""
-    if not results:
-        within = "" if limits == UNCONSTRAINED else f" with layouts the engines run ({limits.describe()})"
-        raise ValueError(
-            f"no placement of {dataflow.roles} fits on {cluster.num_devices} x {cluster.device.name}"
-            f"{within}: add devices, use a device with more memory, or shrink the models / batch"
-        )
-    best = results[0]
+def _pools_and_models(dataflow: Dataflow, best: PlacementResult) -> tuple[list[PoolPlan], list[ModelPlan]]:
     pools, models, first = [], [], 0
     order = {r: i for i, r in enumerate(dataflow.roles)}
     sets = sorted(zip(best.placement, best.allocation, best.choices), key=lambda x: order[x[0][0]])
@@ -168,6 +193,66 @@ def build_plan(
                 )
             )  # fmt: skip
     models.sort(key=lambda m: order[m.role])
+    return pools, models
+
+
+def _rollout_plan(ahead: AheadResult) -> RolloutPlan:
+    r, train = ahead.rollout, ahead.train
+    return RolloutPlan(
+        n_devices=r.n_devices, first_device=sum(train.allocation), pg=r.pg, tg=r.tg, waves=r.waves,
+        generation_seconds=r.generation_seconds, training_side_seconds=train.iteration_time,
+        sync_seconds=ahead.sync_seconds, sync_bytes=ahead.sync_bytes, iteration_seconds=ahead.iteration_time,
+        placement=[list(s) for s in train.placement], allocation=list(train.allocation),
+        weight_gib=r.weight_bytes / GiB, kv_gib=r.kv_bytes / GiB,
+    )  # fmt: skip
+
+
+def choose_schedule(schedule: str, sync_seconds: float | None, ahead_seconds: float | None) -> int:
+    """rollout_ahead (0 or 1) for `schedule`: "auto" takes one step ahead only when it predicts a
+    strictly shorter iteration (off-policy by one step is a cost the synchronous schedule does not pay)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "sync" or ahead_seconds is None:
+        return 0
+    if schedule == "ahead" or sync_seconds is None:
+        return 1
+    return int(ahead_seconds < sync_seconds * (1 - 1e-9))
+
+
+def build_plan(
+    dataflow: Dataflow,
+    cluster: ClusterSpec,
+    wl: WorkloadSpec,
+    results: list[PlacementResult],
+    limits: EngineLimits = UNCONSTRAINED,
+    ahead: AheadResult | None = None,
+    schedule: str = "sync",
+) -> Plan:
+    """Turn ranked synchronous search results (best first) and the best one-step-ahead result, both
+    searched under `limits`, into a Plan running `schedule` (auto: the faster of the two)."""
+    sync_best = results[0].iteration_time if results else None
+    rollout_ahead = choose_schedule(schedule, sync_best, ahead.iteration_time if ahead else None)
+    if not results and not rollout_ahead:
+        within = "" if limits == UNCONSTRAINED else f" with layouts the engines run ({limits.describe()})"
+        if schedule == "ahead":
+            within += " one step ahead (the rollout pool needs one device of its own and the rest must fit)"
+        raise ValueError(
+            f"no placement of {dataflow.roles} fits on {cluster.num_devices} x {cluster.device.name}"
+            f"{within}: add devices, use a device with more memory, or shrink the models / batch"
+        )
+    if schedule == "ahead" and ahead is None:
+        raise ValueError(
+            f"no one-step-ahead plan of {dataflow.roles} fits on {cluster.num_devices} x "
+            f"{cluster.device.name} (a rollout pool of its own needs >= 2 devices and memory for the rest); "
+            "plan the synchronous schedule (--schedule sync) or add devices"
+        )
+    if rollout_ahead:
+        pools, models = _pools_and_models(training_side(dataflow), ahead.train)
+        stage = dict(_stage_dict(ahead.train.stage_times), generation=ahead.rollout.generation_seconds)
+        iteration = ahead.iteration_time
+    else:
+        pools, models = _pools_and_models(dataflow, results[0])
+        stage, iteration = _stage_dict(results[0].stage_times), results[0].iteration_time
     roles = list(dataflow.roles)
     alternatives = [
         Alternative(
@@ -188,11 +273,14 @@ def build_plan(
         workload=asdict(wl),
         pools=pools,
         models=models,
-        stage_seconds=_stage_dict(best.stage_times),
-        iteration_seconds=best.iteration_time,
-        throughput_tokens_per_s=tokens / best.iteration_time,
+        stage_seconds=stage,
+        iteration_seconds=iteration,
+        throughput_tokens_per_s=tokens / iteration,
         alternatives=alternatives,
         engine_limits=asdict(limits),
+        rollout_ahead=rollout_ahead,
+        ahead=_rollout_plan(ahead) if ahead else None,
+        synchronous_seconds=sync_best or 0.0,
     )
 
 
@@ -201,11 +289,18 @@ def plan(
     cluster: ClusterSpec,
     wl: WorkloadSpec | None = None,
     limits: EngineLimits = UNCONSTRAINED,
+    schedule: str = "sync",
 ) -> Plan:
     """The auto-mapping planner: (dataflow, cluster, workload) -> the fastest predicted Plan whose
-    layouts are all within the executing engines' `limits` (default: none, the paper's search)."""
+    layouts are all within the executing engines' `limits` (default: none, the paper's search).
+
+    `schedule`: "sync" (the paper's), "ahead" (one step ahead, ahead.py) or "auto" (the faster).
+    The synchronous search always runs (the plan records its best for comparison)."""
     wl = wl or WorkloadSpec()
-    return build_plan(dataflow, cluster, wl, search(dataflow, cluster, wl, limits), limits)
+    choose_schedule(schedule, None, None)  # reject an unknown name before searching
+    results = search(dataflow, cluster, wl, limits)
+    ahead = search_ahead(dataflow, cluster, wl, limits) if schedule != "sync" else None
+    return build_plan(dataflow, cluster, wl, results, limits, ahead, schedule)
 
 
 @dataclass(frozen=True)
@@ -227,15 +322,25 @@ class Resources:
 
     pools: dict[str, int]
     models: dict[str, ModelResources]
+    rollout_ahead: int = 0  # 1: pools[ROLLOUT_POOL] generates one step ahead, models["rollout"] its layout
 
     def to_dict(self) -> dict:
-        return {"pools": dict(self.pools), "models": {r: asdict(m) for r, m in self.models.items()}}
+        return {
+            "pools": dict(self.pools),
+            "models": {r: asdict(m) for r, m in self.models.items()},
+            "rollout_ahead": self.rollout_ahead,
+        }
 
 
 def plan_to_resources(plan: Plan) -> Resources:
     """The small, pure description of a plan that the trainer consumes (roles as the planner names
-    them: actor, critic, reference, reward, cost)."""
-    return Resources(
-        pools={p.name: p.n_devices for p in plan.pools},
-        models={m.role: ModelResources(m.pool, m.n_devices, m.p, m.t, m.d, m.pg, m.tg) for m in plan.models},
-    )
+    them: actor, critic, reference, reward, cost; one step ahead adds the `rollout` pool and model)."""
+    pools = {p.name: p.n_devices for p in plan.pools}
+    models = {m.role: ModelResources(m.pool, m.n_devices, m.p, m.t, m.d, m.pg, m.tg) for m in plan.models}
+    if plan.rollout_ahead:
+        r = plan.ahead
+        pools[ROLLOUT_POOL] = r.n_devices
+        models[ROLLOUT_POOL] = ModelResources(
+            ROLLOUT_POOL, r.n_devices, r.pg, r.tg, r.n_devices // (r.pg * r.tg), r.pg, r.tg
+        )
+    return Resources(pools=pools, models=models, rollout_ahead=plan.rollout_ahead)

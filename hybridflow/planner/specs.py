@@ -261,9 +261,11 @@ class EngineLimits:
     # t must divide the heads, the KV heads and the MLP width: the engine shards whole heads and
     # MLP columns and cannot replicate KV heads across tensor-parallel ranks
     tp_shards_whole_heads: bool = False
+    # largest tg of a one-step-ahead rollout pool (ahead.py; None: any), 1 where it runs plain replicas
+    max_rollout_tg: int | None = None
 
     def __post_init__(self):
-        for name in ("max_pp", "max_pg"):
+        for name in ("max_pp", "max_pg", "max_rollout_tg"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"EngineLimits.{name} must be >= 1 or None (no limit), got {value}")
@@ -278,7 +280,8 @@ class EngineLimits:
 
     def describe(self) -> str:
         """'max_pp=1, tp shards whole heads', or 'unconstrained'."""
-        parts = [f"{k}={v}" for k, v in (("max_pp", self.max_pp), ("max_pg", self.max_pg)) if v is not None]
+        named = (("max_pp", self.max_pp), ("max_pg", self.max_pg), ("max_rollout_tg", self.max_rollout_tg))
+        parts = [f"{k}={v}" for k, v in named if v is not None]
         if self.tp_shards_whole_heads:
             parts.append("tp shards whole heads")
         return ", ".join(parts) or "unconstrained"

@@ -24,6 +24,12 @@ auto_parallel allows p > 1 and replicated KV heads). A plan file may come from a
 change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg (the 3D-HybridEngine runs them,
 docs/hybrid_engine.md); a model the plan checkpoints or offloads gets gradient_checkpointing / offload
 turned on (a setting the user turned on stays on).
+
+Schedule: `auto` plans the schedule the config asks for (`trainer.rollout_ahead`: 0 synchronous, 1 one
+step ahead with the rollout pool's size chosen by the planner) and says when the other one is predicted
+faster; a plan file's `rollout_ahead` must match the config's (switching to off-policy training is the
+user's call, not a placement's). A one-step-ahead plan adds the pool `rollout` (role "rollout", its
+generation layout in `parallel["rollout"]`) for the trainer's rollout worker group.
 """
 
 from __future__ import annotations
@@ -44,13 +50,22 @@ from hybridflow.planner import (
     build_dataflow,
     plan,
 )
+from hybridflow.planner.ahead import ROLLOUT_POOL, search_ahead
+from hybridflow.planner.plan import build_plan
+from hybridflow.planner.search import search
 from hybridflow.planner.specs import DEVICES
+from hybridflow.trainers.plan_schedule import (
+    REPLAN_FLAGS,
+    check_schedule,
+    config_rollout_ahead,
+    report_schedule,
+)
 
 # What the built-in engines run: TrainEngine has no pipeline parallelism (ParallelConfig pp must be 1,
 # and so generation pg, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
 # columns. `hybridflow plan --max-pp 1 --tp-whole-heads` plans under the same limits.
-ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
-REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
+# A one-step-ahead rollout pool runs plain replicas (tg = 1).
+ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True, max_rollout_tg=1)
 
 # trainer role -> planner role
 PLANNER_ROLE = {
@@ -186,10 +201,18 @@ def build_planner_cluster(cfg) -> ClusterSpec:
 
 def plan_for_config(cfg) -> Plan:
     """Run the planner on the config's dataflow, cluster and workload, within the built-in engines'
-    limits (so `check_plan` accepts every layout it returns)."""
+    limits (so `check_plan` accepts every layout it returns), for the schedule the config runs. Where
+    the build has trainer.rollout_ahead the other schedule is searched too, for comparison."""
+    ahead = config_rollout_ahead(cfg)
     try:
         df, cluster, wl = build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg)
-        return plan(df, cluster, wl, limits=ENGINE_LIMITS)
+        if ahead is None:
+            return plan(df, cluster, wl, limits=ENGINE_LIMITS)
+        results = search(df, cluster, wl, ENGINE_LIMITS)
+        fixed = getattr(cfg.resources, "rollout_devices", 0) or None  # the user's split, if set
+        best_ahead = search_ahead(df, cluster, wl, ENGINE_LIMITS, fixed)
+        schedule = "ahead" if ahead else "sync"
+        return build_plan(df, cluster, wl, results, ENGINE_LIMITS, best_ahead, schedule)
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError) as e:  # no placement fits, a model dir without config.json
@@ -225,11 +248,15 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             f"plan {source!r} (algorithm {p.algorithm}) has no model {missing} that {cfg.algorithm.name} "
             f"needs with this config; {replan} or use resources.placement=auto"
         )
+    errors += check_schedule(p, cfg, source)
     used = _used_pools(p, cfg)
     need = sum(pool.n_devices for pool in p.pools if pool.name in used)
+    sizes = ", ".join(f"{pool.name}:{pool.n_devices}" for pool in p.pools if pool.name in used)
+    if p.rollout_ahead and p.ahead is not None:
+        need += p.ahead.n_devices
+        sizes += f", {ROLLOUT_POOL}:{p.ahead.n_devices}"
     n = cfg.resources.num_devices
     if need > n:
-        sizes = ", ".join(f"{pool.name}:{pool.n_devices}" for pool in p.pools if pool.name in used)
         errors.append(
             f"plan {source!r} needs {need} devices ({sizes}) but resources.n_gpus_per_node * nnodes = {n}; "
             f"raise them or re-plan with --gpus {n}"
@@ -288,6 +315,10 @@ def placement_from_plan(p: Plan, cfg, source: str = "plan"):
         m = p.model(PLANNER_ROLE[role])
         roles[role] = m.pool
         parallel[role] = RoleParallel(m.p, m.t, m.d, m.pg, m.tg, m.checkpoint, m.offload)
+    if p.rollout_ahead:  # the one-step-ahead rollout group's own pool, after the training side's
+        r = p.ahead
+        pools[ROLLOUT_POOL], roles[ROLLOUT_POOL] = r.n_devices, ROLLOUT_POOL
+        parallel[ROLLOUT_POOL] = RoleParallel(r.pg, r.tg, r.n_devices // (r.pg * r.tg), r.pg, r.tg)
     return Placement(pools, roles, parallel=parallel, plan=p)
 
 
@@ -313,6 +344,7 @@ def report_plan(p: Plan, placement, cfg, source: str, stream) -> None:
     origin = "planned (resources.placement=auto)" if source == "auto" else f"loaded from {source}"
     console.print(f"placement {origin}")
     print_plan(p, console, top=3)
+    report_schedule(p, cfg, console)
     idle = [pool.name for pool in p.pools if pool.name not in placement.pools]
     if idle:
         console.print(f"pools {idle} are not started: none of their models runs with this config")

@@ -1,0 +1,235 @@
+"""The one-step-ahead schedule (`trainer.rollout_ahead: 1`, docs/planner.md): generation on its own pool.
+
+With `rollout_ahead = 1` the devices are split in two: a rollout pool that only generates, and a
+training side where every other model's work runs (the actor's preparation forward and its update,
+critic, reference, reward: any placement of them, searched as usual). The rollout pool generates step
+k+1's responses while the training side prepares and trains on step k, then the actor's new weights
+are sent to the rollout pool. In steady state one iteration takes
+
+    max(generation on the rollout pool, preparation + training on the training side) + weight sync
+
+against the synchronous schedule's generation + preparation + training on all devices. Generation
+needs no hybrid-engine switch here (the rollout pool keeps its own copy of the weights), and its pool
+holds only the generation weights and the KV cache; the training side no longer holds a KV cache.
+
+Ahead wins where generation and training take similar time and generation scales poorly with devices
+(memory-bound decode re-reads the weights on every replica); it loses where one phase dominates and
+would rather have all the devices, or where the weight sync crosses a slow network.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from hybridflow.planner import memory as mem
+from hybridflow.planner import simulate as sim
+from hybridflow.planner.dataflow import Dataflow, ModelTask
+from hybridflow.planner.parallel import UNCONSTRAINED, _powers_of_two_upto
+from hybridflow.planner.search import PlacementResult, best_allocation, pool_candidates, set_partitions
+from hybridflow.planner.specs import ClusterSpec, EngineLimits, WorkloadSpec
+
+ROLLOUT_POOL = "rollout"
+
+
+def ahead_iteration_seconds(generation: float, training_side: float, sync: float) -> float:
+    """Steady-state iteration of the one-step-ahead schedule: the two sides overlap, then the weights
+    move (the sync is a collective over both pools, so neither side works during it)."""
+    return max(generation, training_side) + sync
+
+
+@dataclass(frozen=True)
+class RolloutOption:
+    """The rollout pool's generation layout on n devices and its cost."""
+
+    n_devices: int
+    pg: int
+    tg: int
+    waves: int  # generation rounds per replica (1: the KV cache holds all its sequences)
+    generation_seconds: float
+    weight_bytes: float  # per device: the generation shard of the weights
+    kv_bytes: float  # per device: the KV cache of one wave
+
+
+def weight_sync_bytes(task: ModelTask, cluster: ClusterSpec, pg: int, tg: int) -> float:
+    """Bytes one rollout device receives per sync: its generation shard of the actor's weights."""
+    return task.spec.num_params * cluster.device.bytes_per_param / (pg * tg)
+
+
+def weight_sync_seconds(task: ModelTask, cluster: ClusterSpec, n_rollout: int, pg: int, tg: int) -> float:
+    """Time to send the actor's weights to a rollout pool of n_rollout devices laid out as (pg, tg).
+
+    Inside one node each device receives its shard over the intra-node links. When the cluster spans
+    nodes the pools may sit on different nodes, so each rollout node also receives, through its NIC,
+    the distinct shards its devices hold (the whole model once it holds a full replica) and fans them
+    out inside the node; the slower of the two paths sets the time. Plus a tree's latency.
+    """
+    dev, dpn = cluster.device, cluster.devices_per_node
+    shard = weight_sync_bytes(task, cluster, pg, tg)
+    seconds = shard / (dev.intra_node_bandwidth * dev.comm_efficiency)
+    if cluster.num_devices > dpn:
+        per_node = min(dpn, n_rollout)
+        node_bytes = task.spec.num_params * dev.bytes_per_param * min(per_node, pg * tg) / (pg * tg)
+        seconds = max(seconds, node_bytes / (dev.inter_node_bandwidth * dev.comm_efficiency))
+    return seconds + math.ceil(math.log2(n_rollout + 1)) * dev.comm_latency_s
+
+
+def rollout_option(
+    task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n: int, limits: EngineLimits = UNCONSTRAINED
+) -> RolloutOption | None:
+    """The fastest generation layout (pg, tg, waves) of `task` alone on n devices that fits, or None."""
+    dev, dpn, spec = cluster.device, cluster.devices_per_node, task.spec
+    budget = dev.memory_bytes * dev.usable_memory_fraction
+    best = None
+    for tg in _powers_of_two_upto(min(n, dpn, limits.max_rollout_tg or n)):
+        if not limits.allows_tp(spec, tg):
+            continue
+        for pg in range(1, min(spec.num_layers, limits.max_pg or n) + 1):
+            if spec.num_layers % pg or n % (pg * tg):
+                continue
+            weights = mem.weight_bytes(spec, dev.bytes_per_param, pg, tg)
+            per_replica = -(-int(wl.sequences * task.generation_factor) // (n // (pg * tg)))
+            waves = 1
+            while True:
+                concurrent = -(-per_replica // waves)
+                kv = mem.kv_cache_bytes(spec, dev.bytes_per_param, concurrent, wl.seq_len, pg, tg)
+                if weights + kv <= budget:
+                    gen = sim.generation_time(spec, dev, wl, dpn, n, pg, tg, task.generation_factor, waves)
+                    option = RolloutOption(n, pg, tg, waves, gen, weights, kv)
+                    if best is None or gen < best.generation_seconds:
+                        best = option
+                    break  # more waves only add time
+                if concurrent == 1:
+                    break
+                waves *= 2
+    return best
+
+
+def training_side(dataflow: Dataflow) -> Dataflow:
+    """The dataflow without generation: the actor keeps its preparation forward and its update."""
+    models = tuple(
+        replace(m, work=tuple(w for w in m.work if w[1] != "generate"), generation_factor=1.0)
+        if m.generates
+        else m
+        for m in dataflow.models
+    )
+    return Dataflow(dataflow.algorithm, models)
+
+
+@dataclass
+class AheadResult:
+    """The best one-step-ahead plan: the rollout pool, and the training side's best placement on
+    the remaining devices (its generation stage is 0)."""
+
+    rollout: RolloutOption
+    train: PlacementResult
+    sync_seconds: float
+    sync_bytes: float  # per rollout device, per iteration
+
+    @property
+    def iteration_time(self) -> float:
+        return ahead_iteration_seconds(
+            self.rollout.generation_seconds, self.train.iteration_time, self.sync_seconds
+        )
+
+
+def best_split(generation, training, sync, num_devices: int) -> tuple[float, int] | None:
+    """(iteration seconds, rollout devices) minimising max(generation(n), training(N - n)) + sync(n)
+    over n = 1..N-1, or None. `generation(n)` and `sync(n)` map a device count to seconds (None: does
+    not fit); `training(m, limit)` gives the training side's seconds on m devices, or None when it does
+    not fit or cannot beat `limit` (the search passes what would still improve the best split).
+    Assumes, as the simulator gives, that training(m) does not grow with m (idle devices are allowed)
+    and sync(n) does not shrink with n, so the scan stops once training(N - n) + sync(n) alone reaches
+    the best found."""
+    best = None
+    for n in range(1, num_devices):
+        s = sync(n)
+        t = training(num_devices - n, math.inf if best is None else best[0] - s)
+        if t is None or not math.isfinite(t):
+            break  # fewer devices for the training side, more sync: no later n can do better
+        g = generation(n)
+        if g is None or not math.isfinite(g):
+            continue
+        cost = ahead_iteration_seconds(g, t, s)
+        if best is None or cost < best[0]:
+            best = (cost, n)
+    return best
+
+
+def search_ahead(
+    dataflow: Dataflow,
+    cluster: ClusterSpec,
+    wl: WorkloadSpec,
+    limits: EngineLimits = UNCONSTRAINED,
+    rollout_devices: int | None = None,
+) -> AheadResult | None:
+    """The fastest one-step-ahead plan of `dataflow` on `cluster`, or None (one device, or nothing fits);
+    `rollout_devices` fixes the rollout pool's size (a user's resources.rollout_devices), else searched.
+
+    The training side's placements and allocations are searched exactly as the synchronous schedule's
+    (search.py), for every device count the rollout pool leaves; candidates are computed once.
+    """
+    n_total = cluster.num_devices
+    if n_total < 2:
+        return None
+    actor = next((m for m in dataflow.models if m.generates), None)
+    if actor is None:
+        return None
+    side = training_side(dataflow)
+    placements = list(set_partitions(side.roles))
+    cache: dict = {}
+    for placement in placements:
+        for roles in placement:
+            if roles not in cache:
+                tasks = tuple(side.model(r) for r in roles)
+                cache[roles] = pool_candidates(tasks, cluster, wl, n_total - 1, limits=limits)
+    # a placement's cost on n_total - 1 devices bounds it from below on fewer: try the cheap ones first
+    floor = {pl: best_allocation([cache[r] for r in pl], n_total - 1) for pl in placements}
+    ranked = sorted((f[0], i, pl) for i, (pl, f) in enumerate(floor.items()) if f is not None)
+    found_at: dict[int, tuple[float, tuple, tuple]] = {}
+
+    def train_best(m: int, limit: float = math.inf):
+        """The training side's best (seconds, placement, allocation index) on m devices below `limit`."""
+        found = None
+        for lower, _, placement in ranked:
+            if lower >= limit:
+                break
+            r = best_allocation([cache[roles] for roles in placement], m)
+            if r is not None and r[0] < limit:
+                limit, found = r[0], (r[0], placement, r[1])
+        if found is not None:
+            found_at[m] = found
+        return found
+
+    sizes = (
+        range(1, n_total) if not rollout_devices else [rollout_devices] if rollout_devices < n_total else []
+    )
+    rollout_memo = {
+        n: rollout_option(actor, cluster, wl, n, limits) if n in sizes else None for n in range(1, n_total)
+    }
+    split = best_split(
+        lambda n: rollout_memo[n].generation_seconds if rollout_memo[n] else None,
+        lambda m, limit: (train_best(m, limit) or (None,))[0],
+        lambda n: weight_sync_seconds(actor, cluster, n, *_layout(rollout_memo[n])),
+        n_total,
+    )
+    if split is None:
+        return None
+    n_rollout = split[1]
+    option = rollout_memo[n_rollout]
+    cost, placement, idx = found_at[n_total - n_rollout]
+    cands = [cache[roles] for roles in placement]
+    choices = tuple(c.choices[i] for c, i in zip(cands, idx))
+    stage = [max(c.costs[i][s] for c, i in zip(cands, idx)) for s in range(cands[0].costs.shape[1])]
+    alloc = tuple(int(c.ns[i]) for c, i in zip(cands, idx))
+    train = PlacementResult(placement, cost, alloc, choices, tuple(float(x) for x in stage))
+    return AheadResult(
+        option,
+        train,
+        weight_sync_seconds(actor, cluster, n_rollout, option.pg, option.tg),
+        weight_sync_bytes(actor, cluster, option.pg, option.tg),
+    )
+
+
+def _layout(option: RolloutOption | None) -> tuple[int, int]:
+    return (option.pg, option.tg) if option else (1, 1)

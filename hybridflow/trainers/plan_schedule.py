@@ -1,0 +1,72 @@
+"""Which schedule a plan runs (docs/planner.md): synchronous, or the rollout one step ahead on its own pool.
+
+`trainer.rollout_ahead` in the config decides: `resources.placement: auto` plans that schedule, and a
+plan file's `rollout_ahead` must match it (switching to off-policy training is the user's call, not a
+placement's). Builds without the setting accept only synchronous plans. auto_placement.py calls these.
+"""
+
+from __future__ import annotations
+
+from hybridflow.planner import Plan
+
+REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
+AHEAD_FLAGS = "--max-pg 1 --max-rollout-tg 1"  # the rollout pool runs plain replicas
+
+
+def config_rollout_ahead(cfg) -> int | None:
+    """The config's trainer.rollout_ahead, or None where this build has no such setting."""
+    return getattr(cfg.trainer, "rollout_ahead", None)
+
+
+def check_schedule(p: Plan, cfg, source: str) -> list[str]:
+    """The plan's schedule against the config's trainer.rollout_ahead, and the rollout pool's layout."""
+    want = config_rollout_ahead(cfg)
+    if p.rollout_ahead and want is None:
+        return [
+            f"plan {source!r} runs the rollout one step ahead (rollout_ahead: 1), which this build's trainer "
+            "does not have (no trainer.rollout_ahead); re-plan with `hybridflow plan ... --schedule sync`"
+        ]
+    if want is not None and p.rollout_ahead != want:
+        fix = "--schedule ahead" if want else "--schedule sync"
+        return [
+            f"plan {source!r} has rollout_ahead: {p.rollout_ahead} but trainer.rollout_ahead={want}; set "
+            f"trainer.rollout_ahead={p.rollout_ahead} or re-plan with `hybridflow plan ... {fix}`"
+        ]
+    errors = []
+    r = p.ahead if p.rollout_ahead else None
+    if r is not None:
+        where = f"plan {source!r}: the rollout pool (pg={r.pg}, tg={r.tg}, {r.n_devices} devices)"
+        if r.pg != 1:
+            errors.append(
+                f"{where}: the rollout engines have no pipeline parallelism; edit the plan to pg: 1"
+            )
+        if r.tg != 1:
+            errors.append(
+                f"{where}: the rollout pool runs plain replicas (tg = 1); edit the plan to tg: 1 or re-plan "
+                f"with `hybridflow plan ... {REPLAN_FLAGS} {AHEAD_FLAGS}`"
+            )
+        fixed = getattr(cfg.resources, "rollout_devices", 0)
+        if fixed and fixed != r.n_devices:
+            errors.append(
+                f"{where}: resources.rollout_devices={fixed} differs; remove the setting (the plan sizes "
+                "the pool) or edit the plan"
+            )
+    return errors
+
+
+def report_schedule(p: Plan, cfg, console) -> None:
+    """Say when the schedule the config did not pick is predicted faster."""
+    if config_rollout_ahead(cfg) is None or p.ahead is None or not p.synchronous_seconds:
+        return
+    sync, ahead = p.synchronous_seconds, p.ahead.iteration_seconds
+    if not p.rollout_ahead and ahead < sync:
+        console.print(
+            f"note: one step ahead (trainer.rollout_ahead=1, rollout pool of {p.ahead.n_devices} devices) is "
+            f"predicted at {ahead:.3g} s per iteration against {sync:.3g} s synchronous (responses one step "
+            "off-policy); `hybridflow plan --explain` shows why"
+        )
+    elif p.rollout_ahead and sync < ahead:
+        console.print(
+            f"note: the synchronous schedule (trainer.rollout_ahead=0) is predicted at {sync:.3g} s per "
+            f"iteration against {ahead:.3g} s one step ahead"
+        )

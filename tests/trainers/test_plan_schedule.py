@@ -1,0 +1,97 @@
+"""A plan's schedule in the trainer (hybridflow/trainers/plan_schedule.py, docs/planner.md): a one-step-
+ahead plan adds the `rollout` pool, and the plan's rollout_ahead must match trainer.rollout_ahead.
+
+No Ray. trainer.rollout_ahead is set on the config object directly, so these run whether or not this
+build's TrainerConfig declares the setting (issue 14 item 2); where it does not, a one-step-ahead plan
+is refused with what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from hybridflow.config import ConfigError
+from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
+from hybridflow.trainers.auto_placement import (
+    ENGINE_LIMITS,
+    RoleParallel,
+    placement_from_plan,
+    plan_for_config,
+)
+from hybridflow.trainers.plan_schedule import check_schedule
+
+KL_LOSS = "algorithm.use_kl_loss=true"
+
+
+def _plan(model_dir, devices: int, schedule: str) -> Plan:
+    """`hybridflow plan --model-config DIR --gpu cpu --gpus N --algorithm grpo --no-reward-model
+    --max-pp 1 --max-pg 1 --tp-whole-heads --schedule S` for tests/trainers/configs.py's batch."""
+    df = build_dataflow("grpo", ModelSpec.from_hf_config(model_dir), reward_model=False)
+    wl = WorkloadSpec(
+        prompts=4, samples_per_prompt=2, prompt_len=16, response_len=4, mini_batches=1,
+        micro_batch_size=4, inference_micro_batch_size=8,
+    )  # fmt: skip
+    return plan(df, ClusterSpec.build("cpu", devices, devices), wl, limits=ENGINE_LIMITS, schedule=schedule)
+
+
+def _config(make_config, ahead: int | None, *overrides: str, devices: int = 3):
+    cfg = make_config("grpo", KL_LOSS, *overrides, devices=devices)
+    cfg.trainer.rollout_ahead = ahead
+    return cfg
+
+
+def test_one_step_ahead_plan_adds_the_rollout_pool(make_config, tiny_model_dir):
+    p = _plan(tiny_model_dir, 3, "ahead")
+    r = p.ahead
+    assert p.rollout_ahead == 1 and r.first_device == sum(pool.n_devices for pool in p.pools)
+    placement = placement_from_plan(p, _config(make_config, 1))
+    assert placement.pools == {**{pool.name: pool.n_devices for pool in p.pools}, "rollout": r.n_devices}
+    assert placement.num_devices == 3 and placement.pool_of("rollout") == "rollout"
+    assert r.tg == 1  # ENGINE_LIMITS: the trainer's rollout pool runs plain replicas
+    assert placement.parallel["rollout"] == RoleParallel(1, 1, r.n_devices, 1, 1)
+    # the training side runs where the plan put it; the actor no longer generates there
+    assert placement.roles["actor_rollout"] == p.model("actor").pool
+    assert p.model("actor").stage_seconds["generation"] == 0.0
+
+
+def test_the_plan_schedule_must_match_the_config(make_config, tiny_model_dir):
+    ahead, sync = _plan(tiny_model_dir, 3, "ahead"), _plan(tiny_model_dir, 3, "sync")
+    with pytest.raises(
+        ConfigError, match=r"has rollout_ahead: 1 but trainer.rollout_ahead=0; .*--schedule sync"
+    ):
+        placement_from_plan(ahead, _config(make_config, 0))
+    with pytest.raises(
+        ConfigError, match=r"has rollout_ahead: 0 but trainer.rollout_ahead=1; .*--schedule ahead"
+    ):
+        placement_from_plan(sync, _config(make_config, 1))
+    # a build without the setting runs synchronous plans only
+    no_setting = SimpleNamespace(trainer=SimpleNamespace())
+    assert check_schedule(sync, no_setting, "p.yaml") == []
+    (msg,) = check_schedule(ahead, no_setting, "p.yaml")
+    assert "no trainer.rollout_ahead" in msg and "--schedule sync" in msg
+    # the rollout pool counts towards the devices, and its layout must be one the engines run
+    with pytest.raises(ConfigError, match=r"needs 3 devices \(.*rollout:1\) but .* = 2"):
+        placement_from_plan(ahead, _config(make_config, 1, devices=2))
+    bad = copy.deepcopy(ahead)
+    bad.ahead.tg, bad.ahead.pg = 2, 2
+    cfg = _config(make_config, 1)
+    cfg.resources.rollout_devices = 2  # the user's split, which the plan does not have
+    errors = check_schedule(bad, cfg, "p.yaml")
+    assert len(errors) == 3
+    assert "no pipeline parallelism" in errors[0]
+    assert "plain replicas (tg = 1)" in errors[1] and "--max-rollout-tg 1" in errors[1]
+    assert "resources.rollout_devices=2 differs" in errors[2]
+
+
+def test_auto_plans_the_schedule_the_config_asks_for(make_config):
+    p = plan_for_config(_config(make_config, 1, "resources.placement=auto"))
+    assert p.rollout_ahead == 1 and p.iteration_seconds == p.ahead.iteration_seconds
+    q = plan_for_config(_config(make_config, 0, "resources.placement=auto"))
+    assert q.rollout_ahead == 0 and q.iteration_seconds == q.synchronous_seconds
+    assert q.ahead == p.ahead  # searched anyway, for the note comparing the two
+    fixed = _config(make_config, 1, "resources.placement=auto")
+    fixed.resources.rollout_devices = 3 - p.ahead.n_devices  # the user's split is kept
+    assert plan_for_config(fixed).ahead.n_devices == 3 - p.ahead.n_devices
