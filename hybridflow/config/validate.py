@@ -304,6 +304,16 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     tok = cfg.model.tokenizer_path
     if check_model and tok and not os.path.isdir(tok):
         errors.append(f"model.tokenizer_path: {tok!r} is not a directory (expected a saved HF tokenizer)")
+    if (
+        check_model
+    ):  # every JSON file and safetensors header the workers will read (hybridflow/models/files.py)
+        from hybridflow.models.files import model_dir_errors
+        from hybridflow.models.resolve import MODEL_KEYS
+
+        for key in MODEL_KEYS:
+            errors += [
+                e for e in model_dir_errors(getattr(cfg.model, key), f"model.{key}") if e not in errors
+            ]
 
     # parallelism: where pool sizes follow from the config, dp must be what they give
     n, devices = cfg.resources.num_devices, section_devices(cfg)

@@ -69,6 +69,17 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
     corrupt = _model_copy(model, root, "corrupt_model")
     (corrupt / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
     no_template = _model_copy(model, root, "no_template")
+    broken = {}  # a model directory per damaged file, everything else intact
+    for name, damage in [
+        ("tokenizer.json", lambda b: b[: len(b) // 2]),  # truncated mid-file
+        ("tokenizer_config.json", lambda b: b'{"bos_token": <bos>}'),
+        ("model.safetensors", lambda b: b[:8] + b"{garbage" + b[16:]),  # the header's JSON
+        ("model.safetensors ", lambda b: b[: len(b) // 2]),  # truncated: the header outruns the file
+        ("tokenizer.json ", lambda b: b'{"version": "1.0"}'),  # valid JSON, not a tokenizer
+    ]:
+        d = broken[name] = _model_copy(model, root, f"broken_{len(broken)}")
+        f = d / name.strip()
+        f.write_bytes(damage(f.read_bytes()))
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
     return [
         ("missing data file", [f"data.train_files=[{root}/nope.jsonl]"], "nope.jsonl' does not exist"),
@@ -112,6 +123,23 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
             f"{corrupt}/config.json is not a readable JSON file",
         ),
         ("no chat template", [f"model.path={no_template}"], "has no chat template"),
+        *[
+            (f"broken {name}", [f"model.path={d}"], f"model.path: {d}/{name.strip()} {expected}")
+            for (name, d), expected in zip(
+                list(broken.items())[:4],
+                [
+                    "is not a readable JSON file (Expecting",
+                    "is not a readable JSON file (Expecting value",
+                    "has an unreadable safetensors header (Expecting property name",
+                    f"is truncated: its header needs {(Path(model) / 'model.safetensors').stat().st_size} bytes",
+                ],
+            )
+        ],
+        (
+            "tokenizer.json not a tokenizer",
+            [f"model.path={broken['tokenizer.json ']}"],
+            f"{broken['tokenizer.json ']}: its tokenizer files do not load (",
+        ),
         (
             "prompt too long",
             ["data.max_prompt_length=4"],

@@ -1,0 +1,104 @@
+"""Checks of a model directory's files on the driver, before Ray or any worker starts.
+
+Why: a truncated or hand-edited tokenizer.json, tokenizer_config.json, config.json or safetensors
+file otherwise fails deep inside transformers or a worker's `init_model`, as a traceback that does
+not name the file. Here each JSON file is parsed and each safetensors header is read (8 bytes of
+length, then the header's JSON; its offsets must fit the file), which costs a few KiB of reading
+per file however large the weights are. The tensors themselves are not read. Each problem is one
+line naming the setting and the file (the README's "Using it", docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+from hybridflow.errors import UserError
+
+# the JSON files transformers reads from a model or tokenizer directory
+JSON_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "model.safetensors.index.json",
+)
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the header size
+
+
+class ModelFileError(UserError, ValueError):
+    """A file of a model or tokenizer directory that cannot be read."""
+
+
+def _short(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def json_file_error(path: str) -> str | None:
+    """Why `path` is not a readable JSON object, or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError covers JSONDecodeError and UnicodeDecodeError
+        return f"{path} is not a readable JSON file ({_short(e)})"
+    if not isinstance(value, dict):
+        return f"{path} holds {type(value).__name__}, not a JSON object"
+    return None
+
+
+def safetensors_error(path: str) -> str | None:
+    """Why `path` is not a readable safetensors file (header and sizes only), or None."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path} is not a safetensors file ({size} bytes, shorter than its header)"
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER, size - 8):
+                return f"{path} is not a safetensors file (header length {n} exceeds the file's {size} bytes)"
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (OSError, ValueError) as e:
+        return f"{path} has an unreadable safetensors header ({_short(e)})"
+    if not isinstance(header, dict):
+        return f"{path} has an unreadable safetensors header (not a JSON object)"
+    end = max(
+        (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and _entry(t)), default=0
+    )
+    bad = [k for k, t in header.items() if k != "__metadata__" and not _entry(t)]
+    if bad:
+        return (
+            f"{path} has an unreadable safetensors header (entry {bad[0]!r} has no dtype/shape/data_offsets)"
+        )
+    if 8 + n + end > size:
+        return f"{path} is truncated: its header needs {8 + n + end} bytes, the file has {size}"
+    return None
+
+
+def _entry(t) -> bool:
+    offsets = t.get("data_offsets") if isinstance(t, dict) else None
+    return (
+        isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+        and "dtype" in t and "shape" in t
+    )  # fmt: skip
+
+
+def model_dir_errors(directory: str, key: str) -> list[str]:
+    """One line per unreadable file of `directory` (the value of setting `key`); [] when all read."""
+    if not directory or not os.path.isdir(directory):
+        return []  # a missing directory is reported by the config checks
+    errors = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        why = None
+        if name in JSON_FILES:
+            why = json_file_error(path)
+        elif name.endswith(".safetensors"):
+            why = safetensors_error(path)
+        if why:
+            errors.append(f"{key}: {why}")
+    return errors
