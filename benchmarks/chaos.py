@@ -18,7 +18,6 @@ import json
 import os
 import random
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -29,38 +28,23 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")
 
-from tests.trainers.lifecycle_helpers import metric_rows, start_train, wait_for, worker_pids  # noqa: E402
+from tests.trainers.lifecycle_helpers import (  # noqa: E402
+    comparable,
+    grpo_config,
+    kill_a_worker_after,
+    metric_rows,
+    start_train,
+)
 
 STEPS, SAVE_EVERY, RANKS = 8, 2, 2
-REWARD = """def overlap(data_source, solution_str, ground_truth, extra_info=None):
-    return sum(c in ground_truth for c in solution_str) / 4.0
-"""
 
 
 def write_config(tmp: Path) -> Path:
     from hybridflow.models.tiny import save_tiny_model
 
     model = save_tiny_model(tmp / "model", size="tiny", arch="llama", seed=0)
-    (tmp / "reward.py").write_text(REWARD)
-    path = tmp / "grpo.yaml"
-    path.write_text(
-        "algorithm: {name: grpo}\n"
-        f"model: {{path: {model}}}\n"
-        "data: {dataset: 'synthetic:arithmetic', dataset_kwargs: {num_samples: 64, val_size: 4},"
-        " max_prompt_length: 16, train_batch_size: 4}\n"
-        "actor: {ppo_mini_batch_size: 4, optim: {lr: 2.0e-2}}\n"
-        "rollout: {n: 2, response_length: 4}\n"
-        f"reward: {{fn: '{tmp / 'reward.py'}:overlap', num_workers: 0}}\n"
-        f"resources: {{device: cpu, n_gpus_per_node: {RANKS}}}\n"
-        f"trainer: {{output_dir: '{tmp}', total_steps: {STEPS}, save_every: {SAVE_EVERY},"
-        " max_restarts: 3, loggers: [jsonl]}\n"
-    )
-    return path
-
-
-def comparable(row: dict) -> dict:
-    skip = ("timing_s/", "perf/", "trainer/")
-    return {k: v for k, v in row.items() if not k.startswith(skip) and not k.endswith("_time_s")}
+    trainer = f"total_steps: {STEPS}, save_every: {SAVE_EVERY}, max_restarts: 3, loggers: [jsonl]"
+    return grpo_config(tmp, model, resources=f"n_gpus_per_node: {RANKS}", trainer=trainer)
 
 
 def one_run(config: Path, name: str, kill_step: int | None, rng: random.Random) -> dict:
@@ -68,12 +52,8 @@ def one_run(config: Path, name: str, kill_step: int | None, rng: random.Random) 
     log = config.parent / f"{name}.log"
     start = time.perf_counter()
     proc = start_train(config, f"trainer.experiment_name={name}", log=log)
-    victim = None
     if kill_step is not None:  # the metrics row of step k-1 follows its checkpoint: kill during step k
-        wait_for(lambda: any(r["step"] == kill_step - 1 for r in metric_rows(run)), proc, poll=0.02)
-        workers = worker_pids(proc.pid)
-        victim = rng.choice(workers)
-        os.kill(victim, signal.SIGKILL)
+        kill_a_worker_after(run, kill_step - 1, proc, pick=rng.choice)
     rc = proc.wait(timeout=1800)
     text = log.read_text()
     resumed = [int(x.split()[0]) for x in text.split("resumed from step ")[1:]]

@@ -334,6 +334,16 @@ class TrainerConfig:
         3,
         "a dead worker or a collective timeout: tear down, restart the workers, reload the last checkpoint, continue (this many times)",
     )
+    restart_wait_s: float = _f(
+        300.0,
+        "on a restart, how long to wait for the devices the placement needs (a lost node replaced), "
+        "printing progress; then fail, or shrink per trainer.min_devices",
+    )
+    min_devices: int = _f(
+        0,
+        "on a restart that still lacks devices after restart_wait_s: continue on fewer (dp shrinks, the "
+        "batch arithmetic re-checked) down to this many; 0 = never shrink",
+    )
     stop_grace_s: float = _f(
         120.0, "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them"
     )

@@ -355,9 +355,13 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         errors.append(
             f"trainer.experiment_name: {name!r} must be a relative name inside trainer.output_dir (no '..', not absolute)"
         )
-    for key in ("max_restarts", "save_every_minutes", "stop_grace_s"):
+    for key in ("max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s", "min_devices"):
         if getattr(t, key) < 0:
             errors.append(f"trainer.{key}: must be >= 0, got {getattr(t, key)}")
+    if t.min_devices > cfg.resources.num_devices:
+        errors.append(
+            f"trainer.min_devices: {t.min_devices} exceeds the run's {cfg.resources.num_devices} devices"
+        )
     placement = cfg.resources.placement
     if placement not in ("colocate", "split", "auto") and not os.path.isfile(placement):
         errors.append(

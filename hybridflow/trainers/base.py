@@ -442,6 +442,6 @@ def _hashed_config(cfg) -> dict:
     d = config_to_dict(cfg)
     t = d["trainer"]
     for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers",
-              "save_every_minutes", "max_restarts", "stop_grace_s"):  # fmt: skip
+              "save_every_minutes", "max_restarts", "stop_grace_s", "restart_wait_s", "min_devices"):  # fmt: skip
         t.pop(k, None)
     return d

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.config import load_config
     from hybridflow.controller import WorkerDiedError
     from hybridflow.trainers import build_trainer
+    from hybridflow.trainers.elastic import DevicesLost
     from hybridflow.trainers.lifecycle import Abandoned, Preempted, RunFinished, StopSignals, stop_reaper
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             latest = trainer.latest_checkpoint() if trainer is not None else None
             print(f"hybridflow train: {e}; latest checkpoint: {latest}", file=sys.stderr)
             return 128 + e.signum
-        except WorkerDiedError as e:
+        except (WorkerDiedError, DevicesLost) as e:
             restarts = trainer.restarts if trainer is not None else 0
             print(f"hybridflow train: failed after {restarts} restarts: {one_line(e)}", file=sys.stderr)
             return 1

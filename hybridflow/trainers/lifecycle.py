@@ -9,7 +9,8 @@ How these behave for a user is in docs/operations.md. In short:
   checkpoint; a second one (or trainer.stop_grace_s passing) abandons them. Either way the CLI shuts
   everything down and exits 128 + signal.
 - `is_recoverable`: which worker failures the trainer answers by restarting its worker groups from the
-  last checkpoint (trainer.max_restarts): a dead process or a failed/timed-out collective.
+  last checkpoint (trainer.max_restarts): a dead process or a failed/timed-out collective; `restart`
+  first waits for lost devices or shrinks dp (elastic.py).
 """
 
 from __future__ import annotations
@@ -304,6 +305,7 @@ def restart(trainer, error: Exception, history: list[dict]) -> None:
     """After a recoverable failure: new worker groups, then the state of the last checkpoint this run
     wrote or loaded (or of its start when there is none); history loses the steps after it."""
     from hybridflow.checkpoint import restore_rng_state
+    from hybridflow.trainers.elastic import fit_devices
     from hybridflow.trainers.placement import build_worker_groups, shutdown
 
     trainer.restarts += 1
@@ -314,6 +316,7 @@ def restart(trainer, error: Exception, history: list[dict]) -> None:
     )
     shutdown(trainer.groups, trainer.pools)
     trainer.groups, trainer.pools = {}, []
+    fit_devices(trainer)  # a node gone: wait for it, or continue with fewer dp ranks (elastic.py)
     trainer.groups, trainer.pools = build_worker_groups(trainer.cfg, trainer.placement, trainer.roles())
     trainer.global_step = 0
     if trainer._restore_point is not None:

@@ -1,5 +1,6 @@
-"""Helpers of the lifecycle tests and benchmarks/chaos.py: `hybridflow train` as a child process, the
-processes it started (by pid, from /proc), the TCP ports they listen on, and worker processes to kill."""
+"""Helpers of the CLI, lifecycle and elastic tests and benchmarks/chaos.py: the GRPO config they run,
+`hybridflow train` as a child process, the processes it started (by pid, from /proc), the TCP ports they
+listen on, worker processes to kill, and metrics rows to compare across runs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,43 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# dense and tied to the answer, so greedy validation numbers move with the weights
+REWARD = """def overlap(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c in ground_truth for c in solution_str) / 4.0
+"""
+
+
+def grpo_config(
+    tmp: Path,
+    model,
+    data: str = "num_samples: 64, val_size: 4",
+    resources: str = "n_gpus_per_node: 1",
+    trainer: str = "experiment_name: run, total_steps: 8, save_every: 2, loggers: [console, jsonl]",
+) -> Path:
+    """tmp/grpo.yaml: GRPO on the tiny model and synthetic arithmetic, rewarded by tmp/reward.py (a
+    user file, so reward workers run); `data` (dataset_kwargs), `resources` and `trainer` are flow
+    mappings' contents; runs go to tmp/<experiment_name>."""
+    (tmp / "reward.py").write_text(REWARD)
+    path = tmp / "grpo.yaml"
+    path.write_text(
+        "algorithm: {name: grpo}\n"
+        f"model: {{path: {model}}}\n"
+        f"data: {{dataset: 'synthetic:arithmetic', dataset_kwargs: {{{data}}},"
+        " max_prompt_length: 16, train_batch_size: 4}\n"
+        "actor: {ppo_mini_batch_size: 4, optim: {lr: 2.0e-2}}\n"
+        "rollout: {n: 2, response_length: 4}\n"
+        f"reward: {{fn: '{tmp / 'reward.py'}:overlap', num_workers: 0}}\n"
+        f"resources: {{device: cpu, {resources}}}\n"
+        f"trainer: {{output_dir: '{tmp}', {trainer}}}\n"
+    )
+    return path
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without what differs between equal runs (timings, throughput, restart counts)."""
+    skip = ("timing_s/", "perf/", "trainer/")
+    return {k: v for k, v in row.items() if not k.startswith(skip) and not k.endswith("_time_s")}
 
 
 def start_train(config: Path, *overrides: str, log: Path) -> subprocess.Popen:
@@ -95,3 +133,14 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 600.0, poll: fl
             raise AssertionError(f"the run ended (rc {proc.returncode}) before the awaited state")
         time.sleep(poll)
     raise AssertionError("timed out waiting for the run")
+
+
+def kill_a_worker_after(run_dir: Path, step: int, proc: subprocess.Popen, pick=min) -> int:
+    """SIGKILL one of the run's worker processes (`pick` of their pids) once metrics row `step` is
+    written (its checkpoint, if due, is written before it), i.e. during step + 1; -> the pid."""
+    import signal
+
+    wait_for(lambda: any(r["step"] == step for r in metric_rows(run_dir)), proc, poll=0.01)
+    victim = pick(worker_pids(proc.pid))
+    os.kill(victim, signal.SIGKILL)
+    return victim

@@ -14,31 +14,20 @@ import torch
 from hybridflow.cli import main as cli_main
 from hybridflow.logging import read_metrics
 from hybridflow.logging.report import empty_panels
+from tests.trainers.lifecycle_helpers import grpo_config
 
-# dense and tied to the answer, so greedy validation numbers move with the weights
-REWARD = """def overlap(data_source, solution_str, ground_truth, extra_info=None):
-    return sum(c in ground_truth for c in solution_str) / 4.0
-"""
 ACC = "val/synthetic:arithmetic/acc@1"
 
 
 @pytest.fixture
 def config_file(tiny_model_dir, tmp_path):
-    (tmp_path / "reward.py").write_text(REWARD)
-    path = tmp_path / "grpo.yaml"
-    path.write_text(
-        "algorithm: {name: grpo}\n"
-        f"model: {{path: {tiny_model_dir}}}\n"
-        "data: {dataset: 'synthetic:arithmetic', dataset_kwargs: {num_samples: 32, val_size: 6},"
-        " max_prompt_length: 16, train_batch_size: 4}\n"
-        "actor: {ppo_mini_batch_size: 4, optim: {lr: 2.0e-2}}\n"
-        "rollout: {n: 2, response_length: 4}\n"
-        f"reward: {{fn: '{tmp_path / 'reward.py'}:overlap', num_workers: 0}}\n"
-        "resources: {device: cpu, n_gpus_per_node: 1}\n"
-        f"trainer: {{output_dir: '{tmp_path}', experiment_name: run, save_every: 1, keep_last: 2,"
-        " loggers: [console, jsonl, tensorboard], val_generations_to_log: 3}\n"
+    return grpo_config(
+        tmp_path,
+        tiny_model_dir,
+        data="num_samples: 32, val_size: 6",
+        trainer="experiment_name: run, save_every: 1, keep_last: 2, loggers: [console, jsonl, tensorboard], "
+        "val_generations_to_log: 3",
     )
-    return path
 
 
 def _metrics(run: Path) -> list[dict]:

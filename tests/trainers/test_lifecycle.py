@@ -20,7 +20,9 @@ from hybridflow.trainers import build_trainer
 from hybridflow.trainers.lifecycle import Abandoned, StopSignals, stop_requested
 from tests.trainers.lifecycle_helpers import (
     alive,
+    comparable,
     descendants,
+    grpo_config,
     listening,
     metric_rows,
     start_train,
@@ -28,33 +30,10 @@ from tests.trainers.lifecycle_helpers import (
     worker_pids,
 )
 
-REWARD = """def overlap(data_source, solution_str, ground_truth, extra_info=None):
-    return sum(c in ground_truth for c in solution_str) / 4.0
-"""
-
 
 @pytest.fixture
 def config_file(tiny_model_dir, tmp_path):
-    (tmp_path / "reward.py").write_text(REWARD)
-    path = tmp_path / "grpo.yaml"
-    path.write_text(
-        "algorithm: {name: grpo}\n"
-        f"model: {{path: {tiny_model_dir}}}\n"
-        "data: {dataset: 'synthetic:arithmetic', dataset_kwargs: {num_samples: 64, val_size: 4},"
-        " max_prompt_length: 16, train_batch_size: 4}\n"
-        "actor: {ppo_mini_batch_size: 4, optim: {lr: 2.0e-2}}\n"
-        "rollout: {n: 2, response_length: 4}\n"
-        f"reward: {{fn: '{tmp_path / 'reward.py'}:overlap', num_workers: 0}}\n"
-        "resources: {device: cpu, n_gpus_per_node: 1}\n"
-        f"trainer: {{output_dir: '{tmp_path}', experiment_name: run, total_steps: 8, save_every: 2,"
-        " loggers: [console, jsonl]}\n"
-    )
-    return path
-
-
-def _comparable(row: dict) -> dict:
-    skip = ("timing_s/", "perf/", "trainer/")
-    return {k: v for k, v in row.items() if not k.startswith(skip) and not k.endswith("_time_s")}
+    return grpo_config(tmp_path, tiny_model_dir)
 
 
 def _lines(log: Path) -> list[str]:
@@ -98,7 +77,7 @@ def test_dead_worker_restarts_from_last_checkpoint(ray_cluster, config_file, tmp
     cfg = load_config(config_file, ["trainer.experiment_name=whole", "trainer.loggers=[jsonl]"])
     with build_trainer(cfg) as trainer:
         whole = trainer.fit()
-    assert [_comparable(r) for r in rows] == [_comparable(r) for r in whole]
+    assert [comparable(r) for r in rows] == [comparable(r) for r in whole]
 
     # started again: finished, says so, trains nothing, exit 0
     capsys.readouterr()
