@@ -1,6 +1,7 @@
 """Rule-reward timeouts: what a batch of hanging samples costs, beside per-sample timeouts run one after
 another (the baseline: each hanging sample holds its worker for timeout_s, so a batch costs
-hanging x timeout_s / workers; the executor worked that way before timeouts went concurrent).
+hanging x timeout_s / workers; the executor worked that way before timeouts went concurrent), with
+the executor's own count of the timeout_s periods waited one after another (reward/timeout_waits).
 
 Also the cost of the ordinary path (no hang), so the safety does not tax cheap rewards: samples/s of an
 exact-match user reward through the worker processes.
@@ -30,14 +31,14 @@ REWARD = textwrap.dedent(
 )
 
 
-def run_case(spec: str, workers: int, timeout: float, n: int, hanging: int) -> tuple[float, int]:
+def run_case(spec: str, workers: int, timeout: float, n: int, hanging: int) -> tuple[float, int, int]:
     cfg = RewardConfig(fn=spec, num_workers=workers, timeout_s=timeout, max_error_fraction=1.0)
     responses = ["hang" if i % (n // hanging) == 0 else "a" for i in range(n)] if hanging else ["a"] * n
     with RewardExecutor(cfg) as ex:
         start = time.monotonic()
         result = ex.score("bench", responses, ["a"] * n)
         elapsed = time.monotonic() - start
-    return elapsed, int(result.metrics["reward/num_timeouts"])
+    return elapsed, int(result.metrics["reward/num_timeouts"]), int(result.metrics["reward/timeout_waits"])
 
 
 def main() -> None:
@@ -51,19 +52,20 @@ def main() -> None:
         path.write_text(REWARD)
         spec = f"{path}:score"
         print(f"hanging samples, reward.timeout_s={t:g}")
-        print("| batch | hanging | workers | timeouts reported | wall s | one-after-another s | ratio |")
-        print("|---|---|---|---|---|---|---|")
+        print("| batch | hanging | workers | timeouts reported | timeouts waited | wall s | wall / timeout_s | "
+              "one-after-another s | ratio |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
         for n, hanging, workers in [(16, 16, 1), (64, 64, 1), (64, 64, 2), (64, 16, 1), (256, 256, 2)]:
-            wall, timeouts = run_case(spec, workers, t, n, hanging)
+            wall, timeouts, waits = run_case(spec, workers, t, n, hanging)
             sequential = hanging * t / workers
-            print(f"| {n} | {hanging} | {workers} | {timeouts} | {wall:.1f} | {sequential:.0f} | "
-                  f"{sequential / wall:.1f}x faster |")  # fmt: skip
+            print(f"| {n} | {hanging} | {workers} | {timeouts} | {waits} | {wall:.1f} | {wall / t:.2f} | "
+                  f"{sequential:.0f} | {sequential / wall:.1f}x faster |")  # fmt: skip
         print("\nno hang (exact match, user reward file in worker processes)")
         print("| samples | workers | wall s | samples/s |")
         print("|---|---|---|---|")
         for workers in (1, 2):
             n = 4096
-            wall, _ = run_case(spec, workers, t, n, 0)
+            wall, _, _ = run_case(spec, workers, t, n, 0)
             print(f"| {n} | {workers} | {wall:.2f} | {n / wall:,.0f} |")
 
 

@@ -266,8 +266,8 @@ class RewardConfig:
     batched: Optional[bool] = _f(None, "fn takes whole lists (true) or one sample (false); null = fn.batched")
     timeout_s: float = _f(
         10.0,
-        "seconds one sample may take (hangs are killed and reported; after a batch's first timeout its "
-        "remaining samples run concurrently, so a hanging batch costs about 2 x timeout_s)",
+        "seconds one sample may take (hangs are killed and reported; once a sample runs past timeout_s / 10 "
+        "the batch's other samples run concurrently, so a hanging batch costs about 1 x timeout_s)",
     )
     num_workers: int = _f(1, "processes scoring rule rewards (0 = built-ins in-process)")
     chunk_size: int = _f(0, "samples per chunk sent to a worker (0 = automatic)")

@@ -8,15 +8,17 @@ the parent *thread* that started the worker, so an executor belongs to a long-li
 trainer's main thread).
 
 Protocol on the duplex connection FD:
-  parent -> worker: (spec, fn_kwargs) once; then per chunk ("seq", items) | ("fork", items, timeout_s)
-                    | ("batch", items); None to stop.
+  parent -> worker: (spec, fn_kwargs) once; then per chunk ("seq", items, timeout_s) |
+                    ("fork", items, timeout_s) | ("batch", items); None to stop.
   worker -> parent: ("ready", pid, declared_batched) | ("init_error", one_line, traceback); then per sample
-                    ("ok", i, score) | ("err", i, traceback) | ("timeout", i, message) | ("died", i, message);
+                    ("ok", i, score) | ("err", i, traceback) | ("timeout", i, message, started) |
+                    ("died", i, message); ("spill", i) when sample i is slow enough that it may hang;
                     per batched chunk ("batch", [i...], [scores] | None, traceback | None).
-"seq" scores one sample after another, one message each, so the parent times each sample (its clock
-restarts at every message). "fork" (used after a sample of the batch timed out) scores every sample
-of the chunk at once, each in a forked child that inherits the imported module, and the worker itself
-kills a child after timeout_s: a batch of hanging samples costs about timeout_s, not one per sample.
+User code runs in forked children (they inherit the imported module), never in this process, so it
+always answers (`Scheduler`): "seq" scores a chunk's samples one after another in one child; "fork"
+gives every sample a child of its own; a slow "seq" sample makes the rest of its chunk "fork" (see
+pool.py). The worker kills a child whose sample passed timeout_s. Only a batched call runs here (the
+parent times it and kills this worker).
 An item is (index, data_source, solution_str, ground_truth, extra_info).
 """
 
@@ -72,7 +74,7 @@ def summary(error: BaseException) -> str:
 def serve(conn, parent_pid: int) -> None:
     import traceback
 
-    from hybridflow.rewards.registry import load_reward_fn, run_batched, run_per_sample
+    from hybridflow.rewards.registry import load_reward_fn
 
     try:
         spec, fn_kwargs = conn.recv()
@@ -81,25 +83,7 @@ def serve(conn, parent_pid: int) -> None:
         conn.send(("init_error", summary(e), traceback.format_exc()))
         return
     conn.send(("ready", os.getpid(), declared_batched))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:  # the parent went away
-            return
-        if msg is None:
-            return
-        mode, items = msg[0], msg[1]
-        if mode == "batch":
-            idx = [it[0] for it in items]
-            try:
-                conn.send(("batch", idx, run_batched(fn, items, fn_kwargs), None))
-            except BaseException:
-                conn.send(("batch", idx, None, traceback.format_exc()))
-        elif mode == "fork":
-            score_forked(conn, fn, items, fn_kwargs, msg[2])
-        else:
-            for item in items:
-                conn.send(score_one(run_per_sample, fn, item, fn_kwargs))
+    Scheduler(conn, fn, fn_kwargs).serve()
 
 
 def score_one(run_per_sample, fn, item, fn_kwargs) -> tuple:
@@ -111,59 +95,178 @@ def score_one(run_per_sample, fn, item, fn_kwargs) -> tuple:
         return ("err", item[0], traceback.format_exc())
 
 
-def score_forked(conn, fn, items: list, fn_kwargs: dict, timeout_s: float) -> None:
-    """Every item in its own forked child, all at once (up to MAX_FORKS); a child past timeout_s is killed."""
-    import pickle
-    import select
-    from collections import deque
+class _Child:
+    """A forked child scoring `items` one after another, writing one framed pickle per result."""
 
-    from hybridflow.rewards.registry import run_per_sample
+    def __init__(self, items: list, fn, fn_kwargs: dict, seq: bool = False):
+        import pickle
 
-    queue, running = deque(items), {}  # read fd -> [pid, index, start, received bytes]
-    me = os.getpid()
-    while queue or running:
-        while queue and len(running) < MAX_FORKS:
-            item = queue.popleft()
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the child: score, write the result, leave without running any cleanup
-                try:
-                    os.close(r)
-                    os.setpgid(0, 0)  # its own group: a kill takes what it started too
-                    die_with_parent(me)
-                    data = pickle.dumps(score_one(run_per_sample, fn, item, fn_kwargs))
-                    with os.fdopen(w, "wb") as out:
-                        out.write(data)
-                finally:
-                    os._exit(0)
-            os.close(w)
+        from hybridflow.rewards.registry import run_per_sample
+
+        me = os.getpid()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: score, write the results, leave without running any cleanup
             try:
-                os.setpgid(pid, pid)  # also from this side, so a kill right away finds the group
-            except OSError:
-                pass
-            running[r] = [pid, item[0], time.monotonic(), []]
-        wait = min(start + timeout_s for _, _, start, _ in running.values()) - time.monotonic()
-        readable, _, _ = select.select(list(running), [], [], max(0.0, wait))
-        for r in readable:
-            data = os.read(r, 1 << 16)
-            if data:
-                running[r][3].append(data)
-                continue
-            pid, i, _, parts = running.pop(r)
-            os.close(r)
-            _, status = os.waitpid(pid, 0)
-            try:
-                conn.send(pickle.loads(b"".join(parts)))
-            except Exception:  # no complete result: the child crashed (os._exit, a signal)
-                code = os.waitstatus_to_exitcode(status)
-                conn.send(("died", i, f"the sample's process died (exit code {code})"))
-        now = time.monotonic()
-        for r, (pid, i, start, _) in list(running.items()):
-            if now - start >= timeout_s:
-                _kill_group(pid)
-                running.pop(r)
                 os.close(r)
-                conn.send(("timeout", i, f"no result within {timeout_s:g}s; its process was killed"))
+                os.setpgid(0, 0)  # its own group: a kill takes what it started too
+                die_with_parent(me)
+                for item in items:
+                    data = pickle.dumps(score_one(run_per_sample, fn, item, fn_kwargs))
+                    view = memoryview(len(data).to_bytes(4, "little") + data)
+                    while view:
+                        view = view[os.write(w, view) :]
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            os.setpgid(pid, pid)  # also from this side, so a kill right away finds the group
+        except OSError:
+            pass
+        self.pid, self.fd, self.items, self.pos, self.seq = pid, r, items, 0, seq
+        self.start = time.monotonic()  # of the sample at `pos`
+        self.last = None  # set when the rest was handed to other children: pos of the last one to take
+        self.buf = b""
+
+    def results(self, data: bytes) -> list[tuple]:
+        import pickle
+
+        self.buf += data
+        out = []
+        while len(self.buf) >= 4 and len(self.buf) >= 4 + int.from_bytes(self.buf[:4], "little"):
+            n = int.from_bytes(self.buf[:4], "little")
+            out.append(pickle.loads(self.buf[4 : 4 + n]))
+            self.buf = self.buf[4 + n :]
+        return out
+
+    def kill(self) -> None:
+        _kill_group(self.pid)
+        os.close(self.fd)
+
+
+class Scheduler:
+    """The worker's loop. User code runs only in forked children, so this process always answers:
+    a "seq" chunk goes to one child that scores its samples one after another; when a sample runs
+    longer than `spill_after()` (it may hang), the chunk's other samples are handed to children of
+    their own, all at once, and the parent is told ("spill"), so it sends its queued samples as
+    "fork" chunks too: every sample of a batch that hangs starts within about spill_after() of the
+    batch, so the batch costs about timeout_s. Each child's sample is killed after timeout_s."""
+
+    def __init__(self, conn, fn, fn_kwargs: dict):
+        from collections import deque
+
+        self.conn, self.fn, self.fn_kwargs = conn, fn, fn_kwargs
+        self.children: dict[int, _Child] = {}  # read fd -> child
+        self.queue: deque = deque()  # samples waiting for a child of their own (at most MAX_FORKS run)
+        self.timeout_s = 10.0
+        self.recent: deque = deque(maxlen=64)  # seconds the last completed samples took
+
+    def spill_after(self) -> float:
+        """A sample this slow may hang: timeout_s / 10, or 3 x the slowest recent sample (a reward
+        that is slow by nature keeps its samples apart, up to timeout_s / 2)."""
+        return min(self.timeout_s / 2, max(self.timeout_s / 10, 3 * max(self.recent, default=0.0)))
+
+    def serve(self) -> None:
+        import select
+
+        while True:
+            fds = [self.conn.fileno(), *self.children]
+            readable, _, _ = select.select(fds, [], [], self._next_event())
+            for fd in readable:
+                if fd != self.conn.fileno():
+                    self._read(self.children[fd])
+                elif not self._accept():
+                    return
+            self._check_clocks()
+            self._start_queued()
+
+    def _accept(self) -> bool:
+        """One message of the parent; False when it says stop or is gone."""
+        import traceback
+
+        from hybridflow.rewards.registry import run_batched
+
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            return False
+        if msg is None:
+            return False
+        mode, items = msg[0], msg[1]
+        if mode == "batch":  # one call on the whole chunk, here (the parent's clock kills this worker)
+            idx = [it[0] for it in items]
+            try:
+                self.conn.send(("batch", idx, run_batched(self.fn, items, self.fn_kwargs), None))
+            except BaseException:
+                self.conn.send(("batch", idx, None, traceback.format_exc()))
+            return True
+        self.timeout_s = msg[2]
+        if mode == "seq" and items:
+            child = _Child(items, self.fn, self.fn_kwargs, seq=True)
+            self.children[child.fd] = child
+        else:
+            self.queue.extend(items)
+        return True
+
+    def _start_queued(self) -> None:
+        while self.queue and len(self.children) < MAX_FORKS:
+            child = _Child([self.queue.popleft()], self.fn, self.fn_kwargs)
+            self.children[child.fd] = child
+
+    def _read(self, child: _Child) -> None:
+        data = os.read(child.fd, 1 << 16)
+        for result in child.results(data):
+            now = time.monotonic()
+            if child.last is None or child.pos <= child.last:
+                self.conn.send(result)
+                self.recent.append(now - child.start)
+            child.pos, child.start = child.pos + 1, now
+        if child.last is not None and child.pos > child.last:
+            self._drop(child)  # its other samples were handed out: stop it
+        elif not data:  # the child ended
+            self._drop(child, reap=True)
+            if child.pos < len(child.items):  # no result: it died on that sample (os._exit, a signal)
+                self._died(child)
+
+    def _drop(self, child: _Child, reap: bool = False) -> None:
+        del self.children[child.fd]
+        if reap:
+            _, status = os.waitpid(child.pid, 0)
+            child.code = os.waitstatus_to_exitcode(status)
+            os.close(child.fd)
+        else:
+            child.kill()
+
+    def _died(self, child: _Child) -> None:
+        i = child.items[child.pos][0]
+        self.conn.send(("died", i, f"the sample's process died (exit code {child.code})"))
+        rest = child.items[child.pos + 1 :] if child.last is None else []
+        if rest:  # the chunk goes on in a new child
+            again = _Child(rest, self.fn, self.fn_kwargs, seq=True)
+            self.children[again.fd] = again
+
+    def _next_event(self) -> float | None:
+        deadlines = [self._deadline(c) for c in self.children.values()]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _deadline(self, child: _Child) -> float:
+        spills = child.seq and child.last is None
+        return child.start + (min(self.spill_after(), self.timeout_s) if spills else self.timeout_s)
+
+    def _check_clocks(self) -> None:
+        now = time.monotonic()
+        for child in list(self.children.values()):
+            if now - child.start >= self.timeout_s:
+                i = child.items[child.pos][0]
+                self._drop(child)
+                message = f"no result within {self.timeout_s:g}s; its process was killed"
+                self.conn.send(("timeout", i, message, child.start))
+                if child.last is None:
+                    self.queue.extend(child.items[child.pos + 1 :])
+            elif child.seq and child.last is None and now - child.start >= self.spill_after():
+                child.last = child.pos  # this one may hang: every later sample gets a child of its own
+                self.queue.extend(child.items[child.pos + 1 :])
+                self.conn.send(("spill", child.items[child.pos][0]))
 
 
 def _kill_group(pid: int) -> None:

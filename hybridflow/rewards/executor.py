@@ -19,6 +19,7 @@ still gets one worker so that its timeout can be enforced.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import traceback
 from collections.abc import Sequence
@@ -114,6 +115,17 @@ def extra_metrics(extras: list[dict]) -> dict[str, float]:
     return {f"reward/extra/{k}/mean": sum(v) / len(v) for k, v in values.items()}
 
 
+def timeout_waits(starts: list[float], timeout_s: float) -> int:
+    """How many timeout_s periods the batch waited out one after another: timed-out samples that
+    started while an earlier counted one was still running share its wait (1 when they all ran at
+    once, 2 when a second group only started after the first timed out, ...)."""
+    count, until = 0, -math.inf
+    for start in sorted(starts):
+        if start >= until:
+            count, until = count + 1, start + timeout_s
+    return count
+
+
 def _fallback_score(on_error: str | float, error_score: float) -> float | None:
     """The score for a failed sample, or None for 'raise'."""
     if on_error == "raise":
@@ -200,10 +212,12 @@ class RewardExecutor:
         for i, s in scores_by_idx.items():
             scores[i] = s
         n_timeouts = sum(e.kind == "timeout" for e in errors)
+        waits = timeout_waits([e.started for e in errors if e.kind == "timeout"], self.cfg.timeout_s)
         metrics = {
             "reward/num_errors": float(len(errors) - n_timeouts),
             "reward/error_fraction": len(errors) / max(n, 1),
             "reward/num_timeouts": float(n_timeouts),
+            "reward/timeout_waits": float(waits),
             "reward/fn_time_s": elapsed,
         }
         extras = [getattr(scores_by_idx.get(i), "extra", None) or {} for i in range(n)]

@@ -4,12 +4,16 @@ Why persistent workers fed chunks: cheap rewards (string match, ~10 us) must not
 or one round trip per sample, so each worker receives a chunk and streams one small message per sample
 back; the parent restarts a sample's clock at each message, so the timeout is per sample.
 
-Why a second mode: a sample that hangs costs its worker timeout_s, and one worker's chunk holds many
-samples. After the first timeout of a batch, the batch's remaining samples are re-cut into one "fork"
-chunk per worker, in which every sample runs at once in its own forked child with its own timeout_s
-(hybridflow/rewards/_worker.py). A batch where every sample hangs then costs about 2 x timeout_s,
-not batch x timeout_s. Those samples share the CPUs, so a CPU-heavy reward can time out there
-where it would not alone; such a sample is counted and reported like any timeout.
+Why a second mode: a sample that hangs costs timeout_s, and one worker's chunk holds many samples.
+The worker runs user code only in forked children (hybridflow/rewards/_worker.py), so it stays
+responsive: when a sample runs past timeout_s / 10 (or 3 x the slowest recent sample, for rewards slow
+by nature) the rest of its chunk goes to one child per sample, all at once, and the worker says
+"spill"; the pool then re-cuts the batch's queued samples into one "fork" chunk per worker, sent at
+once even to busy workers. Every sample of a batch that hangs starts within about timeout_s / 10 of the
+first, so the batch costs about 1 x timeout_s (`reward/timeout_waits` counts the timeout_s periods
+waited one after another; up to _worker.MAX_FORKS children per worker run at once, more wait for a
+slot). Those samples share the CPUs, so a CPU-heavy reward can time out there where it would not
+alone; such a sample is counted and reported like any timeout.
 
 A worker is started with the reward spec and imports the user's module itself: the trainer process
 never imports user reward code, and an import that raises, exits or hangs is a one-line
@@ -33,6 +37,8 @@ from typing import TYPE_CHECKING
 
 from hybridflow.rewards.registry import Item, RewardSpecError
 
+BACKSTOP_S = 10.0  # beyond the worker's own timing: how long a worker may stay silent before it is killed
+
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import RewardConfig
 
@@ -43,6 +49,9 @@ class RewardError:
     sample_id: str  # the index and, when known, the sample's uid
     kind: str  # "exception" | "bad_score" | "timeout" | "worker_died"
     message: str  # the traceback, or what happened
+    started: float = (
+        0.0  # timeouts: when the sample started (time.monotonic, the same clock in every process)
+    )
 
 
 class _Worker:
@@ -66,25 +75,24 @@ class _Worker:
         self.started = time.monotonic()
         self.ready = False
         self.declared_batched: bool | None = None
-        self.mode = ""  # of the chunk in flight: "seq" | "fork" | "batch"
-        self.chunk: list[Item] | None = None
-        self.outstanding: set[int] = set()  # indices of the chunk not yet reported
-        self.next = 0  # seq mode: position in chunk of the sample being scored
-        self.deadline = math.inf
+        self.mode = ""  # of the last chunk sent: "seq" | "fork" | "batch"
+        self.outstanding: dict[int, Item] = {}  # sent and not yet reported (several fork chunks may add up)
+        self.deadline = math.inf  # the backstop: the worker itself times its samples (rewards/_worker.py)
 
     def send(self, mode: str, chunk: list[Item], timeout_s: float) -> None:
-        self.mode, self.chunk, self.next = mode, chunk, 0
-        self.outstanding = {it[0] for it in chunk}
-        self.conn.send(("fork", chunk, timeout_s) if mode == "fork" else (mode, chunk))
-        if mode == "fork":  # the worker times each child; this is the backstop for the worker itself
-            from hybridflow.rewards._worker import MAX_FORKS
+        self.mode = mode
+        self.outstanding.update((it[0], it) for it in chunk)
+        self.conn.send((mode, chunk) if mode == "batch" else (mode, chunk, timeout_s))
+        # a batched call runs in the worker itself, timed here; otherwise the worker reports a sample
+        # (or its timeout) at least every timeout_s while it has any, and this deadline moves with them
+        self.deadline = time.monotonic() + timeout_s * (len(chunk) if mode == "batch" else 1) + BACKSTOP_S
 
-            self.deadline = time.monotonic() + timeout_s * math.ceil(len(chunk) / MAX_FORKS) + 10.0
-        else:
-            self.deadline = time.monotonic() + timeout_s * (len(chunk) if mode == "batch" else 1)
-
-    def done(self) -> None:
-        self.chunk, self.outstanding, self.deadline = None, set(), math.inf
+    def heard(self, timeout_s: float) -> None:
+        """A message came: the backstop moves (or goes, when nothing is outstanding)."""
+        if not self.outstanding:
+            self.deadline = math.inf
+        elif self.mode != "batch":
+            self.deadline = time.monotonic() + timeout_s + BACKSTOP_S
 
     def kill(self) -> None:
         try:
@@ -166,24 +174,17 @@ class WorkerPool:
             self._fail(w, "worker_died", f"the worker process died (exit code {code})", errors)
 
     def _fail(self, w: _Worker, kind: str, message: str, errors: list) -> None:
-        """The sample(s) in flight fail; the rest of the chunk goes back to the queue; `w` is replaced."""
-        if w.chunk is not None:
-            if w.mode == "seq":
-                failed = [w.chunk[w.next]]
-                rest = w.chunk[w.next + 1 :]
-                message += f" (response starts {failed[0][2][:80]!r})"
-            else:  # a whole batched call, or what a fork chunk had not reported
-                failed = [it for it in w.chunk if it[0] in w.outstanding]
-                rest = []
-            errors.extend(RewardError(it[0], "", kind, message) for it in failed)
-            if rest:
-                self.pending.appendleft(("seq", rest))
-            if kind == "timeout":
-                self._go_parallel()
+        """Every sample `w` still owes fails (it died, or its backstop passed); `w` is replaced."""
+        started = time.monotonic() - self.cfg.timeout_s
+        errors.extend(RewardError(i, "", kind, message, started) for i in w.outstanding)
+        if kind == "timeout":
+            self._go_parallel()
         self._replace(w)
 
     def _go_parallel(self) -> None:
-        """After a timeout: the queued samples are re-cut into one fork chunk per worker."""
+        """A sample hangs (or may): the queued samples are re-cut into one fork chunk per worker, sent
+        at once even to busy workers, so that each sample starts now in a process of its own."""
+        self.parallel = not self.batched
         items = [it for _, chunk in self.pending for it in chunk]
         if self.batched or not items:
             return
@@ -191,7 +192,7 @@ class WorkerPool:
         self.pending = deque(("fork", items[i : i + size]) for i in range(0, len(items), size))
 
     def run(self, items: list[Item], batched: bool) -> tuple[dict[int, float], list]:
-        cfg, n_workers, self.batched = self.cfg, len(self.workers), batched
+        cfg, n_workers, self.batched, self.parallel = self.cfg, len(self.workers), batched, False
         size = cfg.chunk_size or max(1, math.ceil(len(items) / (n_workers * (1 if batched else 4))))
         mode = "batch" if batched else "seq"
         self.pending = deque((mode, items[i : i + size]) for i in range(0, len(items), size))
@@ -199,7 +200,7 @@ class WorkerPool:
         errors: list = []
         while len(scores) + len(errors) < len(items):
             for w in self.workers:
-                if w.ready and w.chunk is None and self.pending:
+                if w.ready and self.pending and (not w.outstanding or self.pending[0][0] == "fork"):
                     w.send(*self.pending.popleft(), cfg.timeout_s)
             now = time.monotonic()
             deadlines = [w.deadline if w.ready else w.started + cfg.startup_timeout_s for w in self.workers]
@@ -208,9 +209,14 @@ class WorkerPool:
                 self._receive(by_conn[conn], scores, errors)
             now = time.monotonic()
             for w in list(self.workers):
-                if w.chunk is not None and now > w.deadline:
-                    limit = cfg.timeout_s * (len(w.chunk) if w.mode == "batch" else 1)
-                    self._fail(w, "timeout", f"no result within {limit:g}s; the worker was killed", errors)
+                if w.outstanding and now > w.deadline:
+                    n = len(w.outstanding) if w.mode == "batch" else 1
+                    self._fail(
+                        w,
+                        "timeout",
+                        f"no result within {cfg.timeout_s * n:g}s; the worker was killed",
+                        errors,
+                    )
             self._check_startup()
         return scores, errors
 
@@ -227,19 +233,19 @@ class WorkerPool:
                 errors.extend(RewardError(i, "", "exception", tb) for i in idx)
             else:
                 scores.update(zip(idx, values))
-            w.done()
-        else:  # one sample done: "ok" | "err" | "timeout" | "died" (the last two from fork chunks)
+            for i in idx:
+                w.outstanding.pop(i, None)
+        elif kind == "spill":  # a sample is slow enough that it may hang: start the queued ones now
+            self._go_parallel()
+        elif msg[1] in w.outstanding:  # one sample done: "ok" | "err" | "timeout" | "died"
             i = msg[1]
+            del w.outstanding[i]
             if kind == "ok":
                 scores[i] = msg[2]
             else:
                 error_kind = {"err": "exception", "died": "worker_died"}.get(kind, kind)
-                errors.append(RewardError(i, "", error_kind, msg[2]))
+                started = msg[3] if kind == "timeout" else 0.0
+                errors.append(RewardError(i, "", error_kind, msg[2], started))
                 if kind == "timeout":
                     self._go_parallel()
-            w.outstanding.discard(i)
-            if w.mode == "seq":  # the next one's clock starts now
-                w.next += 1
-                w.deadline = time.monotonic() + self.cfg.timeout_s
-            if not w.outstanding:
-                w.done()
+        w.heard(self.cfg.timeout_s)

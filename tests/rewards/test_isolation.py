@@ -17,6 +17,7 @@ import pytest
 
 from hybridflow.errors import RunStopped, UserError
 from hybridflow.rewards import RewardConfig, RewardExecutor, RewardFailureError, RewardSpecError
+from hybridflow.rewards.executor import timeout_waits
 
 REWARDS = textwrap.dedent(
     """
@@ -53,6 +54,16 @@ def test_user_module_is_imported_only_in_the_workers(reward_file):
     assert not [m for m in sys.modules if m.startswith("hybridflow_user_reward_")]
 
 
+def test_a_reward_worker_does_not_import_torch():
+    """What a worker imports (rewards/_worker.py + registry.py): light, so workers start and fork fast."""
+    code = (
+        "import sys, hybridflow.rewards._worker, hybridflow.rewards.registry; print('torch' in sys.modules)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [
@@ -76,9 +87,10 @@ def test_a_module_that_exits_fails_or_hangs_at_import_is_one_line(tmp_path, sour
 
 
 def test_hanging_samples_time_out_concurrently(reward_file):
-    """12 hanging samples on one worker with timeout_s=1: all 12 reported, in far less than 12 s
-    (after the first timeout the rest run at once, each in its own process), the good ones scored."""
-    n_hang, timeout = 12, 1.0
+    """12 hanging samples on one worker: all 12 reported after one timeout_s, not one after another
+    (a sample slower than timeout_s / 10 hands the rest of the batch to processes of their own, so
+    every hanging sample starts within the first one's timeout), the good ones scored."""
+    n_hang, timeout = 12, 2.0
     responses = ["hang"] * n_hang + ["a", "b"] * 3
     cfg = RewardConfig(fn=f"{reward_file}:score", num_workers=1, timeout_s=timeout, max_error_fraction=1.0)
     with RewardExecutor(cfg) as ex:
@@ -88,10 +100,33 @@ def test_hanging_samples_time_out_concurrently(reward_file):
         again = ex.score("src", ["a", "b"], ["a", "a"])  # the pool is healthy afterwards
     assert [e.index for e in result.errors if e.kind == "timeout"] == list(range(n_hang))
     assert result.metrics["reward/num_timeouts"] == n_hang
+    assert result.metrics["reward/timeout_waits"] == 1  # was 2: the first timeout waited out alone
     np.testing.assert_array_equal(result.scores[n_hang:], [1, 0] * 3)
-    # sequential timeouts would take >= 12 s; concurrent ones ~2 x timeout (+ process starts on a busy CI box)
+    # sequential timeouts would take >= 24 s; concurrent ones ~timeout (+ process starts on a busy CI box)
     assert elapsed < n_hang * timeout / 2, elapsed
     np.testing.assert_array_equal(again.scores, [1, 0])
+    assert again.metrics["reward/timeout_waits"] == 0
+
+
+def test_a_batch_that_all_hangs_waits_one_timeout(reward_file):
+    """Every sample hangs, 2 workers, 4 chunks each: one timeout_s waited (the executor's count), all
+    scored per on_error; the next batch is scored by the same, healthy pool."""
+    cfg = RewardConfig(fn=f"{reward_file}:score", num_workers=2, timeout_s=2.0, max_error_fraction=1.0)
+    with RewardExecutor(cfg) as ex:
+        result = ex.score("src", ["hang"] * 16, ["a"] * 16)
+        again = ex.score("src", ["a", "b", "a"], ["a"] * 3)
+    assert sorted(e.index for e in result.errors) == list(range(16))
+    assert {e.kind for e in result.errors} == {"timeout"}
+    assert result.metrics["reward/timeout_waits"] == 1 and result.metrics["reward/num_timeouts"] == 16
+    np.testing.assert_array_equal(result.scores, np.zeros(16))
+    np.testing.assert_array_equal(again.scores, [1, 0, 1])
+
+
+def test_timeout_waits_counts_waits_one_after_another():
+    assert timeout_waits([], 2.0) == 0
+    assert timeout_waits([10.0, 10.1, 11.9], 2.0) == 1  # all started within the first one's 2 s
+    assert timeout_waits([10.0, 12.0, 12.5, 14.1], 2.0) == 3  # 12.0 starts as 10.0 times out
+    assert timeout_waits([14.1, 10.0, 12.5, 12.0], 2.0) == 3  # order does not matter
 
 
 def test_scores_are_checked_as_float32_and_against_the_bound(reward_file):
