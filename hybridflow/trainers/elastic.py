@@ -92,6 +92,8 @@ def fit_devices(trainer) -> None:
             f"{lost}, after waiting trainer.restart_wait_s={t.restart_wait_s:g}; add devices and resume, or set "
             "trainer.min_devices to continue on fewer (dp shrinks)"
         )
+    if have < t.min_devices:
+        raise DevicesLost(f"{lost}, fewer than trainer.min_devices={t.min_devices}; add devices and resume")
     first = None
     for n in range(have, t.min_devices - 1, -1):
         new, problems = shrunk_config(cfg, n)
@@ -100,8 +102,8 @@ def fit_devices(trainer) -> None:
         first = first or f"on {n}: {problems[0]}"
     else:
         raise DevicesLost(
-            f"{lost}; cannot continue on {t.min_devices}..{have} devices (trainer.min_devices="
-            f"{t.min_devices}): {first or 'fewer than trainer.min_devices'}"
+            f"{lost}; no device count from {have} down to trainer.min_devices={t.min_devices} fits the "
+            f"config ({first}); add devices and resume, or change the batch"
         )
     trainer.cfg, trainer.placement = new, Placement.from_config(new)
     _say(

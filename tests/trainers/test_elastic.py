@@ -79,3 +79,41 @@ def test_lost_node_continues_on_fewer_dp_ranks_from_the_checkpoint(tiny_model_di
         assert rows[2]["actor/pg_loss"] != rows[3]["actor/pg_loss"]  # the curve goes on, not a copy
     finally:
         cluster.shutdown()
+
+
+def test_restart_waits_then_shrinks_to_what_the_cluster_has_or_stops(
+    ray_cluster, tiny_model_dir, tmp_path, capsys
+):
+    """fit_devices against the session's real Ray cluster, for a run placed on 1024 devices it never had:
+    progress while waiting, then the largest device count that fits and splits the mini-batch evenly."""
+    from types import SimpleNamespace
+
+    from hybridflow.trainers.elastic import DevicesLost, cluster_devices, fit_devices
+    from hybridflow.trainers.placement import Placement
+
+    path = grpo_config(tmp_path, tiny_model_dir, resources="n_gpus_per_node: 8, nnodes: 128")
+    cfg = load_config(path, ["trainer.restart_wait_s=1.2"])
+    trainer = SimpleNamespace(cfg=cfg, placement=Placement.from_config(cfg))
+    have = cluster_devices(False)
+    assert 2 <= have < 1024
+    with pytest.raises(DevicesLost, match=f"the cluster has {have} of the 1024 devices this run was placed on, "
+                       "after waiting trainer.restart_wait_s=1.2; .* set trainer.min_devices"):  # fmt: skip
+        fit_devices(trainer)
+    assert (
+        f"waiting for devices: the cluster has {have} of the 1024 this run needs" in capsys.readouterr().err
+    )
+
+    trainer.cfg = load_config(path, ["trainer.restart_wait_s=0", "trainer.min_devices=2"])
+    fit_devices(trainer)
+    n = max(k for k in range(2, have + 1) if 8 % k == 0)  # 4 prompts x 2 samples over dp=k
+    assert trainer.placement.num_devices == n and trainer.cfg.actor.parallel.dp == n
+    assert f"continuing on {n} devices instead of 1024" in capsys.readouterr().err
+    trainer.placement = Placement.from_config(cfg)
+    trainer.cfg = load_config(path, ["trainer.restart_wait_s=0", f"trainer.min_devices={have + 1}"])
+    with pytest.raises(DevicesLost, match=f"fewer than trainer.min_devices={have + 1}; add devices"):
+        fit_devices(trainer)
+    if have >= 9:  # 8 rows per mini-batch split evenly over no dp from `have` down to 9
+        trainer.cfg = load_config(path, ["trainer.restart_wait_s=0", "trainer.min_devices=9"])
+        with pytest.raises(DevicesLost, match=f"no device count from {have} down to trainer.min_devices=9 fits "
+                           f"the config \\(on {have}: a mini-batch of 8 rows"):  # fmt: skip
+            fit_devices(trainer)
