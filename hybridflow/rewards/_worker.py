@@ -95,38 +95,79 @@ def score_one(run_per_sample, fn, item, fn_kwargs) -> tuple:
         return ("err", item[0], traceback.format_exc())
 
 
-class _Child:
-    """A forked child scoring `items` one after another, writing one framed pickle per result."""
+def _write_framed(fd: int, data: bytes) -> None:
+    view = memoryview(len(data).to_bytes(4, "little") + data)
+    while view:
+        view = view[os.write(fd, view) :]
 
-    def __init__(self, items: list, fn, fn_kwargs: dict, seq: bool = False):
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    parts = []
+    while n:
+        part = os.read(fd, n)
+        if not part:
+            return None
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
+def _next_chunk(fd: int) -> list | None:
+    import pickle
+
+    head = _read_exact(fd, 4)
+    data = None if head is None else _read_exact(fd, int.from_bytes(head, "little"))
+    return None if data is None else pickle.loads(data)
+
+
+class _Child:
+    """A forked child scoring samples one after another, writing one framed pickle per result. A runner
+    (items=None) takes chunk after chunk from its input pipe, so what the reward function caches or
+    imports on its first call stays for the next chunks; otherwise the child scores `items` and exits."""
+
+    def __init__(self, fn, fn_kwargs: dict, items: list | None = None):
         import pickle
 
         from hybridflow.rewards.registry import run_per_sample
 
         me = os.getpid()
         r, w = os.pipe()
+        cmd_r, cmd_w = os.pipe() if items is None else (None, None)
         pid = os.fork()
         if pid == 0:  # the child: score, write the results, leave without running any cleanup
             try:
                 os.close(r)
+                if cmd_w is not None:
+                    os.close(cmd_w)
                 os.setpgid(0, 0)  # its own group: a kill takes what it started too
                 die_with_parent(me)
-                for item in items:
-                    data = pickle.dumps(score_one(run_per_sample, fn, item, fn_kwargs))
-                    view = memoryview(len(data).to_bytes(4, "little") + data)
-                    while view:
-                        view = view[os.write(w, view) :]
+                chunks = [items] if items is not None else iter(lambda: _next_chunk(cmd_r), None)
+                for chunk in chunks:
+                    for item in chunk:
+                        _write_framed(w, pickle.dumps(score_one(run_per_sample, fn, item, fn_kwargs)))
             finally:
                 os._exit(0)
         os.close(w)
+        if cmd_r is not None:
+            os.close(cmd_r)
         try:
             os.setpgid(pid, pid)  # also from this side, so a kill right away finds the group
         except OSError:
             pass
-        self.pid, self.fd, self.items, self.pos, self.seq = pid, r, items, 0, seq
+        self.pid, self.fd, self.cmd, self.seq = pid, r, cmd_w, items is None
+        self.items, self.pos, self.buf = list(items or []), 0, b""
         self.start = time.monotonic()  # of the sample at `pos`
         self.last = None  # set when the rest was handed to other children: pos of the last one to take
-        self.buf = b""
+
+    @property
+    def busy(self) -> bool:
+        return self.pos < len(self.items)
+
+    def assign(self, items: list) -> None:
+        import pickle
+
+        self.items, self.pos, self.start = items, 0, time.monotonic()
+        _write_framed(self.cmd, pickle.dumps(items))
 
     def results(self, data: bytes) -> list[tuple]:
         import pickle
@@ -139,24 +180,33 @@ class _Child:
             self.buf = self.buf[4 + n :]
         return out
 
-    def kill(self) -> None:
-        _kill_group(self.pid)
-        os.close(self.fd)
+    def close(self, kill: bool) -> int | None:
+        """Kill it (or reap it, when it ended) and close its pipes; -> its exit code when reaped."""
+        code = None
+        if kill:
+            _kill_group(self.pid)
+        else:
+            code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        for fd in (self.fd, self.cmd):
+            if fd is not None:
+                os.close(fd)
+        return code
 
 
 class Scheduler:
     """The worker's loop. User code runs only in forked children, so this process always answers:
-    a "seq" chunk goes to one child that scores its samples one after another; when a sample runs
-    longer than `spill_after()` (it may hang), the chunk's other samples are handed to children of
-    their own, all at once, and the parent is told ("spill"), so it sends its queued samples as
+    "seq" chunks go to one runner child that scores their samples one after another; when a sample
+    runs longer than `spill_after()` (it may hang), the chunk's other samples are handed to children
+    of their own, all at once, and the parent is told ("spill"), so it sends its queued samples as
     "fork" chunks too: every sample of a batch that hangs starts within about spill_after() of the
-    batch, so the batch costs about timeout_s. Each child's sample is killed after timeout_s."""
+    first, so the batch costs about timeout_s. A child whose sample passes timeout_s is killed."""
 
     def __init__(self, conn, fn, fn_kwargs: dict):
         from collections import deque
 
         self.conn, self.fn, self.fn_kwargs = conn, fn, fn_kwargs
         self.children: dict[int, _Child] = {}  # read fd -> child
+        self.runner: _Child | None = None  # the child that takes "seq" chunks
         self.queue: deque = deque()  # samples waiting for a child of their own (at most MAX_FORKS run)
         self.timeout_s = 10.0
         self.recent: deque = deque(maxlen=64)  # seconds the last completed samples took
@@ -201,16 +251,21 @@ class Scheduler:
                 self.conn.send(("batch", idx, None, traceback.format_exc()))
             return True
         self.timeout_s = msg[2]
-        if mode == "seq" and items:
-            child = _Child(items, self.fn, self.fn_kwargs, seq=True)
-            self.children[child.fd] = child
+        if mode == "seq" and items and not (self.runner and self.runner.busy):
+            self._run_seq(items)
         else:
             self.queue.extend(items)
         return True
 
+    def _run_seq(self, items: list) -> None:
+        if self.runner is None:
+            self.runner = _Child(self.fn, self.fn_kwargs)
+            self.children[self.runner.fd] = self.runner
+        self.runner.assign(items)
+
     def _start_queued(self) -> None:
         while self.queue and len(self.children) < MAX_FORKS:
-            child = _Child([self.queue.popleft()], self.fn, self.fn_kwargs)
+            child = _Child(self.fn, self.fn_kwargs, [self.queue.popleft()])
             self.children[child.fd] = child
 
     def _read(self, child: _Child) -> None:
@@ -222,43 +277,36 @@ class Scheduler:
                 self.recent.append(now - child.start)
             child.pos, child.start = child.pos + 1, now
         if child.last is not None and child.pos > child.last:
-            self._drop(child)  # its other samples were handed out: stop it
+            self._drop(child, kill=True)  # its other samples were handed out: stop it
         elif not data:  # the child ended
-            self._drop(child, reap=True)
-            if child.pos < len(child.items):  # no result: it died on that sample (os._exit, a signal)
-                self._died(child)
+            code = self._drop(child, kill=False)
+            if child.busy:  # no result: it died on that sample (os._exit, a signal)
+                i = child.items[child.pos][0]
+                self.conn.send(("died", i, f"the sample's process died (exit code {code})"))
+                rest = child.items[child.pos + 1 :] if child.last is None else []
+                if rest:  # the chunk goes on in a new runner
+                    self._run_seq(rest) if child.seq else self.queue.extend(rest)
 
-    def _drop(self, child: _Child, reap: bool = False) -> None:
+    def _drop(self, child: _Child, kill: bool) -> int | None:
         del self.children[child.fd]
-        if reap:
-            _, status = os.waitpid(child.pid, 0)
-            child.code = os.waitstatus_to_exitcode(status)
-            os.close(child.fd)
-        else:
-            child.kill()
-
-    def _died(self, child: _Child) -> None:
-        i = child.items[child.pos][0]
-        self.conn.send(("died", i, f"the sample's process died (exit code {child.code})"))
-        rest = child.items[child.pos + 1 :] if child.last is None else []
-        if rest:  # the chunk goes on in a new child
-            again = _Child(rest, self.fn, self.fn_kwargs, seq=True)
-            self.children[again.fd] = again
+        if child is self.runner:
+            self.runner = None
+        return child.close(kill)
 
     def _next_event(self) -> float | None:
-        deadlines = [self._deadline(c) for c in self.children.values()]
+        deadlines = [self._deadline(c) for c in self.children.values() if c.busy]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _deadline(self, child: _Child) -> float:
         spills = child.seq and child.last is None
-        return child.start + (min(self.spill_after(), self.timeout_s) if spills else self.timeout_s)
+        return child.start + (self.spill_after() if spills else self.timeout_s)
 
     def _check_clocks(self) -> None:
         now = time.monotonic()
-        for child in list(self.children.values()):
+        for child in [c for c in self.children.values() if c.busy]:
             if now - child.start >= self.timeout_s:
                 i = child.items[child.pos][0]
-                self._drop(child)
+                self._drop(child, kill=True)
                 message = f"no result within {self.timeout_s:g}s; its process was killed"
                 self.conn.send(("timeout", i, message, child.start))
                 if child.last is None:
