@@ -184,7 +184,6 @@ class WorkerPool:
     def _go_parallel(self) -> None:
         """A sample hangs (or may): the queued samples are re-cut into one fork chunk per worker, sent
         at once even to busy workers, so that each sample starts now in a process of its own."""
-        self.parallel = not self.batched
         items = [it for _, chunk in self.pending for it in chunk]
         if self.batched or not items:
             return
@@ -192,7 +191,7 @@ class WorkerPool:
         self.pending = deque(("fork", items[i : i + size]) for i in range(0, len(items), size))
 
     def run(self, items: list[Item], batched: bool) -> tuple[dict[int, float], list]:
-        cfg, n_workers, self.batched, self.parallel = self.cfg, len(self.workers), batched, False
+        cfg, n_workers, self.batched = self.cfg, len(self.workers), batched
         size = cfg.chunk_size or max(1, math.ceil(len(items) / (n_workers * (1 if batched else 4))))
         mode = "batch" if batched else "seq"
         self.pending = deque((mode, items[i : i + size]) for i in range(0, len(items), size))
@@ -239,13 +238,16 @@ class WorkerPool:
             self._go_parallel()
         elif msg[1] in w.outstanding:  # one sample done: "ok" | "err" | "timeout" | "died"
             i = msg[1]
-            del w.outstanding[i]
+            item = w.outstanding.pop(i)
             if kind == "ok":
                 scores[i] = msg[2]
             else:
                 error_kind = {"err": "exception", "died": "worker_died"}.get(kind, kind)
-                started = msg[3] if kind == "timeout" else 0.0
-                errors.append(RewardError(i, "", error_kind, msg[2], started))
+                started, message = 0.0, msg[2]
+                if kind in ("timeout", "died"):
+                    message += f" (response starts {str(item[2])[:80]!r})"
+                    started = msg[3] if kind == "timeout" else 0.0
+                errors.append(RewardError(i, "", error_kind, message, started))
                 if kind == "timeout":
                     self._go_parallel()
         w.heard(self.cfg.timeout_s)
