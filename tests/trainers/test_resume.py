@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hybridflow.checkpoint import read_manifest
 from hybridflow.trainers import build_trainer
+from tests.trainers.lifecycle_helpers import comparable
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 SETTINGS = (
@@ -32,12 +33,6 @@ SETTINGS = (
 )
 
 
-def _comparable(row: dict) -> dict:
-    return {
-        k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/")) and not k.endswith("_time_s")
-    }
-
-
 def test_resumed_run_repeats_the_uninterrupted_run(ray_cluster, make_config):
     with build_trainer(make_config("grpo", *SETTINGS, "trainer.experiment_name=whole")) as trainer:
         whole = trainer.fit()
@@ -51,7 +46,7 @@ def test_resumed_run_repeats_the_uninterrupted_run(ray_cluster, make_config):
         kl_coef = trainer.kl_ctrl.value
     assert [h["step"] for h in rest] == [3, 4]
     for a, b in zip(whole, first + rest, strict=True):
-        assert _comparable(a) == _comparable(b), a["step"]
+        assert comparable(a) == comparable(b), a["step"]
     assert rest[-1]["actor/reward_kl_penalty_coeff"] != 0.05  # the adaptive controller moved
     assert "val/synthetic:arithmetic/acc@1" in first[-1] and "val/synthetic:arithmetic/acc@1" in rest[-1]
 
