@@ -2,11 +2,13 @@
 
 Why persistent workers fed chunks: cheap rewards (string match, ~10 us) must not pay process start-up
 or one round trip per sample, so each worker receives a chunk and streams one small message per sample
-back; the parent restarts a sample's clock at each message, so the timeout is per sample.
+back; the worker times each sample (its clock restarts at each result), and the parent keeps only a
+backstop for a worker that falls silent (BACKSTOP_S past timeout_s).
 
 Why a second mode: a sample that hangs costs timeout_s, and one worker's chunk holds many samples.
-The worker runs user code only in forked children (hybridflow/rewards/_worker.py), so it stays
-responsive: when a sample runs past timeout_s / 10 (or 3 x the slowest recent sample, for rewards slow
+The worker runs user code only in forked children (hybridflow/rewards/_worker.py): one persistent
+runner per worker for the chunks, so it stays responsive and what a reward function caches on its
+first call is kept. When a sample runs past timeout_s / 10 (or 3 x the slowest recent sample, for rewards slow
 by nature) the rest of its chunk goes to one child per sample, all at once, and the worker says
 "spill"; the pool then re-cuts the batch's queued samples into one "fork" chunk per worker, sent at
 once even to busy workers. Every sample of a batch that hangs starts within about timeout_s / 10 of the
