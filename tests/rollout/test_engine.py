@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from hybridflow.batch import Batch
 from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model
 from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
-
-TEXTS = ["hello world", "1+2=", "abc", "The quick brown fox jumps", "x", "What is 12*3?"]
+from tests.rollout.gen_helpers import TEXTS, check_greedy_matches_hf, hf_generate, prompt_batch
 
 
 @pytest.fixture(scope="module")
@@ -23,27 +21,6 @@ def models():
     return {
         arch: build_tiny_model("tiny", arch, seed=0).eval() for arch in ("llama", "qwen2", "mistral", "gpt2")
     }
-
-
-def prompt_batch(tokenizer, texts=TEXTS) -> Batch:
-    enc = tokenizer(texts, return_tensors="pt", padding=True)
-    return Batch.from_dict(
-        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]},
-        {"uid": np.arange(len(texts)), "prompt_text": np.array(texts, dtype=object)},
-    )
-
-
-def hf_generate(model, batch: Batch, max_new_tokens: int, eos) -> torch.Tensor:
-    out = model.generate(
-        batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )
-    resp = out[:, batch["input_ids"].shape[1] :]
-    return torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=0)
 
 
 def hf_log_probs(model, out: Batch, temperature: float) -> torch.Tensor:
@@ -60,16 +37,7 @@ def hf_log_probs(model, out: Batch, temperature: float) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
 def test_greedy_matches_hf_generate(models, tokenizer, arch):
     """Token for token, with an EOS that fires mid-way for some rows and never for others."""
-    model, batch = models[arch], prompt_batch(tokenizer)
-    engine = BuiltinEngine(model)
-    free = engine.generate(batch, SamplingParams(max_new_tokens=24, do_sample=False, eos_token_ids=()))
-    assert torch.equal(free["responses"], hf_generate(model, batch, 24, None))
-    # Pick as EOS a token that row 0 produces at step 6: some rows then stop early, some do not.
-    eos = int(free["responses"][0, 6])
-    out = engine.generate(batch, SamplingParams(max_new_tokens=24, do_sample=False, eos_token_ids=(eos,)))
-    assert torch.equal(out["responses"], hf_generate(model, batch, 24, eos))
-    lengths = out["response_mask"].sum(1)
-    assert lengths.min() < 24 and int(lengths[0]) <= 7
+    check_greedy_matches_hf(BuiltinEngine(models[arch]).generate, models[arch], prompt_batch(tokenizer))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

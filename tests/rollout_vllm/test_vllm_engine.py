@@ -7,21 +7,20 @@ default tiny model's head_dim 16.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from hybridflow.batch import Batch
 from hybridflow.engines.forward import RLForward
-from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model
+from hybridflow.models.tiny import build_tiny_model
 from hybridflow.rollout import BuiltinEngine, SamplingParams, load_named_weights
 from hybridflow.rollout.sampling import apply_top_k, apply_top_p
 from hybridflow.rollout.vllm_engine import available
+from tests.rollout.gen_helpers import check_greedy_matches_hf, prompt_batch
 
 REASON = available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"{REASON}")
 
-TEXTS = ["hello world", "1+2=", "abc", "The quick brown fox jumps", "x", "What is 12*3?"]
 HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
 MODELS: dict = {}
 _ENGINES: dict = {}
@@ -47,24 +46,7 @@ def engine(arch: str):
 
 @pytest.fixture(scope="module")
 def batch():
-    enc = build_char_tokenizer()(TEXTS, return_tensors="pt", padding=True)
-    return Batch.from_dict(
-        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]},
-        {"uid": np.arange(len(TEXTS)), "prompt_text": np.array(TEXTS, dtype=object)},
-    )
-
-
-def hf_generate(m, batch: Batch, max_new_tokens: int, eos) -> torch.Tensor:
-    out = m.generate(
-        batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )
-    resp = out[:, batch["input_ids"].shape[1] :]
-    return torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=0)
+    return prompt_batch()
 
 
 def training_log_probs(m, out: Batch, temperature: float) -> torch.Tensor:
@@ -83,19 +65,9 @@ def training_log_probs(m, out: Batch, temperature: float) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_matches_builtin_hf_and_training_log_probs(arch, batch):
     m, eng = model(arch), engine(arch)
-    free = eng.generate(batch, SamplingParams(max_new_tokens=24, do_sample=False, eos_token_ids=()))
-    ref = BuiltinEngine(m).generate(
-        batch, SamplingParams(max_new_tokens=24, do_sample=False, eos_token_ids=())
-    )
-    assert torch.equal(free["responses"], hf_generate(m, batch, 24, None))
-    assert torch.equal(free["responses"], ref["responses"])
-    # An EOS that row 0 produces at step 6: some rows stop early, others run to the cap.
-    eos = int(free["responses"][0, 6])
-    params = SamplingParams(max_new_tokens=24, do_sample=False, eos_token_ids=(eos,))
-    out, ref = eng.generate(batch, params), BuiltinEngine(m).generate(batch, params)
-    assert torch.equal(out["responses"], hf_generate(m, batch, 24, eos))
-    lengths = out["response_mask"].sum(1)
-    assert lengths.min() < 24 and int(lengths[0]) <= 7
+    # vLLM equals HF `generate` token for token; with the mid-way EOS every field equals the built-in engine's
+    out, params = check_greedy_matches_hf(eng.generate, m, batch)
+    ref = BuiltinEngine(m).generate(batch, params)
     for key in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"):
         assert torch.equal(out[key], ref[key]), key
     assert out["rollout_log_probs"].dtype == torch.float32
@@ -150,8 +122,7 @@ def test_sampling_statistics_match_the_exact_distribution(temperature, top_k, to
     """First-token frequencies of 3000 samples, vLLM and built-in, against the exact top-k/top-p/T
     distribution: every token within 5 standard errors, and no token outside the kept set."""
     m, eng, n = model("llama"), engine("llama"), 3000
-    enc = build_char_tokenizer()(["1+2="], return_tensors="pt")
-    one = Batch.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    one = prompt_batch(texts=["1+2="])
     with torch.no_grad():
         logits = m(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits[:, -1].float()
     exact = apply_top_p(apply_top_k(logits / temperature, top_k), top_p).softmax(-1)[0]
