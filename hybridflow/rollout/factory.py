@@ -89,10 +89,11 @@ def rollout_engine_errors(cfg) -> list[str]:
                 f"rollout.gpu_memory_utilization: must be in [0, 1) (0 = KV cache sized for the batch), "
                 f"got {r.gpu_memory_utilization}"
             )
-        if r.tg > 1:
+        tp = cfg.actor.parallel.tp
+        if r.tg > 1 and r.reshard != "vanilla" and r.tg != tp:
             errors.append(
-                f"rollout.tg: vLLM generates from the full weights on each rank (tg=1); its own tensor "
-                f"parallel is not wired to the 3D-HybridEngine's tg={r.tg} shards yet (use tg=1 or engine=builtin)"
+                f"rollout.tg: vLLM's TP groups are consecutive ranks; reshard={r.reshard} with tg={r.tg} < "
+                f"actor.parallel.tp={tp} groups ranks {tp // r.tg} apart (use tg={tp}, reshard=vanilla or engine=builtin)"
             )
         head_dim = _head_dim(cfg.model.path)
         if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS and not _cuda(cfg):

@@ -14,9 +14,11 @@ meta["rollout_log_probs_exact"] = False and the trainer recomputes old_log_probs
 
 GPU path (written, not yet run on a GPU): `gpu_memory_utilization` is passed to vLLM; between
 generate calls the engine sleeps (level 2: KV cache and weights freed) and wakes weights first, loads
-the actor's weights, then the KV cache (verl's order, lowest peak memory). vLLM's own tensor parallel
-(external_launcher) is written but validation rejects rollout.tg > 1 with vLLM: it is not wired to the
-3D-HybridEngine's tg-way shards yet.
+the actor's weights, then the KV cache (verl's order, lowest peak memory).
+
+rollout.tg > 1 (CPU and GPU): vLLM's own tensor parallel over the actor's ranks (its external launcher,
+TP groups of consecutive ranks in the actor's process group), each rank loading its 3D-HybridEngine
+generation shard (`shard_as_full`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class VLLMEngineConfig:
     cache. 0: a KV cache sized exactly for max_num_seqs x max_model_len (vLLM's
     kv_cache_memory_bytes), which leaves the rest of the device to the colocated training."""
     tensor_parallel_size: int = 1
-    """rollout.tg: vLLM tensor parallel over groups of consecutive actor ranks (GPU only)."""
+    """rollout.tg: vLLM tensor parallel over groups of consecutive actor ranks (CPU and GPU)."""
     seed: int = 0
     cpu_threads: int = 0
     """Torch intra-op threads while generating on CPU (0 = the process's setting)."""
@@ -132,17 +134,20 @@ class VLLMEngine(GenerationEngine):
             kw["kv_cache_memory_bytes"] = kv_cache_bytes(hf_config, dtype, c.max_num_seqs, c.max_model_len)
         if self.gpu:
             kw.update(enable_sleep_mode=True, enforce_eager=False)
-            if c.tensor_parallel_size > 1:
-                # the external launcher reads the torchrun variables; Ray workers have the process group
-                # but not these (each worker sees its own GPU as device 0)
-                os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
-                os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
-                kw.update(
-                    tensor_parallel_size=c.tensor_parallel_size,
-                    distributed_executor_backend="external_launcher",
-                )
         else:
             kw.update(enforce_eager=True)
+        if c.tensor_parallel_size > 1:
+            # vLLM's TP over the actor's own ranks (its external launcher; the CPU build too, over gloo):
+            # TP groups of consecutive ranks in the existing process group. The launcher reads the
+            # torchrun variables; Ray workers have the process group but not these (each worker sees its
+            # own GPU as device 0).
+            rank = torch.distributed.get_rank()
+            os.environ.setdefault("RANK", str(rank))
+            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if self.gpu else rank))
+            kw.update(
+                tensor_parallel_size=c.tensor_parallel_size,
+                distributed_executor_backend="external_launcher",
+            )
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; the
         # training engine in this same process still needs it.
         set_threads = torch.set_num_threads
@@ -163,18 +168,36 @@ class VLLMEngine(GenerationEngine):
 
     def set_shard(self, weights, tp=None) -> None:
         """The 3D-HybridEngine's generation weights for the next calls (hybrid_engine/resharder.py): HF
-        name -> full tensor, or None for the model's own (FSDP-unsharded) parameters. vLLM shards full
-        tensors itself, so a tg-way shard (tp given) cannot be loaded; validation rejects tg > 1."""
+        name -> tensor, or None for the model's own parameters. With rollout.tg > 1, `tp` is this rank's
+        generation TP group and the tensors are its tg-way shards, which vLLM's TP rank of the same
+        index holds (see `shard_as_full`)."""
         if tp is not None and tp.size > 1:
-            raise ValueError("VLLMEngine: loads full weights only; rollout.tg > 1 is not supported with vllm")
-        self.shard = weights
+            if tp.size != self.config.tensor_parallel_size:
+                raise ValueError(
+                    f"VLLMEngine: built with tensor_parallel_size={self.config.tensor_parallel_size}, "
+                    f"given a tg={tp.size} shard"
+                )
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            ours, theirs = torch.distributed.get_rank(tp.group), get_tensor_model_parallel_rank()
+            if ours != theirs:
+                raise ValueError(
+                    f"VLLMEngine: this rank holds generation TP shard {ours} but is vLLM's TP rank {theirs} "
+                    "(vLLM groups consecutive ranks; the resharder's groups must too)"
+                )
+        self.shard, self.shard_tp = weights, (tp if tp is not None and tp.size > 1 else None)
 
     def sync_weights(self) -> float:
         """Stream the current generation weights into vLLM; returns the seconds it took."""
         start = time.perf_counter()
-        shard = getattr(self, "shard", None)
-        named = shard.items() if shard is not None else self.model.named_parameters()
-        self.load_weights((name, _full(p.detach())) for name, p in named)
+        shard, tp = getattr(self, "shard", None), getattr(self, "shard_tp", None)
+        if shard is None:
+            named = ((n, _full(p.detach())) for n, p in self.model.named_parameters())
+        else:
+            shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}  # DTensor: global shape
+            rank = torch.distributed.get_rank(tp.group) if tp is not None else 0
+            named = ((n, shard_as_full(n, _full(p.detach()), shapes[n], rank, tp)) for n, p in shard.items())
+        self.load_weights(named)
         return time.perf_counter() - start
 
     def sleep(self) -> None:
@@ -295,6 +318,34 @@ def kv_cache_bytes(hf_config, dtype: torch.dtype, max_num_seqs: int, max_model_l
     blocks = -(-max_model_len // 16) + 1
     per_token = 2 * layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
     return max_num_seqs * blocks * 16 * per_token
+
+
+# Megatron-style generation shards (hybrid_engine/resharder.py): split on the output features
+# (column-parallel) or the input features (row-parallel), rank r holding the r-th contiguous block, as
+# vLLM's QKV/merged-column/row-parallel linears hold theirs.
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+
+
+def shard_as_full(name: str, t: torch.Tensor, full_shape: tuple, rank: int, tp) -> torch.Tensor:
+    """A generation shard as the full-shaped tensor vLLM's weight loaders take: they cut this TP rank's
+    block out of a full tensor themselves (narrow), and no vLLM API loads a pre-cut one through the
+    in-place reload. For a Megatron-split linear the shard goes into a zero tensor at its block's offset
+    (no communication: the loader reads exactly that block); any other split (e.g. a vocab-parallel
+    embedding, whose blocks vLLM pads differently) is all-gathered over the TP group."""
+    if tuple(t.shape) == tuple(full_shape):
+        return t
+    diff = [d for d, (a, b) in enumerate(zip(t.shape, full_shape)) if a != b]
+    if tp is None or len(diff) != 1 or full_shape[diff[0]] != t.shape[diff[0]] * tp.size:
+        raise ValueError(f"VLLMEngine: {name} has shape {tuple(t.shape)}, not a tg-way block of {full_shape}")
+    dim, module = diff[0], name.split(".")[-2]
+    if (module in _COLUMN and dim == 0) or (module in _ROW and dim == t.dim() - 1):
+        full = t.new_zeros(full_shape)
+        full.narrow(dim, rank * t.shape[dim], t.shape[dim]).copy_(t)
+        return full
+    parts = [torch.empty_like(t) for _ in range(tp.size)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=tp.group)
+    return torch.cat(parts, dim)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -37,10 +37,17 @@ def test_settings_an_engine_does_not_use_are_rejected():
     (e,) = errors(["rollout.gpu_memory_utilization=0.4"])
     assert e.startswith("rollout.gpu_memory_utilization:") and "builtin" in e and "\n" not in e
     assert any("sglang" in x and "rollout.engine" in x for x in errors(["rollout.engine=sglang"]))
+    # vLLM's TP groups are consecutive ranks: tg < tp under reshard=hybridflow (strided groups) is not
     tg2 = errors(
-        ["rollout.engine=vllm", "rollout.tg=2", "actor.parallel.tp=2", "resources.n_gpus_per_node=2"]
+        ["rollout.engine=vllm", "rollout.tg=2", "actor.parallel.tp=4", "resources.n_gpus_per_node=4"]
     )
-    assert any(e.startswith("rollout.tg:") and "vLLM" in e and "tg=1" in e for e in tg2), tg2
+    assert any(e.startswith("rollout.tg:") and "consecutive" in e and "tg=4" in e for e in tg2), tg2
+    for ok in (["actor.parallel.tp=2"], ["actor.parallel.tp=4", "rollout.reshard=vanilla"]):
+        load_config(
+            None,
+            [*BASE, "rollout.engine=vllm", "rollout.tg=2", "resources.n_gpus_per_node=4", *ok],
+            check_model=False,
+        )
     (e,) = errors(["rollout.engine=vllm", "rollout.gpu_memory_utilization=1.5"])
     assert e.startswith("rollout.gpu_memory_utilization:")
     # accepted: the setting is one vLLM uses
