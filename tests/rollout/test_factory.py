@@ -126,3 +126,21 @@ def test_vllm_translation_functions():
     assert lengths.tolist() == [2, 1, 3, 0]
     torch.testing.assert_close(lps[0], torch.tensor([-1.0, -2.0, 0.0]))
     torch.testing.assert_close(lps[1], torch.tensor([-0.5, 0.0, 0.0]))
+
+
+def test_generation_shards_reach_vllm_as_full_shaped_tensors():
+    """vLLM's loaders cut TP rank r's block out of a full tensor: a Megatron-split shard goes in at that
+    block's offset, zeros elsewhere; a full tensor passes as it is; anything else is refused."""
+    from hybridflow.rollout.vllm_engine import shard_as_full
+
+    tp = SimpleNamespace(size=2, group=None)
+    q = torch.arange(12.0).view(3, 4)  # rank 1's half of q_proj's 6 output features
+    full = shard_as_full("model.layers.0.self_attn.q_proj.weight", q, (6, 4), rank=1, tp=tp)
+    assert full.shape == (6, 4) and torch.equal(full[3:], q) and not full[:3].any()
+    o = torch.ones(4, 3)  # rank 0's half of o_proj's 6 input features
+    full = shard_as_full("model.layers.0.self_attn.o_proj.weight", o, (4, 6), rank=0, tp=tp)
+    assert torch.equal(full[:, :3], o) and not full[:, 3:].any()
+    norm = torch.ones(4)
+    assert shard_as_full("model.norm.weight", norm, (4,), rank=1, tp=tp) is norm
+    with pytest.raises(ValueError, match="not a tg-way block"):
+        shard_as_full("model.layers.0.mlp.up_proj.weight", torch.ones(2, 4), (6, 4), rank=0, tp=tp)
