@@ -110,7 +110,9 @@ class TrainEngine:
         return self.mesh["dp"].size() if self.mesh is not None else 1
 
     def _all_reduce(self, value: float, op, group=None) -> float:
-        if self.mesh is None:
+        # One rank (a 1-device worker group): the reduction is the value itself, so no collective and
+        # no host sync (docs/bench/overhead.md).
+        if self.mesh is None or dist.get_world_size(group) == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=op, group=group)
@@ -256,7 +258,7 @@ class TrainEngine:
             local_total = sum(counts)
             global_total = self._all_reduce(local_total, dist.ReduceOp.SUM, self._dp_group())
             self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = defaultdict(float)
+            sums: dict[str, torch.Tensor] = {}
             for mb, n in zip(mbs, counts):
                 out = self._forward(mb, temperature, with_entropy)
                 loss, metrics = loss_fn(out, mb)
@@ -264,10 +266,9 @@ class TrainEngine:
                 share = n * (
                     self.dp_size / max(global_total, 1e-8) if global_metrics else 1 / max(local_total, 1e-8)
                 )
-                sums["loss"] += float(loss.detach()) * share
-                for k, v in metrics.items():
-                    sums[k] += float(v.detach() if isinstance(v, torch.Tensor) else v) * share
-            return dict(sums)
+                for k, v in {"loss": loss, **metrics}.items():
+                    sums[k] = _weighted(v, share, self.device) + sums.get(k, 0.0)
+            return _to_floats(sums)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip by the global grad norm, step AdamW (skipped if the norm is not finite) and the LR schedule."""
@@ -369,6 +370,22 @@ class TrainEngine:
 
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.hf_model.parameters())
+
+
+def _weighted(v, share: float, device) -> torch.Tensor:
+    """float64(v) * share as a tensor on the device: metrics stay there until one host sync per step
+    (_to_floats) instead of one per metric per micro-batch; float64 keeps the sums what the Python
+    floats gave."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to(device=device, dtype=torch.float64).reshape(()) * share
+    return torch.tensor(float(v), dtype=torch.float64, device=device) * share
+
+
+def _to_floats(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The metric sums as Python floats, read from the device in one transfer."""
+    if not sums:
+        return {}
+    return dict(zip(sums, torch.stack(list(sums.values())).tolist()))
 
 
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:

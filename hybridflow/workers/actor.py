@@ -163,7 +163,9 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         return out
 
     def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        rows = [r[: int(n)].tolist() for r, n in zip(responses, mask.sum(-1))]
+        rows = [
+            r[:n] for r, n in zip(responses.tolist(), mask.sum(-1).long().tolist())
+        ]  # 2 conversions, not 2 per row
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     @contextlib.contextmanager
