@@ -17,9 +17,13 @@ runs in four ways, so the table says where the difference goes:
   ray       the trainer's own phase methods (trainers/rl.py) on its Ray worker group: + driver-side
             split/put, Ray call, (de)serialisation, worker-side resolve, collect
 
-Every row uses --threads intra-op threads (HYBRIDFLOW_CPU_THREADS for the Ray worker). Figures are the
-median of --repeats calls after one warm-up; CPU s is the Ray row's driver + worker CPU time. With
---profile, cProfile's top functions (by own time) of the worker's update and the driver's Ray call.
+Every row uses --threads intra-op threads (HYBRIDFLOW_CPU_THREADS for the Ray worker). CPU seconds are
+the median of --repeats calls after one warm-up (the Ray row's: driver + worker process), wall seconds
+the fastest; on a shared machine CPU time is the steadier figure. Two counts that do not depend on the
+load at all, from torch.profiler over one call: aten ops (each costs dispatcher time, the overhead
+that dominates a small model) and host syncs (aten::_local_scalar_dense: a tensor read by
+.item()/float()/int(), which stalls the device on a GPU). With --profile, cProfile's top functions by
+own CPU time of the worker's update and generate (in-process) and of the driver's Ray call.
 
     .venv/bin/python benchmarks/bench_overhead.py [--sizes small medium] [--repeats 5] [--profile]
 """
@@ -70,6 +74,7 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
         response_length=32, lr=1e-4, kl_coef=0.01, seed=1, reward_workers=0, workers=1,
     )  # fmt: skip
     cfg = build_config(wl)
+    start_ray_retrying(cfg.resources.ray_num_cpus)
     trainer = fixed_length(TRAINERS["grpo"])(cfg)
     procs = [psutil.Process()] + [psutil.Process(p) for p in trainer.actor.pids]
 
@@ -102,6 +107,24 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
     finally:
         trainer.close()
     return rows, worker_cfg, prompts, batch
+
+
+def start_ray_retrying(num_cpus: int, tries: int = 4) -> None:
+    """The trainer's embedded cluster, started here so a start that times out under a heavy load (Ray
+    gives its raylet 30 s) is retried instead of ending the benchmark."""
+    import ray
+
+    from hybridflow.trainers.lifecycle import start_local_ray
+
+    for attempt in range(tries):
+        try:
+            return start_local_ray(num_cpus)
+        except Exception as e:  # noqa: BLE001 — Ray raises a bare Exception on a start timeout
+            print(f"Ray did not start ({e}); retrying", file=sys.stderr)
+            if ray.is_initialized():
+                ray.shutdown()
+            if attempt == tries - 1:
+                raise
 
 
 # ---- in-process rows -----------------------------------------------------------------------------
