@@ -220,3 +220,32 @@ def test_activation_checkpointing_gives_the_same_gradients(model_dirs):
     _, g_ckpt = _grads(ckpt, batch, micro_batch_size=2)
     for name, grad in g_plain.items():
         torch.testing.assert_close(g_ckpt[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_metric_sums_are_read_once_per_step(model_dirs):
+    """forward_backward keeps its loss/metric sums on the device and reads them in one transfer: the
+    host syncs of a step (tensor -> Python number) do not grow with the number of metrics (before:
+    one per metric per micro-batch, each a device stall on a GPU), and the values are unchanged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = TrainEngine(load_causal_lm(model_dirs["llama"]), EngineConfig())
+    batch = make_rl_batch(engine.hf_model.config.vocab_size, batch_size=8, seed=5)
+
+    def step(n_metrics):
+        def loss_fn(out, mb):
+            loss, _ = pg_loss(out, mb)
+            lp = out["log_probs"].detach()
+            return loss, {f"m{i}": lp.mean() * i for i in range(n_metrics)}
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            metrics = engine.forward_backward(batch, loss_fn, micro_batch_size=2)  # 4 micro-batches
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense"), metrics
+
+    reads_1, m1 = step(1)
+    reads_12, m12 = step(12)
+    assert reads_12 == reads_1, (reads_1, reads_12)  # before: + 11 metrics x 4 micro-batches
+    assert set(m12) == {"loss", *(f"m{i}" for i in range(12))}
+    assert all(isinstance(v, float) for v in m12.values())
+    assert m12["m0"] == 0.0 and m12["loss"] == m1["loss"]
+    for i in range(2, 12):  # m_i = i x m_1 in every micro-batch, so in the token-weighted mean too
+        assert math.isclose(m12[f"m{i}"], i * m12["m1"], rel_tol=1e-6)
