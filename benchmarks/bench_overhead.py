@@ -71,7 +71,7 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
 
     wl = argparse.Namespace(
         algorithm="grpo", model=model_dir, workdir=workdir, steps=100, batch_size=8, n=4,
-        response_length=32, lr=1e-4, kl_coef=0.01, seed=1, reward_workers=0, workers=1,
+        response_length=32, lr=1e-4, kl_coef=0.01, seed=1, reward_workers=0, workers=1, set=[],
     )  # fmt: skip
     cfg = build_config(wl)
     start_ray_retrying(cfg.resources.ray_num_cpus)
@@ -89,12 +89,15 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
         rows["generate"] = timed(lambda: trainer.generate(prompts), args.repeats, cpu)
         batch = rows["generate"][2]
         rows["old_log_prob"] = timed(lambda: trainer.actor.compute_log_prob(batch), args.repeats, cpu)
-        batch = trainer.old_log_probs(batch)  # on-policy fp32: the rollout's own (what a step does)
-        rows["ref_log_prob"] = timed(lambda: trainer.ref_log_probs(batch), args.repeats, cpu)
-        batch = trainer.compute_advantages(trainer.reward(rows["ref_log_prob"][2]))
-        rows["update_actor"] = timed(lambda: trainer.update_actor(batch), args.repeats, cpu)
+        # the group calls the phases issue (trainers/rl.py issues them as futures), waited for here
+        rows["ref_log_prob"] = timed(lambda: trainer.ref.compute_ref_log_prob(batch), args.repeats, cpu)
+        # the step's own experience phase (old log-probs free on-policy in fp32, ref, reward, advantages),
+        # fetched into the driver: the batch the update and the in-process rows train on
+        pending = trainer.old_log_probs(batch)
+        batch = trainer.compute_advantages(trainer.reward(trainer.ref_log_probs(pending))).fetch()
+        rows["update_actor"] = timed(lambda: trainer.actor.update_actor(batch), args.repeats, cpu)
         if args.profile:
-            profile("driver: trainer.update_actor through Ray", lambda: trainer.update_actor(batch))
+            profile("driver: actor.update_actor through Ray", lambda: trainer.actor.update_actor(batch))
         step = iter(range(2, 10**6))
 
         def train_step():
