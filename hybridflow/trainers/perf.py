@@ -111,9 +111,7 @@ def step_resource_metrics(trainer, batch) -> dict[str, float]:
     tokens = float(batch["attention_mask"].sum())
     recompute = not getattr(trainer, "on_policy", True)  # on-policy PPO reuses the rollout's log-probs
     flops = phase_flops(*trainer._n_params, tokens, a.ppo_epochs, c.ppo_epochs, recompute_old=recompute)
-    if (
-        trainer.cfg.trainer.rollout_ahead
-    ):  # timing_s/gen is then the wait for a batch made during the last step
+    if trainer.cfg.trainer.rollout_ahead:  # timing_s/gen is the wait for a batch made a step ahead
         flops.pop("gen")
     role = {"values": "critic", "update_critic": "critic", "ref": "ref"}
     devices = {p: trainer.groups.get(role.get(p, "actor_rollout"), trainer.actor).world_size for p in flops}
