@@ -51,25 +51,24 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
             print(f"[vs_trl] natural EOS {size}/{length}: trl ...", file=sys.stderr, flush=True)
             res = run_grpo_side("trl", args, base, workdir / f"trl_{tag}.log")
             row["trl"] = summarize_eos(res, args.warmup, summarize)
-            for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items()):
+            runs = [
+                (name, workers, sets, f"{i}")
+                for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items())
+            ]
+            runs += [(*AHEAD, "ahead")] if ahead_built() else []
+            for name, workers, sets, suffix in runs:
                 print(
                     f"[vs_trl] natural EOS {size}/{length}: hybridflow {name} ...",
                     file=sys.stderr,
                     flush=True,
                 )
                 extra = [*base, "--cli", "--workers", str(workers), *(f"--set={s}" for s in sets)]
-                res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_{tag}_{i}.log")
-                row["sync"][name] = summarize_eos(res, args.warmup, summarize)
-            if ahead_built():
-                name, workers, sets = AHEAD
-                print(
-                    f"[vs_trl] natural EOS {size}/{length}: hybridflow {name} ...",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                extra = [*base, "--cli", "--workers", str(workers), *(f"--set={s}" for s in sets)]
-                res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_{tag}_ahead.log")
-                row["ahead"] = summarize_eos(res, args.warmup, summarize)
+                res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_{tag}_{suffix}.log")
+                summary = summarize_eos(res, args.warmup, summarize)
+                if suffix == "ahead":
+                    row["ahead"] = summary
+                else:
+                    row["sync"][name] = summary
             rows.append(row)
             # partial results survive an interrupted run (the machine may be shared and slow)
             (workdir / "natural_eos_rows.json").write_text(json.dumps(rows, indent=1))
