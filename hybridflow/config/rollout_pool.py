@@ -59,16 +59,17 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             f"resources.rollout_devices: must leave training at least one of the {n} devices "
             f"(0 < rollout_devices < {n}, or 0 = {n // 2}), got {r}"
         )
-    placement = res.placement
-    if placement not in ("colocate", "split"):
-        errors.append(
-            f"trainer.rollout_ahead: resources.placement={placement!r} is not supported with 1 yet (the "
-            "planner does not place a rollout pool); use colocate or split"
-        )
-    elif placement == "split" and 0 <= r < n and n - rollout_devices(cfg) < 2:
+    # auto / a plan file: the plan sizes and lays out the rollout pool (trainers/plan_schedule.py checks it)
+    placement, tg = res.placement, cfg.rollout.tg
+    if placement == "split" and 0 <= r < n and n - rollout_devices(cfg) < 2:
         errors.append(
             f"resources.placement: split needs 2 training devices besides the rollout pool's "
             f"{rollout_devices(cfg)} of {n}; lower resources.rollout_devices or add devices"
+        )
+    if placement in ("colocate", "split") and 0 <= r < n and tg >= 1 and rollout_devices(cfg) % tg:
+        errors.append(
+            f"rollout.tg: {tg} must divide the rollout pool's {rollout_devices(cfg)} devices (its generation "
+            "TP groups); change resources.rollout_devices or rollout.tg"
         )
     if cfg.rollout.engine != "builtin":
         errors.append(

@@ -54,7 +54,7 @@ from hybridflow.rollout.factory import require_rollout_engine
 from hybridflow.trainers import lifecycle
 from hybridflow.trainers.lifecycle import start_ray  # noqa: F401 — its home before lifecycle.py
 from hybridflow.trainers.metrics import Timers, throughput_metrics
-from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown
+from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
 from hybridflow.workers import RuleReward
 
 
@@ -105,6 +105,8 @@ class Trainer:
         if groups is None:
             start_ray(cfg, self.placement.num_devices)
             self.groups, self.pools = build_worker_groups(cfg, self.placement, self.roles())
+            if self.owns_run_dir:  # run_dir/placement.json: the pools and layouts this run built
+                write_placement(cfg.run_dir, self.placement, self.groups)
         else:
             missing = [r for r in self.roles() if r not in groups]
             if missing:

@@ -58,6 +58,8 @@ class Placement:
     @classmethod
     def from_config(cls, cfg) -> Placement:
         placement = cls._training(cfg)
+        if "rollout" in placement.pools:  # a one-step-ahead plan sized the rollout pool (auto_placement.py)
+            return placement
         if rollout_devices(cfg):  # trainer.rollout_ahead=1: the rollout pool, beside the training pools
             pools = {**placement.pools, "rollout": rollout_devices(cfg)}
             default = placement.default_pool or next(iter(placement.pools))
@@ -98,11 +100,15 @@ def role_config(cfg, placement: Placement, role: str):
     for r, section in sections.items():
         if r in placement.parallel:
             _set_parallel(section, placement.parallel[r])
+    if "ref" not in placement.parallel and "actor_rollout" in placement.parallel:
+        # no reference in the plan: the actor's worker still reads ref.parallel (builds no reference)
+        _set_parallel(cfg.ref, placement.parallel["actor_rollout"])
     if role == "cost" and "cost" in placement.parallel:
         _set_parallel(cfg.reward, placement.parallel["cost"])
-    actor = placement.parallel.get("actor_rollout")
-    if actor is not None:
-        cfg.rollout.pg, cfg.rollout.tg = actor.pg, actor.tg
+    # generation layout: the rollout pool's own (a one-step-ahead plan), else the actor's
+    gen = placement.parallel.get("rollout" if role == "rollout" else "actor_rollout")
+    if gen is not None:
+        cfg.rollout.pg, cfg.rollout.tg = gen.pg, gen.tg
     return cfg
 
 
@@ -116,13 +122,13 @@ def _set_parallel(section, sizes) -> None:
         section.offload = True
 
 
-def rollout_pool_config(cfg):
-    """The config of the rollout pool's workers: the actor's and reference's parallel sizes (read when
-    the worker is built, though it trains nothing) become those of the rollout pool, one replica per
-    device."""
+def rollout_pool_config(cfg, devices: int):
+    """The config of the rollout pool's workers (`devices` of them): the actor's and reference's
+    parallel sizes (read when the worker is built, though it trains nothing) become plain data
+    parallel over the pool; its generation TP groups come from rollout.tg (rollout/pool_tp.py)."""
     cfg = copy.deepcopy(cfg)
     for p in (cfg.actor.parallel, cfg.ref.parallel):
-        p.tp, p.pp, p.dp = 1, 1, rollout_devices(cfg)
+        p.tp, p.pp, p.dp = 1, 1, devices
     return cfg
 
 
@@ -154,7 +160,10 @@ def build_worker_groups(
                 if role == "ref" and name == actor_pool:
                     continue  # joins the actor's worker instance below
                 with_ref = "ref" in roles and name == actor_pool
-                specs[role] = _spec(role_config(cfg, placement, role), role, roles[role], with_ref)
+                role_cfg = role_config(cfg, placement, role)
+                if role == "rollout":
+                    role_cfg = rollout_pool_config(role_cfg, placement.pools[name])
+                specs[role] = _spec(role_cfg, role, roles[role], with_ref)
             made = create_colocated_groups(pool, specs, group_name=f"{name}:{'+'.join(specs)}")
             groups.update(made)
         if "ref" in roles and placement.pool_of("ref") == actor_pool:
@@ -169,8 +178,8 @@ def build_worker_groups(
 
 
 def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
-    if role == "rollout":  # generation only, on its own pool: plain replicas (tp 1), no actor layout
-        return ActorRolloutRefWorker, {"config": rollout_pool_config(cfg), "roles": ("rollout",), **kwargs}
+    if role == "rollout":  # generation only, on its own pool (rollout_pool_config), no actor layout
+        return ActorRolloutRefWorker, {"config": cfg, "roles": ("rollout",), **kwargs}
     if role == "actor_rollout":
         worker_roles = ("actor", "rollout", "ref") if with_ref else ("actor", "rollout")
         return ActorRolloutRefWorker, {"config": cfg, "roles": worker_roles, **kwargs}
@@ -189,6 +198,36 @@ def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
         "score_key": "cost_scores",
         **kwargs,
     }
+
+
+def describe(placement: Placement, groups: dict[str, WorkerGroup]) -> dict:
+    """What was built, as run_dir/placement.json records it: each pool's devices and each role's pool,
+    processes and the layouts it runs (train: dp x tp of the actor's training; rollout: generation
+    replicas x tg)."""
+    roles = {}
+    for role, group in groups.items():
+        entry = {"pool": placement.pool_of(role), "world_size": group.world_size}
+        for name in {"actor_rollout": ("train", "rollout"), "rollout": ("rollout",), "ref": ("ref",)}.get(
+            role, ()
+        ):
+            lay = group.layouts(name)[0]
+            entry[name] = {"dp": lay.dp_size, "tp": lay.tp_size}
+        roles[role] = entry
+    plan = placement.plan
+    schedule = None if plan is None else {"rollout_ahead": plan.rollout_ahead}
+    return {"pools": dict(placement.pools), "roles": roles, "plan": schedule}
+
+
+def write_placement(run_dir, placement: Placement, groups: dict[str, WorkerGroup]) -> None:
+    """run_dir/placement.json: describe(placement, groups), so a run's record says what it ran on."""
+    import json
+    import os
+
+    from hybridflow.checkpoint import atomic_write_text
+
+    os.makedirs(run_dir, exist_ok=True)
+    text = json.dumps(describe(placement, groups), indent=1, sort_keys=True)
+    atomic_write_text(os.path.join(run_dir, "placement.json"), text)
 
 
 def shutdown(groups: dict[str, WorkerGroup], pools: list) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hybridflow.planner import Plan
 
 REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
-AHEAD_FLAGS = "--max-pg 1 --max-rollout-tg 1"  # the rollout pool runs plain replicas
+AHEAD_FLAGS = "--max-pg 1"  # the rollout pool's engines have no pipeline parallelism
 
 
 def config_rollout_ahead(cfg) -> int | None:
@@ -40,11 +40,10 @@ def check_schedule(p: Plan, cfg, source: str) -> list[str]:
             errors.append(
                 f"{where}: the rollout engines have no pipeline parallelism; edit the plan to pg: 1"
             )
-        if r.tg != 1:
-            errors.append(
-                f"{where}: the rollout pool runs plain replicas (tg = 1); edit the plan to tg: 1 or re-plan "
-                f"with `hybridflow plan ... {REPLAN_FLAGS} {AHEAD_FLAGS}`"
-            )
+        if r.tg < 1 or r.n_devices % r.tg:
+            errors.append(f"{where}: tg must divide its {r.n_devices} devices; fix the plan")
+        elif r.tg > 1:
+            errors += _rollout_tp_errors(where, r.tg, cfg)
         fixed = getattr(cfg.resources, "rollout_devices", 0)
         if fixed and fixed != r.n_devices:
             errors.append(
@@ -52,6 +51,32 @@ def check_schedule(p: Plan, cfg, source: str) -> list[str]:
                 "the pool) or edit the plan"
             )
     return errors
+
+
+def _rollout_tp_errors(where: str, tg: int, cfg) -> list[str]:
+    """Why the rollout pool cannot generate tg-way tensor parallel (rollout/pool_tp.py): the built-in
+    engine's TP decoder runs the Llama family and splits whole heads and KV heads."""
+    from hybridflow.hybrid_engine.layout import LLAMA_FAMILY, _read_config
+
+    if cfg.rollout.engine != "builtin":
+        return [f"{where}: tg > 1 on the rollout pool runs on rollout.engine=builtin; edit the plan to tg: 1"]
+    hf = _read_config(cfg.model.path)
+    if hf is None:
+        return []  # no model directory: model.path's own check reports it
+    if hf.get("model_type") not in LLAMA_FAMILY:
+        return [f"{where}: tensor-parallel generation runs {LLAMA_FAMILY} models, not "
+                f"{hf.get('model_type')!r}; edit the plan to tg: 1"]  # fmt: skip
+    heads = hf.get("num_attention_heads")
+    sizes = {
+        "heads": heads,
+        "kv_heads": hf.get("num_key_value_heads", heads),
+        "ffn": hf.get("intermediate_size"),
+    }
+    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % tg}
+    if bad:
+        return [f"{where}: tg must divide the model's {bad}; fix the plan or re-plan with "
+                f"`hybridflow plan ... {REPLAN_FLAGS}`"]  # fmt: skip
+    return []
 
 
 def report_schedule(p: Plan, cfg, console) -> None:

@@ -40,6 +40,7 @@ from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout import SamplingParams
 from hybridflow.rollout.factory import build_generation_engine
+from hybridflow.rollout.pool_tp import generation_shard, pool_tp_group
 from hybridflow.workers.common import (
     MetricLists,
     engine_config,
@@ -68,7 +69,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 f"ActorRolloutRefWorker roles must be a non-empty subset of {ROLES}, got {roles}"
             )
         self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
-        self.actor = self.ref = self.rollout = self.resharder = None
+        self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = None
         self._gen_calls = 0
         seed = config.trainer.seed
         self.actor_cfg = engine_config(
@@ -85,8 +86,12 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     def _set_rollout_layout(self) -> None:
         """Generation replicas of the 3D-HybridEngine's layout (hybrid_engine/layout.py GenLayout)."""
         r, par = self.config.rollout, self.actor_cfg.parallel
-        t, d = (par.tp, par.dp) if "actor" in self.roles else (1, self.world_size)
-        gen = generation_layout(r.reshard, t, d, r.tg if "actor" in self.roles else 1)
+        if "actor" in self.roles:
+            t, d, tg = par.tp, par.dp, r.tg
+        else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py)
+            tg = self._pool_tg()
+            t, d = tg, self.world_size // tg
+        gen = generation_layout(r.reshard, t, d, tg)
         g_tp = gen.coords(self.rank)[2]
         self.set_layout(
             "rollout", dp_rank=gen.replica(self.rank), dp_size=gen.num_replicas, tp_rank=g_tp, tp_size=gen.tg
@@ -122,7 +127,14 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 else load_causal_lm(m.path, **remote).to(self.device)
             )
             self.rollout = build_generation_engine(self.config, model, self.world_size)
+            if self.actor is None:
+                self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
         return info
+
+    def _pool_tg(self) -> int:
+        """Generation TP size of a rollout-only pool: rollout.tg with the built-in engine (vLLM runs its own)."""
+        r = self.config.rollout
+        return r.tg if r.engine == "builtin" else 1
 
     # ---- generation ----------------------------------------------------------------------------------
     def sampling_params(self, overrides: dict | None = None, step: int | None = None) -> SamplingParams:
@@ -173,6 +185,15 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         """Switch to the generation layout for the duration of a generate call; yields a dict that is
         filled with this round's reshard metrics (max over ranks) when the switch is back."""
         metrics: dict[str, float] = {}
+        if self.pool_tp is not None:  # a rollout-only pool: slices of its full weights, no switch
+            self.rollout.set_shard(
+                generation_shard(self.rollout.model, self.pool_tp.rank(), self.pool_tp.size), self.pool_tp
+            )
+            try:
+                yield metrics
+            finally:
+                self.rollout.set_shard(None)
+            return
         if self.resharder is None:
             yield metrics
             return

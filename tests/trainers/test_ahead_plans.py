@@ -1,0 +1,124 @@
+"""One-step-ahead plans run end to end (docs/planner.md, "The one-step-ahead schedule"): `hybridflow train
+... resources.placement=auto trainer.rollout_ahead=1`, and a plan file written by `hybridflow plan
+--schedule ahead`, build the planned rollout pool and the actor's layout (read back from the run's
+placement.json), and the rollout pool generates tensor-parallel (tg = 2, rollout/pool_tp.py) with the
+outputs and metrics of tg = 1. Real Ray groups, gloo, the tiny Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hybridflow.cli import main as cli_main
+from hybridflow.config import ConfigError
+from hybridflow.planner import Plan
+from hybridflow.trainers import build_trainer
+from tests.trainers.lifecycle_helpers import comparable, grpo_config
+
+DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
+AHEAD = (DIGITS, "trainer.rollout_ahead=1", "trainer.val_before_train=false", "trainer.total_steps=3")
+LAG = "rollout/policy_lag"
+
+
+def _placement(run: Path) -> dict:
+    return json.loads((run / "placement.json").read_text())
+
+
+def test_auto_with_rollout_ahead_runs_through_the_cli(ray_cluster, tiny_model_dir, tmp_path, capsys):
+    config = grpo_config(
+        tmp_path, tiny_model_dir, resources="n_gpus_per_node: 2, placement: auto",
+        trainer="experiment_name: run, total_steps: 2, val_before_train: false, loggers: [jsonl]",
+    )  # fmt: skip
+    assert cli_main(["train", str(config), "trainer.rollout_ahead=1"]) == 0
+    assert "rollout pool one step ahead (1 devices)" in capsys.readouterr().out  # the plan, printed
+    run = tmp_path / "run"
+    plan = Plan.load(run / "plan.yaml")
+    assert plan.rollout_ahead == 1 and plan.ahead.n_devices == 1
+    built = _placement(run)
+    actor = plan.model("actor")
+    assert built["pools"] == {actor.pool: 1, "rollout": 1} and built["plan"] == {"rollout_ahead": 1}
+    assert built["roles"]["actor_rollout"]["world_size"] == actor.n_devices
+    assert built["roles"]["actor_rollout"]["train"] == {"dp": actor.d, "tp": actor.t}
+    assert built["roles"]["rollout"] == {"pool": "rollout", "world_size": 1, "rollout": {"dp": 1, "tp": 1}}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r[LAG] for r in rows] == [0.0, 1.0]
+
+
+def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys) -> Path:
+    """`hybridflow plan --schedule ahead` for the tiny GRPO on 3 CPU devices (actor | reference | rollout,
+    one each), with the rollout pool edited to 2 devices generating tg = 2 (the planner prices tg > 1
+    too, but picks one device here). The runs have no KL term: the reference pool is not started."""
+    out = tmp_path / "plan.yaml"
+    args = ["plan", "--model-config", str(tiny_model_dir), "--algorithm", "grpo", "--no-reward-model",
+            "--gpu", "cpu", "--gpus", "3", "--max-pp", "1", "--max-pg", "1", "--tp-whole-heads",
+            "--prompts", "4", "--samples-per-prompt", "2", "--prompt-len", "16", "--response-len", "4",
+            "--schedule", "ahead", "--output", str(out)]  # fmt: skip
+    assert cli_main(args) == 0
+    capsys.readouterr()
+    data = yaml.safe_load(out.read_text())
+    assert data["rollout_ahead"] == 1 and [p["n_devices"] for p in data["pools"]] == [1, 1]
+    assert data["ahead"]["n_devices"] == 1
+    data["ahead"].update(n_devices=2, tg=2)
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+def test_plan_file_with_a_tensor_parallel_rollout_pool(
+    ray_cluster, make_config, tiny_model_dir, tmp_path, capsys
+):
+    path = _ahead_plan_file(tiny_model_dir, tmp_path, capsys)
+    cfg = make_config("grpo", *AHEAD, f"resources.placement={path}", "trainer.experiment_name=tg2", devices=3)
+    with build_trainer(cfg) as trainer:
+        assert trainer.groups["rollout"].world_size == 2
+        tg2 = trainer.fit()
+        # after a last sync the rollout pool (one replica, tg = 2) decodes greedily as the actor (tg = 1)
+        trainer.ahead.sync(trainer.global_step)
+        prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(6)])
+        greedy = {"n": 1, "temperature": 0.0}
+        ours, theirs = (
+            g.generate_sequences(prompts, sampling=greedy) for g in (trainer.actor, trainer.groups["rollout"])
+        )
+    assert torch.equal(ours["responses"], theirs["responses"])
+    assert torch.allclose(ours["rollout_log_probs"], theirs["rollout_log_probs"], atol=1e-5)
+    built = _placement(Path(cfg.run_dir))
+    assert built["pools"]["rollout"] == 2 and sum(built["pools"].values()) == 3
+    assert built["roles"]["rollout"] == {"pool": "rollout", "world_size": 2, "rollout": {"dp": 1, "tp": 2}}
+    assert built["roles"]["actor_rollout"]["train"] == {"dp": 1, "tp": 1}
+
+    # the same run with tg = 1 on one rollout device (one replica, so the same sampling seeds)
+    ref = make_config("grpo", *AHEAD, "trainer.experiment_name=tg1", devices=2)
+    with build_trainer(ref) as trainer:
+        tg1 = trainer.fit()
+    assert [h[LAG] for h in tg2] == [h[LAG] for h in tg1] == [0.0, 1.0, 1.0]
+    assert tg2[1]["sync/bytes"] == tg1[1]["sync/bytes"]  # every rollout rank receives the full weights
+    for a, b in zip(tg2, tg1, strict=True):
+        a, b = comparable(a), comparable(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert math.isclose(a[k], b[k], rel_tol=1e-3, abs_tol=1e-4), (a["step"], k, a[k], b[k])
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"tg": 3}, "tg must divide its 2 devices"),
+        ({"tg": 2, "n_devices": 1}, "tg must divide its 1 devices"),
+    ],
+)
+def test_rollout_pool_layouts_that_cannot_run_are_one_line(
+    make_config, tiny_model_dir, tmp_path, capsys, edit, message
+):
+    path = _ahead_plan_file(tiny_model_dir, tmp_path, capsys)
+    data = yaml.safe_load(path.read_text())
+    data["ahead"].update(edit)
+    path.write_text(yaml.safe_dump(data))
+    cfg = make_config("grpo", *AHEAD, f"resources.placement={path}", devices=3)
+    with pytest.raises(ConfigError) as e:
+        build_trainer(cfg)
+    assert any(message in line for line in e.value.errors), e.value.errors
