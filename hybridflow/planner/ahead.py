@@ -87,7 +87,8 @@ def rollout_option(
         for pg in range(1, min(spec.num_layers, limits.max_pg or n) + 1):
             if spec.num_layers % pg or n % (pg * tg):
                 continue
-            weights = mem.weight_bytes(spec, dev.bytes_per_param, pg, tg)
+            held = (1, 1) if limits.rollout_full_weights else (pg, tg)
+            weights = mem.weight_bytes(spec, dev.bytes_per_param, *held)
             per_replica = -(-int(wl.sequences * task.generation_factor) // (n // (pg * tg)))
             waves = 1
             while True:
@@ -210,7 +211,7 @@ def search_ahead(
     split = best_split(
         lambda n: rollout_memo[n].generation_seconds if rollout_memo[n] else None,
         lambda m, limit: (train_best(m, limit) or (None,))[0],
-        lambda n: weight_sync_seconds(actor, cluster, n, *_layout(rollout_memo[n])),
+        lambda n: weight_sync_seconds(actor, cluster, n, *_sync_layout(rollout_memo[n], limits)),
         n_total,
     )
     if split is None:
@@ -223,13 +224,15 @@ def search_ahead(
     stage = [max(c.costs[i][s] for c, i in zip(cands, idx)) for s in range(cands[0].costs.shape[1])]
     alloc = tuple(int(c.ns[i]) for c, i in zip(cands, idx))
     train = PlacementResult(placement, cost, alloc, choices, tuple(float(x) for x in stage))
+    sync = _sync_layout(option, limits)
     return AheadResult(
         option,
         train,
-        weight_sync_seconds(actor, cluster, n_rollout, option.pg, option.tg),
-        weight_sync_bytes(actor, cluster, option.pg, option.tg),
+        weight_sync_seconds(actor, cluster, n_rollout, *sync),
+        weight_sync_bytes(actor, cluster, *sync),
     )
 
 
-def _layout(option: RolloutOption | None) -> tuple[int, int]:
-    return (option.pg, option.tg) if option else (1, 1)
+def _sync_layout(option: RolloutOption | None, limits: EngineLimits) -> tuple[int, int]:
+    """(pg, tg) whose shard a rollout device is sent: the whole model when it holds full weights."""
+    return (option.pg, option.tg) if option and not limits.rollout_full_weights else (1, 1)

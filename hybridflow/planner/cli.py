@@ -51,7 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-rollout-tg",
         type=int,
         default=None,
-        help="largest tg of a one-step-ahead rollout pool (1: plain replicas, as the built-in trainer runs it)",
+        help="largest tg of a one-step-ahead rollout pool (1: plain replicas)",
+    )
+    e.add_argument(
+        "--rollout-full-weights",
+        action="store_true",
+        help="each one-step-ahead rollout rank holds and is sent the full weights (the built-in trainer)",
     )
     e.add_argument(
         "--tp-whole-heads",
@@ -106,7 +111,9 @@ def plan_from_args(args) -> tuple[Plan, float]:
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
     )
-    limits = EngineLimits(args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg)
+    limits = EngineLimits(
+        args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg, args.rollout_full_weights
+    )
     start = time.perf_counter()
     results = search(dataflow, cluster, wl, limits)
     ahead = search_ahead(dataflow, cluster, wl, limits) if args.schedule != "sync" else None

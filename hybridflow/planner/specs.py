@@ -263,6 +263,9 @@ class EngineLimits:
     tp_shards_whole_heads: bool = False
     # largest tg of a one-step-ahead rollout pool (ahead.py; None: any), 1 where it runs plain replicas
     max_rollout_tg: int | None = None
+    # each rollout-pool rank holds and is sent the full weights and generates on its tg-slice (the
+    # built-in trainer, rollout/pool_tp.py): its memory and weight sync are priced at the whole model
+    rollout_full_weights: bool = False
 
     def __post_init__(self):
         for name in ("max_pp", "max_pg", "max_rollout_tg"):
@@ -284,4 +287,6 @@ class EngineLimits:
         parts = [f"{k}={v}" for k, v in named if v is not None]
         if self.tp_shards_whole_heads:
             parts.append("tp shards whole heads")
+        if self.rollout_full_weights:
+            parts.append("rollout ranks hold full weights")
         return ", ".join(parts) or "unconstrained"

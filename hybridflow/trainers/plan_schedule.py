@@ -10,7 +10,7 @@ from __future__ import annotations
 from hybridflow.planner import Plan
 
 REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
-AHEAD_FLAGS = "--max-pg 1"  # the rollout pool's engines have no pipeline parallelism
+AHEAD_FLAGS = "--max-pg 1 --rollout-full-weights"  # how the trainer's rollout pool runs (rollout/pool_tp.py)
 
 
 def config_rollout_ahead(cfg) -> int | None:
@@ -38,7 +38,8 @@ def check_schedule(p: Plan, cfg, source: str) -> list[str]:
         where = f"plan {source!r}: the rollout pool (pg={r.pg}, tg={r.tg}, {r.n_devices} devices)"
         if r.pg != 1:
             errors.append(
-                f"{where}: the rollout engines have no pipeline parallelism; edit the plan to pg: 1"
+                f"{where}: the rollout engines have no pipeline parallelism; edit the plan to pg: 1 or "
+                f"re-plan with `hybridflow plan ... {REPLAN_FLAGS} {AHEAD_FLAGS}`"
             )
         if r.tg < 1 or r.n_devices % r.tg:
             errors.append(f"{where}: tg must divide its {r.n_devices} devices; fix the plan")
@@ -75,7 +76,7 @@ def _rollout_tp_errors(where: str, tg: int, cfg) -> list[str]:
     bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % tg}
     if bad:
         return [f"{where}: tg must divide the model's {bad}; fix the plan or re-plan with "
-                f"`hybridflow plan ... {REPLAN_FLAGS}`"]  # fmt: skip
+                f"`hybridflow plan ... {REPLAN_FLAGS} {AHEAD_FLAGS}`"]  # fmt: skip
     return []
 
 
@@ -83,6 +84,11 @@ def report_schedule(p: Plan, cfg, console) -> None:
     """Say when the schedule the config did not pick is predicted faster."""
     if config_rollout_ahead(cfg) is None or p.ahead is None or not p.synchronous_seconds:
         return
+    if p.rollout_ahead and p.ahead.tg > 1 and not p.limits.rollout_full_weights:
+        console.print(
+            f"note: the plan prices each rollout device holding and receiving 1/{p.ahead.tg} of the weights; "
+            f"the trainer's rollout ranks hold and receive them whole (re-plan with {AHEAD_FLAGS} to price that)"
+        )
     sync, ahead = p.synchronous_seconds, p.ahead.iteration_seconds
     if not p.rollout_ahead and ahead < sync:
         console.print(

@@ -36,9 +36,10 @@ from hybridflow.planner.ahead import (
     rollout_option,
     search_ahead,
     training_side,
+    weight_sync_bytes,
     weight_sync_seconds,
 )
-from hybridflow.planner.specs import DEVICES
+from hybridflow.planner.specs import DEVICES, EngineLimits
 
 TOY = replace(
     DEVICES["cpu"], name="toy", peak_flops=math.inf, hbm_bandwidth=math.inf, intra_node_bandwidth=math.inf,
@@ -136,6 +137,30 @@ def test_rollout_pool_layout_fits_memory_with_waves():
     assert opt.waves == 2 and opt.kv_bytes == 4 * kv_per_seq
     assert opt.generation_seconds == pytest.approx(2 * 0.02 * 29)  # each wave re-runs prefill + decode
     assert rollout_option(actor, ClusterSpec(replace(TOY, memory_bytes=weights), 2, 2), wl, 1) is None
+
+
+def test_rollout_ranks_holding_full_weights_are_priced_whole():
+    """EngineLimits.rollout_full_weights (the built-in trainer's rollout pool, rollout/pool_tp.py): a rank
+    holds and is sent the whole model whatever tg. Two devices with room for half the weights plus the KV
+    of all 8 sequences split over tg = 2: tg = 2 in one wave fits when ranks hold halves; holding the
+    whole model, nothing fits (the model alone is over the budget)."""
+    actor = build_dataflow("grpo", TOY_MODEL).model("actor")
+    wl = WorkloadSpec(prompts=8, prompt_len=4, response_len=28)
+    weights = 94_720 * 4
+    kv_per_seq = 2 * 2 * 2 * 32 * 4 * 32  # K and V x layers x kv heads x head dim x fp32 x 32 tokens
+    room = weights / 2 + 8 * kv_per_seq / 2 + 1  # per device, for tg = 2 in one wave
+    cluster = ClusterSpec(replace(TOY, memory_bytes=room / 0.9), 2, 2)
+    no_pg = EngineLimits(max_pg=1)
+    whole = replace(no_pg, rollout_full_weights=True)
+    halves = rollout_option(actor, cluster, wl, 2, no_pg)
+    assert (halves.tg, halves.waves, halves.weight_bytes) == (2, 1, weights / 2)
+    assert rollout_option(actor, cluster, wl, 2, whole) is None
+    roomy = rollout_option(actor, ClusterSpec(TOY, 2, 2), wl, 2, replace(whole, max_rollout_tg=None))
+    assert roomy.weight_bytes == weights
+    assert weight_sync_bytes(actor, cluster, 1, 2) == weights / 2
+    df = build_dataflow("grpo", TOY_MODEL, reward_model=False)
+    assert search_ahead(df, ClusterSpec(TOY, 3, 3), wl, whole).sync_bytes == weights
+    assert "rollout ranks hold full weights" in whole.describe()
 
 
 def test_training_side_drops_only_generation():

@@ -50,7 +50,7 @@ def test_one_step_ahead_plan_adds_the_rollout_pool(make_config, tiny_model_dir):
     placement = placement_from_plan(p, _config(make_config, 1))
     assert placement.pools == {**{pool.name: pool.n_devices for pool in p.pools}, "rollout": r.n_devices}
     assert placement.num_devices == 3 and placement.pool_of("rollout") == "rollout"
-    assert r.tg == 1  # ENGINE_LIMITS: the trainer's rollout pool runs plain replicas
+    assert r.tg == 1  # the tiny model on CPU: replicas beat tensor parallelism
     assert placement.parallel["rollout"] == RoleParallel(1, 1, r.n_devices, 1, 1)
     # the training side runs where the plan put it; the actor no longer generates there
     assert placement.roles["actor_rollout"] == p.model("actor").pool
@@ -76,14 +76,22 @@ def test_the_plan_schedule_must_match_the_config(make_config, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"needs 3 devices \(.*rollout:1\) but .* = 2"):
         placement_from_plan(ahead, _config(make_config, 1, devices=2))
     bad = copy.deepcopy(ahead)
-    bad.ahead.tg, bad.ahead.pg = 2, 2
+    bad.ahead.tg, bad.ahead.pg = 3, 2
     cfg = _config(make_config, 1)
-    cfg.resources.rollout_devices = 2  # the user's split, which the plan does not have
+    cfg.resources.rollout_devices = 2 + ahead.ahead.n_devices  # the user's split, which the plan does not have
     errors = check_schedule(bad, cfg, "p.yaml")
     assert len(errors) == 3
     assert "no pipeline parallelism" in errors[0]
-    assert "plain replicas (tg = 1)" in errors[1] and "--max-rollout-tg 1" in errors[1]
-    assert "resources.rollout_devices=2 differs" in errors[2]
+    assert f"tg must divide its {ahead.ahead.n_devices} devices" in errors[1]
+    assert f"resources.rollout_devices={cfg.resources.rollout_devices} differs" in errors[2]
+    # generation TP on the rollout pool (rollout/pool_tp.py) splits whole heads, KV heads and MLP columns
+    bad.ahead.pg, bad.ahead.n_devices = 1, 4
+    cfg.resources.rollout_devices = 0
+    bad.ahead.tg = 4  # the tiny model has 2 KV heads
+    (msg,) = check_schedule(bad, cfg, "p.yaml")
+    assert "tg must divide the model's {'kv_heads': 2}" in msg and "--tp-whole-heads" in msg
+    bad.ahead.tg = 2
+    assert check_schedule(bad, cfg, "p.yaml") == []
 
 
 def test_auto_plans_the_schedule_the_config_asks_for(make_config):
