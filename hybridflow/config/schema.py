@@ -209,7 +209,9 @@ class RolloutConfig:
         choices=("builtin", "vllm"),
     )
     tg: int = _f(
-        1, "generation tensor-parallel size (3D-HybridEngine; must divide actor tp and the head counts)"
+        1,
+        "generation tensor-parallel size (3D-HybridEngine; must divide actor tp and the head counts; with "
+        "trainer.rollout_ahead=1 also the rollout pool's, so it must divide resources.rollout_devices)",
     )
     pg: int = _f(1, "generation pipeline-parallel size (only 1: pipeline parallelism does not exist yet)")
     reshard: str = _f(
@@ -308,7 +310,7 @@ class ResourcesConfig:
     rollout_devices: int = _f(
         0,
         "trainer.rollout_ahead=1: devices of the rollout pool, taken from the n_gpus_per_node * nnodes "
-        "(the rest train; 0 = half of them, rounded down)",
+        "(the rest train; 0 = half of them, rounded down; with placement auto the planner sizes it)",
     )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
     ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
