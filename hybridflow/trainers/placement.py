@@ -14,8 +14,10 @@ From the config (`resources.placement`): "colocate" puts every role on one pool 
 planner and a path loads a plan file (`hybridflow plan --output plan.yaml`): auto_placement.py turns
 the plan into pools plus each role's parallel sizes, which `role_config` writes into the config
 each worker group is built with (the trainer's own config keeps what the user wrote). With
-trainer.rollout_ahead=1 a "rollout" pool of resources.rollout_devices is added and the pools above
-share the remaining devices (config/rollout_pool.py).
+trainer.rollout_ahead=1 a "rollout" pool is added: resources.rollout_devices of the devices under
+colocate / split, the pools above sharing the rest (config/rollout_pool.py); the plan's `ahead` pool
+and tg under auto / a plan file. Its workers generate rollout.tg-way (rollout/pool_tp.py).
+`write_placement` records what was built in run_dir/placement.json.
 """
 
 from __future__ import annotations

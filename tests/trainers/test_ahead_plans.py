@@ -122,3 +122,14 @@ def test_rollout_pool_layouts_that_cannot_run_are_one_line(
     with pytest.raises(ConfigError) as e:
         build_trainer(cfg)
     assert any(message in line for line in e.value.errors), e.value.errors
+
+
+def test_a_plan_for_the_other_schedule_stops_train_in_one_line(tiny_model_dir, tmp_path, capsys):
+    """The plan's schedule and trainer.rollout_ahead must agree (off-policy training is the user's call):
+    `hybridflow train` exits 2 with one line naming both fixes, before Ray starts."""
+    path = _ahead_plan_file(tiny_model_dir, tmp_path, capsys)
+    config = grpo_config(tmp_path, tiny_model_dir, resources=f"n_gpus_per_node: 3, placement: '{path}'")
+    assert cli_main(["train", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "has rollout_ahead: 1 but trainer.rollout_ahead=0" in err and "--schedule sync" in err
