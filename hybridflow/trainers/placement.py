@@ -23,8 +23,11 @@ and tg under auto / a plan file. Its workers generate rollout.tg-way (rollout/po
 from __future__ import annotations
 
 import copy
+import json
+import os
 from dataclasses import dataclass, field
 
+from hybridflow.checkpoint import atomic_write_text
 from hybridflow.config.rollout_pool import rollout_devices, training_devices
 from hybridflow.config.validate import split_sizes
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups
@@ -202,6 +205,9 @@ def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
     }
 
 
+_LAYOUTS = {"actor_rollout": ("train", "rollout"), "rollout": ("rollout",), "ref": ("ref",)}  # recorded
+
+
 def describe(placement: Placement, groups: dict[str, WorkerGroup]) -> dict:
     """What was built, as run_dir/placement.json records it: each pool's devices and each role's pool,
     processes and the layouts it runs (train: dp x tp of the actor's training; rollout: generation
@@ -209,9 +215,7 @@ def describe(placement: Placement, groups: dict[str, WorkerGroup]) -> dict:
     roles = {}
     for role, group in groups.items():
         entry = {"pool": placement.pool_of(role), "world_size": group.world_size}
-        for name in {"actor_rollout": ("train", "rollout"), "rollout": ("rollout",), "ref": ("ref",)}.get(
-            role, ()
-        ):
+        for name in _LAYOUTS.get(role, ()):
             lay = group.layouts(name)[0]
             entry[name] = {"dp": lay.dp_size, "tp": lay.tp_size}
         roles[role] = entry
@@ -222,11 +226,6 @@ def describe(placement: Placement, groups: dict[str, WorkerGroup]) -> dict:
 
 def write_placement(run_dir, placement: Placement, groups: dict[str, WorkerGroup]) -> None:
     """run_dir/placement.json: describe(placement, groups), so a run's record says what it ran on."""
-    import json
-    import os
-
-    from hybridflow.checkpoint import atomic_write_text
-
     os.makedirs(run_dir, exist_ok=True)
     text = json.dumps(describe(placement, groups), indent=1, sort_keys=True)
     atomic_write_text(os.path.join(run_dir, "placement.json"), text)
