@@ -78,7 +78,9 @@ def test_the_plan_schedule_must_match_the_config(make_config, tiny_model_dir):
     bad = copy.deepcopy(ahead)
     bad.ahead.tg, bad.ahead.pg = 3, 2
     cfg = _config(make_config, 1)
-    cfg.resources.rollout_devices = 2 + ahead.ahead.n_devices  # the user's split, which the plan does not have
+    cfg.resources.rollout_devices = (
+        2 + ahead.ahead.n_devices
+    )  # the user's split, which the plan does not have
     errors = check_schedule(bad, cfg, "p.yaml")
     assert len(errors) == 3
     assert "no pipeline parallelism" in errors[0]
