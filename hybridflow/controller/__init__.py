@@ -21,7 +21,7 @@ from hybridflow.controller.protocols import (
     register,
     register_protocol,
 )
-from hybridflow.controller.resource_pool import ResourcePool, ensure_ray
+from hybridflow.controller.resource_pool import ResourcePool, ensure_ray, share_cpus
 from hybridflow.controller.worker import Worker, WorkerContext, local_worker_context
 from hybridflow.controller.worker_group import WorkerGroup, create_colocated_groups
 
@@ -45,4 +45,5 @@ __all__ = [
     "register",
     "register_protocol",
     "shard_indices",
+    "share_cpus",
 ]

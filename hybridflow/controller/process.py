@@ -130,27 +130,33 @@ def drop_padding(output, n_in: int, pad: int, method: str):
     return output  # e.g. a metrics dict: training methods mask padding rows out (workers/common.py)
 
 
-def cpu_threads(world_size: int, use_gpu: bool) -> int:
+def cpu_threads(cpu_ranks: int, use_gpu: bool) -> int:
     """Intra-op threads for this rank.
 
     Ray sets OMP_NUM_THREADS=1 in actors that hold a fraction of a CPU, which would leave a laptop's
-    other cores idle in a one-process run. So on CPU a rank takes its share of the machine's cores
-    (cores // ranks, at least 1) unless HYBRIDFLOW_CPU_THREADS says otherwise (tests pin it to 1 so
-    results do not depend on the machine). GPU ranks need few CPU threads: OMP_NUM_THREADS, default 1.
+    other cores idle in a one-process run. So on CPU a rank takes its share of the node's cores among
+    the `cpu_ranks` ranks that can compute at the same time there (cores // cpu_ranks, at least 1):
+    a pool's own ranks on the node, plus those of the pools running beside it (split placement, the
+    rollout pool: resource_pool.share_cpus). Without that, two pools of one rank each would both take
+    every core and oversubscribe the machine whenever they overlap. HYBRIDFLOW_CPU_THREADS overrides
+    (tests pin it to 1 so results do not depend on the machine). GPU ranks need few CPU threads:
+    OMP_NUM_THREADS, default 1.
     """
     if os.environ.get("HYBRIDFLOW_CPU_THREADS"):
         return max(1, int(os.environ["HYBRIDFLOW_CPU_THREADS"]))
     if use_gpu:
         return int(os.environ.get("OMP_NUM_THREADS", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, world_size))
+    return max(1, cores // max(1, cpu_ranks))
 
 
 class WorkerProcess:
     """One rank's process. Created by WorkerGroup through ray.remote(...).options(placement)."""
 
-    def __init__(self, group_name: str, rank: int, world_size: int, local_rank: int, use_gpu: bool):
-        torch.set_num_threads(cpu_threads(world_size, use_gpu))
+    def __init__(
+        self, group_name: str, rank: int, world_size: int, local_rank: int, use_gpu: bool, cpu_ranks: int
+    ):
+        torch.set_num_threads(cpu_threads(cpu_ranks, use_gpu))
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
         self.local_rank, self.use_gpu = local_rank, use_gpu
         self.roles: dict[str, object] = {}

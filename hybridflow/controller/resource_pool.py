@@ -6,6 +6,11 @@ is how the whole system runs and is tested on a laptop.
 
 Ranks are ordered by node (all bundles of the first node, then the next, ...) so that a worker
 group's rank order, and hence its mesh, is stable and node-local ranks are consecutive.
+
+CPU threads: on CPU a rank takes its share of its node's cores among the ranks that can run at the
+same time on that node (controller/process.py cpu_threads). A pool alone counts its own ranks;
+`share_cpus(pools)` makes pools that run at once (split placement, the rollout pool of
+trainer.rollout_ahead=1) count each other's, so two busy pools do not both take every core.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class ResourcePool:
                 f"(other pools hold the rest? call .shutdown() on pools you no longer need)"
             )
         self.bundle_of_rank, self.node_of_rank = _order_by_node(self.placement_group)
+        self.cpu_ranks_per_node = _count(self.node_of_rank)  # share_cpus adds other pools' ranks
 
     @property
     def world_size(self) -> int:
@@ -78,6 +84,11 @@ class ResourcePool:
     def nodes(self) -> list[str]:
         """Distinct node ids in rank order."""
         return list(dict.fromkeys(self.node_of_rank))
+
+    def cpu_ranks(self, rank: int) -> int:
+        """How many ranks (of this pool and the pools sharing its CPUs) may compute at once on the
+        node of `rank`: that rank's CPU threads are the node's cores // this (cpu_threads)."""
+        return self.cpu_ranks_per_node[self.node_of_rank[rank]]
 
     def actor_resources(self) -> dict:
         """Resources one worker process takes from its bundle (a fraction, so groups can share)."""
@@ -99,6 +110,25 @@ class ResourcePool:
     def __repr__(self) -> str:
         kind = "GPU" if self.use_gpu else "CPU"
         return f"ResourcePool({self.name!r}, {self.n_devices} x {kind}, nodes={len(self.nodes)})"
+
+
+def share_cpus(pools: list[ResourcePool]) -> None:
+    """Pools whose worker groups run at the same time share each node's cores: every rank counts the
+    ranks of all `pools` on its node (colocated roles of one pool share a process, so they count once).
+    Call before creating the pools' worker groups; threads are set when a process starts."""
+    total: dict[str, int] = {}
+    for pool in pools:
+        for node, n in _count(pool.node_of_rank).items():
+            total[node] = total.get(node, 0) + n
+    for pool in pools:
+        pool.cpu_ranks_per_node = {node: total[node] for node in pool.cpu_ranks_per_node}
+
+
+def _count(nodes: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for node in nodes:
+        out[node] = out.get(node, 0) + 1
+    return out
 
 
 def _check_fits(name: str, n: int, use_gpu: bool, cpus: float, total: dict) -> None:

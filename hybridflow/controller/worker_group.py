@@ -50,7 +50,7 @@ class _Processes:
                     pool.placement_group, placement_group_bundle_index=bundle
                 ),
                 **pool.actor_resources(),
-            ).remote(name, rank, n, local[rank], pool.use_gpu)
+            ).remote(name, rank, n, local[rank], pool.use_gpu, pool.cpu_ranks(rank))
             for rank, bundle in enumerate(pool.bundle_of_rank)
         ]
         try:

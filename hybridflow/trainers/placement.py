@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from hybridflow.checkpoint import atomic_write_text
 from hybridflow.config.rollout_pool import rollout_devices, training_devices
 from hybridflow.config.validate import split_sizes
-from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups
+from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups, share_cpus
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 ROLES = ("actor_rollout", "ref", "critic", "cost_critic", "reward", "cost", "rollout")
@@ -157,9 +157,10 @@ def build_worker_groups(
     actor_pool = placement.pool_of("actor_rollout") if "actor_rollout" in roles else None
     pools, groups = [], {}
     try:
-        for name, pool_roles in by_pool.items():
-            pool = ResourcePool(placement.pools[name], name=name, use_gpu=_use_gpu(cfg))
-            pools.append(pool)
+        for name in by_pool:
+            pools.append(ResourcePool(placement.pools[name], name=name, use_gpu=_use_gpu(cfg)))
+        share_cpus(pools)  # disjoint pools run at once: on CPU their ranks split the cores
+        for pool, (name, pool_roles) in zip(pools, by_pool.items()):
             specs = {}
             for role in pool_roles:
                 if role == "ref" and name == actor_pool:
