@@ -6,12 +6,16 @@ actor updates together) and false (each phase waits for the one before; the same
 overlap). They alternate step by step, so both see the same machine load and a policy at the same
 stage of training; the first step of each is a warm-up and not counted.
 
-Each device is one CPU core (HYBRIDFLOW_CPU_THREADS=1: a rank's torch threads), as a pool of one GPU
-would be one device: overlap can at most use the second core. The ideal bound removes, from the
-sequential iteration, everything two pools could run at once: per section, the busy time of the
-shorter pool (experience: reference vs values + reward; update: actor vs critic update).
+Each pool is one device. On CPU a rank's torch threads follow the placement (controller/process.py
+cpu_threads): both pools can compute at once, so on 2 cores each rank takes 1 thread; `--threads N`
+pins them instead (HYBRIDFLOW_CPU_THREADS; `--threads 2` on 2 cores is the rule before pools shared
+the cores: each rank took every core). The ideal bound removes, from the sequential iteration,
+everything two pools could run at once: per section, the busy time of the shorter pool (experience:
+reference vs values + reward; update: actor vs critic update). CPU time is the worker processes'
+(user + system, from /proc): equal in both modes when overlap adds no work, so a wall-time gap
+between the two is the scheduler's (other jobs on the machine), not ours.
 
-    .venv/bin/python benchmarks/bench_overlap.py [--size small] [--steps 6] [--write-docs]
+    .venv/bin/python benchmarks/bench_overlap.py [--size small] [--steps 6] [--threads N] [--write-docs]
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PHASES = ("gen", "old_log_prob", "values", "ref", "reward", "adv", "update_critic", "update_actor")
@@ -47,13 +50,26 @@ def config(model_dir, rm_dir, run_dir, args, overlap: bool):
     ])  # fmt: skip
 
 
-def step(trainer) -> dict:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (Linux /proc; 0 elsewhere)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def step(trainer, pids: list[int]) -> dict:
     trainer.global_step += 1
     batch = trainer.train_loader.next_batch()
     batch.meta["global_step"] = trainer.global_step
-    start = time.perf_counter()
+    cpu, start = cpu_seconds(pids), time.perf_counter()
     _, metrics = trainer.train_step(batch)
     metrics["iteration"] = time.perf_counter() - start
+    metrics["cpu"] = cpu_seconds(pids) - cpu
     metrics.update(trainer.timers.pop())
     return metrics
 
@@ -76,8 +92,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="prompts per step")
     ap.add_argument("--n", type=int, default=2, help="samples per prompt")
     ap.add_argument("--response-length", type=int, default=32)
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (0: the placement's share)"
+    )
     ap.add_argument("--write-docs", action="store_true", help="write docs/bench/overlap.md")
     args = ap.parse_args()
+    if args.threads:
+        os.environ["HYBRIDFLOW_CPU_THREADS"] = str(args.threads)
 
     import ray
     import torch
@@ -93,21 +114,26 @@ def main() -> None:
     rm_dir = save_hf_model(load_reward_model(model_dir), tmp / "rm")
     start_local_ray(8)
     rows: dict[bool, list[dict]] = {True: [], False: []}
+    load = [os.getloadavg()[0]]
     try:
         with build_trainer(config(model_dir, rm_dir, tmp / "runs", args, True)) as overlapped:
             seq_cfg = config(model_dir, rm_dir, tmp / "runs", args, False)
             with build_trainer(seq_cfg, groups=overlapped.groups) as sequential:
+                groups = {g.pool.name: g for g in overlapped.groups.values()}  # one per pool
+                threads = {n: g.execute_all("apply", torch.get_num_threads) for n, g in groups.items()}
+                pids = sorted({pid for g in groups.values() for pid in g.pids})
                 for i in range(args.steps + 1):
                     for mode, trainer in ((True, overlapped), (False, sequential)):
-                        row = step(trainer)
+                        row = step(trainer, pids)
                         if i:
                             rows[mode].append(row)
     finally:
         ray.shutdown()
-    print_table(rows, args)
+    load.append(os.getloadavg()[0])
+    print_table(rows, args, threads, load)
 
 
-def print_table(rows: dict[bool, list[dict]], args) -> None:
+def print_table(rows: dict[bool, list[dict]], args, threads: dict, load: list[float]) -> None:
     seq, ovl = rows[False], rows[True]
     seq_it, ovl_it = med(seq, "iteration"), med(ovl, "iteration")
     ideal_it = statistics.median(ideal(r) for r in seq)
@@ -119,6 +145,8 @@ def print_table(rows: dict[bool, list[dict]], args) -> None:
         "| | sequential (overlap_phases=false) | overlapped (true) | overlapped / sequential |",
         "|---|---|---|---|",
         f"| iteration (s) | {seq_it:.3f} | {ovl_it:.3f} | {ovl_it / seq_it:.2f}x time ({seq_it / ovl_it:.2f}x speed) |",
+        f"| worker CPU time per iteration (s) | {med(seq, 'cpu'):.3f} | {med(ovl, 'cpu'):.3f} "
+        f"| {med(ovl, 'cpu') / max(med(seq, 'cpu'), 1e-9):.2f}x |",
     ]
     for section in ("experience", "update"):
         s, o = med(seq, f"timing_s/overlap/{section}"), med(ovl, f"timing_s/overlap/{section}")
@@ -130,7 +158,11 @@ def print_table(rows: dict[bool, list[dict]], args) -> None:
               "| phase | " + " | ".join(PHASES) + " |", "|---" * (len(PHASES) + 1) + "|"]  # fmt: skip
     for name, rs in (("sequential", seq), ("overlapped", ovl)):
         lines.append(f"| {name} | " + " | ".join(f"{med(rs, f'timing_s/{p}'):.3f}" for p in PHASES) + " |")
-    machine = f"{os.cpu_count()} cores, {platform.machine()}, CPU only; torch threads per rank 1"
+    per_rank = ", ".join(f"{name} {t}" for name, t in threads.items())
+    machine = (
+        f"{os.cpu_count()} cores, {platform.machine()}, CPU only; torch threads per rank: {per_rank}; "
+        f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"
+    )
     table = "\n".join(lines)
     print(f"Machine: {machine}\n\n{table}")
     if args.write_docs:

@@ -26,31 +26,27 @@ def _trip(out, name: str, driver_pid: int):
     return out
 
 
-class TripActor(ActorRolloutRefWorker):
+class DriverPid:
+    """Mixin: the role worker takes `driver_pid` (whose process its tripwires refuse) beside its own kwargs."""
+
     def __init__(self, *args, driver_pid: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.driver_pid = driver_pid
 
+
+class TripActor(DriverPid, ActorRolloutRefWorker):
     @register(Protocol.THREE_D, layout="ref")
     def compute_ref_log_prob(self, batch):
         return _trip(super().compute_ref_log_prob(batch), "ref", self.driver_pid)
 
 
-class TripCritic(CriticWorker):
-    def __init__(self, *args, driver_pid: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.driver_pid = driver_pid
-
+class TripCritic(DriverPid, CriticWorker):
     @register(Protocol.THREE_D)
     def compute_values(self, batch):
         return _trip(super().compute_values(batch), "values", self.driver_pid)
 
 
-class TripReward(RewardModelWorker):
-    def __init__(self, *args, driver_pid: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.driver_pid = driver_pid
-
+class TripReward(DriverPid, RewardModelWorker):
     @register(Protocol.THREE_D)
     def compute_reward(self, batch):
         return _trip(super().compute_reward(batch), "reward", self.driver_pid)
