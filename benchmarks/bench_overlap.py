@@ -78,6 +78,19 @@ def med(rows: list[dict], key: str) -> float:
     return statistics.median(r.get(key, 0.0) for r in rows)
 
 
+def share(rows: list[dict]) -> float:
+    """Cores the worker processes received (median over steps): overlap can only gain when this grows."""
+    return statistics.median(r["cpu"] / r["iteration"] for r in rows)
+
+
+def autogroup() -> str:
+    """On Linux with autogroup scheduling, every process of one login session (here the driver, Ray and
+    both pools) shares one fair share of the CPUs, however many of them are runnable."""
+    flag = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    on = flag.exists() and flag.read_text().strip() == "1"
+    return "; kernel autogroup scheduling on (one CPU share for the whole session)" if on else ""
+
+
 def ideal(row: dict) -> float:
     """The sequential iteration less what two pools could run at once (per section, the shorter pool)."""
     b = {p: row.get(f"timing_s/{p}", 0.0) for p in PHASES}
@@ -147,6 +160,8 @@ def print_table(rows: dict[bool, list[dict]], args, threads: dict, load: list[fl
         f"| iteration (s) | {seq_it:.3f} | {ovl_it:.3f} | {ovl_it / seq_it:.2f}x time ({seq_it / ovl_it:.2f}x speed) |",
         f"| worker CPU time per iteration (s) | {med(seq, 'cpu'):.3f} | {med(ovl, 'cpu'):.3f} "
         f"| {med(ovl, 'cpu') / max(med(seq, 'cpu'), 1e-9):.2f}x |",
+        f"| CPU received (cores: CPU time / iteration) | {share(seq):.2f} | {share(ovl):.2f} "
+        f"| {share(ovl) / max(share(seq), 1e-9):.2f}x |",
     ]
     for section in ("experience", "update"):
         s, o = med(seq, f"timing_s/overlap/{section}"), med(ovl, f"timing_s/overlap/{section}")
@@ -161,7 +176,7 @@ def print_table(rows: dict[bool, list[dict]], args, threads: dict, load: list[fl
     per_rank = ", ".join(f"{name} {t}" for name, t in threads.items())
     machine = (
         f"{os.cpu_count()} cores, {platform.machine()}, CPU only; torch threads per rank: {per_rank}; "
-        f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"
+        f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end{autogroup()}"
     )
     table = "\n".join(lines)
     print(f"Machine: {machine}\n\n{table}")
