@@ -71,9 +71,9 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             f"rollout.tg: {tg} must divide the rollout pool's {rollout_devices(cfg)} devices (its generation "
             "TP groups); change resources.rollout_devices or rollout.tg"
         )
-    if cfg.rollout.engine != "builtin":
+    if cfg.rollout.engine == "vllm" and cfg.rollout.tg > 1:
         errors.append(
-            f"rollout.engine: {cfg.rollout.engine!r} is not supported with trainer.rollout_ahead=1 yet (the "
-            "rollout pool's weight sync is built and tested with the builtin engine); use builtin"
+            f"rollout.tg: {cfg.rollout.tg} with rollout.engine=vllm and trainer.rollout_ahead=1 is not supported "
+            "yet (the rollout pool's vLLM runs one replica per device); use rollout.tg=1"
         )
     return errors

@@ -20,9 +20,13 @@ ENGINES = ("builtin", "vllm")
 _VLLM = None  # this process's vLLM engine, once built
 
 
-def build_generation_engine(config, model: torch.nn.Module, world_size: int = 1) -> GenerationEngine:
+def build_generation_engine(
+    config, model: torch.nn.Module, world_size: int = 1, own_weights: bool = False
+) -> GenerationEngine:
     """config: the whole HybridFlowConfig; model: the HF causal LM to generate with (the actor's own,
-    whose parameters are full tensors while generating); world_size: ranks of the rollout group."""
+    whose parameters are full tensors while generating); world_size: ranks of the rollout group;
+    own_weights: a rollout pool's engine, whose weights change only by load_weights (vLLM then keeps
+    its own copy: rollout/vllm_engine.py; the built-in engine reads `model` either way)."""
     r = config.rollout
     if r.engine == "builtin":
         from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
@@ -46,6 +50,7 @@ def build_generation_engine(config, model: torch.nn.Module, world_size: int = 1)
                 tensor_parallel_size=r.tg,
                 seed=config.trainer.seed,
                 cpu_threads=r.cpu_threads,
+                own_weights=own_weights,
             ),
         )
         return _VLLM

@@ -12,6 +12,10 @@ over the full vocabulary, the built-in engine's convention (rollout/sampling.py)
 not truncate. When they do, vLLM's values are of the truncated distribution; the batch then says so in
 meta["rollout_log_probs_exact"] = False and the trainer recomputes old_log_probs with the actor.
 
+The rollout pool of trainer.rollout_ahead=1 (`own_weights`): vLLM holds the weights itself; each weight
+sync streams the received buckets straight into `load_weights` (workers/weight_sync.py), and generate
+loads nothing.
+
 GPU path (written, not yet run on a GPU): `gpu_memory_utilization` is passed to vLLM; between
 generate calls the engine sleeps (level 2: KV cache and weights freed) and wakes weights first, loads
 the actor's weights, then the KV cache (verl's order, lowest peak memory).
@@ -57,6 +61,11 @@ class VLLMEngineConfig:
     cpu_threads: int = 0
     """Torch intra-op threads while generating on CPU (0 = the process's setting)."""
     pad_token_id: int | None = None
+    own_weights: bool = False
+    """False: the actor's model is streamed into vLLM before every generate (colocated). True: vLLM
+    holds the weights itself, loaded from `model` once when built and afterwards only by load_weights
+    (the rollout pool of trainer.rollout_ahead=1, fed by workers/weight_sync.py); it never sleeps,
+    since that pool trains nothing."""
 
 
 def available() -> str | None:
@@ -96,7 +105,9 @@ class VLLMEngine(GenerationEngine):
         self.last_stats: dict[str, float] = {}
         self.llm = self._build(cfg, param.dtype)
         self._asleep = False
-        if self.gpu:
+        if self.config.own_weights:
+            self.load_weights((n, _full(p.detach())) for n, p in model.named_parameters())
+        elif self.gpu:
             self.sleep()
 
     # ---- construction ------------------------------------------------------------------------------
@@ -133,7 +144,7 @@ class VLLMEngine(GenerationEngine):
         else:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes(hf_config, dtype, c.max_num_seqs, c.max_model_len)
         if self.gpu:
-            kw.update(enable_sleep_mode=True, enforce_eager=False)
+            kw.update(enable_sleep_mode=not c.own_weights, enforce_eager=False)
         else:
             kw.update(enforce_eager=True)
         if c.tensor_parallel_size > 1:
@@ -203,11 +214,13 @@ class VLLMEngine(GenerationEngine):
     def sleep(self) -> None:
         """GPU: free vLLM's KV cache and weights while training runs (level 2: the weights are
         reloaded from the actor at the next generate anyway). CPU: nothing to free."""
-        if self.gpu and not self._asleep:
+        if self.gpu and not self._asleep and not self.config.own_weights:
             self.llm.sleep(level=2)
             self._asleep = True
 
     def _wake_and_sync(self) -> float:
+        if self.config.own_weights:
+            return 0.0  # loaded by load_weights when they changed
         if not self._asleep:
             return self.sync_weights()
         self.llm.wake_up(tags=["weights"])

@@ -126,9 +126,12 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 if self.actor is not None
                 else load_causal_lm(m.path, **remote).to(self.device)
             )
-            self.rollout = build_generation_engine(self.config, model, self.world_size)
-            if self.actor is None:
+            own = self.actor is None  # the rollout pool: weights arrive by the weight sync
+            self.rollout = build_generation_engine(self.config, model, self.world_size, own_weights=own)
+            if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
+                if self.config.rollout.engine == "vllm":
+                    model.to("meta")  # vLLM holds the weights; the HF model only names their shapes now
         return info
 
     def _pool_tg(self) -> int:

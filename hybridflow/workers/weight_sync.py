@@ -6,8 +6,9 @@ uses a third one that spans actor rank 0 and every rank of the rollout pool (glo
 built from a TCPStore on actor rank 0's node beside the pools' own groups. After an update every actor
 rank takes part in gathering the full tensors (the FSDP2 / TP all-gathers are collectives over the
 actor's group: engines/train_engine.iter_full_state_dict) and actor rank 0 broadcasts them, packed into
-buckets of one dtype; each rollout rank copies them into its model in place (rollout/base.
-load_named_weights), which its engine reads at the next generate call.
+buckets of one dtype; each rollout rank streams them into its engine's load_weights as they arrive: the
+built-in engine copies them into its model in place (rollout/base.load_named_weights), vLLM into its own
+weights (rollout/vllm_engine.py, reload in place; nothing touches disk).
 
 Both sides walk the same list of (name, shape, dtype), the rollout model's state dict without tied
 duplicates, so they cut the same buckets without sending any layout information per sync.
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import Protocol, register
-from hybridflow.rollout.base import load_named_weights
 
 BUCKET_BYTES = 64 << 20  # one broadcast per bucket: few calls, bounded extra memory on both sides
 
@@ -90,13 +90,13 @@ class WeightSyncMixin:
     def weight_spec(self) -> list:
         """[name, shape, dtype] of the tensors a sync carries: the rollout model's state dict, tied
         duplicates left out (copying the first updates its twin)."""
-        seen, spec = set(), []
-        for name, t in self.rollout.model.state_dict().items():
-            if t.untyped_storage().data_ptr() in seen or not t.is_floating_point():
-                continue
-            seen.add(t.untyped_storage().data_ptr())
-            spec.append([name, list(t.shape), str(t.dtype).removeprefix("torch.")])
-        return spec
+        model = self.rollout.model  # on the meta device when vLLM holds the weights: names and shapes only
+        first = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # no twins
+        return [
+            [name, list(t.shape), str(t.dtype).removeprefix("torch.")]
+            for name, t in model.state_dict().items()
+            if name in first and t.is_floating_point()
+        ]
 
     @register(Protocol.RANK_ZERO)
     def weight_shapes(self) -> dict:
@@ -131,13 +131,18 @@ class WeightSyncMixin:
     def receive_weights(self, spec: list) -> dict:
         """Receive the buckets from actor rank 0 into this rank's rollout model, in place.
         -> sync/bytes received."""
-        received = 0
-        model = self.rollout.model
-        for bucket in plan_buckets(spec):
-            numels = [math.prod(spec[i][1]) for i in bucket]
-            flat = torch.empty(sum(numels), dtype=_dtype(spec[bucket[0]][2]), device=self.device)
-            _broadcast(self._sync_group, flat)
-            parts = flat.split(numels)
-            load_named_weights(model, ((spec[i][0], p.view(spec[i][1])) for i, p in zip(bucket, parts)))
-            received += flat.numel() * flat.element_size()
-        return {"sync/bytes": float(received)}
+        received = [0]
+
+        def stream():  # each bucket is received when the engine's loader reaches it
+            for bucket in plan_buckets(spec):
+                numels = [math.prod(spec[i][1]) for i in bucket]
+                flat = torch.empty(sum(numels), dtype=_dtype(spec[bucket[0]][2]), device=self.device)
+                _broadcast(self._sync_group, flat)
+                received[0] += flat.numel() * flat.element_size()
+                yield from ((spec[i][0], p.view(spec[i][1])) for i, p in zip(bucket, flat.split(numels)))
+
+        weights = stream()
+        self.rollout.load_weights(weights)  # in place: the built-in engine's model, or vLLM's own copy
+        for _ in weights:  # every bucket is a collective with the sender, whatever the loader read
+            pass
+        return {"sync/bytes": float(received[0])}

@@ -1,0 +1,84 @@
+"""trainer.rollout_ahead=1 with rollout.engine=vllm: the rollout pool's workers generate with vLLM, whose
+weights change only by the weight sync (workers/weight_sync.py streams the received buckets into vLLM's
+in-place reload); the behaviour log-probs of the importance weights are vLLM's. Real Ray groups, gloo,
+vLLM's CPU build (runs in .venv-vllm; skipped elsewhere). The tiny Llama has head_dim 32 (vLLM's CPU
+attention has no kernel for 16). The builtin engine's run of the same schedule: tests/trainers/
+test_rollout_ahead.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.models import load_causal_lm
+from hybridflow.rollout.vllm_engine import available
+from hybridflow.trainers import build_trainer
+from tests.trainers.configs import tiny_config
+
+REASON = available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"{REASON}")
+
+DIGITS = f"reward.fn={Path(__file__).parents[1] / 'trainers' / 'rewards.py'}:digit_reward"
+AHEAD = (DIGITS, "trainer.rollout_ahead=1", "trainer.val_before_train=false", "rollout.engine=vllm")
+LAG = "rollout/policy_lag"
+GREEDY = {"n": 1, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from hybridflow.models.tiny import save_tiny_model
+
+    out = tmp_path_factory.mktemp("vllm_ahead")
+    return save_tiny_model(out / "tiny", "tiny", "llama", seed=0, num_attention_heads=2, num_key_value_heads=2)
+
+
+def _param_bytes(model_dir) -> int:
+    model = load_causal_lm(model_dir)
+    return sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+def _greedy(trainer, prompts):
+    return [g.generate_sequences(prompts, sampling=GREEDY) for g in (trainer.actor, trainer.groups["rollout"])]
+
+
+def test_vllm_rollout_pool_lags_one_step_and_loads_each_sync(ray_cluster, model_dir, tmp_path):
+    cfg = tiny_config(model_dir, tmp_path, "grpo", *AHEAD, "trainer.total_steps=4", devices=2)
+    with build_trainer(cfg) as trainer:
+        assert trainer.placement.pools == {"global": 1, "rollout": 1}
+        steps = trainer.fit()
+        prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(4)])
+        # the last step issues nothing, so the rollout pool still holds the weights of the update before
+        # the last one: vLLM's log-probs of its own greedy samples differ from the trained actor's
+        actor, stale = _greedy(trainer, prompts)
+        assert (actor["rollout_log_probs"] - stale["rollout_log_probs"]).abs().max() > 1e-4
+        # one more sync, and the rollout pool's vLLM samples exactly as the actor (whose colocated vLLM
+        # streams the actor's weights in at every call): it would not if the sync were not loaded
+        trainer.ahead.sync(trainer.global_step)
+        actor, synced = _greedy(trainer, prompts)
+    assert torch.equal(actor["responses"], synced["responses"])
+    torch.testing.assert_close(synced["rollout_log_probs"], actor["rollout_log_probs"], atol=1e-5, rtol=0)
+
+    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0, 1.0]
+    # steps 2-3 sync the whole model (tied embeddings once); step 1's pool holds model.path, step 4 issues nothing
+    assert "sync/bytes" not in steps[0] and "sync/bytes" not in steps[-1]
+    assert [h["sync/bytes"] for h in steps[1:-1]] == [float(_param_bytes(model_dir))] * 2
+    assert all(h["timing_s/weight_sync"] > 0 for h in steps[1:-1])
+    for h in steps:
+        assert 0 < h["actor/is_weight_mean"] <= 2.0 and 0 <= h["actor/is_weight_clipfrac"] <= 1
+    assert any(abs(h["actor/is_weight_mean"] - 1) > 1e-4 for h in steps[1:])  # lag 1: the policy moved
+
+
+def test_with_learning_rate_zero_vllm_and_actor_log_probs_agree(ray_cluster, model_dir, tmp_path):
+    """lr=0: the behaviour policy (vLLM on the rollout pool, synced weights) is the actor's, so every
+    importance weight exp(actor - vLLM log-prob) is 1 up to float32 rounding of the two forwards."""
+    cfg = tiny_config(model_dir, tmp_path, "grpo", *AHEAD, "actor.optim.lr=0", "trainer.total_steps=3", devices=2)
+    with build_trainer(cfg) as trainer:
+        steps = trainer.fit()
+    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0]
+    assert "sync/bytes" in steps[1]  # the weights went over (unchanged) before the lag-1 batches were drawn
+    for h in steps:
+        assert abs(h["actor/is_weight_mean"] - 1) < 1e-5, h["actor/is_weight_mean"]
+        assert h["actor/is_weight_clipfrac"] == 0.0
