@@ -49,13 +49,13 @@ def _greedy(trainer, prompts):
 
 
 def test_vllm_rollout_pool_lags_one_step_and_loads_each_sync(ray_cluster, model_dir, tmp_path):
-    cfg = tiny_config(model_dir, tmp_path, "grpo", *AHEAD, "trainer.total_steps=4", devices=2)
+    cfg = tiny_config(model_dir, tmp_path, "grpo", *AHEAD, "trainer.total_steps=3", devices=2)
     with build_trainer(cfg) as trainer:
         assert trainer.placement.pools == {"global": 1, "rollout": 1}
         steps = trainer.fit()
         prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(4)])
-        # the last step issues nothing, so the rollout pool still holds the weights of the update before
-        # the last one: vLLM's log-probs of its own greedy samples differ from the trained actor's
+        # the last step issues nothing, so the rollout pool still holds the weights it drew step 3's
+        # batch with (two updates old): vLLM's log-probs of its greedy samples differ from the actor's
         actor, stale = _greedy(trainer, prompts)
         assert (actor["rollout_log_probs"] - stale["rollout_log_probs"]).abs().max() > 1e-4
         # one more sync, and the rollout pool's vLLM samples exactly as the actor (whose colocated vLLM
@@ -69,11 +69,10 @@ def test_vllm_rollout_pool_lags_one_step_and_loads_each_sync(ray_cluster, model_
     # exp(actor - vLLM log-prob) is 1 within 1e-5 on the same (synced) weights: what lr=0 would log
     torch.testing.assert_close(synced["rollout_log_probs"], recomputed, atol=1e-5, rtol=0)
 
-    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0, 1.0]
-    # steps 2-3 sync the whole model (tied embeddings once); step 1's pool holds model.path, step 4 issues nothing
+    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0]
+    # step 2 syncs the whole model (tied embeddings once); step 1's pool holds model.path, step 3 issues nothing
     assert "sync/bytes" not in steps[0] and "sync/bytes" not in steps[-1]
-    assert [h["sync/bytes"] for h in steps[1:-1]] == [float(_param_bytes(model_dir))] * 2
-    assert all(h["timing_s/weight_sync"] > 0 for h in steps[1:-1])
+    assert steps[1]["sync/bytes"] == _param_bytes(model_dir) and steps[1]["timing_s/weight_sync"] > 0
     # lag 0: the pool's vLLM (model.path, loaded when it was built) sampled with the actor's own weights
     assert abs(steps[0]["actor/is_weight_mean"] - 1) < 1e-5 and steps[0]["actor/is_weight_clipfrac"] == 0
     for h in steps:
