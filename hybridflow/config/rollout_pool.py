@@ -71,9 +71,4 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             f"rollout.tg: {tg} must divide the rollout pool's {rollout_devices(cfg)} devices (its generation "
             "TP groups); change resources.rollout_devices or rollout.tg"
         )
-    if cfg.rollout.engine == "vllm" and cfg.rollout.tg > 1:
-        errors.append(
-            f"rollout.tg: {cfg.rollout.tg} with rollout.engine=vllm and trainer.rollout_ahead=1 is not supported "
-            "yet (the rollout pool's vLLM runs one replica per device); use rollout.tg=1"
-        )
     return errors

@@ -45,7 +45,7 @@ def build_generation_engine(
             model,
             VLLMEngineConfig(
                 max_model_len=config.data.max_prompt_length + r.response_length,
-                max_num_seqs=max_sequences_per_call(config, world_size),
+                max_num_seqs=max_sequences_per_call(config, max(1, world_size // r.tg)),  # per replica
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tg,
                 seed=config.trainer.seed,

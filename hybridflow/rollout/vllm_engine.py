@@ -22,7 +22,8 @@ the actor's weights, then the KV cache (verl's order, lowest peak memory).
 
 rollout.tg > 1 (CPU and GPU): vLLM's own tensor parallel over the actor's ranks (its external launcher,
 TP groups of consecutive ranks in the actor's process group), each rank loading its 3D-HybridEngine
-generation shard (`shard_as_full`).
+generation shard (`shard_as_full`); on the rollout pool, over the pool's ranks, each loading the whole
+synced model (vLLM's loaders cut their block).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ test_rollout_ahead.py.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -48,10 +49,26 @@ def _greedy(trainer, prompts):
     ]
 
 
-def test_vllm_rollout_pool_lags_one_step_and_loads_each_sync(ray_cluster, model_dir, tmp_path):
-    cfg = tiny_config(model_dir, tmp_path, "grpo", *AHEAD, "trainer.total_steps=3", devices=2)
+TG2 = ("resources.rollout_devices=2", "actor.parallel.tp=2", "rollout.tg=2")
+LONG = pytest.mark.skipif(
+    not os.environ.get("HYBRIDFLOW_VLLM_LONG"), reason="4 vLLM ranks: HYBRIDFLOW_VLLM_LONG=1"
+)
+
+
+@pytest.mark.parametrize(
+    "tp,devices,pools",
+    [
+        ((), 2, {"global": 1, "rollout": 1}),
+        # rollout.tg=2: vLLM's own TP over the pool's two ranks, each loading the whole synced model
+        pytest.param(TG2, 4, {"global": 2, "rollout": 2}, marks=LONG),
+    ],
+)
+def test_vllm_rollout_pool_lags_one_step_and_loads_each_sync(
+    ray_cluster, model_dir, tmp_path, tp, devices, pools
+):
+    cfg = tiny_config(model_dir, tmp_path, "grpo", *AHEAD, "trainer.total_steps=3", *tp, devices=devices)
     with build_trainer(cfg) as trainer:
-        assert trainer.placement.pools == {"global": 1, "rollout": 1}
+        assert trainer.placement.pools == pools
         steps = trainer.fit()
         prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(4)])
         # the last step issues nothing, so the rollout pool still holds the weights it drew step 3's

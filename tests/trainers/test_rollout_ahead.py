@@ -102,8 +102,6 @@ def test_with_learning_rate_zero_the_importance_weights_are_one(ray_cluster, mak
          "resources.placement: split needs 2 training devices"),
         (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=3", "resources.rollout_devices=2", "rollout.tg=3"),
          "rollout.tg: 3 must divide the rollout pool's 2 devices"),
-        (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "rollout.engine=vllm", "rollout.tg=2"),
-         "rollout.tg: 2 with rollout.engine=vllm and trainer.rollout_ahead=1 is not supported yet"),
         (("algorithm.name=sft", "trainer.rollout_ahead=1", "resources.n_gpus_per_node=2"),
          "trainer.rollout_ahead: sft trains on a fixed dataset"),
     ],
