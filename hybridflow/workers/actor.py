@@ -88,8 +88,8 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         r, par = self.config.rollout, self.actor_cfg.parallel
         if "actor" in self.roles:
             t, d, tg = par.tp, par.dp, r.tg
-        else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py;
-            tg = r.tg  # with vLLM, its own TP groups over the pool's ranks: the same consecutive ones)
+        else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py,
+            tg = r.tg  # or vLLM's own over the pool's ranks: the same consecutive ones)
             t, d = tg, self.world_size // tg
         gen = generation_layout(r.reshard, t, d, tg)
         g_tp = gen.coords(self.rank)[2]

@@ -129,7 +129,7 @@ class WeightSyncMixin:
 
     @register(Protocol.ONE_TO_ALL)
     def receive_weights(self, spec: list) -> dict:
-        """Receive the buckets from actor rank 0 into this rank's rollout model, in place.
+        """Receive the buckets from actor rank 0 into this rank's rollout engine, in place.
         -> sync/bytes received."""
         received = [0]
 
