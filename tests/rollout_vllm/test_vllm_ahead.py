@@ -95,3 +95,28 @@ def test_vllm_rollout_pool_lags_one_step_and_loads_each_sync(
     for h in steps:
         assert 0 < h["actor/is_weight_mean"] <= 2.0 and 0 <= h["actor/is_weight_clipfrac"] <= 1
     assert any(abs(h["actor/is_weight_mean"] - 1) > 1e-4 for h in steps[1:])  # lag 1: the policy moved
+
+
+def _comparable(row: dict) -> dict:
+    return {
+        k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/")) and not k.endswith("_time_s")
+    }
+
+
+@LONG
+def test_resume_with_the_vllm_pool_repeats_the_uninterrupted_run(ray_cluster, model_dir, tmp_path):
+    """The batch in flight is in the checkpoint; the resumed run's fresh vLLM pool gets the restored actor's
+    weights at its first sync (three trainers, so with the long runs)."""
+    settings = (*AHEAD, "trainer.total_steps=4", "trainer.save_every=2")
+    with build_trainer(tiny_config(model_dir, tmp_path, "grpo", *settings, devices=2)) as trainer:
+        whole = trainer.fit()
+    cfg = tiny_config(model_dir, tmp_path, "grpo", *settings, "trainer.experiment_name=parts", "trainer.resume=auto",
+                      devices=2)  # fmt: skip
+    with build_trainer(cfg) as trainer:
+        first = trainer.fit(stop_after=2)
+    with build_trainer(cfg) as trainer:
+        rest = trainer.fit()
+    assert [h["step"] for h in first + rest] == [1, 2, 3, 4]
+    assert [h[LAG] for h in first + rest] == [0.0, 1.0, 1.0, 1.0]
+    for a, b in zip(whole, first + rest, strict=True):
+        assert _comparable(a) == _comparable(b), a["step"]
