@@ -125,6 +125,13 @@ class ModelConfig:
         "parameter dtype (auto = bfloat16 on GPU, float32 on CPU)",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
+    remove_padding: Optional[bool] = _f(
+        None,
+        "pack each micro-batch's real tokens into rows without padding in the actor / reference / critic / "
+        "reward-model forward and update (verl's use_remove_padding; docs/design.md §7); the token budgets "
+        "(max_tokens_per_micro_batch) then count real tokens. null = on for llama, qwen2, qwen3 and mistral "
+        "models, off for others; true on another model type is rejected",
+    )
 
 
 @dataclass

@@ -307,8 +307,10 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     if (
         check_model
     ):  # every JSON file and safetensors header the workers will read (hybridflow/models/files.py)
-        from hybridflow.models.files import model_dir_errors
+        from hybridflow.models.files import model_dir_errors, remove_padding_errors
         from hybridflow.models.resolve import MODEL_KEYS
+
+        errors += remove_padding_errors(cfg.model)
 
         for key in MODEL_KEYS:
             errors += [

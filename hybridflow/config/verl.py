@@ -74,6 +74,16 @@ def _engine(v, out):
     return {"rollout.engine": {"hf": "builtin"}.get(v, v)}
 
 
+def _remove_padding(v, out):
+    # one setting here for every model (actor, reference, critic): verl's two keys must agree
+    if out.get("model.remove_padding", bool(v)) != bool(v):
+        raise ConfigError(
+            ["verl keys actor_rollout_ref.model.use_remove_padding and critic.model.use_remove_padding differ; "
+             "here one setting (model.remove_padding) covers every model: give them the same value"]
+        )  # fmt: skip
+    return {"model.remove_padding": bool(v)}
+
+
 def _do_sample(v, out):
     return {} if v else {"rollout.val.temperature": 0.0}
 
@@ -99,6 +109,7 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.tokenizer_path": "model.tokenizer_path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "actor.gradient_checkpointing",
+    "actor_rollout_ref.model.use_remove_padding": _remove_padding,
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size_per_device",
     "actor_rollout_ref.actor.use_kl_loss": "algorithm.use_kl_loss",
     "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_loss_coef",
@@ -118,6 +129,7 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "actor_rollout_ref.ref.fsdp_config.param_offload": _offload("ref"),
     "critic.model.path": "model.critic_path",
     "critic.model.enable_gradient_checkpointing": "critic.gradient_checkpointing",
+    "critic.model.use_remove_padding": _remove_padding,
     "critic.model.fsdp_config.param_offload": _offload("critic"),
     "critic.model.fsdp_config.optimizer_offload": _offload("critic"),
     "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size_per_device",
@@ -143,7 +155,6 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
 # verl keys with no equivalent here -> (why, the values that keep verl's behaviour or None = any).
 # A value outside that set is rejected: accepting it and then doing something else would be a defect.
 NO_EQUIVALENT: dict[str, tuple[str, tuple | None]] = {
-    "actor_rollout_ref.model.use_remove_padding": ("padding is always trimmed per micro-batch", None),
     "actor_rollout_ref.model.use_liger": ("no Liger kernels; the HF model's own ops run", None),
     "actor_rollout_ref.model.use_fused_kernels": ("no fused kernels", None),
     "actor_rollout_ref.model.fused_kernel_options.impl_backend": ("no fused kernels", None),
@@ -176,7 +187,6 @@ NO_EQUIVALENT: dict[str, tuple[str, tuple | None]] = {
     "critic.ppo_micro_batch_size": ("deprecated in verl; set ppo_micro_batch_size_per_gpu", None),
     "critic.model.tokenizer_path": ("the critic uses the policy's tokenizer", None),
     "critic.model.fsdp_config.grad_offload": ("deprecated in verl", None),
-    "critic.model.use_remove_padding": ("padding is always trimmed per micro-batch", None),
     "reward_model.reward_manager": (
         "rule rewards run in the reward executor (reward.num_workers)",
         ("naive", "prime"),

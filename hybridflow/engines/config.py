@@ -101,6 +101,10 @@ class EngineConfig:
     # Token budget per micro-batch (padded rows * padded length after trimming). > 0 switches on
     # dynamic micro-batches: samples are sorted by length and packed up to the budget.
     max_tokens_per_micro_batch: int = 0
+    # Padding removal (engines/packing.py): each micro-batch's real tokens packed into rows, no padding
+    # computed. None = on for the model types that pack (packing.PACKABLE_MODEL_TYPES), off otherwise;
+    # True on another type raises. With it the token budget counts real tokens, not padded ones.
+    remove_padding: bool | None = None
     # Sequence positions per chunk of lm_head + log_softmax: bounds the logits held at once to
     # (micro_batch, logits_chunk_size, vocab).
     logits_chunk_size: int = 256

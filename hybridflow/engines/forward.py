@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hybridflow.engines import packing
 from hybridflow.models.hf import model_kind, scalar_head
 
 
@@ -107,7 +108,13 @@ class RLForward(nn.Module):
         response_length: int,
         temperature: float = 1.0,
         with_entropy: bool | str = False,
+        pack_rows: int | None = None,
     ) -> dict[str, torch.Tensor]:
+        """pack_rows: None = the padded forward; an int = padding removed (engines/packing.py), rows of
+        max(pack_rows, longest sequence) tokens. Outputs have the padded layout either way."""
+        if pack_rows is not None and packing.contiguous(attention_mask):
+            return self._packed(input_ids, attention_mask, position_ids, response_length, temperature,
+                                with_entropy, pack_rows)  # fmt: skip
         out = self.model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
@@ -117,12 +124,16 @@ class RLForward(nn.Module):
             h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, H)
             return {"scores": scalar_head(self.model)(h_last).squeeze(-1).float()}
         h_resp = hidden[:, -response_length - 1 : -1]  # (B, Lr, H): states before each response token
+        return self._heads(h_resp, input_ids[:, -response_length:], temperature, with_entropy)
+
+    def _heads(self, h_resp, labels, temperature, with_entropy) -> dict[str, torch.Tensor]:
+        """Values or log-probs (+ entropy) from the hidden states before each response token."""
         if self.kind == "critic":
             return {"values": scalar_head(self.model)(h_resp).squeeze(-1).float()}
         log_probs, entropy = chunked_log_probs(
             h_resp,
             self.model.get_output_embeddings(),
-            input_ids[:, -response_length:],
+            labels,
             self.logits_chunk_size,
             temperature,
             with_entropy,
@@ -131,3 +142,19 @@ class RLForward(nn.Module):
         if entropy is not None:
             outputs["entropy"] = entropy
         return outputs
+
+    def _packed(self, input_ids, attention_mask, position_ids, response_length, temperature, with_entropy,
+                pack_rows) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The forward on packed rows; the heads run on the real response tokens only (N of them)."""
+        plan = packing.plan(attention_mask.cpu(), pack_rows).to(input_ids.device)
+        ids, pos = packing.pack(plan, input_ids, position_ids)
+        # attention_mask=None: transformers builds the per-sequence causal mask from the position resets
+        hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        if self.kind == "reward":
+            h_last = hidden[plan.seq_row, plan.seq_end.clamp(min=0)]
+            return {"scores": scalar_head(self.model)(h_last).squeeze(-1).float()}
+        (b, j), (row, col) = plan.response_index(attention_mask, response_length)
+        heads = self._heads(hidden[row, col - 1].unsqueeze(0), ids[row, col].unsqueeze(0), temperature,
+                            with_entropy)  # fmt: skip
+        shape = (attention_mask.shape[0], response_length)
+        return {k: v.new_zeros(shape).index_put((b, j), v[0]) for k, v in heads.items()}

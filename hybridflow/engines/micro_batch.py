@@ -67,7 +67,12 @@ def trim_padding(mb: Batch) -> Batch:
     return Batch(tensors, mb.non_tensors, dict(mb.meta))
 
 
-def _group_cost(prompt_lens: torch.Tensor, resp_lens: torch.Tensor, idx: list[int]) -> int:
+def _group_cost(
+    prompt_lens: torch.Tensor, resp_lens: torch.Tensor, idx: list[int], real: bool = False
+) -> int:
+    """Tokens a micro-batch computes: rows x padded length, or with padding removed its real tokens."""
+    if real:
+        return int(prompt_lens[idx].sum()) + int(resp_lens[idx].sum())
     return len(idx) * (int(prompt_lens[idx].max()) + int(resp_lens[idx].max()))
 
 
@@ -76,9 +81,11 @@ def plan_micro_batches(
     micro_batch_size: int | None = None,
     max_tokens: int | None = None,
     num_micro_batches: int | None = None,
+    real_tokens: bool = False,
 ) -> list[list[int]]:
     """Row indices of each micro-batch. Exactly one of micro_batch_size / max_tokens must be given;
-    num_micro_batches (>= the natural count, <= rows) forces the count (for equal counts over ranks)."""
+    num_micro_batches (>= the natural count, <= rows) forces the count (for equal counts over ranks).
+    real_tokens: the budget counts real tokens (padding removed: engines/packing.py), not padded ones."""
     n = len(batch)
     if (micro_batch_size is None) == (not max_tokens):
         raise ValueError("give exactly one of micro_batch_size or max_tokens (token budget)")
@@ -87,7 +94,7 @@ def plan_micro_batches(
         order = torch.argsort(prompt_lens + resp_lens, descending=True, stable=True).tolist()
         groups: list[list[int]] = []
         for i in order:
-            if groups and _group_cost(prompt_lens, resp_lens, groups[-1] + [i]) <= max_tokens:
+            if groups and _group_cost(prompt_lens, resp_lens, groups[-1] + [i], real_tokens) <= max_tokens:
                 groups[-1].append(i)
             else:  # a sample longer than the budget still gets a micro-batch of its own
                 groups.append([i])
@@ -103,7 +110,7 @@ def plan_micro_batches(
             )
         while len(groups) < num_micro_batches:
             splittable = [g for g in groups if len(g) > 1]
-            big = max(splittable, key=lambda g: _group_cost(prompt_lens, resp_lens, g))
+            big = max(splittable, key=lambda g: _group_cost(prompt_lens, resp_lens, g, real_tokens))
             pos = groups.index(big)
             groups[pos : pos + 1] = [big[: len(big) // 2], big[len(big) // 2 :]]
     return groups

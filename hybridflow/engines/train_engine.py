@@ -43,6 +43,7 @@ from hybridflow.engines.micro_batch import (
 )
 from hybridflow.engines.offload import Offloader
 from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from hybridflow.engines.packing import resolve_remove_padding
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.engines.sharded_init import materialize
 from hybridflow.models.hf import model_kind
@@ -83,6 +84,7 @@ class TrainEngine:
         on_meta = any(p.is_meta for p in model.parameters())
         self.hf_model = model if on_meta else model.to(self.device)
         self.module = RLForward(model, self.config.logits_chunk_size)
+        self.remove_padding = resolve_remove_padding(self.config.remove_padding, model.config.model_type)
         parallelize(
             self.module,
             model,
@@ -123,10 +125,11 @@ class TrainEngine:
         if micro_batch_size is None and max_tokens is None:
             max_tokens = self.config.max_tokens_per_micro_batch or None
             micro_batch_size = None if max_tokens else self.config.micro_batch_size_per_device
-        groups = plan_micro_batches(batch, micro_batch_size, max_tokens)
+        real = self.remove_padding  # packed micro-batches cost their real tokens, not the padded ones
+        groups = plan_micro_batches(batch, micro_batch_size, max_tokens, real_tokens=real)
         count = int(self._all_reduce(len(groups), dist.ReduceOp.MAX))
         if count != len(groups):
-            groups = plan_micro_batches(batch, micro_batch_size, max_tokens, num_micro_batches=count)
+            groups = plan_micro_batches(batch, micro_batch_size, max_tokens, count, real_tokens=real)
         return groups
 
     def phase(self, optimizer: bool = False):
@@ -149,7 +152,8 @@ class TrainEngine:
             else contextlib.nullcontext()
         )
         with ctx:
-            return self.module(ids, attn, pos, response_length(mb), temperature, with_entropy)
+            return self.module(ids, attn, pos, response_length(mb), temperature, with_entropy,
+                               0 if self.remove_padding else None)  # fmt: skip
 
     @torch.no_grad()
     def _infer(self, batch, keys, micro_batch_size, max_tokens, **forward_kwargs) -> dict[str, torch.Tensor]:

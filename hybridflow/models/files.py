@@ -102,3 +102,34 @@ def model_dir_errors(directory: str, key: str) -> list[str]:
         if why:
             errors.append(f"{key}: {why}")
     return errors
+
+
+# model types whose attention builds a per-sequence (block-diagonal) causal mask from position_ids
+# restarts, so model.remove_padding can pack them (engines/packing.py; checked numerically against the
+# padded forward in tests/engines/test_packing.py). GPT-2 ignores the restarts: its sequences would mix.
+PACKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def model_type(directory: str) -> str | None:
+    """config.json's model_type, or None where the directory or the file cannot say."""
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None  # reported by model_dir_errors / the config checks
+    return hf.get("model_type") if isinstance(hf, dict) else None
+
+
+def remove_padding_errors(model_cfg) -> list[str]:
+    """model.remove_padding=true on a model directory whose type cannot pack: one line each."""
+    if model_cfg.remove_padding is not True:
+        return []
+    errors = []
+    for key in ("path", "critic_path", "reward_model_path", "cost_model_path"):
+        kind = model_type(getattr(model_cfg, key)) if getattr(model_cfg, key) else None
+        if kind is not None and kind not in PACKABLE_MODEL_TYPES:
+            errors.append(
+                f"model.remove_padding: true, but model.{key} is a {kind!r} model, which cannot run packed "
+                f"sequences (supported: {', '.join(PACKABLE_MODEL_TYPES)}); set it to false or null"
+            )
+    return errors

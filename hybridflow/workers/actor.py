@@ -72,10 +72,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = None
         self._gen_calls = 0
         seed = config.trainer.seed
+        pack = {"remove_padding": config.model.remove_padding}
         self.actor_cfg = engine_config(
-            config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps
+            config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps, **pack
         )
-        self.ref_cfg = engine_config(config.ref, self.world_size, "ref", seed, config.model.dtype)
+        self.ref_cfg = engine_config(config.ref, self.world_size, "ref", seed, config.model.dtype, **pack)
         if "actor" in roles:
             set_train_layout(self, "train", self.actor_cfg.parallel)
         if "ref" in roles:

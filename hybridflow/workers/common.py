@@ -61,14 +61,16 @@ def engine_config(
     model_dtype: str = "auto",
     total_steps: int = 0,
     micro_batch_size_per_device: int | None = None,
+    remove_padding: bool | None = None,
 ) -> EngineConfig:
-    """An EngineConfig from an actor / critic / ref / reward config section."""
+    """An EngineConfig from an actor / critic / ref / reward config section (remove_padding: model.remove_padding)."""
     optim = getattr(section, "optim", None)
     return EngineConfig(
         parallel=engine_parallel(section.parallel, world_size, what),
         optim=engine_optim(optim, total_steps) if optim is not None else OptimConfig(),
         micro_batch_size_per_device=micro_batch_size_per_device or section.micro_batch_size_per_device,
         max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", 0),
+        remove_padding=remove_padding,
         gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
         mixed_precision=_MIXED_PRECISION[model_dtype],
         offload=getattr(section, "offload", False),

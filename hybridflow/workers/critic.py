@@ -60,6 +60,7 @@ class CriticWorker(Worker):
             config.trainer.seed,
             config.model.dtype,
             total_optim_steps,
+            remove_padding=config.model.remove_padding,
         )
         set_train_layout(self, "train", self.engine_cfg.parallel)
         self.engine = None

@@ -30,8 +30,9 @@ class RewardModelWorker(Worker):
     def __init__(self, config, model_path: str, score_key: str = "rm_scores"):
         self.config, self.model_path, self.score_key = config, model_path, score_key
         self.engine_cfg = engine_config(
-            config.reward, self.world_size, "reward", config.trainer.seed, config.model.dtype
-        )
+            config.reward, self.world_size, "reward", config.trainer.seed, config.model.dtype,
+            remove_padding=config.model.remove_padding,
+        )  # fmt: skip
         set_train_layout(self, "train", self.engine_cfg.parallel)
         self.engine = None
 
