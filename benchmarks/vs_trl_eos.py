@@ -24,8 +24,11 @@ import sys
 from pathlib import Path
 
 # name -> (worker processes, extra overrides): the synchronous settings tried on each row
+# (model.remove_padding is on by default for these llama models: the padded forward is the setting's
+# other value, kept as a row so one run shows what removing padding gains)
 SYNC_VARIANTS = {
     "dp=1 (1 worker, 2 threads)": (1, []),
+    "dp=1, padded (model.remove_padding=false)": (1, ["model.remove_padding=false"]),
     "dp=2 (2 workers, 1 thread each)": (2, []),
 }
 AHEAD = ("rollout_ahead=1 (rollout pool 1 | actor pool 1)", 2, ["trainer.rollout_ahead=1"])
