@@ -259,6 +259,7 @@ class CriticConfig:
 @dataclass
 class RefConfig:
     micro_batch_size_per_device: int = _f(8, "sequences per log-prob forward on one device")
+    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
     offload: bool = _f(False, "keep parameters on CPU between calls")
     parallel: ParallelConfig = _sub(ParallelConfig, "reference inference parallelism")
 

@@ -184,6 +184,8 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         "trainer.val_every": t.val_every,
         "trainer.save_every": t.save_every,
         "actor.max_tokens_per_micro_batch": act.max_tokens_per_micro_batch,
+        "critic.max_tokens_per_micro_batch": cfg.critic.max_tokens_per_micro_batch,
+        "ref.max_tokens_per_micro_batch": cfg.ref.max_tokens_per_micro_batch,
         "reward.num_workers": cfg.reward.num_workers,
         "reward.chunk_size": cfg.reward.chunk_size,
     }.items():

@@ -246,16 +246,25 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
     if fn_path:
         mapped["reward.fn"] = f"{fn_path}:{fn_name or 'compute_score'}"
     # verl packs micro-batches by tokens only under use_dynamic_bsz; here the token budget is the switch
-    for role, prefix in (("actor", "actor_rollout_ref.actor."), ("critic", "critic.")):
-        dynamic, budget = (
-            flat.pop(prefix + "use_dynamic_bsz", False),
-            flat.pop(prefix + "ppo_max_token_len_per_gpu", None),
-        )
+    for role, dynamic_key, budget_key in (
+        (
+            "actor",
+            "actor_rollout_ref.actor.use_dynamic_bsz",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        ),
+        ("critic", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu"),
+        (
+            "ref",
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        ),
+    ):
+        dynamic, budget = flat.pop(dynamic_key, False), flat.pop(budget_key, None)
         if dynamic and budget:
             mapped[f"{role}.max_tokens_per_micro_batch"] = int(budget)
         elif budget is not None:
             notes.append(
-                f"verl key {prefix}ppo_max_token_len_per_gpu is ignored, as in verl, without use_dynamic_bsz"
+                f"verl key {budget_key} is ignored, as in verl, without {dynamic_key.rpartition('.')[2]}"
             )
     for key, value in flat.items():
         rule = RENAMES.get(key)

@@ -251,3 +251,22 @@ def test_verl_yaml_layout_with_overrides(tmp_path):
     assert cfg.rollout.val.n == 8 and cfg.rollout.val.temperature == 0.0
     assert (cfg.trainer.val_every, cfg.trainer.save_every, cfg.trainer.total_epochs) == (0, 5, 2)
     assert cfg.actor.gradient_checkpointing and cfg.data.train_files == ["a.parquet"]
+
+
+def test_verl_remove_padding_and_token_budgets_map():
+    base = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path=m", "data.dataset=synthetic:arithmetic",
+            "actor_rollout_ref.rollout.n=2"]  # fmt: skip
+    cfg = load_config(
+        None,
+        [*base, "actor_rollout_ref.model.use_remove_padding=False", "critic.model.use_remove_padding=False",
+         "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=300",
+         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=500"],
+        check_model=False, notes=lambda n: None,
+    )  # fmt: skip
+    assert cfg.model.remove_padding is False
+    assert (cfg.actor.max_tokens_per_micro_batch, cfg.ref.max_tokens_per_micro_batch) == (300, 500)
+    with pytest.raises(ConfigError, match="use_remove_padding and critic.model.use_remove_padding differ"):
+        load_config(
+            None, [*base, "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=False"],
+            check_model=False,
+        )  # fmt: skip
