@@ -112,7 +112,12 @@ class RLForward(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """pack_rows: None = the padded forward; an int = padding removed (engines/packing.py), rows of
         max(pack_rows, longest sequence) tokens. Outputs have the padded layout either way."""
-        if pack_rows is not None and packing.contiguous(attention_mask):
+        # packable: each row one run of tokens, and some response token to score (else the padded pass)
+        if (
+            pack_rows is not None
+            and packing.contiguous(attention_mask)
+            and attention_mask[:, -response_length:].any()
+        ):
             return self._packed(input_ids, attention_mask, position_ids, response_length, temperature,
                                 with_entropy, pack_rows)  # fmt: skip
         out = self.model.base_model(
@@ -126,15 +131,16 @@ class RLForward(nn.Module):
         h_resp = hidden[:, -response_length - 1 : -1]  # (B, Lr, H): states before each response token
         return self._heads(h_resp, input_ids[:, -response_length:], temperature, with_entropy)
 
-    def _heads(self, h_resp, labels, temperature, with_entropy) -> dict[str, torch.Tensor]:
-        """Values or log-probs (+ entropy) from the hidden states before each response token."""
+    def _heads(self, h_resp, labels, temperature, with_entropy, chunk=None) -> dict[str, torch.Tensor]:
+        """Values or log-probs (+ entropy) from the hidden states before each response token; `chunk`
+        positions of lm_head at a time (default logits_chunk_size)."""
         if self.kind == "critic":
             return {"values": scalar_head(self.model)(h_resp).squeeze(-1).float()}
         log_probs, entropy = chunked_log_probs(
             h_resp,
             self.model.get_output_embeddings(),
             labels,
-            self.logits_chunk_size,
+            chunk or self.logits_chunk_size,
             temperature,
             with_entropy,
         )
@@ -154,7 +160,9 @@ class RLForward(nn.Module):
             h_last = hidden[plan.seq_row, plan.seq_end.clamp(min=0)]
             return {"scores": scalar_head(self.model)(h_last).squeeze(-1).float()}
         (b, j), (row, col) = plan.response_index(attention_mask, response_length)
+        # one row of N tokens: chunks of B x logits_chunk_size tokens hold as many logits as the padded ones
+        chunk = self.logits_chunk_size * attention_mask.shape[0]
         heads = self._heads(hidden[row, col - 1].unsqueeze(0), ids[row, col].unsqueeze(0), temperature,
-                            with_entropy)  # fmt: skip
+                            with_entropy, chunk)  # fmt: skip
         shape = (attention_mask.shape[0], response_length)
         return {k: v.new_zeros(shape).index_put((b, j), v[0]) for k, v in heads.items()}

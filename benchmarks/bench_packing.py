@@ -1,0 +1,136 @@
+"""Padding removal (model.remove_padding) on natural-EOS batches: TrainEngine's log-prob pass and update,
+packed vs padded, in one process.
+
+Baseline: the same engine with the padded forward (`model.remove_padding=false`: each micro-batch trimmed
+to its longest prompt + longest response, as before padding removal). Rows: the padded engine with
+token-budget micro-batches (sorted by length, verl's dynamic batch size) and the packed engine. The batch
+is the natural-EOS workload of benchmarks/vs_trl.py: 32 sequences (8 prompts x n=4), prompts of 14-24
+tokens left-padded, responses stopping at EOS with probability 1/90 per token (a fresh tiny model's rate)
+up to the cap, right-padded. One micro-batch of 32 rows unless the row says otherwise, as vs_trl runs.
+
+Every figure is the median over interleaved repeats of one process with 1 thread; CPU seconds
+(process_time) are the steadier figure on a shared machine, wall seconds are given beside them.
+
+    .venv/bin/python benchmarks/bench_packing.py [--sizes small medium] [--lengths 32 128] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridflow.batch import Batch, position_ids_from_mask
+from hybridflow.engines import EngineConfig, TrainEngine
+from hybridflow.models import load_causal_lm
+from hybridflow.models.tiny import save_tiny_model
+
+
+def natural_eos_batch(vocab: int, lr: int, seqs: int = 32, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lp = 24
+    prompt_lens = torch.randint(14, lp + 1, (seqs,), generator=g)
+    u = torch.rand(seqs, generator=g).clamp(min=1e-9)
+    resp_lens = (torch.log(u) / torch.log(torch.tensor(1 - 1 / 90))).long().clamp(0, lr - 1) + 1
+    pm = (torch.arange(lp)[None] >= lp - prompt_lens[:, None]).long()
+    rm = (torch.arange(lr)[None] < resp_lens[:, None]).long()
+    prompts = torch.randint(5, vocab, (seqs, lp), generator=g) * pm
+    responses = torch.randint(5, vocab, (seqs, lr), generator=g) * rm
+    attn = torch.cat([pm, rm], 1)
+    return Batch.from_dict(
+        dict(prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
+             attention_mask=attn, position_ids=position_ids_from_mask(attn), response_mask=rm,
+             advantages=torch.randn(seqs, lr, generator=g) * rm, old_log_probs=torch.zeros(seqs, lr))
+    )  # fmt: skip
+
+
+def pg_loss(out, mb):
+    m = mb["response_mask"].float()
+    ratio = torch.exp(out["log_probs"] - out["log_probs"].detach())
+    return -(ratio * mb["advantages"] * m).sum() / m.sum().clamp(min=1), {"entropy": out["entropy"].mean()}
+
+
+def timed(fn) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run_row(model_dir: Path, lr: int, repeats: int) -> dict:
+    variants = {
+        "padded (baseline)": (dict(remove_padding=False), {"micro_batch_size": 32}),
+        "padded, token budget 1024": (dict(remove_padding=False), {"max_tokens": 1024}),
+        "packed (remove_padding)": (dict(remove_padding=True), {"micro_batch_size": 32}),
+    }
+    engines = {
+        name: TrainEngine(load_causal_lm(model_dir), EngineConfig(optim=_no_step(), **cfg))
+        for name, (cfg, _) in variants.items()
+    }
+    batch = natural_eos_batch(engines["padded (baseline)"].hf_model.config.vocab_size, lr)
+    times: dict = {(n, p): [] for n in variants for p in ("log-probs", "update")}
+    for rep in range(repeats + 1):  # the first round warms up
+        for name, (_, mb) in variants.items():
+            eng = engines[name]
+            lp = timed(lambda: eng.compute_log_probs(batch, **mb))  # noqa: B023
+            up = timed(lambda: eng.train_step(batch, pg_loss, with_entropy="detached", **mb))  # noqa: B023
+            if rep:
+                times[(name, "log-probs")].append(lp)
+                times[(name, "update")].append(up)
+    attn = batch["attention_mask"]
+    return {
+        "real": int(attn.sum()),
+        "padded": int(attn.shape[0] * (attn[:, :24].sum(-1).max() + attn[:, 24:].sum(-1).max())),
+        "resp_mean": float(attn[:, 24:].sum(-1).float().mean()),
+        "times": {k: tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for k, v in times.items()},
+        "variants": list(variants),
+    }
+
+
+def _no_step():
+    from hybridflow.engines import OptimConfig
+
+    return OptimConfig(lr=0.0)  # weights stay put: every repeat sees the same model
+
+
+def table(rows: dict) -> str:
+    out = "| model | Lr | real / padded tokens | setting | log-probs CPU s (wall) | update CPU s (wall) | "
+    out += "**CPU speed-up vs padded: log-probs, update** |\n" + "|---" * 7 + "|\n"
+    for (size, lr), r in rows.items():
+        base = r["times"]
+        for name in r["variants"]:
+            (lw, lc), (uw, uc) = base[(name, "log-probs")], base[(name, "update")]
+            (_, blc), (_, buc) = base[(r["variants"][0], "log-probs")], base[(r["variants"][0], "update")]
+            out += (
+                f"| {size} | {lr} | {r['real']} / {r['padded']} | {name} | {lc:.3f} ({lw:.3f}) | "
+                f"{uc:.3f} ({uw:.3f}) | **{blc / lc:.2f}x, {buc / uc:.2f}x** |\n"
+            )
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["small", "medium"])
+    p.add_argument("--lengths", nargs="+", type=int, default=[32, 128])
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="bench_packing_"))
+    started, load = time.time(), os.getloadavg()
+    rows = {}
+    for size in args.sizes:
+        model_dir = save_tiny_model(root / size, size, "llama", seed=0)
+        for lr in args.lengths:
+            rows[(size, lr)] = run_row(model_dir, lr, args.repeats)
+            print(table(rows), flush=True)
+    print(f"load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
+          f"{time.time() - started:.0f} s; {args.repeats} repeats; 1 thread")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
