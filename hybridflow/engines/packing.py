@@ -5,7 +5,8 @@ much of each row is padding that the padded forward computes anyway. `pack` move
 real tokens (its attended run) into shared rows, first-fit by decreasing length, each sequence's
 `position_ids` restarting at 0. Attention stays within each sequence because transformers builds the
 mask from those resets when the 2-D attention mask is None (masking_utils.find_packed_sequence_indices:
-a block-diagonal causal mask for sdpa / eager, varlen kernels for flash attention).
+a block-diagonal causal mask for sdpa and eager attention, which is what the models load with; checked
+numerically against the padded forward in tests/engines/test_packing.py).
 
 Why rows of `row_tokens` and not one row of everything: without a varlen kernel (CPU, sdpa) attention
 costs rows x row_len^2 whatever the mask, so one row of all B sequences would cost far more attention
