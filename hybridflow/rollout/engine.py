@@ -170,22 +170,27 @@ class BuiltinEngine(GenerationEngine):
         lengths = torch.full((total,), lr, dtype=torch.long, device=device)
         rows = torch.arange(total, device=device)  # original row of each decode-batch row
         alive = torch.ones(total, dtype=torch.bool, device=device)
+        n_alive = total
+        tp = getattr(decoder, "tp", None)
+        # A step where no row stops (most of them) costs the sampling, two column writes, the stop test
+        # and one host read; the bookkeeping of rows that stopped runs only on the steps they do.
+        is_stop = _stop_test(stop)
         for t in range(lr):
             tokens, lp_t = sample_next(logits, params, gen)
-            if (
-                getattr(decoder, "tp", None) is not None
-            ):  # one generation TP group: the first rank's draw for all
-                tokens, lp_t = decoder.tp.agree(tokens, lp_t)
-            responses[rows, t] = tokens
-            logps[rows, t] = lp_t
-            if stop.numel():
-                done = alive & torch.isin(tokens, stop)
-                lengths[rows[done]] = t + 1
-                alive &= ~done
-            if t == lr - 1:
-                break
-            n_alive = int(alive.sum())
-            if n_alive == 0:
+            if tp is not None:  # one generation TP group: the first rank's draw for all
+                tokens, lp_t = tp.agree(tokens, lp_t)
+            responses[:, t].index_copy_(0, rows, tokens)
+            logps[:, t].index_copy_(0, rows, lp_t)
+            if is_stop is not None:
+                done = is_stop(tokens)
+                if n_alive < rows.shape[0]:  # finished rows left in the batch (compact_fraction > 0)
+                    done &= alive
+                n_done = int(done.sum())
+                if n_done:
+                    lengths.index_fill_(0, rows[done], t + 1)
+                    alive &= ~done
+                    n_alive -= n_done
+            if t == lr - 1 or n_alive == 0:
                 break
             if rows.shape[0] - n_alive > self.config.compact_fraction * rows.shape[0]:
                 keep = hole_filling_order(alive, n_alive)
@@ -194,6 +199,16 @@ class BuiltinEngine(GenerationEngine):
             logits = decoder.decode(tokens, next_pos)
             next_pos = next_pos + 1
         return responses, lengths, logps
+
+
+def _stop_test(stop: torch.Tensor):
+    """stop: (k,) token ids -> a function tokens (b,) -> (b,) bool, or None when nothing stops a row.
+    One id is one comparison; torch.isin is several ops."""
+    if stop.numel() == 0:
+        return None
+    if stop.numel() == 1:
+        return lambda tokens: tokens == stop
+    return lambda tokens: torch.isin(tokens, stop)
 
 
 def hole_filling_order(alive: torch.Tensor, n_alive: int) -> torch.Tensor:

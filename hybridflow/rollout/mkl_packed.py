@@ -28,7 +28,20 @@ class MklPacked:
         self.shape = weight.new_empty(()).expand(weight.shape)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.shape, bias, x.shape[0])
+        return _linear()(x, self.packed, self.shape, bias, x.shape[0])
+
+
+_LINEAR = None
+
+
+def _linear():
+    """The op's compiled entry point: calling it skips two layers of Python dispatch in torch.ops (~3 us
+    a call, ~20 calls per decode step)."""
+    global _LINEAR
+    if _LINEAR is None:
+        overload = torch.ops.mkl._mkl_linear.default
+        _LINEAR = getattr(overload, "_op", overload)
+    return _LINEAR
 
 
 _MKL_PACK_OK: bool | None = None
