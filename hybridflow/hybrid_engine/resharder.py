@@ -184,13 +184,15 @@ class Resharder:
         hf = self.engine.hf_model
         out: dict[str, torch.Tensor] = {}
         split_bytes = whole_bytes = fsdp_bytes = vocab_bytes = 0
+        params = None
         for unit, names in self.units:
             # hybridflow with tg == t: the unit stays unsharded and is its own generation weights, unless
             # it holds embeddings to split over the vocabulary
             keep = self.method == "hybridflow" and self.st == 1 and not self.vocab.intersection(names)
             if unit is not None:
                 unit.unshard()
-            params = dict(hf.named_parameters())
+            if unit is not None or params is None:  # unshard swaps the unit's parameters; nothing else does
+                params = dict(hf.named_parameters())
             transient, bucket = 0, []
             for name in names:
                 local, dim = _local(params[name])

@@ -79,6 +79,7 @@ class BuiltinEngine(GenerationEngine):
             pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(cfg.eos_token_id)
         self.pad_token_id = 0 if pad is None else int(pad)
         self.shard: Mapping[str, torch.Tensor] | None = None
+        self._num_params: int | None = None
         self.tp: TPGroup | None = None
 
     def set_shard(self, weights: Mapping[str, torch.Tensor] | None, tp: TPGroup | None = None) -> None:
@@ -110,9 +111,12 @@ class BuiltinEngine(GenerationEngine):
         # One decoder (and one weight packing) for all chunks of this call.
         decoder = self._decoder(ids.shape[1] + params.max_new_tokens)
         # no_grad, not inference_mode: inference tensors in the output would break the trainer's
-        # backward (embedding saves its indices). eval() turns off dropout for the HF fallback.
+        # backward (embedding saves its indices). eval() turns off dropout for the HF fallback; the
+        # functional decoder has no dropout, and walking the modules twice per call costs ~1-3 ms.
         was_training = self.model.training
-        self.model.eval()
+        hf = isinstance(decoder, HFDecoder)
+        if hf:
+            self.model.eval()
         threads = torch.get_num_threads()
         torch.set_num_threads(self._threads(threads))
         try:
@@ -124,7 +128,8 @@ class BuiltinEngine(GenerationEngine):
                 return self._generate_batch(batch, params, decoder)
         finally:
             decoder.release()
-            self.model.train(was_training)
+            if hf:
+                self.model.train(was_training)
             torch.set_num_threads(threads)
 
     def _threads(self, current: int) -> int:
@@ -132,8 +137,9 @@ class BuiltinEngine(GenerationEngine):
             return current
         if self.config.cpu_threads > 0:
             return self.config.cpu_threads
-        small = sum(p.numel() for p in self.model.parameters()) < SMALL_MODEL_PARAMS
-        return 1 if small else current
+        if self._num_params is None:  # fixed for the engine's life; counting walks every module
+            self._num_params = sum(p.numel() for p in self.model.parameters())
+        return 1 if self._num_params < SMALL_MODEL_PARAMS else current
 
     def _generate_batch(self, batch: Batch, params: SamplingParams, decoder) -> Batch:
         ids, mask = check_prompt_batch(batch)

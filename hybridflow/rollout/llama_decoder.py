@@ -18,7 +18,9 @@ gate/up column-parallel (heads/tg heads, intermediate/tg columns per rank, biase
 down row-parallel with one all-reduce each per layer; norms whole; embeddings and lm_head vocab-parallel
 when the shard holds V/tg of their rows (the lookup all-reduced, the logits all-gathered), else whole.
 
-Cache layout per layer: k, v of shape (capacity, kv_heads, max_len, head_dim). Prompts are left-padded,
+Cache layout: one tensor (layers, 2, capacity, kv_heads, max_len, head_dim), so each layer's k and v are
+contiguous (capacity, kv_heads, max_len, head_dim) views and compaction moves a row of every layer in one
+indexed copy. Prompts are left-padded,
 so every row writes its next token at the same slot; `key_bias` (capacity, max_len) masks prompt
 padding. Rows that finished are removed by `select` (compaction), so they stop costing compute.
 """
@@ -255,9 +257,11 @@ class LlamaFamilyDecoder:
         if not self.layers:
             self.load()
         dtype, device = self.embed.dtype, self.embed.device
-        shape = (capacity, self.num_kv_heads, max_len, self.head_dim)
-        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        shape = (len(self.layers), 2, capacity, self.num_kv_heads, max_len, self.head_dim)
+        # one tensor for every layer's k and v: compaction moves a row of all of them in one copy
+        self.kv = torch.empty(shape, dtype=dtype, device=device)
+        self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
+        self._rows_views: tuple[int, list] = (-1, [])  # (rows, per layer (k, v) of the first rows)
         # Additive attention bias: 0 on real keys, -inf on prompt padding (decode's attention is a
         # plain matmul/softmax, ~1.4x cheaper than SDPA's CPU kernel for one query per row).
         self.key_bias = torch.zeros(capacity, max_len, dtype=dtype, device=device)
@@ -271,7 +275,8 @@ class LlamaFamilyDecoder:
     def release(self) -> None:
         """Free the cache and the packed weights."""
         self.k_cache, self.v_cache, self.layers, self.raw_layers = [], [], [], []
-        self.key_bias = self.rope = None
+        self.kv = self.key_bias = self.rope = None
+        self._rows_views = (-1, [])
 
     # ---- forward ----------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, layer: PackedLayer, cos: torch.Tensor, sin: torch.Tensor):
@@ -390,9 +395,10 @@ class LlamaFamilyDecoder:
         length = slot + 1
         bias = self.key_bias[:b, None, None, :length]  # (b, 1, 1, L)
         x = self._embed(tokens)  # (b, hidden)
-        for i, layer in enumerate(self._weights_for(b)):
+        if self._rows_views[0] != b:  # views of the live rows, rebuilt only when compaction changed b
+            self._rows_views = (b, [(kc[:b], vc[:b]) for kc, vc in zip(self.k_cache, self.v_cache)])
+        for layer, (kc, vc) in zip(self._weights_for(b), self._rows_views[1]):
             q, k, v = self._qkv(x, layer, cos, sin)
-            kc, vc = self.k_cache[i][:b], self.v_cache[i][:b]
             kc[:, :, slot] = k
             vc[:, :, slot] = v
             # GQA without repeating k/v: the `group` query heads of a kv head form the rows of one matmul.
@@ -415,8 +421,6 @@ class LlamaFamilyDecoder:
         moved = (idx != torch.arange(n, device=idx.device)).nonzero().squeeze(1)
         if moved.numel():
             src = idx[moved]
-            for kc, vc in zip(self.k_cache, self.v_cache):
-                kc[moved, :, :length] = kc[src, :, :length]
-                vc[moved, :, :length] = vc[src, :, :length]
+            self.kv[:, :, moved, :, :length] = self.kv[:, :, src, :, :length]
             self.key_bias[moved] = self.key_bias[src]
         self.rows = n
