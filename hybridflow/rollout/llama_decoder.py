@@ -81,8 +81,8 @@ _SCALARS: dict = {}
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     """`value` as a 0-dim tensor of like's dtype and device, made once: an op given a Python number wraps
-    and casts it first (3 more aten calls each time); the arithmetic is the same (the number is cast to
-    the tensor's dtype either way)."""
+    and casts it first (3 more aten calls each time). fp32 only: there the arithmetic is the same (the
+    number is cast to fp32 either way); a bf16 op computes with the number in fp32, not rounded to bf16."""
     key = (value, like.dtype, like.device)
     out = _SCALARS.get(key)
     if out is None:
@@ -406,7 +406,10 @@ class LlamaFamilyDecoder:
             # its ~15 ops of expand/reshape bookkeeping.
             scores = torch.bmm(q.reshape(b * nkv, group, hd), kc[:, :, :length].reshape(-1, length, hd).mT)
             probs = torch.softmax(
-                scores.view(b, nkv, group, length).mul_(_scalar(self.scaling, scores)).add_(bias), dim=-1
+                scores.view(b, nkv, group, length)
+                .mul_(_scalar(self.scaling, scores) if scores.dtype == torch.float32 else self.scaling)
+                .add_(bias),
+                dim=-1,
             )
             a = torch.bmm(probs.view(-1, group, length), vc[:, :, :length].reshape(-1, length, hd))
             x = self._mlp_block(x, a.view(b, nkv * group * hd), layer)
