@@ -276,3 +276,29 @@ def test_cpu_threads_for_generation_and_restored(models, tokenizer, monkeypatch)
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_decoder_norm_and_rope_equal_their_reference_bit_for_bit():
+    """The decoder's lean RMSNorm (6 ops) equals HF's LlamaRMSNorm exactly, and its rope (roll with a
+    signed sin) equals the rotate_half form it replaced exactly (HF's separate mul/add within rounding),
+    so greedy and seeded outputs did not move when they replaced F.rms_norm and rotate_half."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
+
+    from hybridflow.rollout.llama_decoder import _rms_norm, _rope, signed_sin
+
+    g = torch.Generator().manual_seed(0)
+    for rows, hidden in ((1, 64), (7, 128), (33, 512)):
+        norm = LlamaRMSNorm(hidden, eps=1e-6)
+        norm.weight.data = torch.randn(hidden, generator=g)
+        for scale in (1e-3, 1.0, 40.0):
+            x = torch.randn(rows, hidden, generator=g) * scale
+            assert torch.equal(_rms_norm(x, norm.weight.data, 1e-6), norm(x))
+    hd = 32
+    q, k = torch.randn(5, 4, hd, generator=g), torch.randn(5, 2, hd, generator=g)
+    angles = torch.randn(5, 1, hd // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (5, 1, hd), as HF
+    for x in (q, k):
+        ours = _rope(x, cos, signed_sin(sin))
+        assert torch.equal(ours, torch.addcmul(x * cos, rotate_half(x), sin))
+        hf, _ = apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=0)
+        torch.testing.assert_close(ours, hf[0], rtol=1e-6, atol=1e-6)
