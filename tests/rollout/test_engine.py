@@ -284,7 +284,7 @@ def test_decoder_norm_and_rope_equal_their_reference_bit_for_bit():
     so greedy and seeded outputs did not move when they replaced F.rms_norm and rotate_half."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
 
-    from hybridflow.rollout.llama_decoder import _rms_norm, _rope, signed_sin
+    from hybridflow.rollout.decoder_ops import _rms_norm, _rope, signed_sin
 
     g = torch.Generator().manual_seed(0)
     for rows, hidden in ((1, 64), (7, 128), (33, 512)):
