@@ -15,6 +15,7 @@ import os
 import torch
 
 from hybridflow.rollout.base import GenerationEngine
+from hybridflow.rollout.vllm_pad import VLLM_CPU_HEAD_DIMS, unsupported_reason  # noqa: F401  (re-exported)
 
 ENGINES = ("builtin", "vllm")
 _VLLM = None  # this process's vLLM engine, once built
@@ -100,24 +101,22 @@ def rollout_engine_errors(cfg) -> list[str]:
                 f"rollout.tg: vLLM's TP groups are consecutive ranks; reshard={r.reshard} with tg={r.tg} < "
                 f"actor.parallel.tp={tp} groups ranks {tp // r.tg} apart (use tg={tp}, reshard=vanilla or engine=builtin)"
             )
-        head_dim = _head_dim(cfg.model.path)
-        if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS and not _cuda(cfg):
-            errors.append(
-                f"rollout.engine: vLLM's CPU attention supports head_dim {list(VLLM_CPU_HEAD_DIMS)}; "
-                f"{cfg.model.path} has {head_dim} (use rollout.engine=builtin)"
-            )
+        reason = _pad_reason(cfg.model.path)  # an unsupported head_dim is zero-padded (rollout/vllm_pad.py)
+        if reason is not None and not _cuda(cfg):
+            errors.append(f"rollout.engine: {cfg.model.path}: {reason} (use rollout.engine=builtin)")
     return errors
 
 
-# vLLM 0.32 CPU attention (CPUAttentionBackend.get_supported_head_sizes)
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+def _pad_reason(model_path: str) -> str | None:
+    """Why vLLM's CPU attention cannot serve this model even with padded heads (None: it can)."""
+    from types import SimpleNamespace
 
-
-def _head_dim(model_path: str) -> int | None:
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             c = json.load(f)
-        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        c.setdefault("head_dim", None)
+        c.setdefault("model_type", "")
+        return unsupported_reason(SimpleNamespace(**c))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None  # unreadable configs are reported by the model checks
 

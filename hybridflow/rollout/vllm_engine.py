@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.rollout import vllm_pad
 from hybridflow.rollout.base import GenerationEngine, build_rollout_batch, check_prompt_batch
 from hybridflow.rollout.params import SamplingParams
 
@@ -118,16 +119,12 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"VLLMEngine: model dtype {dtype} is not one of {list(_DTYPES)}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU-build warnings are not ours to act on
+        self.pad_head_dim = None  # CPU: heads zero-padded to a size vLLM has a kernel for (vllm_pad.py)
         if not self.gpu:
-            from hybridflow.rollout.factory import VLLM_CPU_HEAD_DIMS
-
-            head_dim = (
-                getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-            )
-            if head_dim not in VLLM_CPU_HEAD_DIMS:
-                raise ValueError(
-                    f"VLLMEngine: vLLM's CPU attention supports head_dim {list(VLLM_CPU_HEAD_DIMS)}, this model has {head_dim}"
-                )
+            reason = vllm_pad.unsupported_reason(hf_config)
+            if reason is not None:
+                raise ValueError(f"VLLMEngine: {reason}")
+            self.pad_head_dim = vllm_pad.padded_head_dim(vllm_pad.head_dim_of(hf_config))
         kw = dict(
             skip_tokenizer_init=True,  # prompts and outputs are token ids
             load_format="dummy",  # weights come from the actor at every generate, never from disk
@@ -144,6 +141,10 @@ class VLLMEngine(GenerationEngine):
             kw["gpu_memory_utilization"] = c.gpu_memory_utilization
         else:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes(hf_config, dtype, c.max_num_seqs, c.max_model_len)
+            if self.pad_head_dim:
+                kw["kv_cache_memory_bytes"] = (
+                    kw["kv_cache_memory_bytes"] * self.pad_head_dim // vllm_pad.head_dim_of(hf_config)
+                )
         if self.gpu:
             kw.update(enable_sleep_mode=not c.own_weights, enforce_eager=False)
         else:
@@ -167,6 +168,8 @@ class VLLMEngine(GenerationEngine):
 
         with tempfile.TemporaryDirectory(prefix="hybridflow-vllm-") as tmp:
             hf_config.save_pretrained(tmp)  # config only: vLLM builds the model from it
+            if self.pad_head_dim:
+                vllm_pad.write_padded_config(hf_config, tmp, self.pad_head_dim)
             try:
                 return LLM(model=tmp, **kw)
             finally:
@@ -175,6 +178,8 @@ class VLLMEngine(GenerationEngine):
     # ---- GenerationEngine --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """(HF name, full tensor) pairs into vLLM's model in place, then drop the stale prefix cache."""
+        if self.pad_head_dim:
+            weights = vllm_pad.pad_weights(weights, self.model.config, self.pad_head_dim)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
 
