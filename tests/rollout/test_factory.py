@@ -54,12 +54,18 @@ def test_settings_an_engine_does_not_use_are_rejected():
     load_config(None, [*BASE, "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"], check_model=False)
 
 
-def test_vllm_rejects_a_head_dim_its_cpu_attention_lacks(tmp_path):
-    path = save_tiny_model(tmp_path / "m", "tiny", "llama")  # head_dim 16
+def test_vllm_head_dim_its_cpu_attention_lacks_is_padded_or_rejected(tmp_path):
+    from hybridflow.rollout.vllm_pad import padded_head_dim
+
+    assert [padded_head_dim(d) for d in (16, 32, 40, 64, 600)] == [32, None, 64, None, None]
+    # head_dim 16: a Llama or Qwen2 is served with heads zero-padded to 32 (rollout/vllm_pad.py)
+    for arch in ("llama", "qwen2"):
+        path = save_tiny_model(tmp_path / arch, "tiny", arch)
+        load_config(None, [*BASE, "rollout.engine=vllm", f"model.path={path}", "resources.device=cpu"])
+    # an architecture the padding does not know: one line
+    path = save_tiny_model(tmp_path / "m", "tiny", "mistral")  # head_dim 16
     (e,) = errors(["rollout.engine=vllm", f"model.path={path}", "resources.device=cpu"], check_model=True)
-    assert e.startswith("rollout.engine:") and "head_dim" in e and "16" in e
-    ok = save_tiny_model(tmp_path / "m32", "tiny", "llama", num_attention_heads=2, num_key_value_heads=1)
-    load_config(None, [*BASE, "rollout.engine=vllm", f"model.path={ok}", "resources.device=cpu"])
+    assert e.startswith("rollout.engine:") and "head_dim" in e and "16" in e and "mistral" in e
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*qwen2.5*")))

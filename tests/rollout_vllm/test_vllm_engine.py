@@ -1,8 +1,8 @@
 """rollout.engine=vllm against the built-in engine, HF `generate` and the training forward, on CPU.
 
 Runs in .venv-vllm (`make vllm`, `make test-vllm`); elsewhere every test skips with the reason. The
-tiny models here use 2 attention heads (head_dim 32): vLLM's CPU attention has no kernel for the
-default tiny model's head_dim 16.
+tiny models here use 2 attention heads (head_dim 32), and the `padded` cases the default tiny shape
+(head_dim 16), which vLLM's CPU attention serves only with heads zero-padded (rollout/vllm_pad.py).
 """
 
 from __future__ import annotations
@@ -26,22 +26,32 @@ MODELS: dict = {}
 _ENGINES: dict = {}
 
 
-def model(arch: str):
-    if arch not in MODELS:
-        MODELS[arch] = build_tiny_model("tiny", arch, seed=0, **HEADS).eval()
-    return MODELS[arch]
+def model(arch: str, padded: bool = False):
+    """padded: the default tiny shape (head_dim 16), which vLLM serves with heads zero-padded to 32
+    (rollout/vllm_pad.py); its q/k/v biases (Qwen2) are made nonzero so their padding is checked too."""
+    if (arch, padded) not in MODELS:
+        m = build_tiny_model("tiny", arch, seed=0, **({} if padded else HEADS)).eval()
+        if padded:
+            gen = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    if name.endswith("_proj.bias"):
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        MODELS[arch, padded] = m
+    return MODELS[arch, padded]
 
 
-def engine(arch: str):
+def engine(arch: str, padded: bool = False):
     """One vLLM engine per process at a time (vLLM's parallel groups are process-global)."""
     from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    if arch not in _ENGINES:
+    if (arch, padded) not in _ENGINES:
         for e in _ENGINES.values():
             e.close()
         _ENGINES.clear()
-        _ENGINES[arch] = VLLMEngine(model(arch), VLLMEngineConfig(max_model_len=64, max_num_seqs=512))
-    return _ENGINES[arch]
+        cfg = VLLMEngineConfig(max_model_len=64, max_num_seqs=512)
+        _ENGINES[arch, padded] = VLLMEngine(model(arch, padded), cfg)
+    return _ENGINES[arch, padded]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +72,12 @@ def training_log_probs(m, out: Batch, temperature: float) -> torch.Tensor:
     return lp * out["response_mask"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_matches_builtin_hf_and_training_log_probs(arch, batch):
-    m, eng = model(arch), engine(arch)
+@pytest.mark.parametrize(
+    "arch,padded", [("qwen2", True), ("qwen2", False), ("llama", False), ("llama", True)]
+)
+def test_greedy_matches_builtin_hf_and_training_log_probs(arch, padded, batch):
+    m, eng = model(arch, padded), engine(arch, padded)
+    assert eng.pad_head_dim == (32 if padded else None)
     # vLLM equals HF `generate` token for token; with the mid-way EOS every field equals the built-in engine's
     out, params = check_greedy_matches_hf(eng.generate, m, batch)
     ref = BuiltinEngine(m).generate(batch, params)
@@ -76,14 +89,17 @@ def test_greedy_matches_builtin_hf_and_training_log_probs(arch, batch):
     assert out.meta["rollout_log_probs_exact"] and out.meta["temperature"] == 1.0
 
 
-def test_weight_update_shows_in_next_generation(batch):
-    m, eng = model("llama"), engine("llama")
+@pytest.mark.parametrize("padded", [True, False])
+def test_weight_update_shows_in_next_generation(padded, batch):
+    """padded: every reload goes through the head padding (rollout/vllm_pad.py) too."""
+    m, eng = model("llama", padded), engine("llama", padded)
     params = SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=())
     before = eng.generate(batch, params)["responses"]
     saved = {k: v.clone() for k, v in m.state_dict().items()}
     try:
         # In place, as an optimizer step changes the actor's parameters.
-        load_named_weights(m, build_tiny_model("tiny", "llama", seed=1, **HEADS).named_parameters())
+        new = build_tiny_model("tiny", "llama", seed=1, **({} if padded else HEADS))
+        load_named_weights(m, new.named_parameters())
         after = eng.generate(batch, params)["responses"]
         assert not torch.equal(after, before), "vLLM still generates with the old weights"
         assert torch.equal(after, BuiltinEngine(m).generate(batch, params)["responses"])
