@@ -1,8 +1,8 @@
 """`hybridflow train examples/configs/grpo_tiny.yaml rollout.engine=vllm` from the demo's SFT warm start
-(examples/demo.py: sft_tiny.yaml, then export), on the tiny Llama with 2 heads and 2 kv heads (vLLM's CPU
-attention needs head_dim >= 32; tg=2 splits the kv heads). The short runs (tg=1 and tg=2) are the CI
-check; the full 100-step runs of both engines run with HYBRIDFLOW_VLLM_LONG=1 (docs/rollout.md says why
-they are not held to the demo's +15 points).
+(examples/demo.py: sft_tiny.yaml, then export), on the demo's own tiny Llama (4 heads, 2 kv heads,
+head_dim 16: vLLM serves it with heads zero-padded to 32, rollout/vllm_pad.py; tg=2 splits the kv
+heads). The short runs (tg=1 and tg=2) are the CI check; the full 100-step run (the issue's >= +15
+held-out points) runs with HYBRIDFLOW_VLLM_LONG=1 (a few minutes).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"{REASON}")
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
 ACC = "val/synthetic:arithmetic/acc@1"
-# vLLM's CPU attention needs head_dim >= 32; 2 kv heads let rollout.tg=2 split them
-SHAPE = dict(num_attention_heads=2, num_key_value_heads=2)
+# the demo's model (examples/demo.py), served to vLLM padded; its 2 kv heads let rollout.tg=2 split them
+SHAPE: dict = {}
 
 
 def hybridflow(*argv: str) -> None:
@@ -121,20 +121,17 @@ def test_grpo_with_vllm_tensor_parallel_on_the_resharded_shards(warm_start, shor
 
 @pytest.mark.timeout(3600)
 @pytest.mark.skipif(
-    not os.environ.get("HYBRIDFLOW_VLLM_LONG"), reason="the 100-step runs: HYBRIDFLOW_VLLM_LONG=1"
+    not os.environ.get("HYBRIDFLOW_VLLM_LONG"), reason="the 100-step run: HYBRIDFLOW_VLLM_LONG=1"
 )
-def test_grpo_tiny_with_vllm_learns_like_builtin(warm_start):
-    """The full grpo_tiny run with each engine from the same warm start. The issue's +15 points is what
-    the demo's head_dim-16 model gains with the built-in engine; the vLLM-compatible model gains less
-    with either engine (docs/rollout.md has the measured figures), so vLLM is held to the built-in
-    engine's gain on the same model."""
-    gains, rises = {}, {}
-    for engine in ("builtin", "vllm"):
-        rows = grpo(warm_start, f"grpo_{engine}_full", engine=engine)
-        vals = [(r["step"], round(r[ACC], 2)) for r in rows if ACC in r]
-        reward = [r["reward/mean"] for r in rows if "reward/mean" in r]
-        print(f"{engine} held-out acc by step: {vals}; train reward {reward[:10]} .. {reward[-10:]}")
-        gains[engine] = vals[-1][1] - vals[0][1]
-        rises[engine] = sum(reward[-10:]) / 10 - sum(reward[:10]) / 10
-    # 100 held-out problems: +-0.05 is within the evaluation's noise
-    assert rises["vllm"] >= 0.05 and gains["vllm"] >= gains["builtin"] - 0.05, (gains, rises)
+def test_grpo_tiny_with_vllm_gains_15_points(warm_start):
+    """The demo's full grpo_tiny run with vLLM (heads padded 16 -> 32): held-out accuracy +15 points or
+    more (measured +21, the built-in engine +26 on this warm start; docs/rollout.md)."""
+    rows = grpo(warm_start, "grpo_vllm_full")
+    vals = [(r["step"], round(r[ACC], 2)) for r in rows if ACC in r]
+    reward = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    print(f"vllm held-out acc by step: {vals}; train reward {reward[:10]} .. {reward[-10:]}")
+    assert vals[0][0] == 0 and vals[-1][0] == 100 and len(reward) == 100
+    assert vals[-1][1] - vals[0][1] >= 0.15, vals
+    assert sum(reward[-10:]) / 10 - sum(reward[:10]) / 10 >= 0.1, reward
+    # vLLM's log-probs are the actor's (padding is exact) in every step
+    assert max(abs(r["actor/ppo_kl"]) for r in rows if "actor/ppo_kl" in r) < 1e-4
