@@ -1,14 +1,13 @@
 """`hybridflow train examples/configs/grpo_tiny.yaml rollout.engine=vllm` from the demo's SFT warm start
 (examples/demo.py: sft_tiny.yaml, then export), on the demo's own tiny Llama (4 heads, 2 kv heads,
 head_dim 16: vLLM serves it with heads zero-padded to 32, rollout/vllm_pad.py; tg=2 splits the kv
-heads). The short runs (tg=1 and tg=2) are the CI check; the full 100-step run (the issue's >= +15
-held-out points) runs with HYBRIDFLOW_VLLM_LONG=1 (a few minutes).
+heads). The short runs (tg=1 and tg=2) check each step; the full 100-step run holds vLLM to the issue's >= +15
+held-out points (77 s for the 100 steps on a quiet machine; it runs in `make test-vllm` and CI).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -120,9 +119,6 @@ def test_grpo_with_vllm_tensor_parallel_on_the_resharded_shards(warm_start, shor
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.skipif(
-    not os.environ.get("HYBRIDFLOW_VLLM_LONG"), reason="the 100-step run: HYBRIDFLOW_VLLM_LONG=1"
-)
 def test_grpo_tiny_with_vllm_gains_15_points(warm_start):
     """The demo's full grpo_tiny run with vLLM (heads padded 16 -> 32): held-out accuracy +15 points or
     more (measured +21, the built-in engine +26 on this warm start; docs/rollout.md)."""
