@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # dense and tied to the answer, so greedy validation numbers move with the weights
@@ -144,3 +146,16 @@ def kill_a_worker_after(run_dir: Path, step: int, proc: subprocess.Popen, pick=m
     victim = pick(worker_pids(proc.pid))
     os.kill(victim, signal.SIGKILL)
     return victim
+
+
+def assert_rollout_pool_greedy_equals_actor(trainer, n_prompts: int) -> None:
+    """After a last weight sync, the rollout pool decodes greedily as the trained actor does (same tokens,
+    log-probs within 1e-5): the rollout_ahead tests' check that the synced weights are the actor's."""
+    trainer.ahead.sync(trainer.global_step)
+    prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(n_prompts)])
+    greedy = {"n": 1, "temperature": 0.0}
+    ours, theirs = (
+        g.generate_sequences(prompts, sampling=greedy) for g in (trainer.actor, trainer.groups["rollout"])
+    )
+    assert torch.equal(ours["responses"], theirs["responses"])
+    assert torch.allclose(ours["rollout_log_probs"], theirs["rollout_log_probs"], atol=1e-5)

@@ -12,14 +12,13 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from hybridflow.cli import main as cli_main
 from hybridflow.config import ConfigError
 from hybridflow.planner import Plan
 from hybridflow.trainers import build_trainer
-from tests.trainers.lifecycle_helpers import comparable, grpo_config
+from tests.trainers.lifecycle_helpers import assert_rollout_pool_greedy_equals_actor, comparable, grpo_config
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 AHEAD = (DIGITS, "trainer.rollout_ahead=1", "trainer.val_before_train=false", "trainer.total_steps=3")
@@ -77,15 +76,8 @@ def test_plan_file_with_a_tensor_parallel_rollout_pool(
     with build_trainer(cfg) as trainer:
         assert trainer.groups["rollout"].world_size == 2
         tg2 = trainer.fit()
-        # after a last sync the rollout pool (one replica, tg = 2) decodes greedily as the actor (tg = 1)
-        trainer.ahead.sync(trainer.global_step)
-        prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(6)])
-        greedy = {"n": 1, "temperature": 0.0}
-        ours, theirs = (
-            g.generate_sequences(prompts, sampling=greedy) for g in (trainer.actor, trainer.groups["rollout"])
-        )
-    assert torch.equal(ours["responses"], theirs["responses"])
-    assert torch.allclose(ours["rollout_log_probs"], theirs["rollout_log_probs"], atol=1e-5)
+        # the rollout pool (one replica, tg = 2) decodes greedily as the actor (tg = 1)
+        assert_rollout_pool_greedy_equals_actor(trainer, 6)
     built = _placement(Path(cfg.run_dir))
     assert built["pools"]["rollout"] == 2 and sum(built["pools"].values()) == 3
     assert built["roles"]["rollout"] == {"pool": "rollout", "world_size": 2, "rollout": {"dp": 1, "tp": 2}}

@@ -11,11 +11,11 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from hybridflow.config import ConfigError
 from hybridflow.models import load_causal_lm
 from hybridflow.trainers import build_trainer
+from tests.trainers.lifecycle_helpers import assert_rollout_pool_greedy_equals_actor
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 AHEAD = (DIGITS, "trainer.rollout_ahead=1", "trainer.val_before_train=false")
@@ -40,14 +40,7 @@ def test_six_steps_lag_one_and_resume_repeats_the_uninterrupted_run(ray_cluster,
         assert trainer.groups["rollout"].world_size == 1 and trainer.cfg.actor.parallel.dp == 1
         whole = trainer.fit()
         # after a last sync the rollout pool samples exactly as the trained actor does
-        trainer.ahead.sync(trainer.global_step)
-        prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(4)])
-        greedy = {"n": 1, "temperature": 0.0}
-        ours, theirs = (
-            g.generate_sequences(prompts, sampling=greedy) for g in (trainer.actor, trainer.groups["rollout"])
-        )
-    assert torch.equal(ours["responses"], theirs["responses"])
-    assert torch.allclose(ours["rollout_log_probs"], theirs["rollout_log_probs"], atol=1e-5)
+        assert_rollout_pool_greedy_equals_actor(trainer, 4)
 
     steps = [h for h in whole if h["step"] > 0]
     assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
