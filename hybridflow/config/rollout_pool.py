@@ -18,6 +18,24 @@ def rollout_devices(cfg) -> int:
     return cfg.resources.rollout_devices or cfg.resources.num_devices // 2
 
 
+FROZEN_ROLES = ("ref", "reward", "cost")  # models that never train: they may score on the rollout pool
+
+
+def frozen_on_rollout(cfg) -> bool:
+    """Whether the frozen models (FROZEN_ROLES) run in the rollout pool's processes: trainer.rollout_ahead=1
+    with resources.frozen_pool=rollout. They score step k+1's batch there right after generating it
+    (trainers/rollout_ahead.py), so the training pool only runs the actor (and critic)."""
+    return bool(cfg.trainer.rollout_ahead) and cfg.resources.frozen_pool == "rollout"
+
+
+def with_frozen_on_rollout(cfg, devices: dict[str, int] | None) -> dict[str, int] | None:
+    """Devices of each model section's pool (config/validate.section_devices), the frozen models' (ref and
+    reward sections; the cost model reads reward's) moved to the rollout pool when they run there."""
+    if devices is None or not frozen_on_rollout(cfg):
+        return devices
+    return {**devices, "ref": rollout_devices(cfg), "reward": rollout_devices(cfg)}
+
+
 def training_devices(cfg) -> int:
     """Devices left for the training pools (every role but the rollout)."""
     return cfg.resources.num_devices - rollout_devices(cfg)
@@ -38,6 +56,11 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             errors.append(
                 f"resources.rollout_devices: {r} is only used with trainer.rollout_ahead=1; remove it"
             )
+        if res.frozen_pool != "rollout":
+            errors.append(
+                f"resources.frozen_pool: {res.frozen_pool!r} is only used with trainer.rollout_ahead=1 (the "
+                "frozen models share the training pools otherwise); remove it"
+            )
         if cfg.actor.tis_imp_ratio_cap != _CAP_DEFAULT:
             errors.append(
                 "actor.tis_imp_ratio_cap: only used with trainer.rollout_ahead=1 (a synchronous rollout "
@@ -54,6 +77,12 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             f"resources has {n}; raise resources.n_gpus_per_node or use 0"
         ]
     errors = []
+    frozen = [role for role in spec.roles(cfg) if role in FROZEN_ROLES] if spec is not None else None
+    if res.frozen_pool == "training" and frozen == []:
+        errors.append(
+            "resources.frozen_pool: 'training' places nothing: this run has no reference, reward or cost model "
+            "(no KL term, rule rewards); remove it"
+        )
     if not 0 <= r < n:
         errors.append(
             f"resources.rollout_devices: must leave training at least one of the {n} devices "

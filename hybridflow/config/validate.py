@@ -15,7 +15,7 @@ import re
 
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.loader import ConfigError
-from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices
+from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices, with_frozen_on_rollout
 from hybridflow.config.schema import LOGGERS, HybridFlowConfig, ParallelConfig
 from hybridflow.hybrid_engine.layout import generation_layout_errors
 from hybridflow.rollout.factory import rollout_engine_errors
@@ -39,13 +39,15 @@ def split_sizes(num_devices: int) -> tuple[int, int]:
 
 def section_devices(cfg: HybridFlowConfig) -> dict[str, int] | None:
     """Devices of the pool each model section runs on, or None where the planner decides (auto/plan).
-    With trainer.rollout_ahead=1 the rollout pool's devices are not among them (config/rollout_pool.py)."""
+    With trainer.rollout_ahead=1 the rollout pool's devices are not among them, except for the frozen
+    models when they run there (config/rollout_pool.py)."""
     n, placement = training_devices(cfg), cfg.resources.placement
     if placement == "colocate":
-        return dict.fromkeys(("actor", "critic", "ref", "reward"), n)
+        return with_frozen_on_rollout(cfg, dict.fromkeys(("actor", "critic", "ref", "reward"), n))
     if placement == "split":
         actor, critic = split_sizes(n)
-        return {s: actor if s in _ACTOR_SIDE else critic for s in ("actor", "critic", "ref", "reward")}
+        sizes = {s: actor if s in _ACTOR_SIDE else critic for s in ("actor", "critic", "ref", "reward")}
+        return with_frozen_on_rollout(cfg, sizes)
     return None
 
 

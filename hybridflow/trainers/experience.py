@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
 
 class Pending:
     """The batch of a step in flight: `local` (a Batch the driver holds: the rollout, rule scores)
-    and `parts` (futures of phase outputs, same rows). After the advantage phase, `experience` is the
+    and `parts` (futures of phase outputs, same rows; a Batch where a checkpoint restored one). After the advantage phase, `experience` is the
     future of the finished batch. Reading a field the driver does not hold fetches the parts (tests
     inspect finished batches that way); the trainer itself never does during a step."""
 
@@ -43,7 +43,7 @@ class Pending:
         self.experience: Future | None = None
         self._fetched: Batch | None = None
 
-    def add(self, part: Future) -> Pending:
+    def add(self, part: Future | Batch) -> Pending:
         self.parts.append(part)
         return self
 

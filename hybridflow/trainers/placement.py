@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 
 from hybridflow.checkpoint import atomic_write_text
-from hybridflow.config.rollout_pool import rollout_devices, training_devices
+from hybridflow.config.rollout_pool import FROZEN_ROLES, frozen_on_rollout, rollout_devices, training_devices
 from hybridflow.config.validate import split_sizes
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups, share_cpus
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
@@ -68,9 +68,10 @@ class Placement:
         if rollout_devices(cfg):  # trainer.rollout_ahead=1: the rollout pool, beside the training pools
             pools = {**placement.pools, "rollout": rollout_devices(cfg)}
             default = placement.default_pool or next(iter(placement.pools))
-            return cls(
-                pools, {**placement.roles, "rollout": "rollout"}, default, placement.parallel, placement.plan
-            )
+            roles = {**placement.roles, "rollout": "rollout"}
+            if frozen_on_rollout(cfg):  # resources.frozen_pool=rollout: they score on the rollout pool
+                roles.update(dict.fromkeys(FROZEN_ROLES, "rollout"))
+            return cls(pools, roles, default, placement.parallel, placement.plan)
         return placement
 
     @classmethod
@@ -128,11 +129,12 @@ def _set_parallel(section, sizes) -> None:
 
 
 def rollout_pool_config(cfg, devices: int):
-    """The config of the rollout pool's workers (`devices` of them): the actor's and reference's
-    parallel sizes (read when the worker is built, though it trains nothing) become plain data
-    parallel over the pool; its generation TP groups come from rollout.tg (rollout/pool_tp.py)."""
+    """The config of the rollout pool's workers (`devices` of them): the actor's parallel sizes (read when
+    the worker is built, though it trains nothing) become plain data parallel over the pool, and the
+    reference's too unless it runs there (resources.frozen_pool=rollout: its own sizes, which validation
+    or the plan fitted to the pool); its generation TP groups come from rollout.tg (rollout/pool_tp.py)."""
     cfg = copy.deepcopy(cfg)
-    for p in (cfg.actor.parallel, cfg.ref.parallel):
+    for p in (cfg.actor.parallel,) if frozen_on_rollout(cfg) else (cfg.actor.parallel, cfg.ref.parallel):
         p.tp, p.pp, p.dp = 1, 1, devices
     return cfg
 
@@ -146,7 +148,8 @@ def build_worker_groups(
 ) -> tuple[dict[str, WorkerGroup], list]:
     """Create pools and worker groups for `roles` (role -> extra init kwargs), then init every model.
 
-    Returns (groups by role, pools). groups["ref"] is groups["actor_rollout"] when they share a pool.
+    Returns (groups by role, pools). groups["ref"] is groups["actor_rollout"] (or groups["rollout"]) when
+    they share a pool: the reference joins that ActorRolloutRefWorker instance.
     """
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
@@ -154,7 +157,11 @@ def build_worker_groups(
     by_pool: dict[str, list[str]] = {}
     for role in roles:
         by_pool.setdefault(placement.pool_of(role), []).append(role)
-    actor_pool = placement.pool_of("actor_rollout") if "actor_rollout" in roles else None
+    ref_pool = placement.pool_of("ref") if "ref" in roles else None
+    # the ActorRolloutRefWorker (actor's or rollout pool's) the reference joins, if one is on its pool
+    host = next(
+        (r for r in ("actor_rollout", "rollout") if r in roles and placement.pool_of(r) == ref_pool), None
+    )
     pools, groups = [], {}
     try:
         for name in by_pool:
@@ -163,19 +170,19 @@ def build_worker_groups(
         for pool, (name, pool_roles) in zip(pools, by_pool.items()):
             specs = {}
             for role in pool_roles:
-                if role == "ref" and name == actor_pool:
-                    continue  # joins the actor's worker instance below
-                with_ref = "ref" in roles and name == actor_pool
+                if role == "ref" and host:
+                    continue  # joins the host's worker instance below
+                with_ref = role == host
                 role_cfg = role_config(cfg, placement, role)
                 if role == "rollout":
                     role_cfg = rollout_pool_config(role_cfg, placement.pools[name])
                 specs[role] = _spec(role_cfg, role, roles[role], with_ref)
             made = create_colocated_groups(pool, specs, group_name=f"{name}:{'+'.join(specs)}")
             groups.update(made)
-        if "ref" in roles and placement.pool_of("ref") == actor_pool:
-            groups["ref"] = groups["actor_rollout"]
+        if host:
+            groups["ref"] = groups[host]
         for role in ROLES:  # actor first: colocated models are built in a fixed order on every rank
-            if role in groups and not (role == "ref" and groups["ref"] is groups.get("actor_rollout")):
+            if role in groups and not (role == "ref" and host):
                 groups[role].init_model()
     except BaseException:
         shutdown(groups, pools)
@@ -184,8 +191,12 @@ def build_worker_groups(
 
 
 def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
-    if role == "rollout":  # generation only, on its own pool (rollout_pool_config), no actor layout
-        return ActorRolloutRefWorker, {"config": cfg, "roles": ("rollout",), **kwargs}
+    if role == "rollout":  # generation (+ the reference), on its own pool (rollout_pool_config), no actor
+        return ActorRolloutRefWorker, {
+            "config": cfg,
+            "roles": ("rollout", "ref") if with_ref else ("rollout",),
+            **kwargs,
+        }
     if role == "actor_rollout":
         worker_roles = ("actor", "rollout", "ref") if with_ref else ("actor", "rollout")
         return ActorRolloutRefWorker, {"config": cfg, "roles": worker_roles, **kwargs}

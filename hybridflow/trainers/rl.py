@@ -114,7 +114,10 @@ class RLTrainer(Trainer):
 
     def ref_log_probs(self, batch: Batch | Pending) -> Pending:
         batch = _pending(batch)
-        return batch.add(self.ref.compute_ref_log_prob.future(batch.local)) if self.uses_ref else batch
+        if not self.uses_ref:
+            return batch
+        ahead = self.ahead.scored("ref")  # computed on the rollout pool a step ahead (rollout_ahead.py)
+        return batch.add(ahead if ahead is not None else self.ref.compute_ref_log_prob.future(batch.local))
 
     def values(self, batch: Batch | Pending) -> Pending:
         batch = _pending(batch)
@@ -125,7 +128,10 @@ class RLTrainer(Trainer):
         holds), while the phases issued before it run on their groups; a reward model is a future."""
         batch = _pending(batch)
         if self.rule_reward is None:
-            return batch.add(self.groups["reward"].compute_reward.future(batch.local))
+            ahead = self.ahead.scored("reward")
+            return batch.add(
+                ahead if ahead is not None else self.groups["reward"].compute_reward.future(batch.local)
+            )
         batch["scores"], metrics = self.score(batch.local)
         self.metrics.update(metrics)
         return batch

@@ -10,9 +10,16 @@ which has nothing drawn ahead), corrected in the loss by truncated importance we
 Versions count the actor updates: the actor runs step k with version k-1; a batch remembers the version
 of the rollout weights that sampled it. A new rollout pool holds model.path's weights (version 0).
 
-Checkpoints: the batch in flight is waited for and written into the checkpoint (rollout_ahead/: prompts
-and rollouts as safetensors + JSON, no pickle), with the loader already past its prompts; a resumed run
-trains on that very batch, so it continues with the same lag and the same numbers as an uninterrupted one.
+Frozen models on the rollout pool (resources.frozen_pool=rollout, the default): the reference, reward and
+cost models live in the rollout pool's processes and score each batch there right after generating it,
+chained on the generation's Future (no pass through the driver), so batch k+1's reference log-probs and
+reward-model scores are computed while the actor trains on batch k; step k+1's ref / reward phases take
+them (`scored`). The rule reward stays in the driver.
+
+Checkpoints: the batch in flight is waited for and written into the checkpoint (rollout_ahead/: prompts,
+rollouts and the frozen models' outputs as safetensors + JSON, no pickle), with the loader already past its
+prompts; a resumed run trains on that very batch, so it continues with the same lag and the same numbers
+as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -23,10 +30,14 @@ from pathlib import Path
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import atomic_write_text
+from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.controller import Future
 
 PART = "rollout_ahead"  # the checkpoint part holding the batch in flight
 SYNC_TIMEOUT_S = 600.0
+# a frozen model's method on a batch, and the phase its time is reported under (timing_s/<phase>)
+SCORING = {"ref": ("compute_ref_log_prob", "ref"), "reward": ("compute_reward", "reward"),
+           "cost": ("compute_reward", "reward")}  # fmt: skip
 
 
 class RolloutAhead:
@@ -36,7 +47,8 @@ class RolloutAhead:
     def __init__(self, trainer):
         self.trainer = trainer
         self.enabled = bool(trainer.cfg.trainer.rollout_ahead)
-        self.pending: dict | None = None  # step, prompts, result (Future or Batch), version
+        self.pending: dict | None = None  # step, prompts, result and scores (Futures or Batches), version
+        self.scores: dict = {}  # frozen role -> its output for the current step's batch (see `scored`)
         self.rollout_version = 0
         self._spec, self._connected_to = None, None
 
@@ -63,24 +75,46 @@ class RolloutAhead:
         actor_version = step - 1
         if self._pending_for(step):
             p, self.pending = self.pending, None
-            batch = _result(p["result"])
-            version = p["version"]
+            batch, version, self.scores = _result(p["result"]), p["version"], p["scores"]
         else:  # the first step (or a schedule just turned on): nothing was drawn ahead
             self.sync(actor_version)
-            batch, version = self.group.generate_sequences(prompts), actor_version
+            future, self.scores = self._issue(prompts)
+            batch, version = future.get(), actor_version
         t.metrics["rollout/policy_lag"] = float(actor_version - version)
         if self.enabled and step < t.total_steps:
             self.sync(actor_version)
             ahead = t.train_loader.next_batch()
             ahead.meta["global_step"] = step + 1
-            future = self.group.generate_sequences.future(ahead)
-            self.pending = {
-                "step": step + 1,
-                "prompts": ahead,
-                "result": future,
-                "version": self.rollout_version,
-            }
+            future, scores = self._issue(ahead)
+            self.pending = {"step": step + 1, "prompts": ahead, "result": future, "scores": scores,
+                            "version": self.rollout_version}  # fmt: skip
         return batch
+
+    def _issue(self, prompts: Batch) -> tuple[Future, dict]:
+        """Generate `prompts` on the rollout pool and chain the frozen models there on its output (each
+        rank fetches its rows of the generation itself); -> (generation, {role: scoring}) as Futures."""
+        t = self.trainer
+        future, scores = self.group.generate_sequences.future(prompts), {}
+        for role in self.frozen_roles:
+            method, phase = SCORING[role]
+            with t.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
+                scores[role] = getattr(t.groups[role], method).future(future)
+        return future, scores
+
+    @property
+    def frozen_roles(self) -> list[str]:
+        """The frozen models this run has in the rollout pool's processes (resources.frozen_pool)."""
+        t = self.trainer
+        return [
+            r
+            for r in FROZEN_ROLES
+            if r in t.groups and t.placement.pool_of(r) == t.placement.pool_of("rollout")
+        ]
+
+    def scored(self, role: str) -> Future | Batch | None:
+        """Frozen model `role`'s output for the current step's batch, computed on the rollout pool (a
+        Future, or a Batch restored from a checkpoint); None: the phase calls the model's group itself."""
+        return self.scores.pop(role, None)
 
     # ---- weight sync --------------------------------------------------------------------------------
     def sync(self, version: int) -> None:
@@ -124,27 +158,32 @@ class RolloutAhead:
         """Write the batch in flight (waiting for it) into checkpoint directory `directory`/rollout_ahead."""
         if self.pending is None:
             return
-        self.pending["result"] = _result(self.pending["result"])  # the next step uses it as it is
+        p = self.pending
+        p["result"] = _result(p["result"])  # the next step uses them as they are
+        p["scores"] = {role: _result(x) for role, x in p["scores"].items()}
         out = Path(directory) / PART
         out.mkdir(parents=True, exist_ok=True)
-        _save_batch(self.pending["prompts"], out / "prompts")
-        _save_batch(self.pending["result"], out / "rollouts")
+        _save_batch(p["prompts"], out / "prompts")
+        _save_batch(p["result"], out / "rollouts")
+        for role, scores in p["scores"].items():
+            _save_batch(scores, out / f"scores_{role}")
         state = {"step": self.pending["step"], "version": self.pending["version"]}
         atomic_write_text(out / "state.json", json.dumps(state))
 
     def load(self, directory: Path) -> None:
         """Restore the batch in flight of checkpoint `directory` (none: nothing in flight). The actor's
         weights came from the checkpoint, so the rollout pool's are stale until the next sync."""
-        self.pending, self.rollout_version = None, -1
+        self.pending, self.scores, self.rollout_version = None, {}, -1
         part = Path(directory) / PART
         if part.is_dir():
             state = json.loads((part / "state.json").read_text())
-            self.pending = {"step": int(state["step"]), "version": int(state["version"]),
+            scores = {r: _load_batch(part / f"scores_{r}") for r in FROZEN_ROLES if (part / f"scores_{r}.json").is_file()}  # fmt: skip
+            self.pending = {"step": int(state["step"]), "version": int(state["version"]), "scores": scores,
                             "prompts": _load_batch(part / "prompts"), "result": _load_batch(part / "rollouts")}  # fmt: skip
 
     def reset(self) -> None:
         """Forget the batch in flight (its groups are gone: a restart)."""
-        self.pending = None
+        self.pending, self.scores = None, {}
 
 
 def _get_both(a: Future, b: Future) -> tuple:

@@ -64,7 +64,10 @@ class SafeRLHFTrainer(PPOTrainer):
     def reward(self, batch) -> Pending:
         batch = super().reward(batch)
         if self.rule_cost is None:
-            return batch.add(self.groups["cost"].compute_reward.future(batch.local))
+            ahead = self.ahead.scored("cost")  # computed on the rollout pool a step ahead (rollout_ahead.py)
+            return batch.add(
+                ahead if ahead is not None else self.groups["cost"].compute_reward.future(batch.local)
+            )
         batch["costs"] = self.rule_cost(batch.local)[0]
         return batch
 

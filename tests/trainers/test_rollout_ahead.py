@@ -97,6 +97,8 @@ def test_with_learning_rate_zero_the_importance_weights_are_one(ray_cluster, mak
          "rollout.tg: 3 must divide the rollout pool's 2 devices"),
         (("algorithm.name=sft", "trainer.rollout_ahead=1", "resources.n_gpus_per_node=2"),
          "trainer.rollout_ahead: sft trains on a fixed dataset"),
+        (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=3", "algorithm.use_kl_loss=true", "ref.parallel.tp=2"),
+         "ref.parallel: tp*pp = 2 does not divide the 1 devices of its pool"),
     ],
 )  # fmt: skip
 def test_what_the_schedule_cannot_serve_is_one_line(make_config, overrides, message):
@@ -115,4 +117,11 @@ def test_the_devices_split_between_training_and_rollout(make_config):
                       devices=5)  # fmt: skip
     placement = Placement.from_config(cfg)
     assert placement.pools == {"actor": 2, "critic": 2, "rollout": 1}
-    assert placement.pool_of("rollout") == "rollout" and placement.pool_of("ref") == "actor"
+    # the frozen models score on the rollout pool (resources.frozen_pool=rollout, the default): its dp there
+    assert (
+        placement.pool_of("rollout") == placement.pool_of("ref") == placement.pool_of("reward") == "rollout"
+    )
+    assert cfg.ref.parallel.dp == cfg.reward.parallel.dp == 1 and cfg.critic.parallel.dp == 2
+    cfg = make_config("ppo", "trainer.rollout_ahead=1", "resources.placement=split", "resources.rollout_devices=1",
+                      "resources.frozen_pool=training", "algorithm.use_kl_loss=true", devices=5)  # fmt: skip
+    assert Placement.from_config(cfg).pool_of("ref") == "actor" and cfg.ref.parallel.dp == 2

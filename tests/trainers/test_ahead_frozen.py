@@ -1,0 +1,109 @@
+"""trainer.rollout_ahead=1 with the frozen models on the rollout pool (resources.frozen_pool=rollout, the
+default; trainers/rollout_ahead.py): the reference and the reward model score step k+1's batch in the rollout
+pool's processes while the actor trains on step k. The same numbers as with them in the training pool, the
+calls counted where they ran, a resume from the checkpoint (which holds the batch in flight and its scores)
+repeats the uninterrupted run, and a misplaced setting is one line through `hybridflow train`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.cli import main as cli_main
+from hybridflow.models import load_reward_model, save_hf_model
+from hybridflow.trainers import build_trainer, placement
+from tests.trainers.counting_workers import COUNTING_CLASSES
+from tests.trainers.test_rollout_ahead import AHEAD, _comparable
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tiny_model_dir, tmp_path_factory):
+    torch.manual_seed(5)
+    return save_hf_model(load_reward_model(tiny_model_dir), tmp_path_factory.mktemp("rm"))
+
+
+def _settings(rm_dir) -> tuple[str, ...]:
+    return (*AHEAD, "algorithm.use_kl_loss=true", "reward.kind=model", f"model.reward_model_path={rm_dir}",
+            "trainer.total_steps=3", "trainer.save_every=2")  # fmt: skip
+
+
+def _counting(cfg):
+    """build_trainer(cfg) with workers that count their reference / reward-model calls."""
+    spec = placement._spec
+
+    def counting(cfg, role, kwargs, with_ref):
+        cls, kw = spec(cfg, role, kwargs, with_ref)
+        return COUNTING_CLASSES.get(cls, cls), kw
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(placement, "_spec", counting)
+        return build_trainer(cfg)
+
+
+def _assert_close(a: dict, b: dict, rel: float) -> None:
+    a, b = _comparable(a), _comparable(b)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=1e-7), (k, a[k], b[k])
+
+
+def test_frozen_models_score_on_the_rollout_pool_with_the_same_numbers(ray_cluster, make_config, rm_dir):
+    cfg = make_config("grpo", *_settings(rm_dir), "trainer.experiment_name=rollout", devices=2)
+    with _counting(cfg) as trainer:
+        groups = trainer.groups
+        assert groups["ref"] is groups["rollout"] and groups["reward"].pool is groups["rollout"].pool
+        on_rollout = trainer.fit()
+        calls = {r: groups[r].execute_all("scoring_calls") for r in ("actor_rollout", "rollout", "reward")}
+    # every step's reference log-probs ran in the rollout pool's process, none in the actor's; the reward
+    # model scored the 3 training batches there too (and the validation at the end)
+    assert calls == {"actor_rollout": [0], "rollout": [3], "reward": [4]}
+    roles = json.loads((Path(cfg.run_dir) / "placement.json").read_text())["roles"]
+    assert roles["ref"]["pool"] == roles["reward"]["pool"] == "rollout" and roles["ref"]["ref"]["dp"] == 1
+    assert [h["rollout/policy_lag"] for h in on_rollout] == [0.0, 1.0, 1.0]
+    assert on_rollout[-1]["actor/kl_loss"] > 0 and on_rollout[-1]["timing_s/ref"] > 0  # the KL term is live
+
+    cfg_t = make_config("grpo", *_settings(rm_dir), "resources.frozen_pool=training",
+                        "trainer.experiment_name=training", devices=2)  # fmt: skip
+    with build_trainer(cfg_t) as trainer:
+        assert trainer.groups["ref"] is trainer.groups["actor_rollout"]
+        assert trainer.groups["reward"].pool is trainer.actor.pool
+        on_training = trainer.fit()
+    assert len(on_rollout) == len(on_training) == 3
+    for a, b in zip(on_rollout, on_training):  # same seeds, prompts and frozen models: the same run
+        _assert_close(a, b, 1e-5)
+
+    # resume from step 2: the checkpoint holds batch 3 and its reference / reward scores
+    part = Path(cfg.run_dir) / "checkpoints" / "step_2" / "rollout_ahead"
+    assert {p.name for p in part.glob("scores_*.safetensors")} == {
+        "scores_ref.safetensors",
+        "scores_reward.safetensors",
+    }
+    resumed = make_config("grpo", *_settings(rm_dir), "trainer.experiment_name=resumed",
+                          f"trainer.resume={part.parent}", devices=2)  # fmt: skip
+    with _counting(resumed) as trainer:
+        rest = trainer.fit()
+        ref_calls = trainer.groups["rollout"].execute_all("scoring_calls")
+    assert [h["step"] for h in rest] == [3] and ref_calls == [0]  # step 3 took its scores from the checkpoint
+    assert _comparable(rest[0]) == _comparable(on_rollout[2])
+
+
+def test_a_misplaced_frozen_pool_is_one_line_exit_2(tiny_model_dir, tmp_path, capsys):
+    base = [f"model.path={tiny_model_dir}", "data.dataset=synthetic:arithmetic", "resources.device=cpu",
+            f"trainer.output_dir={tmp_path}"]  # fmt: skip
+    cases = {
+        "resources.frozen_pool=training": "resources.frozen_pool: 'training' is only used with trainer.rollout_ahead=1",
+        "resources.frozen_pool=driver": "resources.frozen_pool: 'driver' is not one of ['rollout', 'training']",
+    }
+    for setting, expected in cases.items():
+        assert cli_main(["train", *base, setting]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hybridflow train:")]
+        assert len(err) == 1 and expected in err[0], err
+    # with a rollout pool but no frozen model (GRPO, no KL term, rule reward) 'training' places nothing
+    ahead = ["trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "resources.frozen_pool=training"]
+    assert cli_main(["train", *base, *ahead]) == 2
+    assert "resources.frozen_pool: 'training' places nothing" in capsys.readouterr().err
