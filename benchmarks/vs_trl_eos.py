@@ -7,7 +7,10 @@ No forced lengths on either side: TRL's GRPOTrainer at its defaults except activ
 Per row (model x response length) hybridflow runs each synchronous setting of `SYNC_VARIANTS` (what a
 user can choose by config on this machine) and the best one is reported with its name; then the
 one-step-ahead schedule (`trainer.rollout_ahead=1`: rollout on its own pool, one step off-policy) when
-this build has the setting, else the row says "n/a (rollout_ahead not built)".
+this build has the setting, else the row says "n/a (rollout_ahead not built)"; it runs the frozen models
+(here the reference of the KL term) where the build's default puts them (resources.frozen_pool=rollout:
+on the rollout pool, scoring batch k+1 while the actor trains on batch k), and a second one-step-ahead
+run keeps them in the training pool (`AHEAD_TRAINING`, listed with the phases).
 
 Tokens/s = (prompt + response tokens of the step) / the step's wall time, median over the steps after
 the warm-up; the two sides sample different lengths (separate RNG streams), which the rate absorbs.
@@ -32,6 +35,11 @@ SYNC_VARIANTS = {
     "dp=2 (2 workers, 1 thread each)": (2, []),
 }
 AHEAD = ("rollout_ahead=1 (rollout pool 1 | actor pool 1)", 2, ["trainer.rollout_ahead=1"])
+AHEAD_TRAINING = (
+    "rollout_ahead=1, ref in the training pool (resources.frozen_pool=training)",
+    2,
+    ["trainer.rollout_ahead=1", "resources.frozen_pool=training"],
+)
 
 
 def ahead_built() -> bool:
@@ -39,6 +47,13 @@ def ahead_built() -> bool:
     from hybridflow.config.schema import TrainerConfig
 
     return any(f.name == "rollout_ahead" for f in dataclasses.fields(TrainerConfig))
+
+
+def frozen_pool_built() -> bool:
+    """Whether this build can place the frozen models on the rollout pool (resources.frozen_pool)."""
+    from hybridflow.config.schema import ResourcesConfig
+
+    return any(f.name == "frozen_pool" for f in dataclasses.fields(ResourcesConfig))
 
 
 def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> list[dict]:
@@ -59,6 +74,7 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
                 for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items())
             ]
             runs += [(*AHEAD, "ahead")] if ahead_built() else []
+            runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
             for name, workers, sets, suffix in runs:
                 print(
                     f"[vs_trl] natural EOS {size}/{length}: hybridflow {name} ...",
@@ -68,8 +84,8 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
                 extra = [*base, "--cli", "--workers", str(workers), *(f"--set={s}" for s in sets)]
                 res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_{tag}_{suffix}.log")
                 summary = summarize_eos(res, args.warmup, summarize)
-                if suffix == "ahead":
-                    row["ahead"] = summary
+                if suffix.startswith("ahead"):
+                    row[suffix] = summary
                 else:
                     row["sync"][name] = summary
             rows.append(row)
@@ -126,7 +142,12 @@ def variants_table(rows: list[dict], phases) -> str:
     head += "|---" * (len(phases) + 5) + "|\n"
     body = ""
     for r in rows:
-        runs = [("TRL", r["trl"]), *r["sync"].items()] + ([(AHEAD[0], r["ahead"])] if "ahead" in r else [])
+        runs = [("TRL", r["trl"]), *r["sync"].items()]
+        runs += [
+            (name, r[key])
+            for name, key in ((AHEAD[0], "ahead"), (AHEAD_TRAINING[0], "ahead_training"))
+            if key in r
+        ]
         for name, s in runs:
             cells = " | ".join(f"{s[p]:.2f}" for p in phases)
             body += f"| {r['size']} | {r['length']} | {name} | {_rate(s):.0f} | {cells} | {s['iteration']:.2f} |\n"
