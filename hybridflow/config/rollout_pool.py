@@ -22,10 +22,14 @@ FROZEN_ROLES = ("ref", "reward", "cost")  # models that never train: they may sc
 
 
 def frozen_on_rollout(cfg) -> bool:
-    """Whether the frozen models (FROZEN_ROLES) run in the rollout pool's processes: trainer.rollout_ahead=1
-    with resources.frozen_pool=rollout. They score step k+1's batch there right after generating it
-    (trainers/rollout_ahead.py), so the training pool only runs the actor (and critic)."""
-    return bool(cfg.trainer.rollout_ahead) and cfg.resources.frozen_pool == "rollout"
+    """Whether the frozen models (FROZEN_ROLES) run in the rollout pool's processes under colocate / split
+    placement: trainer.rollout_ahead=1 with resources.frozen_pool rollout or auto (under auto / a plan file
+    the plan says, trainers/auto_placement.py). They score step k+1's batch there right after generating
+    it (trainers/rollout_ahead.py), so the training pool only runs the actor (and critic)."""
+    res = cfg.resources
+    if not cfg.trainer.rollout_ahead or res.frozen_pool == "training":
+        return False
+    return res.frozen_pool == "rollout" or res.placement in ("colocate", "split")
 
 
 def with_frozen_on_rollout(cfg, devices: dict[str, int] | None) -> dict[str, int] | None:
@@ -56,7 +60,7 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             errors.append(
                 f"resources.rollout_devices: {r} is only used with trainer.rollout_ahead=1; remove it"
             )
-        if res.frozen_pool != "rollout":
+        if res.frozen_pool != "auto":
             errors.append(
                 f"resources.frozen_pool: {res.frozen_pool!r} is only used with trainer.rollout_ahead=1 (the "
                 "frozen models share the training pools otherwise); remove it"
@@ -78,10 +82,10 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
         ]
     errors = []
     frozen = [role for role in spec.roles(cfg) if role in FROZEN_ROLES] if spec is not None else None
-    if res.frozen_pool == "training" and frozen == []:
+    if res.frozen_pool != "auto" and frozen == []:
         errors.append(
-            "resources.frozen_pool: 'training' places nothing: this run has no reference, reward or cost model "
-            "(no KL term, rule rewards); remove it"
+            f"resources.frozen_pool: {res.frozen_pool!r} places nothing: this run has no reference, reward or "
+            "cost model (no KL term, rule rewards); remove it"
         )
     if not 0 <= r < n:
         errors.append(

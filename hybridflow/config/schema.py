@@ -321,10 +321,11 @@ class ResourcesConfig:
         "(the rest train; 0 = half of them, rounded down; with placement auto the planner sizes it)",
     )
     frozen_pool: str = _f(
-        "rollout",
-        "trainer.rollout_ahead=1: the pool of the frozen models (reference, reward and cost models): rollout = "
-        "in the rollout pool's processes, scoring step k+1's batch while the actor trains on step k; training",
-        choices=("rollout", "training"),
+        "auto",
+        "trainer.rollout_ahead=1: the pool of the reference, reward and cost models: rollout = in the rollout "
+        "pool's processes, scoring step k+1's batch while the actor trains on step k; training; auto = rollout "
+        "under colocate / split (balances the pools, docs/design.md), the planner's choice under auto / a plan",
+        choices=("auto", "rollout", "training"),
     )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
     ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")

@@ -12,6 +12,13 @@ against the synchronous schedule's generation + preparation + training on all de
 needs no hybrid-engine switch here (the rollout pool keeps its own copy of the weights), and its pool
 holds only the generation weights and the KV cache; the training side no longer holds a KV cache.
 
+The frozen models (reference, reward, cost: they never train) may run on the rollout pool instead
+(`frozen_pool="rollout"`, the trainer's resources.frozen_pool default): they score batch k+1 there right
+after generating it, so the rollout side costs generation + their forwards (data parallel over the pool,
+their weights beside the generation's) and the training side keeps only the actor and the critic:
+
+    max(generation + frozen forwards, actor preparation + training) + weight sync
+
 Ahead wins where generation and training take similar time and generation scales poorly with devices
 (memory-bound decode re-reads the weights on every replica); it loses where one phase dominates and
 would rather have all the devices, or where the weight sync crosses a slow network.
@@ -30,6 +37,11 @@ from hybridflow.planner.search import PlacementResult, best_allocation, pool_can
 from hybridflow.planner.specs import ClusterSpec, EngineLimits, WorkloadSpec
 
 ROLLOUT_POOL = "rollout"
+FROZEN = ("reference", "reward", "cost")  # planner roles that never train: they may score on the rollout pool
+FROZEN_POOLS = (
+    "rollout",
+    "training",
+)  # search_ahead also takes "auto": whichever predicts the shorter iteration
 
 
 def ahead_iteration_seconds(generation: float, training_side: float, sync: float) -> float:
@@ -75,11 +87,17 @@ def weight_sync_seconds(task: ModelTask, cluster: ClusterSpec, n_rollout: int, p
 
 
 def rollout_option(
-    task: ModelTask, cluster: ClusterSpec, wl: WorkloadSpec, n: int, limits: EngineLimits = UNCONSTRAINED
+    task: ModelTask,
+    cluster: ClusterSpec,
+    wl: WorkloadSpec,
+    n: int,
+    limits: EngineLimits = UNCONSTRAINED,
+    reserved_bytes: float = 0.0,
 ) -> RolloutOption | None:
-    """The fastest generation layout (pg, tg, waves) of `task` alone on n devices that fits, or None."""
+    """The fastest generation layout (pg, tg, waves) of `task` on n devices that fits beside
+    `reserved_bytes` per device (the frozen models' weights when they run there), or None."""
     dev, dpn, spec = cluster.device, cluster.devices_per_node, task.spec
-    budget = dev.memory_bytes * dev.usable_memory_fraction
+    budget = dev.memory_bytes * dev.usable_memory_fraction - reserved_bytes
     best = None
     for tg in _powers_of_two_upto(min(n, dpn, limits.max_rollout_tg or n)):
         if not limits.allows_tp(spec, tg):
@@ -106,15 +124,36 @@ def rollout_option(
     return best
 
 
-def training_side(dataflow: Dataflow) -> Dataflow:
-    """The dataflow without generation: the actor keeps its preparation forward and its update."""
+def training_side(dataflow: Dataflow, frozen_pool: str = "training") -> Dataflow:
+    """The dataflow without generation: the actor keeps its preparation forward and its update; with
+    frozen_pool="rollout" the frozen models are left out too (they score on the rollout pool)."""
+    if frozen_pool not in FROZEN_POOLS:
+        raise ValueError(f"frozen_pool must be one of {FROZEN_POOLS}, got {frozen_pool!r}")
     models = tuple(
         replace(m, work=tuple(w for w in m.work if w[1] != "generate"), generation_factor=1.0)
         if m.generates
         else m
         for m in dataflow.models
+        if frozen_pool == "training" or m.role not in FROZEN
     )
     return Dataflow(dataflow.algorithm, models)
+
+
+def frozen_tasks(dataflow: Dataflow, frozen_pool: str) -> tuple[ModelTask, ...]:
+    """The models that score on the rollout pool (none with frozen_pool="training")."""
+    return tuple(m for m in dataflow.models if m.role in FROZEN) if frozen_pool == "rollout" else ()
+
+
+def scoring_seconds(tasks: tuple[ModelTask, ...], cluster: ClusterSpec, wl: WorkloadSpec, n: int) -> float:
+    """The frozen models' forwards over the batch on a rollout pool of n devices, one after another
+    (they share its processes), each data parallel over the pool."""
+    dev, dpn = cluster.device, cluster.devices_per_node
+    return sum(sim.inference_time(m.spec, dev, wl, dpn, 1, 1, n) for m in tasks)
+
+
+def frozen_bytes(tasks: tuple[ModelTask, ...], cluster: ClusterSpec) -> float:
+    """Per rollout device: the frozen models' whole weights (data parallel: each rank holds them all)."""
+    return sum(mem.weight_bytes(m.spec, cluster.device.bytes_per_param, 1, 1) for m in tasks)
 
 
 @dataclass
@@ -126,11 +165,18 @@ class AheadResult:
     train: PlacementResult
     sync_seconds: float
     sync_bytes: float  # per rollout device, per iteration
+    frozen_pool: str = "training"  # where the frozen models run ("rollout": priced on the rollout side)
+    frozen: tuple[str, ...] = ()  # the frozen models on the rollout pool
+    scoring_seconds: float = 0.0  # their forwards there, after generation
+
+    @property
+    def rollout_side_seconds(self) -> float:
+        return self.rollout.generation_seconds + self.scoring_seconds
 
     @property
     def iteration_time(self) -> float:
         return ahead_iteration_seconds(
-            self.rollout.generation_seconds, self.train.iteration_time, self.sync_seconds
+            self.rollout_side_seconds, self.train.iteration_time, self.sync_seconds
         )
 
 
@@ -163,20 +209,28 @@ def search_ahead(
     wl: WorkloadSpec,
     limits: EngineLimits = UNCONSTRAINED,
     rollout_devices: int | None = None,
+    frozen_pool: str = "training",
 ) -> AheadResult | None:
     """The fastest one-step-ahead plan of `dataflow` on `cluster`, or None (one device, or nothing fits);
-    `rollout_devices` fixes the rollout pool's size (a user's resources.rollout_devices), else searched.
+    `rollout_devices` fixes the rollout pool's size (a user's resources.rollout_devices), else searched;
+    `frozen_pool` places the frozen models ("training": searched with the training side; "rollout":
+    priced on the rollout side, after generation; "auto": the faster of the two).
 
     The training side's placements and allocations are searched exactly as the synchronous schedule's
     (search.py), for every device count the rollout pool leaves; candidates are computed once.
     """
+    if frozen_pool == "auto":
+        found = [search_ahead(dataflow, cluster, wl, limits, rollout_devices, f) for f in FROZEN_POOLS]
+        return min((r for r in found if r is not None), key=lambda r: r.iteration_time, default=None)
     n_total = cluster.num_devices
     if n_total < 2:
         return None
     actor = next((m for m in dataflow.models if m.generates), None)
     if actor is None:
         return None
-    side = training_side(dataflow)
+    side = training_side(dataflow, frozen_pool)
+    frozen = frozen_tasks(dataflow, frozen_pool)
+    reserved = frozen_bytes(frozen, cluster)
     placements = list(set_partitions(side.roles))
     cache: dict = {}
     for placement in placements:
@@ -206,10 +260,15 @@ def search_ahead(
         range(1, n_total) if not rollout_devices else [rollout_devices] if rollout_devices < n_total else []
     )
     rollout_memo = {
-        n: rollout_option(actor, cluster, wl, n, limits) if n in sizes else None for n in range(1, n_total)
+        n: rollout_option(actor, cluster, wl, n, limits, reserved) if n in sizes else None
+        for n in range(1, n_total)
     }
     split = best_split(
-        lambda n: rollout_memo[n].generation_seconds if rollout_memo[n] else None,
+        lambda n: (
+            rollout_memo[n].generation_seconds + scoring_seconds(frozen, cluster, wl, n)
+            if rollout_memo[n]
+            else None
+        ),
         lambda m, limit: (train_best(m, limit) or (None,))[0],
         lambda n: weight_sync_seconds(actor, cluster, n, *_sync_layout(rollout_memo[n], limits)),
         n_total,
@@ -230,6 +289,9 @@ def search_ahead(
         train,
         weight_sync_seconds(actor, cluster, n_rollout, *sync),
         weight_sync_bytes(actor, cluster, *sync),
+        frozen_pool,
+        tuple(m.role for m in frozen),
+        scoring_seconds(frozen, cluster, wl, n_rollout),
     )
 
 

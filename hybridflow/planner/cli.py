@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hybridflow.planner.ahead import search_ahead
+from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
 from hybridflow.planner.dataflow import ALGORITHMS, STAGES, build_dataflow
 from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
 from hybridflow.planner.search import bell_number, search
@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sync: generation, preparation, training in turn; ahead: trainer.rollout_ahead=1, generation "
         "on its own pool one step ahead; auto: whichever predicts the shorter iteration",
     )
+    w.add_argument(
+        "--frozen-pool",
+        default="auto",
+        choices=("auto", *FROZEN_POOLS),
+        help="one step ahead: where the frozen models (reference, reward, cost) run: rollout = on the rollout "
+        "pool after generation, training = with the training side, auto = the faster (resources.frozen_pool)",
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--explain", action="store_true", help="compare with colocate / split / standalone")
     o.add_argument("--top", type=int, default=5, help="alternatives to list")
@@ -116,7 +123,11 @@ def plan_from_args(args) -> tuple[Plan, float]:
     )
     start = time.perf_counter()
     results = search(dataflow, cluster, wl, limits)
-    ahead = search_ahead(dataflow, cluster, wl, limits) if args.schedule != "sync" else None
+    ahead = (
+        search_ahead(dataflow, cluster, wl, limits, None, args.frozen_pool)
+        if args.schedule != "sync"
+        else None
+    )
     seconds = time.perf_counter() - start
     return build_plan(dataflow, cluster, wl, results, limits, ahead, args.schedule), seconds
 
@@ -171,15 +182,17 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         )
     if plan.rollout_ahead:
         r = plan.ahead
-        gen = f"{r.generation_seconds:.2f}"
-        pool = f"rollout (pg={r.pg}, tg={r.tg})"
-        t.add_row(pool, str(r.n_devices), gen, "-", "-", f"{r.weight_gib + r.kv_gib:.1f}")
+        gen, scoring = f"{r.generation_seconds:.2f}", f"{r.scoring_seconds:.2f}" if r.frozen else "-"
+        pool = f"rollout (pg={r.pg}, tg={r.tg})" + (f" + {'+'.join(r.frozen)}" if r.frozen else "")
+        t.add_row(pool, str(r.n_devices), gen, scoring, "-", f"{r.weight_gib + r.kv_gib:.1f}")
     t.add_row("[bold]iteration[/]", "", *(f"[bold]{plan.stage_seconds[s]:.2f}[/]" for s in STAGES), "")
     console.print(t)
     if plan.rollout_ahead:
         r = plan.ahead
+        scored = f" + {'+'.join(r.frozen)} {r.scoring_seconds:.2f} s" if r.frozen else ""
         console.print(
-            f"one step ahead (trainer.rollout_ahead=1): iteration = max(generation {r.generation_seconds:.2f} s, "
+            f"one step ahead (trainer.rollout_ahead=1): iteration = max(generation {r.generation_seconds:.2f} s"
+            f"{scored}, "
             f"preparation + training {r.training_side_seconds:.2f} s) + weight sync {r.sync_seconds:.3f} s "
             f"({r.sync_bytes / 2**30:.2f} GiB per rollout device) = {r.iteration_seconds:.2f} s"
         )
@@ -276,10 +289,12 @@ def explain_schedules(plan: Plan, console) -> None:
             f"{sync:.2f}", f"{sync / plan.iteration_seconds:.3f}x",
         )  # fmt: skip
     if ahead:
-        pools = _fmt_placement(ahead.placement, ahead.allocation) + f" | rollout:{ahead.n_devices}"
+        frozen = "+".join(["rollout", *ahead.frozen])
+        pools = _fmt_placement(ahead.placement, ahead.allocation) + f" | {frozen}:{ahead.n_devices}"
+        gen = f"{ahead.generation_seconds:.2f}" + (f"+{ahead.scoring_seconds:.2f}" if ahead.frozen else "")
         t.add_row(
             "one step ahead (rollout_ahead=1)" + (" <- plan" if plan.rollout_ahead else ""), pools,
-            f"{ahead.generation_seconds:.2f}", f"{ahead.training_side_seconds:.2f}", f"{ahead.sync_seconds:.3f}",
+            gen, f"{ahead.training_side_seconds:.2f}", f"{ahead.sync_seconds:.3f}",
             f"{ahead.iteration_seconds:.2f}", f"{ahead.iteration_seconds / plan.iteration_seconds:.3f}x",
         )  # fmt: skip
     console.print(t)
@@ -292,13 +307,14 @@ def explain_schedules(plan: Plan, console) -> None:
     if not sync:
         console.print("- synchronous: no placement fits; one step ahead does")
         return
-    hidden = min(ahead.generation_seconds, ahead.training_side_seconds)
+    rollout_side = ahead.generation_seconds + ahead.scoring_seconds
+    hidden = min(rollout_side, ahead.training_side_seconds)
     verdict = "wins" if ahead.iteration_seconds < sync else "loses"
     console.print(
         f"- one step ahead {verdict} ({ahead.iteration_seconds / sync:.2f}x the synchronous iteration): it hides "
         f"{hidden:.2f} s of the shorter side behind the longer one, but generation runs on {ahead.n_devices} "
         f"of {plan.num_devices} devices and the rest on {plan.num_devices - ahead.n_devices} "
-        f"(longer side {max(ahead.generation_seconds, ahead.training_side_seconds):.2f} s), "
+        f"(longer side {max(rollout_side, ahead.training_side_seconds):.2f} s), "
         f"and the weights move every iteration ({ahead.sync_seconds:.3f} s); responses are one step off-policy"
     )
 

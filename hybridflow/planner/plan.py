@@ -89,6 +89,10 @@ class RolloutPlan:
     allocation: list[int]
     weight_gib: float  # per rollout device
     kv_gib: float
+    # where the frozen models (reference, reward, cost) run; "training" in plans written before the choice
+    frozen_pool: str = "training"
+    frozen: list[str] = field(default_factory=list)  # those on the rollout pool ("rollout")
+    scoring_seconds: float = 0.0  # their forwards on the rollout pool, after generation
 
 
 @dataclass
@@ -203,7 +207,8 @@ def _rollout_plan(ahead: AheadResult) -> RolloutPlan:
         generation_seconds=r.generation_seconds, training_side_seconds=train.iteration_time,
         sync_seconds=ahead.sync_seconds, sync_bytes=ahead.sync_bytes, iteration_seconds=ahead.iteration_time,
         placement=[list(s) for s in train.placement], allocation=list(train.allocation),
-        weight_gib=r.weight_bytes / GiB, kv_gib=r.kv_bytes / GiB,
+        weight_gib=r.weight_bytes / GiB, kv_gib=r.kv_bytes / GiB, frozen_pool=ahead.frozen_pool,
+        frozen=list(ahead.frozen), scoring_seconds=ahead.scoring_seconds,
     )  # fmt: skip
 
 
@@ -247,7 +252,7 @@ def build_plan(
             "plan the synchronous schedule (--schedule sync) or add devices"
         )
     if rollout_ahead:
-        pools, models = _pools_and_models(training_side(dataflow), ahead.train)
+        pools, models = _pools_and_models(training_side(dataflow, ahead.frozen_pool), ahead.train)
         stage = dict(_stage_dict(ahead.train.stage_times), generation=ahead.rollout.generation_seconds)
         iteration = ahead.iteration_time
     else:
@@ -290,16 +295,18 @@ def plan(
     wl: WorkloadSpec | None = None,
     limits: EngineLimits = UNCONSTRAINED,
     schedule: str = "sync",
+    frozen_pool: str = "auto",
 ) -> Plan:
     """The auto-mapping planner: (dataflow, cluster, workload) -> the fastest predicted Plan whose
     layouts are all within the executing engines' `limits` (default: none, the paper's search).
 
-    `schedule`: "sync" (the paper's), "ahead" (one step ahead, ahead.py) or "auto" (the faster).
+    `schedule`: "sync" (the paper's), "ahead" (one step ahead, ahead.py) or "auto" (the faster);
+    `frozen_pool`: one step ahead, where the frozen models run (ahead.py: "training", "rollout" or "auto").
     The synchronous search always runs (the plan records its best for comparison)."""
     wl = wl or WorkloadSpec()
     choose_schedule(schedule, None, None)  # reject an unknown name before searching
     results = search(dataflow, cluster, wl, limits)
-    ahead = search_ahead(dataflow, cluster, wl, limits) if schedule != "sync" else None
+    ahead = search_ahead(dataflow, cluster, wl, limits, None, frozen_pool) if schedule != "sync" else None
     return build_plan(dataflow, cluster, wl, results, limits, ahead, schedule)
 
 

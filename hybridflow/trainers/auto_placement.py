@@ -29,7 +29,8 @@ Schedule: `auto` plans the schedule the config asks for (`trainer.rollout_ahead`
 step ahead with the rollout pool's size chosen by the planner) and says when the other one is predicted
 faster; a plan file's `rollout_ahead` must match the config's (switching to off-policy training is the
 user's call, not a placement's). A one-step-ahead plan adds the pool `rollout` (role "rollout", its
-generation layout in `parallel["rollout"]`) for the trainer's rollout worker group.
+generation layout in `parallel["rollout"]`) for the trainer's rollout worker group; the frozen models it
+lists (`ahead.frozen`, planned with resources.frozen_pool=rollout) go on that pool, data parallel over it.
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ def plan_for_config(cfg) -> Plan:
             return plan(df, cluster, wl, limits=ENGINE_LIMITS)
         results = search(df, cluster, wl, ENGINE_LIMITS)
         fixed = getattr(cfg.resources, "rollout_devices", 0) or None  # the user's split, if set
-        best_ahead = search_ahead(df, cluster, wl, ENGINE_LIMITS, fixed)
+        frozen_pool = getattr(cfg.resources, "frozen_pool", "training")  # auto: the faster place
+        best_ahead = search_ahead(df, cluster, wl, ENGINE_LIMITS, fixed, frozen_pool)
         schedule = "ahead" if ahead else "sync"
         return build_plan(df, cluster, wl, results, ENGINE_LIMITS, best_ahead, schedule)
     except ConfigError:
@@ -242,7 +244,7 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
     """Everything that stops `p` running under `cfg`, each message saying what to change."""
     replan = f"re-plan for this config (`hybridflow plan --algorithm {planner_algorithm(cfg)}`)"
     errors = []
-    have = {m.role for m in p.models}
+    have = {m.role for m in p.models} | _frozen_on_rollout(p)
     missing = sorted({PLANNER_ROLE[r] for r in trainer_roles(cfg)} - have)
     if missing:
         errors.append(
@@ -297,6 +299,11 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
     return errors
 
 
+def _frozen_on_rollout(p: Plan) -> set[str]:
+    """Planner roles a one-step-ahead plan runs on its rollout pool (resources.frozen_pool=rollout)."""
+    return set(p.ahead.frozen) if p.rollout_ahead and p.ahead is not None else set()
+
+
 def _used_pools(p: Plan, cfg) -> set[str]:
     roles = {PLANNER_ROLE[r] for r in trainer_roles(cfg)}
     return {m.pool for m in p.models if m.role in roles}
@@ -313,6 +320,9 @@ def placement_from_plan(p: Plan, cfg, source: str = "plan"):
     pools = {pool.name: pool.n_devices for pool in p.pools if pool.name in used}
     roles, parallel = {}, {}
     for role in trainer_roles(cfg):
+        if PLANNER_ROLE[role] in _frozen_on_rollout(p):  # scores on the rollout pool, data parallel
+            roles[role], parallel[role] = ROLLOUT_POOL, RoleParallel(1, 1, p.ahead.n_devices)
+            continue
         m = p.model(PLANNER_ROLE[role])
         roles[role] = m.pool
         parallel[role] = RoleParallel(m.p, m.t, m.d, m.pg, m.tg, m.checkpoint, m.offload)

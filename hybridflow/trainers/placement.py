@@ -128,13 +128,14 @@ def _set_parallel(section, sizes) -> None:
         section.offload = True
 
 
-def rollout_pool_config(cfg, devices: int):
+def rollout_pool_config(cfg, devices: int, with_ref: bool = False):
     """The config of the rollout pool's workers (`devices` of them): the actor's parallel sizes (read when
     the worker is built, though it trains nothing) become plain data parallel over the pool, and the
-    reference's too unless it runs there (resources.frozen_pool=rollout: its own sizes, which validation
-    or the plan fitted to the pool); its generation TP groups come from rollout.tg (rollout/pool_tp.py)."""
+    reference's too unless it runs there (`with_ref`, resources.frozen_pool=rollout: its own sizes, which
+    validation or the plan fitted to the pool); its generation TP groups come from rollout.tg
+    (rollout/pool_tp.py)."""
     cfg = copy.deepcopy(cfg)
-    for p in (cfg.actor.parallel,) if frozen_on_rollout(cfg) else (cfg.actor.parallel, cfg.ref.parallel):
+    for p in (cfg.actor.parallel,) if with_ref else (cfg.actor.parallel, cfg.ref.parallel):
         p.tp, p.pp, p.dp = 1, 1, devices
     return cfg
 
@@ -175,7 +176,7 @@ def build_worker_groups(
                 with_ref = role == host
                 role_cfg = role_config(cfg, placement, role)
                 if role == "rollout":
-                    role_cfg = rollout_pool_config(role_cfg, placement.pools[name])
+                    role_cfg = rollout_pool_config(role_cfg, placement.pools[name], with_ref)
                 specs[role] = _spec(role_cfg, role, roles[role], with_ref)
             made = create_colocated_groups(pool, specs, group_name=f"{name}:{'+'.join(specs)}")
             groups.update(made)

@@ -45,6 +45,7 @@ def check_schedule(p: Plan, cfg, source: str) -> list[str]:
             errors.append(f"{where}: tg must divide its {r.n_devices} devices; fix the plan")
         elif r.tg > 1:
             errors += _rollout_tp_errors(where, r.tg, cfg)
+        errors += _frozen_pool_errors(where, r, cfg)
         fixed = getattr(cfg.resources, "rollout_devices", 0)
         if fixed and fixed != r.n_devices:
             errors.append(
@@ -52,6 +53,23 @@ def check_schedule(p: Plan, cfg, source: str) -> list[str]:
                 "the pool) or edit the plan"
             )
     return errors
+
+
+def _frozen_pool_errors(where: str, r, cfg) -> list[str]:
+    """The plan's place of the frozen models (reference, reward, cost) against resources.frozen_pool,
+    when this run has any (plans written before the choice priced them in the training pool)."""
+    from hybridflow.config.algorithms import algorithm_spec
+    from hybridflow.config.rollout_pool import FROZEN_ROLES
+
+    want = getattr(cfg.resources, "frozen_pool", "training")
+    spec = algorithm_spec(cfg)
+    if want in ("auto", r.frozen_pool) or not any(role in FROZEN_ROLES for role in spec.roles(cfg)):
+        return []
+    return [
+        f"{where}: runs the frozen models (reference, reward, cost) in the {r.frozen_pool} pool but "
+        f"resources.frozen_pool={want}; set resources.frozen_pool={r.frozen_pool} or re-plan with "
+        f"`hybridflow plan ... --frozen-pool {want}`"
+    ]
 
 
 def _rollout_tp_errors(where: str, tg: int, cfg) -> list[str]:

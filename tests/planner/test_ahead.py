@@ -104,11 +104,33 @@ def test_ahead_loses_when_training_dominates_and_the_split_halves_it():
     p = _toy_plan(1)
     assert p.rollout_ahead == 0
     assert p.iteration_seconds == pytest.approx(0.04 + 0.04 + 0.24)
-    assert p.ahead.iteration_seconds == pytest.approx(0.52)  # recorded for --explain
+    # recorded for --explain: the reference on the rollout pool hides its forward behind training (0.02 + 0.48)
+    assert p.ahead.iteration_seconds == pytest.approx(0.50) and p.ahead.frozen == ["reference"]
     assert p.strategy == "colocate" and p.model("actor").stage_seconds["generation"] == pytest.approx(0.04)
     forced = _toy_plan(1, schedule="ahead")  # asked for, it is planned anyway
-    assert forced.rollout_ahead == 1 and forced.iteration_seconds == pytest.approx(0.52)
+    assert forced.rollout_ahead == 1 and forced.iteration_seconds == pytest.approx(0.50)
     assert _toy_plan(25, schedule="sync").rollout_ahead == 0 and _toy_plan(25, schedule="sync").ahead is None
+
+
+def test_frozen_models_are_priced_where_they_run():
+    """R = 25: on the rollout pool the reference's forward (0.02 s) follows generation (0.52 s) and leaves
+    the training side the actor's 0.02 + 0.48 s: max(0.54, 0.50) > max(0.52, 0.52) with it in the training
+    pool, so `auto` keeps it there; at R = 1 (above) it goes to the rollout pool."""
+    wl = WorkloadSpec(prompts=8, prompt_len=4, response_len=25, mini_batches=1, micro_batch_size=1,
+                      inference_micro_batch_size=8)  # fmt: skip
+    df, cluster = build_dataflow("grpo", TOY_MODEL, reward_model=False), ClusterSpec(TOY, 2, 2)
+    on_rollout = search_ahead(df, cluster, wl, frozen_pool="rollout")
+    assert on_rollout.frozen == ("reference",) and on_rollout.scoring_seconds == pytest.approx(0.02)
+    assert on_rollout.train.placement == (("actor",),) and on_rollout.train.iteration_time == pytest.approx(
+        0.50
+    )
+    assert on_rollout.iteration_time == pytest.approx(0.54)
+    in_training = search_ahead(df, cluster, wl, frozen_pool="training")
+    assert in_training.frozen == () and in_training.iteration_time == pytest.approx(0.52)
+    assert search_ahead(df, cluster, wl, frozen_pool="auto").frozen_pool == "training"
+    p = plan(df, cluster, wl, schedule="ahead", frozen_pool="rollout")
+    assert p.ahead.frozen == ["reference"] and p.ahead.frozen_pool == "rollout"
+    assert [m.role for m in p.models] == ["actor"] and p.iteration_seconds == pytest.approx(0.54)
 
 
 def test_weight_sync_by_hand():

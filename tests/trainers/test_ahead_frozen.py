@@ -97,7 +97,7 @@ def test_a_misplaced_frozen_pool_is_one_line_exit_2(tiny_model_dir, tmp_path, ca
             f"trainer.output_dir={tmp_path}"]  # fmt: skip
     cases = {
         "resources.frozen_pool=training": "resources.frozen_pool: 'training' is only used with trainer.rollout_ahead=1",
-        "resources.frozen_pool=driver": "resources.frozen_pool: 'driver' is not one of ['rollout', 'training']",
+        "resources.frozen_pool=driver": "resources.frozen_pool: 'driver' is not one of ['auto', 'rollout', 'training']",
     }
     for setting, expected in cases.items():
         assert cli_main(["train", *base, setting]) == 2
