@@ -26,7 +26,7 @@ from hybridflow.trainers.plan_schedule import check_schedule
 KL_LOSS = "algorithm.use_kl_loss=true"
 
 
-def _plan(model_dir, devices: int, schedule: str) -> Plan:
+def _plan(model_dir, devices: int, schedule: str, frozen_pool: str = "auto") -> Plan:
     """`hybridflow plan --model-config DIR --gpu cpu --gpus N --algorithm grpo --no-reward-model
     --max-pp 1 --max-pg 1 --tp-whole-heads --schedule S` for tests/trainers/configs.py's batch."""
     df = build_dataflow("grpo", ModelSpec.from_hf_config(model_dir), reward_model=False)
@@ -34,7 +34,8 @@ def _plan(model_dir, devices: int, schedule: str) -> Plan:
         prompts=4, samples_per_prompt=2, prompt_len=16, response_len=4, mini_batches=1,
         micro_batch_size=4, inference_micro_batch_size=8,
     )  # fmt: skip
-    return plan(df, ClusterSpec.build("cpu", devices, devices), wl, limits=ENGINE_LIMITS, schedule=schedule)
+    cluster = ClusterSpec.build("cpu", devices, devices)
+    return plan(df, cluster, wl, limits=ENGINE_LIMITS, schedule=schedule, frozen_pool=frozen_pool)
 
 
 def _config(make_config, ahead: int | None, *overrides: str, devices: int = 3):
@@ -94,6 +95,31 @@ def test_the_plan_schedule_must_match_the_config(make_config, tiny_model_dir):
     assert "tg must divide the model's {'kv_heads': 2}" in msg and "--tp-whole-heads" in msg
     bad.ahead.tg = 2
     assert check_schedule(bad, cfg, "p.yaml") == []
+
+
+def test_the_plan_places_the_frozen_models_where_it_priced_them(make_config, tiny_model_dir):
+    on_rollout = _plan(tiny_model_dir, 3, "ahead", "rollout")
+    r = on_rollout.ahead
+    assert r.frozen_pool == "rollout" and r.frozen == ["reference"] and r.scoring_seconds > 0
+    placement = placement_from_plan(on_rollout, _config(make_config, 1))  # resources.frozen_pool=auto
+    assert placement.pool_of("ref") == "rollout" and placement.parallel["ref"] == RoleParallel(
+        1, 1, r.n_devices
+    )
+    in_training = _plan(tiny_model_dir, 3, "ahead", "training")
+    assert in_training.ahead.frozen == [] and in_training.ahead.scoring_seconds == 0.0
+    placement = placement_from_plan(in_training, _config(make_config, 1))
+    assert placement.pool_of("ref") == in_training.model("reference").pool != "rollout"
+    # a config that pins the place refuses a plan that priced the other one, in one line
+    cfg = _config(make_config, 1)
+    cfg.resources.frozen_pool = "training"
+    with pytest.raises(ConfigError, match=r"frozen models .* in the rollout pool but resources.frozen_pool="
+                       r"training; set resources.frozen_pool=rollout or re-plan .*--frozen-pool training"):  # fmt: skip
+        placement_from_plan(on_rollout, cfg)
+    # a plan file written before the choice loads, with the frozen models in the training pool
+    old = in_training.to_dict()
+    for key in ("frozen_pool", "frozen", "scoring_seconds"):
+        del old["ahead"][key]
+    assert Plan.from_dict(old) == in_training
 
 
 def test_auto_plans_the_schedule_the_config_asks_for(make_config):
