@@ -16,7 +16,9 @@ the plan into pools plus each role's parallel sizes, which `role_config` writes 
 each worker group is built with (the trainer's own config keeps what the user wrote). With
 trainer.rollout_ahead=1 a "rollout" pool is added: resources.rollout_devices of the devices under
 colocate / split, the pools above sharing the rest (config/rollout_pool.py); the plan's `ahead` pool
-and tg under auto / a plan file. Its workers generate rollout.tg-way (rollout/pool_tp.py).
+and tg under auto / a plan file. Its workers generate rollout.tg-way (rollout/pool_tp.py); with
+resources.frozen_pool rollout (auto under colocate / split, or a plan that says so) the frozen models
+(ref, reward, cost) go on that pool too, the ref joining the rollout worker instance.
 `write_placement` records what was built in run_dir/placement.json.
 """
 
