@@ -51,13 +51,13 @@ def test_auto_with_rollout_ahead_runs_through_the_cli(ray_cluster, tiny_model_di
 
 def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys) -> Path:
     """`hybridflow plan --schedule ahead` for the tiny GRPO on 3 CPU devices (actor | reference | rollout,
-    one each), with the rollout pool edited to 2 devices generating tg = 2 (the planner prices tg > 1
+    one each: the reference priced in the training pool), with the rollout pool edited to 2 devices generating tg = 2 (the planner prices tg > 1
     too, but picks one device here). The runs have no KL term: the reference pool is not started."""
     out = tmp_path / "plan.yaml"
     args = ["plan", "--model-config", str(tiny_model_dir), "--algorithm", "grpo", "--no-reward-model",
             "--gpu", "cpu", "--gpus", "3", "--max-pp", "1", "--max-pg", "1", "--tp-whole-heads", "--rollout-full-weights",
             "--prompts", "4", "--samples-per-prompt", "2", "--prompt-len", "16", "--response-len", "4",
-            "--schedule", "ahead", "--output", str(out)]  # fmt: skip
+            "--schedule", "ahead", "--frozen-pool", "training", "--output", str(out)]  # fmt: skip
     assert cli_main(args) == 0
     capsys.readouterr()
     data = yaml.safe_load(out.read_text())
