@@ -109,7 +109,10 @@ def step_resource_metrics(trainer, batch) -> dict[str, float]:
     out, device_name = memory_metrics(trainer.groups)
     a, c = trainer.cfg.actor, trainer.cfg.critic
     tokens = float(batch["attention_mask"].sum())
-    recompute = not getattr(trainer, "on_policy", True)  # on-policy PPO reuses the rollout's log-probs
+    # old log-probs cost a forward only when the actor ran one for them (trainers/rl.py old_log_prob_source)
+    from hybridflow.workers.losses import OLD_SOURCE
+
+    recompute = batch.meta.get(OLD_SOURCE) == "actor"
     flops = phase_flops(*trainer._n_params, tokens, a.ppo_epochs, c.ppo_epochs, recompute_old=recompute)
     if trainer.cfg.trainer.rollout_ahead:  # timing_s/gen is the wait for a batch made a step ahead
         flops.pop("gen")

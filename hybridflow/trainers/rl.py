@@ -7,9 +7,8 @@ critic update, advantages). Each phase takes the batch and returns it with new f
   generate           prompts -> rollouts (responses, response_mask, rollout_log_probs, response_text);
                      with trainer.rollout_ahead=1 the batch the rollout pool generated a step ahead
                      (rollout_ahead.py), and the next step's generation issued
-  old_log_probs      old_log_probs: the rollout's own log-probs when the update is on-policy
-                     (ppo_epochs == 1 and one mini-batch: the policy has not moved since sampling, so a
-                     recompute would give the same numbers — verl's shortcut), else an actor forward
+  old_log_probs      old_log_probs: the rollout's, the update's own forward's, or an actor forward
+                     (`old_log_prob_source` says which and why each is exact)
   ref_log_probs      ref_log_probs, when a KL term needs them
   values             values from the critic
   reward             scores (B,) from a rule in the driver, or the reward model's rm_scores
@@ -32,6 +31,7 @@ from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.rollout_ahead import RolloutAhead
 from hybridflow.workers.common import computes_in_fp32
+from hybridflow.workers.losses import OLD_SOURCE
 
 # phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
 OVERLAP_SECTIONS = {
@@ -85,12 +85,6 @@ class RLTrainer(Trainer):
     def ref(self):
         return self.groups["ref"]
 
-    @property
-    def on_policy(self) -> bool:
-        # a rollout a step ahead samples from older weights: the actor always recomputes old log-probs
-        a = self.cfg.actor
-        return a.ppo_epochs == 1 and self.num_mini_batches == 1 and not self.cfg.trainer.rollout_ahead
-
     # ---- phases ---------------------------------------------------------------------------------------
     def generate(self, prompts: Batch) -> Batch:
         if self.ahead.serves(self.global_step):
@@ -102,15 +96,16 @@ class RLTrainer(Trainer):
         return batch
 
     def old_log_probs(self, batch: Batch | Pending) -> Pending:
-        # The rollout's own log-probs stand in only in fp32 (under bf16 the decoder's rounding differs
-        # from the training forward's) and when the engine says they follow the training convention
-        # (vLLM's under top-k/top-p truncation do not: rollout/vllm_engine.py); else the actor recomputes.
+        """Old log-probs by `old_log_prob_source`; the choice rides in meta[OLD_SOURCE] to the update
+        (workers/actor.py), which with "update" takes them from its own forward, detached."""
         batch = _pending(batch)
-        exact = computes_in_fp32(self.cfg.model.dtype, self.cfg.resources.device)
-        if self.on_policy and exact and batch.meta.get("rollout_log_probs_exact", True):
+        source = old_log_prob_source(self.cfg, batch.meta.get("rollout_log_probs_exact", True))
+        batch.meta[OLD_SOURCE] = source
+        if source == "rollout":
             batch["old_log_probs"] = batch["rollout_log_probs"]
-            return batch
-        return batch.add(self.actor.compute_log_prob.future(batch.local))
+        elif source == "actor":
+            batch.add(self.actor.compute_log_prob.future(batch.local))
+        return batch
 
     def ref_log_probs(self, batch: Batch | Pending) -> Pending:
         batch = _pending(batch)
@@ -194,6 +189,36 @@ class RLTrainer(Trainer):
     def load_checkpoint(self, path) -> None:
         super().load_checkpoint(path)
         self.ahead.load(path)
+
+
+def old_log_prob_source(cfg, rollout_exact: bool = True) -> str:
+    """Where a step's old log-probs (pi_old of the PPO ratio) come from; every answer is exact.
+
+    "rollout":  the rollout's own log-probs. The actor's update is one optimizer step (ppo_epochs 1, one
+                mini-batch) on a batch sampled from the current weights (synchronous), computed in fp32
+                (under bf16 the KV-cached decode rounds differently from the training forward) by an
+                engine whose log-probs follow the training convention (`rollout_log_probs_exact`: vLLM's
+                under top-k/top-p do not, rollout/vllm_engine.py). verl's shortcut; free, and
+                actor/ppo_kl then measures the rollout-vs-training mismatch.
+    "update":   the update's own forward, detached. With ONE optimizer step the weights do not move
+                until the step's end (gradient-accumulation micro-batches only add up gradients), so
+                pi_old is exactly the policy that forward runs: its log-probs, detached, are the old
+                ones (a separate forward repeats them up to its own micro-batches' rounding). Saves that
+                forward (bf16, vLLM with top-k/top-p, and trainer.rollout_ahead=1, whose batch was
+                sampled a step earlier: its IS weight becomes min(exp(logp - behaviour), cap)).
+                Needs nothing before the update to read old log-probs: KL in the reward
+                (algorithm.kl.in_reward) does, in the advantage phase. No other driver does
+                (GRPO, RLOO, ReMax, REINFORCE++ read scores; PPO / Safe-RLHF values and scores).
+    "actor":    a separate actor forward before the update (several optimizer steps: the later
+                mini-batches' weights have moved; or KL in the reward without "rollout").
+    """
+    a = cfg.actor
+    if a.ppo_epochs != 1 or a.num_mini_batches != 1:
+        return "actor"
+    fp32 = computes_in_fp32(cfg.model.dtype, cfg.resources.device)
+    if not cfg.trainer.rollout_ahead and fp32 and rollout_exact:
+        return "rollout"
+    return "actor" if cfg.algorithm.kl.in_reward else "update"
 
 
 def _pending(batch: Batch | Pending) -> Pending:

@@ -50,7 +50,7 @@ from hybridflow.workers.common import (
     seed_everything,
     set_train_layout,
 )
-from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn, sft_loss
+from hybridflow.workers.losses import OLD_SOURCE, actor_loss_fn, dpo_loss_fn, sft_loss
 from hybridflow.workers.weight_sync import WeightSyncMixin
 
 ROLES = ("actor", "rollout", "ref")
@@ -228,19 +228,26 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     @register(Protocol.DP_METRICS, layout="train")
     def update_actor(self, batch: Batch) -> dict:
         """PPO update: `ppo_epochs` passes, `train_batch_size / ppo_mini_batch_size` optimizer steps each.
-        Needs old_log_probs and advantages (and ref_log_probs with use_kl_loss). Returns actor/* lists."""
+        Needs advantages and old_log_probs, unless meta[OLD_SOURCE] is "update" (one optimizer step: they are
+        its forward's own, trainers/rl.py), and ref_log_probs with use_kl_loss. Returns actor/* lists."""
         a, algo = self.config.actor, self.config.algorithm
         # trainer.rollout_ahead=1: the rollout's policy is a step older; weigh its tokens (algorithms/off_policy.py)
         is_cap = a.tis_imp_ratio_cap if self.config.trainer.rollout_ahead else 0.0
+        num_mini = a.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
+        # old log-probs from this update's own forward: exact only while the weights cannot move under it
+        from_forward = batch.meta.get(OLD_SOURCE) == "update"
+        if from_forward and (num_mini, a.ppo_epochs) != (1, 1):
+            raise ValueError(f"update_actor: old log-probs from the update's forward need one optimizer "
+                             f"step, not {a.ppo_epochs} epoch(s) x {num_mini} mini-batches")  # fmt: skip
         keys = (
-            [*_ACTOR_FIELDS, "old_log_probs", "advantages"]
+            [*_ACTOR_FIELDS, "advantages"]
+            + ([] if from_forward else ["old_log_probs"])
             + (["ref_log_probs"] if algo.use_kl_loss else [])
             + (["rollout_log_probs"] if is_cap > 0 else [])
         )
-        loss_fn = actor_loss_fn(a, algo, is_cap)
+        loss_fn = actor_loss_fn(a, algo, is_cap, old_from_forward=from_forward)
         weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
         temperature = batch.meta.get("temperature", 1.0)
-        num_mini = a.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         metrics = MetricLists()
         eng = self._engine("actor")
         # entropy is always logged; it needs grad only when it is part of the loss

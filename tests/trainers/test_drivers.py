@@ -16,6 +16,7 @@ import torch
 from hybridflow.algorithms import compute_gae, place_score_on_last_token
 from hybridflow.logging.report import PANELS, empty_panels, panel_series
 from hybridflow.trainers import build_trainer
+from hybridflow.trainers.rl import old_log_prob_source
 from tests.trainers.configs import tiny_config
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
@@ -101,7 +102,7 @@ def test_safe_rlhf_on_a_batch_not_dividing_dp(ray_cluster, make_config):
     )  # fmt: skip
     with build_trainer(cfg) as trainer:
         assert {"critic", "cost_critic"} <= set(trainer.groups)
-        assert not trainer.on_policy  # two epochs: old log-probs are recomputed by the actor group
+        assert old_log_prob_source(trainer.cfg) == "actor"  # two epochs: recomputed by the actor group
         batch, metrics = _step(trainer)
         assert len(batch) == 3
         _check_common(metrics)

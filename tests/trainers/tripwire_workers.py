@@ -3,7 +3,8 @@
 Each output of values / reference log-probs / reward model gains a per-row Tripwire that raises if
 unpickled in the driver process (tests/controller/workers.py), 128 KiB of payload per row so it lives
 in the shared object store, and a pause, so that the busy intervals of phases issued together are
-long enough for scheduling on a loaded 2-core machine not to separate them.
+long enough for scheduling on a loaded 2-core machine not to separate them. CountingActor counts its
+separate old-log-prob forwards.
 """
 
 from __future__ import annotations
@@ -53,3 +54,19 @@ class TripReward(DriverPid, RewardModelWorker):
 
 
 TRIP_CLASSES = {ActorRolloutRefWorker: TripActor, CriticWorker: TripCritic, RewardModelWorker: TripReward}
+
+
+class CountingActor(ActorRolloutRefWorker):
+    """Counts its compute_log_prob calls (tests/trainers/test_old_log_probs.py: which steps ran a separate
+    forward for the old log-probs)."""
+
+    log_prob_calls = 0
+
+    @register(Protocol.THREE_D, layout="train")
+    def compute_log_prob(self, batch):
+        self.log_prob_calls += 1
+        return super().compute_log_prob(batch)
+
+    @register(Protocol.ONE_TO_ALL)
+    def count_log_prob_calls(self) -> int:
+        return self.log_prob_calls
