@@ -48,7 +48,9 @@ def child(args) -> None:
     batch = random_rl_batch(model.config.vocab_size, args.batch, lp=32, lr=args.length, seed=0)
     engine = BuiltinEngine(model)
     params = SamplingParams(max_new_tokens=args.length, seed=1, eos_token_ids=())
-    prompts = Batch.from_dict({"input_ids": batch["prompts"], "attention_mask": (batch["prompts"] > 0).long()})
+    prompts = Batch.from_dict(
+        {"input_ids": batch["prompts"], "attention_mask": (batch["prompts"] > 0).long()}
+    )
 
     def update():
         model.train()
