@@ -5,7 +5,7 @@ before sleeping) vs PASSIVE (they sleep at once) vs a short GOMP_SPINCOUNT (docs
 torch's CPU build runs its intra-op threads on GNU OpenMP (libgomp; `torch.__config__.parallel_info()`),
 which reads these variables once, when the library loads: so each setting gets its own process, and
 hybridflow sets the worker processes' variable in their Ray runtime_env (controller/resource_pool.py
-worker_env; docs/operations.md "CPU threads").
+embedded_worker_env; docs/design.md §3).
 
 Settings alternate within each round (the order rotates), so all see the same load; the load average
 at each process's start is printed beside its figures. `--busy K` adds K busy-looping processes for the

@@ -56,7 +56,7 @@ def embedded_worker_env() -> dict[str, str]:
     (process.cpu_threads); whenever anything else needs a core (another pool, the driver, reward
     workers, other jobs) a spinning thread holds the core the others wait for. On the 2-core machine
     under load the 25M model's update took several times the wall time with the default
-    (docs/bench/omp_wait.md; docs/operations.md "CPU threads"). The driver's own OMP_WAIT_POLICY, when
+    (docs/bench/omp_wait.md; docs/design.md §3). The driver's own OMP_WAIT_POLICY, when
     set, wins; so does its GOMP_SPINCOUNT, which libgomp puts above the policy."""
     return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
