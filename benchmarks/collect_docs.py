@@ -15,6 +15,7 @@ ORDER = [
     "train",
     "packing",
     "overhead",
+    "omp_wait",
     "generation",
     "hybrid_engine",
     "planner",
@@ -40,6 +41,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | training engine | plain HF training loop | 1.43x (1 rank) / 1.68x (FSDP2, 2 ranks) the HF loop's tokens/s; 28-42% less peak memory |
 | padding removal (natural EOS) | the same engine with `model.remove_padding=false` | cap 128: log-probs 1.40-1.57x, update 1.76-1.83x (CPU time); cap 32: parity (15% padding) |
 | per-step overhead (0.8M, 25M) | a plain in-process PyTorch loop, same math | 0.8M: update_actor 0.89-0.97x, log-probs 0.79-1.17x, generate 0.76-0.91x the plain loop's CPU time (25M: 0.94-1.03x); host syncs per update 56 -> 47 |
+| OpenMP wait policy (CPU workers) | libgomp's default (spin, then sleep), same process work | 25M model, 2 threads, load 3.6-14: PASSIVE update 0.21x, generate 0.05x the wall time; quietest (load 1.8-3.6) 0.18x / 0.10x |
 | generation | `transformers` `generate`; vLLM 0.32 (CPU build) | batch 64, random stops: tiny 3.56x, ~25M 3.02x HF (goal 3x: met, at 25M within ~3% noise); vs vLLM at ~25M/64 1.04x CPU time (goal 1.0x: at parity within noise; 0.97x and 1.09x in earlier runs) |
 | 3D-HybridEngine | all-gather (DeepSpeed-Chat style) switch, inside `hybridflow train` | bytes = formula exactly; generation weights 0.515x; reshard time 0.49x (8 ranks) / 1.67x (4 ranks, not met) |
 | planner | the paper's search time (up to 30 min at 70B/128) | 70B/128 GPUs in 0.62 s |

@@ -14,6 +14,7 @@ from hybridflow.config.loader import (
     load_config,
     parse_override,
 )
+from hybridflow.config.model_checks import model_max_positions
 from hybridflow.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -34,7 +35,7 @@ from hybridflow.config.schema import (
     SFTConfig,
     TrainerConfig,
 )
-from hybridflow.config.validate import collect_errors, model_max_positions, resolve_config, validate_config
+from hybridflow.config.validate import collect_errors, resolve_config, validate_config
 
 __all__ = [
     "ActorConfig",

@@ -1,7 +1,8 @@
 """The configuration tree: one dataclass per component, composed into `HybridFlowConfig`.
 
 Each component's dataclass is defined once, with its help text (hybridflow/fields.py; docs/design.md §7):
-the engine's OptimConfig / ParallelConfig in engines/config.py, the rest here, all composed into
+the engine's OptimConfig / ParallelConfig in engines/config.py, the `algorithm` section's in
+config/algorithm_config.py, the rest here, all composed into
 `HybridFlowConfig`. YAML files and dotted CLI overrides are checked against these classes,
 `hybridflow config show` prints them, and
 `hybridflow config --help` lists each field's help string. Names follow verl without its sprawl.
@@ -22,93 +23,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hybridflow.config.algorithms import ALGORITHM_SPECS, ALGORITHMS
+from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-exported from here
+    AlgorithmConfig,
+    DPOConfig,  # noqa: F401
+    KLConfig,  # noqa: F401
+    SafeRLHFConfig,  # noqa: F401
+    SFTConfig,  # noqa: F401
+)
 from hybridflow.engines.config import OptimConfig, ParallelConfig
 from hybridflow.fields import section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
 
 
-# kept equal to hybridflow.algorithms (kl.KL_KINDS, losses.AGG_MODES) without importing torch here
-KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# kept equal to hybridflow.algorithms (losses.AGG_MODES) without importing torch here
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 # ---- shared pieces: OptimConfig and ParallelConfig are the engine's (engines/config.py) -------
-
-
-# ---- algorithm ---------------------------------------------------------------------------------
-@dataclass
-class KLConfig:
-    """KL penalty folded into the reward (PPO-style, per token)."""
-
-    in_reward: bool = _f(False, "subtract coef * KL(actor || reference) from the token-level reward")
-    coef: float = _f(0.001, "initial KL coefficient (beta)")
-    kind: str = _f("low_var_kl", "KL estimator", choices=KL_KINDS)
-    controller: str = _f(
-        "fixed", "keep coef fixed or adapt it toward `target` (Ziegler et al.)", choices=("fixed", "adaptive")
-    )
-    target: float = _f(0.1, "target KL for the adaptive controller")
-    horizon: int = _f(10000, "horizon (in samples) of the adaptive controller")
-
-
-@dataclass
-class SafeRLHFConfig:
-    """Safe-RLHF: reward minus lambda * cost, with a Lagrange multiplier learned by gradient ascent."""
-
-    cost_limit: float = _f(0.0, "the expected cost the policy must stay below")
-    lambda_init: float = _f(1.0, "initial Lagrange multiplier")
-    lambda_lr: float = _f(0.01, "learning rate of the Lagrange multiplier")
-    lambda_max: float = _f(100.0, "upper clamp of the Lagrange multiplier (it is always >= 0)")
-    cost_fn: str = _f(
-        "", "rule cost: a registered name or 'path/to/file.py:function_name' ('' = model.cost_model_path)"
-    )
-
-
-@dataclass
-class DPOConfig:
-    """Direct Preference Optimization (offline: chosen/rejected pairs, no generation)."""
-
-    beta: float = _f(0.1, "inverse temperature of the implicit reward")
-    label_smoothing: float = _f(
-        0.0, "conservative DPO: assumed probability that a preference label is flipped"
-    )
-    loss_type: str = _f("sigmoid", "DPO loss variant", choices=("sigmoid", "ipo", "hinge"))
-    reference_free: bool = _f(False, "ignore the reference model (implicit reference = uniform)")
-
-
-@dataclass
-class SFTConfig:
-    """Supervised fine-tuning on (prompt, response) pairs; loss on response tokens only."""
-
-    max_length: int = _f(
-        0,
-        "max prompt + response tokens of a training example; the response gets what its prompt leaves "
-        "(0 = data.max_prompt_length + rollout.response_length)",
-    )
-
-
-@dataclass
-class AlgorithmConfig:
-    name: str = _f("ppo", "the RL algorithm", choices=ALGORITHMS)
-    adv_estimator: str = _f(
-        "",
-        "advantage estimator; each algorithm has its own ('' = derive from name: ppo/safe_rlhf->gae, "
-        "grpo, remax, rloo, reinforce_pp; dpo/sft->none); another value is rejected",
-        choices=("", *sorted({s.adv_estimator for s in ALGORITHM_SPECS.values()})),
-    )
-    gamma: float = _f(1.0, "discount factor")
-    lam: float = _f(1.0, "GAE lambda")
-    norm_by_std: bool = _f(True, "GRPO: divide group-centred rewards by the group std (False = Dr. GRPO)")
-    kl: KLConfig = _sub(KLConfig, "KL penalty in the reward")
-    use_kl_loss: bool = _f(False, "add a KL(actor || reference) term to the actor loss (GRPO-style)")
-    kl_loss_coef: float = _f(0.001, "weight of the KL loss term")
-    kl_loss_kind: str = _f("low_var_kl", "KL estimator of the KL loss", choices=KL_KINDS)
-    entropy_coeff: float = _f(0.0, "entropy bonus weight in the actor loss")
-    safe_rlhf: SafeRLHFConfig = _sub(SafeRLHFConfig, "Safe-RLHF settings")
-    dpo: DPOConfig = _sub(DPOConfig, "DPO settings")
-    sft: SFTConfig = _sub(SFTConfig, "SFT settings")
 
 
 # ---- models and data ---------------------------------------------------------------------------

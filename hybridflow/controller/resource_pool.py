@@ -22,11 +22,43 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 
 
 def ensure_ray(**init_kwargs) -> None:
-    """Start (or join, when RAY_ADDRESS is set) a Ray cluster if this process has none yet."""
+    """Start (or join, when RAY_ADDRESS is set) a Ray cluster if this process has none yet. A cluster
+    started here runs its processes in `embedded_worker_env()`; a joined one keeps its nodes' own."""
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         init_kwargs.setdefault("include_dashboard", False)
-        ray.init(**init_kwargs)
+        address = init_kwargs.get("address")
+        if address != "local" and (address or os.environ.get("RAY_ADDRESS")):
+            ray.init(**init_kwargs)
+            return
+        # Ray's processes (raylet, then every worker it starts) inherit the environment ray.init
+        # starts them in; this process gets its own back. (A job runtime_env would do the same but
+        # made each worker start ~2.5x slower: no pre-started workers, a runtime-env agent round trip.)
+        env = embedded_worker_env()
+        previous = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            ray.init(**init_kwargs)
+        finally:
+            for key, value in previous.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def embedded_worker_env() -> dict[str, str]:
+    """Environment of the worker processes of an embedded cluster, set before they start, i.e. before
+    torch loads its OpenMP runtime (libgomp on CPU), which reads these variables only then.
+
+    OMP_WAIT_POLICY=PASSIVE: an intra-op thread waiting for work sleeps at once instead of spinning
+    (libgomp's default spins ~300k turns first). A rank's threads fill its share of the cores
+    (process.cpu_threads); whenever anything else needs a core (another pool, the driver, reward
+    workers, other jobs) a spinning thread holds the core the others wait for. On the 2-core machine
+    under load the 25M model's update took several times the wall time with the default
+    (docs/bench/omp_wait.md; docs/design.md §3). The driver's own OMP_WAIT_POLICY, when
+    set, wins; so does its GOMP_SPINCOUNT, which libgomp puts above the policy."""
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 class ResourcePool:

@@ -12,10 +12,10 @@ be the field's section, because
 Aliases are tracked per module, flow-insensitively: generous, but never by field name alone, so a
 `.tg` of an unrelated object does not count as reading `rollout.tg`.
 
-Not counted: config/schema.py, engines/config.py (they define the fields), the loader and the CLI
-(they handle every field alike) and validate.py's checks. resolve_config and its helpers count:
-deriving values from a field acts on it (filling in a field's own default, `if x.f == 0: x.f = ...`,
-does not), and so do the config classes' own properties.
+Not counted: config/schema.py, config/algorithm_config.py, engines/config.py (they define the fields),
+the loader and the CLI (they handle every field alike) and the checks of validate.py and model_checks.py.
+resolve_config and its helpers count: deriving values from a field acts on it (filling in a field's own
+default, `if x.f == 0: x.f = ...`, does not), and so do the config classes' own properties.
 
 When you add a field: read it where it takes effect. If it is not implemented yet, list it in
 config/validate.py NOT_YET (rejected in one line, checked below) or in CHECKED_ONLY here with the
@@ -35,7 +35,8 @@ from hybridflow.config import ConfigError, HybridFlowConfig, collect_errors, loa
 from hybridflow.config.validate import NOT_YET
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hybridflow"
-SKIP = {"engines/config.py", "fields.py", "config/loader.py", "config/cli.py"}
+SKIP = {"engines/config.py", "fields.py", "config/loader.py", "config/cli.py", "config/algorithm_config.py",
+        "config/model_checks.py"}  # fmt: skip
 # Modules where only some top-level functions or classes count: validate.py's derivations (the rest
 # only checks values), and schema.py's classes for their properties (num_devices, run_dir); its field
 # definitions are not reads.

@@ -1,6 +1,9 @@
 """Run by test_cpu_threads.py in a subprocess with its own Ray cluster and no HYBRIDFLOW_CPU_THREADS
-(the test session pins it to 1 in every worker): builds real trainers for several placements and
-prints each worker group's torch threads per rank, as one RESULT line of JSON."""
+(the test session pins it to 1 in every worker) nor OMP_WAIT_POLICY (`make test` exports it): builds
+real trainers for several placements and prints each worker group's torch threads per rank and the
+OMP_WAIT_POLICY each rank's process started with, as one RESULT line of JSON. Then the same for one
+placement on a fresh cluster whose driver sets OMP_WAIT_POLICY itself ("passive": libgomp reads it
+case-blind, and it differs from the default's spelling)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import ray
 import torch
 
 from hybridflow.models.tiny import save_tiny_model
@@ -24,13 +28,17 @@ CASES = {  # name -> (algorithm, devices, overrides)
 }
 
 
-def main() -> None:
-    assert "HYBRIDFLOW_CPU_THREADS" not in os.environ
-    tmp = Path(tempfile.mkdtemp(prefix="threads_check_"))
-    model = save_tiny_model(tmp / "model", size="tiny", arch="llama", seed=0)
-    start_local_ray(8)
-    out = {"cores": len(os.sched_getaffinity(0))}
-    for name in sys.argv[1:] or CASES:
+def start_env(key: str = "OMP_WAIT_POLICY") -> str | None:
+    """`key` in the environment this process was started with (/proc: what libgomp read on load)."""
+    with open("/proc/self/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    value = env.get(key.encode())
+    return None if value is None else value.decode()
+
+
+def run_cases(model: Path, tmp: Path, names) -> dict:
+    out = {}
+    for name in names:
         algo, devices, overrides = CASES[name]
         cfg = tiny_config(model, tmp / name, algo, *overrides, devices=devices)
         with build_trainer(cfg) as trainer:
@@ -38,6 +46,24 @@ def main() -> None:
                 role: group.execute_all("apply", torch.get_num_threads)
                 for role, group in trainer.groups.items()
             }
+            out[name + "_wait_policy"] = {
+                role: group.execute_all("apply", start_env) for role, group in trainer.groups.items()
+            }
+    return out
+
+
+def main() -> None:
+    assert "HYBRIDFLOW_CPU_THREADS" not in os.environ and "OMP_WAIT_POLICY" not in os.environ
+    tmp = Path(tempfile.mkdtemp(prefix="threads_check_"))
+    model = save_tiny_model(tmp / "model", size="tiny", arch="llama", seed=0)
+    start_local_ray(8)
+    out = {"cores": len(os.sched_getaffinity(0)), "driver_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    out.update(run_cases(model, tmp, sys.argv[1:] or CASES))
+    ray.shutdown()
+    os.environ["OMP_WAIT_POLICY"] = "passive"  # the user's own setting
+    start_local_ray(8)
+    user = run_cases(model, tmp / "user", ["colocate_1"])
+    out["user_wait_policy"] = user["colocate_1_wait_policy"]
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -1,0 +1,87 @@
+"""Validation of the config's data files and model directories (config/validate.py collect_errors
+calls it): what must exist on disk, what the model's config.json allows, and every JSON file and
+safetensors header the workers will read (hybridflow/models/files.py), all before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridflow.config.loader import ConfigError
+
+
+def model_max_positions(model_dir: str | os.PathLike) -> int | None:
+    """The context length from an HF config.json, or None if the directory or the field is missing."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:  # a truncated or hand-edited file: name it, no traceback
+        raise ConfigError([f"model.path: {path} is not a readable JSON file ({_short(e)})"]) from None
+    if not isinstance(hf, dict):
+        raise ConfigError([f"model.path: {path} holds {type(hf).__name__}, not a JSON object"])
+    hf = {**hf.get("text_config", {}), **hf}  # multimodal configs nest the language model's
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(hf.get(key), int):
+            return hf[key]
+    return None
+
+
+def data_and_model_errors(cfg, spec, check_model: bool) -> list[str]:
+    """Problems of `cfg`'s data and model settings (a resolved HybridFlowConfig; `spec` its algorithm's
+    AlgorithmSpec or None). check_model=False skips what reads the disk."""
+    errors: list[str] = []
+    d, r = cfg.data, cfg.rollout
+    if not d.train_files and not d.dataset:
+        errors.append("data.train_files: no training data; set data.train_files or data.dataset")
+    for key, files in {"data.train_files": d.train_files, "data.val_files": d.val_files}.items():
+        if check_model:  # on disk, like the model directory (`hybridflow config show` checks them too)
+            errors += [
+                f"{key}[{i}]: {f!r} does not exist" for i, f in enumerate(files) if not os.path.exists(f)
+            ]
+    if not cfg.model.path:
+        errors.append("model.path: no policy model; set it to a local HF model directory")
+    if cfg.reward.kind == "model" and not cfg.model.reward_model_path and spec and spec.generation:
+        errors.append("model.reward_model_path: reward.kind is 'model' but no reward model directory is set")
+    if check_model and cfg.model.path:
+        if not os.path.exists(cfg.model.path):
+            errors.append(
+                f"model.path: {cfg.model.path!r} does not exist (expected a local HF model directory)"
+            )
+        elif not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+            errors.append(
+                f"model.path: {cfg.model.path!r} has no config.json (not a Hugging Face model directory)"
+            )
+        try:
+            max_pos = model_max_positions(cfg.model.path) if os.path.isdir(cfg.model.path) else None
+        except ConfigError as e:
+            errors += e.errors
+            max_pos = None
+        total = d.max_prompt_length + r.response_length
+        if max_pos is not None and total > max_pos:
+            errors.append(
+                f"rollout.response_length: data.max_prompt_length {d.max_prompt_length} + "
+                f"rollout.response_length {r.response_length} = {total} exceeds the model's context "
+                f"(max_position_embeddings {max_pos} in {cfg.model.path}/config.json)"
+            )
+
+    tok = cfg.model.tokenizer_path
+    if check_model and tok and not os.path.isdir(tok):
+        errors.append(f"model.tokenizer_path: {tok!r} is not a directory (expected a saved HF tokenizer)")
+    if check_model:  # every JSON file and safetensors header the workers will read (models/files.py)
+        from hybridflow.models.files import model_dir_errors, remove_padding_errors
+        from hybridflow.models.resolve import MODEL_KEYS
+
+        errors += remove_padding_errors(cfg.model)
+        for key in MODEL_KEYS:
+            errors += [
+                e for e in model_dir_errors(getattr(cfg.model, key), f"model.{key}") if e not in errors
+            ]
+    return errors
+
+
+def _short(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
