@@ -96,7 +96,7 @@ class BuiltinEngine(GenerationEngine):
         (hybrid_engine/resharder.py) around each generate call."""
         self.shard, self.tp = weights, tp
 
-    def _decoder(self, max_len: int, threads: int):
+    def _decoder(self, max_len: int, threads: int = 1):
         backend = self.config.backend
         reason = unsupported_reason(self.model, max_len)
         if self.shard is not None and reason is not None:
