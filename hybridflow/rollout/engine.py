@@ -8,6 +8,10 @@ run on a lean functional forward with a static KV cache (`llama_decoder.py`, ten
 a group); other architectures fall back to the HF forward on the model's own whole weights
 (`hf_decoder.py`).
 
+On CPU with >= 2 threads the rows run as parallel streams of one intra-op thread each, meeting once per
+step (row_streams.py; `cpu_streams`): bit-identical to one thread, and no per-op barrier that stalls
+when the cores are shared (docs/bench/generation.md, "Row streams").
+
 Finished rows stop costing compute: when the finished rows still in the decode batch exceed
 `compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
 live row from the end of the batch, so it copies one cache row per finished row (not the whole cache)
