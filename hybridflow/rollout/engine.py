@@ -53,7 +53,7 @@ class BuiltinEngineConfig:
     pack_weights: bool = True
     """Functional backend: run on a packed copy of the decoder layers' weights and lm_head (fused
     q/k/v and gate/up, in MKL's packed GEMM format on fp32 CPU, else stored transposed; see
-    llama_decoder.pack_layer), rebuilt at every `generate` call and freed at its end. Costs one extra
+    decoder_weights.pack_layer), rebuilt at every `generate` call and freed at its end. Costs one extra
     copy of those weights (4 bytes/param in fp32: ~100 MB for the 25M model) during generation, for
     ~1.2-1.6x faster decode matmuls on CPU. False: views of the model's weights, no copy."""
     pad_token_id: int | None = None

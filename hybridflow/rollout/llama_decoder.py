@@ -6,7 +6,7 @@ its mask building and cache classes add per-step Python work, and its cache cann
 cheaply. This forward is the same math in ~25 tensor ops per layer, writing k/v in place; greedy
 outputs match `generate` token for token. Where it departs from a plain port, for CPU speed:
 - weights packed once per `generate` call (fused q/k/v and gate/up, in MKL's packed GEMM format on fp32
-  CPU, else stored (in, out); `pack_layer`), optional: pack_weights=False runs on views of the model's
+  CPU, else stored (in, out); `decoder_weights.pack_layer`), optional: pack_weights=False runs on views of the model's
   tensors with no copy; 1-row steps and prefill-sized matmuls use those views anyway (faster there);
 - prefill runs norms, projections and the MLP on the real prompt tokens only, packed as (N, hidden);
   only attention sees the left-padded (B, Lp) layout;
