@@ -8,7 +8,12 @@ max_new_tokens) the same way for both engines. Tokens/s counts generated tokens 
 the stop token, over wall time of whole `generate` calls (prefill included), summed over runs.
 
     .venv/bin/python benchmarks/bench_generation.py [--sizes tiny medium] [--batches 16 64]
-        [--threads 1] [--no-stop-rows]
+        [--threads 1] [--no-stop-rows] [--natural-eos] [--one-stream]
+
+--natural-eos runs rows that stop at the model's EOS only (instead of the stop set) (id 2: ~1 in 90 tokens, mean length ~70-90 of
+128, the natural-EOS workload of benchmarks/vs_trl.py). --one-stream (with --threads >= 2) also runs the
+built-in engine with rollout row streams off (`cpu_streams=1`: every op split over the threads), alternated
+with the others, to show what the streams (rollout/row_streams.py) give.
     .venv-vllm/bin/python benchmarks/bench_generation.py --vllm   # + vLLM rows (docs/bench/generation.md)
 
 With --vllm every engine runs the tiny model with 2 attention heads (head_dim 32; vLLM's CPU attention has
@@ -29,9 +34,10 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.models.tiny import build_tiny_model
-from hybridflow.rollout import BuiltinEngine, SamplingParams
+from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
 
 STOP = (2, 10, 20, 30)
+EOS = (2,)  # the tiny models' eos_token_id
 
 
 def make_prompts(batch: int, vocab: int, seed: int) -> Batch:
@@ -131,9 +137,13 @@ def main(argv=None) -> int:
         "--no-stop-rows", action="store_true", help="also run without stop tokens (all rows full)"
     )
     ap.add_argument("--vllm", action="store_true", help="add vLLM rows (needs .venv-vllm: `make vllm`)")
+    ap.add_argument("--natural-eos", action="store_true", help="rows that stop at the model's EOS only")
+    ap.add_argument("--one-stream", action="store_true", help="also the built-in engine with cpu_streams=1")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     stops = {"random": STOP, "none": ()} if args.no_stop_rows else {"random": STOP}
+    if args.natural_eos:
+        stops = {"eos": EOS}
 
     rows = []
     heads = dict(num_attention_heads=2, num_key_value_heads=1) if args.vllm else {}
@@ -141,6 +151,7 @@ def main(argv=None) -> int:
         model = build_tiny_model(size, "llama", seed=0, **(heads if size == "tiny" else {})).eval()
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
         engine = BuiltinEngine(model)
+        one_stream = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=1)) if args.one_stream else None
         for batch_size in args.batches:
             batch = make_prompts(batch_size, model.config.vocab_size, seed=batch_size)
             vllm = build_vllm(model, batch_size, 32 + args.max_new_tokens) if args.vllm else None
@@ -152,9 +163,13 @@ def main(argv=None) -> int:
                 }
                 if vllm is not None:
                     fns["vllm"] = partial(run_vllm, vllm, batch, max_new, stop)
+                if one_stream is not None:
+                    fns["one_stream"] = partial(run_builtin, one_stream, batch, max_new, stop)
                 with torch.inference_mode():
                     run_hf(model, batch, 8, stop, 0)  # warm-up
                     run_builtin(engine, batch, 8, stop, 0)
+                    if one_stream is not None:
+                        run_builtin(one_stream, batch, 8, stop, 0)
                     if vllm is not None:
                         run_builtin(vllm, batch, 8, stop, 0)
                         vllm.sync_total, vllm.sync_calls = 0.0, 0
@@ -168,22 +183,24 @@ def main(argv=None) -> int:
     print(
         f"\nGeneration throughput, llama arch, fp32 CPU ({platform.machine()}, {args.threads} threads), "
         f"torch {torch.__version__}, max_new_tokens={args.max_new_tokens}, temperature 1, top-k 50, "
-        f"prompts 8-32 tokens, stop set {STOP} ('none': no stop, all rows run to the cap), "
+        f"prompts 8-32 tokens, stop set {STOP} ('none': no stop, all rows run to the cap; 'eos': {EOS} only), "
         f"engines alternated, >= {args.repeats} runs and >= {args.min_seconds:.0f} s each, "
         "tokens/s = all generated tokens / all seconds, "
         f"load average at the end {os.getloadavg()[0]:.1f}\n"
     )
-    print_table(rows, args.vllm)
+    print_table(rows, args.vllm, args.one_stream)
     return 0
 
 
-def print_table(rows, with_vllm: bool) -> None:
+def print_table(rows, with_vllm: bool, with_one_stream: bool = False) -> None:
     head = (
         "| model | params | batch | stop | mean len HF / built-in | HF tok/s | built-in tok/s | ratio (wall) "
     )
     head += "| HF tok/CPU-s | built-in tok/CPU-s | ratio (CPU time) |"
     if with_vllm:
         head += " vLLM mean len | vLLM tok/s | built-in / vLLM (wall) | vLLM tok/CPU-s | built-in / vLLM (CPU) | vLLM weight sync s |"
+    if with_one_stream:
+        head += " 1-stream mean len | 1-stream tok/s | streams / 1 stream (wall) | 1-stream tok/CPU-s | streams / 1 stream (CPU) |"
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for size, params_m, b, stop_name, res, sync in rows:
@@ -196,6 +213,9 @@ def print_table(rows, with_vllm: bool) -> None:
         if with_vllm:
             v, v_cpu, v_len = res["vllm"]
             line += f" {v_len / b:.1f} | {v:,.0f} | **{ours / v:.2f}x** | {v_cpu:,.0f} | **{ours_cpu / v_cpu:.2f}x** | {sync:.3f} |"
+        if with_one_stream:
+            o, o_cpu, o_len = res["one_stream"]
+            line += f" {o_len / b:.1f} | {o:,.0f} | **{ours / o:.2f}x** | {o_cpu:,.0f} | **{ours_cpu / o_cpu:.2f}x** |"
         print(line)
 
 

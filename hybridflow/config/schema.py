@@ -164,6 +164,11 @@ class RolloutConfig:
     cpu_threads: int = _f(
         0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
     )
+    cpu_streams: int = _f(
+        0,
+        "builtin engine on CPU with >= 2 threads: decode the rows as this many parallel streams, one "
+        "thread each, same bits as 1 thread (0 = auto: one per thread from 5M params; 1 = off)",
+    )
     gpu_memory_utilization: float = _f(
         0.0,
         "vllm only: fraction of device memory (CPU: of RAM) for weights + KV cache; 0 = KV cache sized "

@@ -8,6 +8,10 @@ run on a lean functional forward with a static KV cache (`llama_decoder.py`, ten
 a group); other architectures fall back to the HF forward on the model's own whole weights
 (`hf_decoder.py`).
 
+On CPU with >= 2 threads the rows run as parallel streams of one intra-op thread each, meeting once per
+step (row_streams.py; `cpu_streams`): bit-identical to one thread, and no per-op barrier that stalls
+when the cores are shared (docs/bench/generation.md, "Row streams").
+
 Finished rows stop costing compute: when the finished rows still in the decode batch exceed
 `compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
 live row from the end of the batch, so it copies one cache row per finished row (not the whole cache)
@@ -31,6 +35,7 @@ from hybridflow.rollout.base import (
 from hybridflow.rollout.hf_decoder import HFDecoder
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
 from hybridflow.rollout.params import SamplingParams
+from hybridflow.rollout.row_streams import RowStreams
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.rollout.tp_group import TPGroup
 
@@ -48,7 +53,7 @@ class BuiltinEngineConfig:
     pack_weights: bool = True
     """Functional backend: run on a packed copy of the decoder layers' weights and lm_head (fused
     q/k/v and gate/up, in MKL's packed GEMM format on fp32 CPU, else stored transposed; see
-    llama_decoder.pack_layer), rebuilt at every `generate` call and freed at its end. Costs one extra
+    decoder_weights.pack_layer), rebuilt at every `generate` call and freed at its end. Costs one extra
     copy of those weights (4 bytes/param in fp32: ~100 MB for the 25M model) during generation, for
     ~1.2-1.6x faster decode matmuls on CPU. False: views of the model's weights, no copy."""
     pad_token_id: int | None = None
@@ -58,6 +63,12 @@ class BuiltinEngineConfig:
     SMALL_MODEL_PARAMS parameters (their decode matmuls are too small to split: the threads' wake-ups
     cost more than they save), else the process's setting. Measured at 32 rows x 128 tokens on 2 cores:
     0.8M params 0.33 s (1 thread) vs 0.60 s (2); 3.2M 0.72 vs 0.79 s; 10.7M 1.90 vs 1.72 s; 25M 4.1 vs 3.3 s."""
+    cpu_streams: int = 0
+    """CPU decode with >= 2 threads: decode the rows as this many parallel streams (row_streams.py), each
+    on its own thread with max(1, threads // streams) intra-op threads, meeting once per step; 1 = off
+    (every op split over the threads). 0 = auto: one stream per generation thread for models from
+    SMALL_MODEL_PARAMS parameters, off below (their steps are Python-bound, and the threads share the
+    GIL). Outputs are bit-identical either way (each stream keeps >= 4 rows)."""
     max_num_seqs: int = 0
     """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
@@ -81,6 +92,7 @@ class BuiltinEngine(GenerationEngine):
         self.shard: Mapping[str, torch.Tensor] | None = None
         self._num_params: int | None = None
         self.tp: TPGroup | None = None
+        self._streams: RowStreams | None = None
 
     def set_shard(self, weights: Mapping[str, torch.Tensor] | None, tp: TPGroup | None = None) -> None:
         """Generate from `weights` (HF name -> tensor; this rank's generation shard when `tp` is given)
@@ -88,7 +100,7 @@ class BuiltinEngine(GenerationEngine):
         (hybrid_engine/resharder.py) around each generate call."""
         self.shard, self.tp = weights, tp
 
-    def _decoder(self, max_len: int):
+    def _decoder(self, max_len: int, threads: int = 1):
         backend = self.config.backend
         reason = unsupported_reason(self.model, max_len)
         if self.shard is not None and reason is not None:
@@ -101,15 +113,33 @@ class BuiltinEngine(GenerationEngine):
             )
         if self.shard is None and (backend == "hf" or reason is not None):
             return HFDecoder(self.model)
-        return LlamaFamilyDecoder(self.model, self.config.pack_weights, self.shard, self.tp)
+        return LlamaFamilyDecoder(
+            self.model, self.config.pack_weights, self.shard, self.tp, self._row_streams(threads)
+        )
+
+    def _row_streams(self, threads: int) -> RowStreams | None:
+        """The row streams for a call on `threads` threads (kept across calls: their threads), or None."""
+        n = self.config.cpu_streams
+        if n == 0:
+            n = threads if self._count_params() >= SMALL_MODEL_PARAMS else 1
+        if n < 2 or self.tp is not None or next(self.model.parameters()).device.type != "cpu":
+            return None
+        per = max(1, threads // n)
+        if self._streams is None or (self._streams.n, self._streams.threads) != (n, per):
+            if self._streams is not None:
+                self._streams.close()
+            self._streams = RowStreams(n, per)
+        return self._streams
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self.model, weights)
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         ids, _ = check_prompt_batch(batch)
+        threads = torch.get_num_threads()
+        gen_threads = self._threads(threads)
         # One decoder (and one weight packing) for all chunks of this call.
-        decoder = self._decoder(ids.shape[1] + params.max_new_tokens)
+        decoder = self._decoder(ids.shape[1] + params.max_new_tokens, gen_threads)
         # no_grad, not inference_mode: inference tensors in the output would break the trainer's
         # backward (embedding saves its indices). eval() turns off dropout for the HF fallback; the
         # functional decoder has no dropout, and walking the modules twice per call costs ~1-3 ms.
@@ -117,8 +147,7 @@ class BuiltinEngine(GenerationEngine):
         hf = isinstance(decoder, HFDecoder)
         if hf:
             self.model.eval()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self._threads(threads))
+        torch.set_num_threads(gen_threads)
         try:
             with torch.no_grad():
                 limit = self.config.max_num_seqs
@@ -137,9 +166,12 @@ class BuiltinEngine(GenerationEngine):
             return current
         if self.config.cpu_threads > 0:
             return self.config.cpu_threads
+        return 1 if self._count_params() < SMALL_MODEL_PARAMS else current
+
+    def _count_params(self) -> int:
         if self._num_params is None:  # fixed for the engine's life; counting walks every module
             self._num_params = sum(p.numel() for p in self.model.parameters())
-        return 1 if self._num_params < SMALL_MODEL_PARAMS else current
+        return self._num_params
 
     def _generate_batch(self, batch: Batch, params: SamplingParams, decoder) -> Batch:
         ids, mask = check_prompt_batch(batch)
@@ -169,7 +201,18 @@ class BuiltinEngine(GenerationEngine):
         next_pos = (pos[:, -1] + 1).repeat_interleave(n)  # (B*n,)
 
         decoder.start(total, lp + lr, int(next_pos.max()) + lr)
-        logits = decoder.prefill(ids, mask, pos, repeat=n).repeat_interleave(n, 0)
+        streams = getattr(decoder, "streams", None)
+        threads = torch.get_num_threads()
+        if streams is not None:  # the threads run parts of the rows, not parts of each op
+            torch.set_num_threads(streams.threads)
+        try:
+            logits = decoder.prefill(ids, mask, pos, repeat=n).repeat_interleave(n, 0)
+            return self._decode_loop(decoder, logits, next_pos, stop, gen, params)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _decode_loop(self, decoder, logits, next_pos, stop, gen, params: SamplingParams):
+        total, lr, device = logits.shape[0], params.max_new_tokens, logits.device
 
         responses = torch.full((total, lr), self.pad_token_id, dtype=torch.long, device=device)
         logps = torch.zeros(total, lr, dtype=torch.float32, device=device)

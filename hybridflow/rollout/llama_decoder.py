@@ -6,7 +6,7 @@ its mask building and cache classes add per-step Python work, and its cache cann
 cheaply. This forward is the same math in ~25 tensor ops per layer, writing k/v in place; greedy
 outputs match `generate` token for token. Where it departs from a plain port, for CPU speed:
 - weights packed once per `generate` call (fused q/k/v and gate/up, in MKL's packed GEMM format on fp32
-  CPU, else stored (in, out); `pack_layer`), optional: pack_weights=False runs on views of the model's
+  CPU, else stored (in, out); `decoder_weights.pack_layer`), optional: pack_weights=False runs on views of the model's
   tensors with no copy; 1-row steps and prefill-sized matmuls use those views anyway (faster there);
 - prefill runs norms, projections and the MLP on the real prompt tokens only, packed as (N, hidden);
   only attention sees the left-padded (B, Lp) layout;
@@ -27,14 +27,25 @@ padding. Rows that finished are removed by `select` (compaction), so they stop c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
-from hybridflow.rollout.decoder_ops import _functional_act, _rms_norm, _rope, _scalar, signed_sin
+from hybridflow.rollout.decoder_ops import _rms_norm, _rope, _scalar, signed_sin
+from hybridflow.rollout.decoder_weights import (
+    RAW_WEIGHTS_FROM_ROWS,
+    Linear,
+    PackedLayer,
+    _mm,
+    _mm_residual,
+    _norm_eps,
+    _project,
+    model_weights,
+    pack_layer,
+)
 from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
+from hybridflow.rollout.row_streams import RowStreams
 from hybridflow.rollout.tp_group import TPGroup
 
 FAMILY = ("llama", "qwen2", "mistral")
@@ -63,92 +74,6 @@ def unsupported_reason(model: torch.nn.Module, max_len: int | None = None) -> st
     return None
 
 
-def _norm_eps(mod) -> float:
-    return float(getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6)))
-
-
-RAW_WEIGHTS_FROM_ROWS = 512
-"""Row counts from which the model's own weights beat the packed copies (prefill-sized GEMMs)."""
-
-
-def _mm(x: torch.Tensor, w_t, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (N, in) @ w_t (in, out) [+ bias]: a linear layer with the weight already transposed (or packed)."""
-    if isinstance(w_t, MklPacked):
-        return w_t(x, bias)
-    return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
-
-
-def _mm_residual(x: torch.Tensor, a: torch.Tensor, w_t, bias: torch.Tensor | None):
-    """x + (a @ w_t [+ bias]); without a bias the residual add rides in the GEMM (beta=1)."""
-    if isinstance(w_t, MklPacked):
-        return w_t(a, bias).add_(x)
-    return torch.addmm(x, a, w_t) if bias is None else x + torch.addmm(bias, a, w_t)
-
-
-def _cat_bias(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor | None:
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
-
-
-Linear = tuple
-"""(weight, bias): weight stored (in, out) (a transposed view or copy) or as an MklPacked; bias or None."""
-
-
-@dataclass
-class PackedLayer:
-    """One decoder layer's weights as the forward reads them (see pack_layer). Under tensor parallelism
-    q/k/v and gate/up hold this rank's output features (column-parallel), o and down its input features
-    (row-parallel: their outputs are partial sums, all-reduced over the group); the norms are whole."""
-
-    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
-    qkv: tuple[Linear, ...]  # (fused q|k|v,) when packed, else (q, k, v)
-    o: Linear
-    post_norm: tuple[torch.Tensor, float]
-    gate_up: tuple[Linear, ...]  # (fused gate|up,) when packed, else (gate, up)
-    down: Linear
-    act: Callable[[torch.Tensor], torch.Tensor]
-
-
-def pack_layer(weights: Mapping[str, torch.Tensor], layer, prefix: str, pack: bool, mkl: bool = False):
-    """Decoder layer `prefix` ("model.layers.3.") as a PackedLayer, from `weights` (HF name -> this
-    rank's tensor: the whole weight, or its generation shard under tensor parallelism); `layer` is the
-    HF module, read only for the norms' eps and the activation.
-
-    pack=True copies: q/k/v and gate/up concatenated (one matmul each instead of three and two); each
-    matrix then stored either in MKL's packed GEMM format (mkl=True; see mkl_packed.py) or transposed and
-    contiguous, the (in, out) layout that single-threaded MKL multiplies ~1.3-1.6x faster than the
-    (out, in) one at decode shapes. Costs one extra copy of the decoder layers' weights while a
-    `generate` call runs. pack=False: transposed views of the given tensors."""
-
-    def group(*names: str) -> tuple[Linear, ...]:
-        ws = [weights[prefix + n + ".weight"] for n in names]
-        bs = [weights.get(prefix + n + ".bias") for n in names]
-        if pack:
-            w = torch.cat(ws) if len(ws) > 1 else ws[0]
-            return ((MklPacked(w) if mkl else w.t().contiguous(), _cat_bias(ws, bs)),)
-        return tuple((w.t(), b) for w, b in zip(ws, bs))
-
-    return PackedLayer(
-        (weights[prefix + "input_layernorm.weight"], _norm_eps(layer.input_layernorm)),
-        group("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        group("self_attn.o_proj")[0],
-        (weights[prefix + "post_attention_layernorm.weight"], _norm_eps(layer.post_attention_layernorm)),
-        group("mlp.gate_proj", "mlp.up_proj"),
-        group("mlp.down_proj")[0],
-        _functional_act(layer.mlp.act_fn),
-    )
-
-
-def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF name -> the model's own tensor (tied weights under every name they have)."""
-    return dict(model.named_parameters(remove_duplicate=False))
-
-
-def _project(h: torch.Tensor, group: tuple) -> list[torch.Tensor]:
-    return [_mm(h, w, b) for w, b in group]
-
-
 class LlamaFamilyDecoder:
     """Prefill + incremental decode for one batch at a time. Call `load` once per `generate` call,
     then per batch `start`, `prefill`, and `decode` / `select` alternately; `release` at the end.
@@ -166,10 +91,14 @@ class LlamaFamilyDecoder:
         pack_weights: bool = True,
         weights: Mapping[str, torch.Tensor] | None = None,
         tp: TPGroup | None = None,
+        streams: RowStreams | None = None,
     ):
         self.model = model
         self.pack_weights = pack_weights
         self.weights, self.tp = weights, tp
+        # Row streams run each part's layers on its own thread: not under TP (its collectives would
+        # interleave between threads).
+        self.streams = streams if tp is None else None
         cfg = model.config
         tg = tp.size if tp is not None else 1
         if cfg.num_attention_heads % tg or cfg.num_key_value_heads % tg:
@@ -220,7 +149,7 @@ class LlamaFamilyDecoder:
         # one tensor for every layer's k and v: compaction moves a row of all of them in one copy
         self.kv = torch.empty(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
-        self._rows_views: tuple[int, list] = (-1, [])  # (rows, per layer (k, v) of the first rows)
+        self._rows_views: dict[tuple[int, int], list] = {}  # (lo, hi) -> per layer (k, v) of those rows
         # Additive attention bias: 0 on real keys, -inf on prompt padding (decode's attention is a
         # plain matmul/softmax, ~1.4x cheaper than SDPA's CPU kernel for one query per row).
         self.key_bias = torch.zeros(capacity, max_len, dtype=dtype, device=device)
@@ -235,7 +164,7 @@ class LlamaFamilyDecoder:
         """Free the cache and the packed weights."""
         self.k_cache, self.v_cache, self.layers, self.raw_layers = [], [], [], []
         self.kv = self.key_bias = self.rope = None
-        self._rows_views = (-1, [])
+        self._rows_views = {}
 
     # ---- forward ----------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, layer: PackedLayer, cos: torch.Tensor, sin: torch.Tensor):
@@ -298,13 +227,29 @@ class LlamaFamilyDecoder:
 
         Only attention sees the padded (B, Lp) layout: norms, projections and the MLP run on the N real
         tokens packed as (N, hidden), so prompt padding costs no matmul work; the last layer runs past
-        its k/v projection for the last token of each row only."""
+        its k/v projection for the last token of each row only. With row streams the prompts are
+        prefilled in parts on parallel threads (on the weights the whole batch would use)."""
+        b, s = ids.shape
+        layers = self._weights_for(int(mask.sum()))
+        parts = self.streams.parts(b) if self.streams is not None else None
+        if parts is None:
+            logits = self._prefill_rows(0, ids, mask, pos, repeat, layers)
+        else:
+            logits = self.streams.run(
+                lambda lo, hi: self._prefill_rows(lo, ids[lo:hi], mask[lo:hi], pos[lo:hi], repeat, layers),
+                parts,
+            )
+        self.rows, self.length = b * repeat, s
+        return logits
+
+    def _prefill_rows(self, lo: int, ids, mask, pos, repeat: int, layers: list[PackedLayer]) -> torch.Tensor:
+        """Prefill prompts lo.. (ids/mask/pos (b, Lp)) into cache rows [lo*repeat, (lo+b)*repeat)."""
         b, s = ids.shape
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         key_ok = mask.bool()
         real = key_ok.reshape(-1).nonzero().squeeze(1)  # (N,) flat index of each real token
-        rows = b * repeat
-        self.key_bias[:rows, :s] = torch.where(key_ok, 0.0, float("-inf")).repeat_interleave(repeat, 0)
+        r0, r1 = lo * repeat, (lo + b) * repeat
+        self.key_bias[r0:r1, :s] = torch.where(key_ok, 0.0, float("-inf")).repeat_interleave(repeat, 0)
         causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
         # Padding queries may attend to themselves: a fully masked row would give NaN (discarded, but
         # SDPA's kernels need not like it).
@@ -319,14 +264,13 @@ class LlamaFamilyDecoder:
         gqa = nkv != nq
         # Left padding: each row's last real token is its last slot, the last packed token of the row.
         ends = key_ok.sum(1).cumsum(0) - 1  # (B,)
-        layers = self._weights_for(x.shape[0])
         for i, layer in enumerate(layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             q_pad[real], k_pad[real], v_pad[real] = q, k, v
             qq, kk, vv = (t.view(b, s, -1, hd).transpose(1, 2) for t in (q_pad, k_pad, v_pad))
             # Prefill once per prompt, cache `repeat` copies (n samples per prompt).
-            self.k_cache[i][:rows, :, :s] = kk.repeat_interleave(repeat, 0) if repeat > 1 else kk
-            self.v_cache[i][:rows, :, :s] = vv.repeat_interleave(repeat, 0) if repeat > 1 else vv
+            self.k_cache[i][r0:r1, :, :s] = kk.repeat_interleave(repeat, 0) if repeat > 1 else kk
+            self.v_cache[i][r0:r1, :, :s] = vv.repeat_interleave(repeat, 0) if repeat > 1 else vv
             if i == len(layers) - 1:
                 # Only the last position's output reaches anything (the logits): the last layer runs
                 # attention, o_proj and the MLP for that one query per row (~10% of prefill's matmuls
@@ -341,22 +285,40 @@ class LlamaFamilyDecoder:
             )  # (b, heads, s, hd)
             a = a.transpose(1, 2).reshape(b * s, nq * hd)[real]
             x = self._mlp_block(x, a, layer)
-        self.rows, self.length = rows, s
         return self._logits(x)
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tokens, pos: (b,) with b = current rows. Appends one token per row; returns (b, vocab)."""
+        """tokens, pos: (b,) with b = current rows. Appends one token per row; returns (b, vocab). With
+        row streams (row_streams.py) the rows are decoded in parts on parallel threads."""
         b, slot = self.rows, self.length
+        parts = self.streams.parts(b) if self.streams is not None else None
+        if parts is None:
+            logits = self._decode_rows(0, b, tokens, pos, slot)
+        else:
+            logits = self.streams.run(
+                lambda lo, hi: self._decode_rows(lo, hi, tokens[lo:hi], pos[lo:hi], slot), parts
+            )
+        self.length = slot + 1
+        return logits
+
+    def _decode_rows(
+        self, lo: int, hi: int, tokens: torch.Tensor, pos: torch.Tensor, slot: int
+    ) -> torch.Tensor:
+        """Decode rows [lo, hi) of the batch: their tokens, pos (hi - lo,) go to cache slot `slot`."""
+        b = hi - lo
         nkv, hd = self.num_kv_heads, self.head_dim
         group = self.num_heads // nkv
         cs = self.rope[pos]
         cos, sin = cs[:, :1], cs[:, 1:]  # (b, 1, hd)
         length = slot + 1
-        bias = self.key_bias[:b, None, None, :length]  # (b, 1, 1, L)
+        bias = self.key_bias[lo:hi, None, None, :length]  # (b, 1, 1, L)
         x = self._embed(tokens)  # (b, hidden)
-        if self._rows_views[0] != b:  # views of the live rows, rebuilt only when compaction changed b
-            self._rows_views = (b, [(kc[:b], vc[:b]) for kc, vc in zip(self.k_cache, self.v_cache)])
-        for layer, (kc, vc) in zip(self._weights_for(b), self._rows_views[1]):
+        views = self._rows_views.get((lo, hi))
+        if views is None:  # views of these rows, rebuilt only when compaction changed the row count
+            views = self._rows_views[lo, hi] = [
+                (kc[lo:hi], vc[lo:hi]) for kc, vc in zip(self.k_cache, self.v_cache)
+            ]
+        for layer, (kc, vc) in zip(self._weights_for(b), views):
             q, k, v = self._qkv(x, layer, cos, sin)
             kc[:, :, slot] = k
             vc[:, :, slot] = v
@@ -372,7 +334,6 @@ class LlamaFamilyDecoder:
             )
             a = torch.bmm(probs.view(-1, group, length), vc[:, :, :length].reshape(-1, length, hd))
             x = self._mlp_block(x, a.view(b, nkv * group * hd), layer)
-        self.length = length
         return self._logits(x)
 
     def select(self, idx: torch.Tensor) -> None:
@@ -385,4 +346,6 @@ class LlamaFamilyDecoder:
             src = idx[moved]
             self.kv[:, :, moved, :, :length] = self.kv[:, :, src, :, :length]
             self.key_bias[moved] = self.key_bias[src]
+        if n != self.rows:
+            self._rows_views = {}
         self.rows = n
