@@ -55,6 +55,13 @@ class PackPlan:
         move = lambda t: tuple(x.to(device) for x in t) if isinstance(t, tuple) else t.to(device)  # noqa: E731
         return PackPlan(self.rows, self.cols, *(move(getattr(self, f)) for f in _TENSOR_FIELDS))
 
+    def row_lengths(self) -> list[int]:
+        """Token counts of the sequences in the order they sit along the rows (empty ones left out):
+        the `seq_lens` of a one-row plan (engines/varlen.py)."""
+        lengths = torch.bincount(self.src[0], minlength=len(self.seq_end))
+        order = torch.argsort(self.seq_row * (self.cols + 1) + self.seq_end)
+        return [n for n in lengths[order].tolist() if n]
+
     def response_index(self, attention_mask: torch.Tensor, response_length: int):
         """For every attended response position (b, j): (b, j) and the packed (row, col) of its token."""
         resp = attention_mask[:, -response_length:].bool()
