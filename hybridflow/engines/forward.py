@@ -112,9 +112,11 @@ class RLForward(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """pack_rows: None = the padded forward; an int = padding removed (engines/packing.py), rows of
         max(pack_rows, longest sequence) tokens. Outputs have the padded layout either way."""
-        # packable: each row one run of tokens, and some response token to score (else the padded pass)
+        # packed: enough padding to gain (packing.MIN_PADDING_TO_PACK), each row one run of tokens, and
+        # some response token to score; else the padded pass
         if (
             pack_rows is not None
+            and packing.worth_packing(attention_mask)
             and packing.contiguous(attention_mask)
             and attention_mask[:, -response_length:].any()
         ):

@@ -37,7 +37,6 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     packed row when seq_lens (lengths summing to N) is given; returns (output (1, N, H, D), None)."""
     if seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    dropout = dropout if module.training else 0.0
     runs = _runs(seq_lens)
     sizes = [n * k for n, k in runs]
     # (1, H, N, D) -> (1, N, H, D) views, split into runs of equal-length sequences (split, not slicing:
@@ -50,7 +49,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         o = F.scaled_dot_product_attention(
             q, kk, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=kk.shape[1] != q.shape[1]
         )
-        outs.append(o.transpose(1, 2).reshape(1, n * k, *o.shape[1:2], o.shape[-1]))
+        outs.append(o.transpose(1, 2).reshape(1, n * k, o.shape[1], o.shape[3]))
     return torch.cat(outs, dim=1), None  # (1, N, H, D)
 
 
