@@ -8,7 +8,9 @@ mask from those resets when the 2-D attention mask is None (masking_utils.find_p
 a block-diagonal causal mask for sdpa and eager attention, which is what the models load with; checked
 numerically against the padded forward in tests/engines/test_packing.py).
 
-Why rows of `row_tokens` and not one row of everything: without a varlen kernel (CPU, sdpa) attention
+Where the model takes engines/varlen.py's attention (sdpa models without a short sliding window), the plan
+is one row of every sequence (row_tokens = all real tokens) and attention runs per sequence, without a mask.
+Otherwise, why rows of `row_tokens` and not one row of everything: without a varlen kernel (CPU, sdpa) attention
 costs rows x row_len^2 whatever the mask, so one row of all B sequences would cost far more attention
 than the padded batch. Rows as long as the longest sequence keep attention at or below the padded cost
 while the token count (every linear layer) drops to the real tokens plus a little slack.
