@@ -38,7 +38,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | controller | raw `ray.put`/`ray.get` and raw actor calls | dispatch 1.6-1.8x raw Ray's time; 512 MB group->group 1.45x raw throughput |
 | overlapped phases (PPO, split pools) | the same groups with `trainer.overlap_phases=false` | 0.93x-1.31x speed over three runs on the shared 2-core machine (load 21-28; gains only when the session gets a spare core); ideal bound 1.37-1.49x; the old thread rule (2 per rank) cost 12.6-17x the CPU time |
 | training engine | plain HF training loop | 1.43x (1 rank) / 1.68x (FSDP2, 2 ranks) the HF loop's tokens/s; 28-42% less peak memory |
-| padding removal (natural EOS) | the same engine with `model.remove_padding=false` | cap 128: log-probs 1.40-1.57x, update 1.76-1.83x (CPU time); cap 32: parity (15% padding) |
+| padding removal (natural EOS) | the same engine with `model.remove_padding=false` | medium (25M), CPU time: cap 128 log-probs 1.64x, update 2.05x; cap 32 (15% padding) 1.11x, 1.15x; packed only above 5% padding (break-even ~3%) |
 | per-step overhead (0.8M, 25M) | a plain in-process PyTorch loop, same math | 0.8M: update_actor 0.89-0.97x, log-probs 0.79-1.17x, generate 0.76-0.91x the plain loop's CPU time (25M: 0.94-1.03x); host syncs per update 56 -> 47 |
 | generation | `transformers` `generate`; vLLM 0.32 (CPU build) | batch 64, random stops: tiny 3.56x, ~25M 3.02x HF (goal 3x: met, at 25M within ~3% noise); vs vLLM at ~25M/64 1.04x CPU time (goal 1.0x: at parity within noise; 0.97x and 1.09x in earlier runs) |
 | 3D-HybridEngine | all-gather (DeepSpeed-Chat style) switch, inside `hybridflow train` | bytes = formula exactly; generation weights 0.515x; reshard time 0.49x (8 ranks) / 1.67x (4 ranks, not met) |
