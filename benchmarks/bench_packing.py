@@ -12,6 +12,7 @@ Every figure is the median over interleaved repeats of one process with 1 thread
 (process_time) are the steadier figure on a shared machine, wall seconds are given beside them.
 
     .venv/bin/python benchmarks/bench_packing.py [--sizes small medium] [--lengths 32 128] [--repeats 5]
+    .venv/bin/python benchmarks/bench_packing.py --break-even --sizes small medium --lengths 32
 """
 
 from __future__ import annotations
@@ -112,11 +113,63 @@ def table(rows: dict) -> str:
     return out
 
 
+def padded_fraction_batch(vocab: int, lr: int, fraction: float, seqs: int = 32, lp: int = 24) -> Batch:
+    """Full prompts, responses shortened at random so that about `fraction` of the (seqs, lp + lr) tokens
+    is padding (one response keeps the cap, so trimming leaves the shape)."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(seqs, generator=g)
+    u[0] = 0
+    resp = (lr - (u * 2 * fraction * (lp + lr)).round().long()).clamp(1, lr)
+    rm = (torch.arange(lr)[None] < resp[:, None]).long()
+    attn = torch.cat([torch.ones(seqs, lp, dtype=torch.long), rm], 1)
+    ids = torch.randint(5, vocab, (seqs, lp + lr), generator=g) * attn
+    return Batch.from_dict(
+        dict(prompts=ids[:, :lp], responses=ids[:, lp:], input_ids=ids, attention_mask=attn,
+             position_ids=position_ids_from_mask(attn), response_mask=rm,
+             advantages=torch.randn(seqs, lr, generator=g) * rm, old_log_probs=torch.zeros(seqs, lr))
+    )  # fmt: skip
+
+
+def break_even(model_dir: Path, lr: int, repeats: int, fractions=(0.0, 0.03, 0.06, 0.1)) -> str:
+    """Packed / padded CPU time of the update and the log-prob pass against the padding fraction, with
+    packing forced on every micro-batch: where packing.MIN_PADDING_TO_PACK comes from."""
+    from hybridflow.engines import packing
+
+    engines = {
+        k: TrainEngine(load_causal_lm(model_dir), EngineConfig(optim=_no_step(), remove_padding=k))
+        for k in (False, True)
+    }
+    vocab = engines[False].hf_model.config.vocab_size
+    out = "| padding | update CPU packed / padded | log-probs CPU packed / padded |\n|---|---|---|\n"
+    rule, packing.MIN_PADDING_TO_PACK = packing.MIN_PADDING_TO_PACK, -1.0  # pack whatever the padding
+    try:
+        for f in fractions:
+            batch = padded_fraction_batch(vocab, lr, f)
+            t = {(k, p): [] for k in engines for p in "ul"}
+            for rep in range(repeats + 1):
+                for k, eng in engines.items():
+                    step = dict(with_entropy="detached", micro_batch_size=32)
+                    up = timed(lambda e=eng, b=batch, kw=step: e.train_step(b, pg_loss, **kw))
+                    lp = timed(lambda e=eng, b=batch: e.compute_log_probs(b, micro_batch_size=32))
+                    if rep:
+                        t[(k, "u")].append(up[1])
+                        t[(k, "l")].append(lp[1])
+            med = {k: statistics.median(v) for k, v in t.items()}
+            pad = 1 - float(batch["attention_mask"].sum()) / batch["attention_mask"].numel()
+            out += f"| {pad:.1%} | {med[(True, 'u')] / med[(False, 'u')]:.3f} | {med[(True, 'l')] / med[(False, 'l')]:.3f} |\n"
+    finally:
+        packing.MIN_PADDING_TO_PACK = rule
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", default=["small", "medium"])
     p.add_argument("--lengths", nargs="+", type=int, default=[32, 128])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--break-even", action="store_true", help="the packed / padded ratio against the padding fraction"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="bench_packing_"))
@@ -125,6 +178,11 @@ def main(argv=None) -> int:
     for size in args.sizes:
         model_dir = save_tiny_model(root / size, size, "llama", seed=0)
         for lr in args.lengths:
+            if args.break_even:
+                print(
+                    f"{size}, Lr {lr}, 32 sequences:\n" + break_even(model_dir, lr, args.repeats), flush=True
+                )
+                continue
             rows[(size, lr)] = run_row(model_dir, lr, args.repeats)
             print(table(rows), flush=True)
     print(f"load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "

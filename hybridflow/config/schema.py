@@ -60,7 +60,8 @@ class ModelConfig:
     )
     remove_padding: Optional[bool] = _f(
         None,
-        "pack each micro-batch's real tokens into rows without padding in the actor / reference / critic / "
+        "pack each micro-batch's real tokens into one row without padding (when > 5% of it is padding) in "
+        "the actor / reference / critic / "
         "reward-model forward and update (verl's use_remove_padding; docs/design.md §7); the token budgets "
         "(max_tokens_per_micro_batch) then count real tokens. null = on for llama, qwen2, qwen3 and mistral "
         "models, off for others; true on another model type is rejected",

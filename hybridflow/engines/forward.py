@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hybridflow.engines import packing
+from hybridflow.engines import packing, varlen
 from hybridflow.models.hf import model_kind, scalar_head
 
 
@@ -112,9 +112,11 @@ class RLForward(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """pack_rows: None = the padded forward; an int = padding removed (engines/packing.py), rows of
         max(pack_rows, longest sequence) tokens. Outputs have the padded layout either way."""
-        # packable: each row one run of tokens, and some response token to score (else the padded pass)
+        # packed: enough padding to gain (packing.MIN_PADDING_TO_PACK), each row one run of tokens, and
+        # some response token to score; else the padded pass
         if (
             pack_rows is not None
+            and packing.worth_packing(attention_mask)
             and packing.contiguous(attention_mask)
             and attention_mask[:, -response_length:].any()
         ):
@@ -152,10 +154,19 @@ class RLForward(nn.Module):
     def _packed(self, input_ids, attention_mask, position_ids, response_length, temperature, with_entropy,
                 pack_rows) -> dict[str, torch.Tensor]:  # fmt: skip
         """The forward on packed rows; the heads run on the real response tokens only (N of them)."""
-        plan = packing.plan(attention_mask.cpu(), pack_rows).to(input_ids.device)
+        mask = attention_mask.cpu()
+        lengths = mask.sum(-1)
+        # one row of every sequence, attention per sequence (engines/varlen.py), where the model takes it
+        one_row = varlen.fits(self.model, int(lengths.max()))
+        plan = packing.plan(mask, int(lengths.sum()) if one_row else pack_rows).to(input_ids.device)
         ids, pos = packing.pack(plan, input_ids, position_ids)
-        # attention_mask=None: transformers builds the per-sequence causal mask from the position resets
-        hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        if one_row:
+            with varlen.no_mask():
+                out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False,
+                                            seq_lens=plan.row_lengths())  # fmt: skip
+        else:  # attention_mask=None: transformers builds the per-sequence causal mask from the position resets
+            out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False)
+        hidden = out.last_hidden_state
         if self.kind == "reward":
             h_last = hidden[plan.seq_row, plan.seq_end.clamp(min=0)]
             return {"scores": scalar_head(self.model)(h_last).squeeze(-1).float()}

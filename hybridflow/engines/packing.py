@@ -8,7 +8,9 @@ mask from those resets when the 2-D attention mask is None (masking_utils.find_p
 a block-diagonal causal mask for sdpa and eager attention, which is what the models load with; checked
 numerically against the padded forward in tests/engines/test_packing.py).
 
-Why rows of `row_tokens` and not one row of everything: without a varlen kernel (CPU, sdpa) attention
+Where the model takes engines/varlen.py's attention (sdpa models without a short sliding window), the plan
+is one row of every sequence (row_tokens = all real tokens) and attention runs per sequence, without a mask.
+Otherwise, why rows of `row_tokens` and not one row of everything: without a varlen kernel (CPU, sdpa) attention
 costs rows x row_len^2 whatever the mask, so one row of all B sequences would cost far more attention
 than the padded batch. Rows as long as the longest sequence keep attention at or below the padded cost
 while the token count (every linear layer) drops to the real tokens plus a little slack.
@@ -25,6 +27,17 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.models.files import PACKABLE_MODEL_TYPES
+
+# A micro-batch is packed only when more than this share of its trimmed (B, L) tokens is padding: below
+# it the padded forward is as fast (docs/bench/packing.md: packed vs padded update CPU time 1.02x at 0%
+# padding, 1.00x at 2.7%, 0.92-0.94x from 5.5% on, both the 1M and the 25M model), and with no padding at all
+# it is the same sdpa call on the same tokens without the gathers.
+MIN_PADDING_TO_PACK = 0.05
+
+
+def worth_packing(attention_mask: torch.Tensor) -> bool:
+    """Whether padding removal saves work on this (B, L) micro-batch (see MIN_PADDING_TO_PACK)."""
+    return 1.0 - float(attention_mask.sum()) / max(attention_mask.numel(), 1) > MIN_PADDING_TO_PACK
 
 
 def resolve_remove_padding(setting: bool | None, model_type: str) -> bool:
@@ -54,6 +67,13 @@ class PackPlan:
             return self
         move = lambda t: tuple(x.to(device) for x in t) if isinstance(t, tuple) else t.to(device)  # noqa: E731
         return PackPlan(self.rows, self.cols, *(move(getattr(self, f)) for f in _TENSOR_FIELDS))
+
+    def row_lengths(self) -> list[int]:
+        """Token counts of the sequences in the order they sit along the rows (empty ones left out):
+        the `seq_lens` of a one-row plan (engines/varlen.py)."""
+        lengths = torch.bincount(self.src[0], minlength=len(self.seq_end))
+        order = torch.argsort(self.seq_row * (self.cols + 1) + self.seq_end)
+        return [n for n in lengths[order].tolist() if n]
 
     def response_index(self, attention_mask: torch.Tensor, response_length: int):
         """For every attended response position (b, j): (b, j) and the packed (row, col) of its token."""

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridflow.batch import Batch, position_ids_from_mask
+from hybridflow.engines import varlen
 from hybridflow.engines.config import EngineConfig, compute_dtype
 from hybridflow.engines.forward import RLForward
 from hybridflow.engines.mesh import build_mesh, device_type
@@ -85,6 +86,8 @@ class TrainEngine:
         self.hf_model = model if on_meta else model.to(self.device)
         self.module = RLForward(model, self.config.logits_chunk_size)
         self.remove_padding = resolve_remove_padding(self.config.remove_padding, model.config.model_type)
+        if self.remove_padding:  # packed micro-batches: one row, attention per sequence (engines/varlen.py)
+            varlen.install(model)
         parallelize(
             self.module,
             model,

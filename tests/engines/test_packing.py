@@ -10,10 +10,11 @@ import pytest
 import torch
 from rl_data import make_rl_batch, pg_loss
 
+from hybridflow.batch import position_ids_from_mask
 from hybridflow.config import ConfigError, load_config
-from hybridflow.engines import EngineConfig, TrainEngine
+from hybridflow.engines import EngineConfig, TrainEngine, packing, varlen
 from hybridflow.engines.micro_batch import plan_micro_batches, split_micro_batches
-from hybridflow.engines.packing import first_fit, pack, plan, resolve_remove_padding
+from hybridflow.engines.packing import first_fit, pack, plan, resolve_remove_padding, worth_packing
 from hybridflow.models import load_causal_lm, load_critic, load_reward_model
 from hybridflow.models.tiny import save_tiny_model
 
@@ -163,3 +164,28 @@ def test_grpo_run_packed_equals_padded(ray_cluster, tmp_path):
     assert (
         runs["true"][-1]["actor/kl_loss"] > 0
     )  # the second step's policy moved: the numbers are not trivial
+
+
+def test_packs_only_micro_batches_with_enough_padding(model_dirs, monkeypatch):
+    """packing.MIN_PADDING_TO_PACK: a micro-batch with no padding runs padded, one at natural EOS runs as one
+    packed row with attention per sequence (engines/varlen.py); both give the padded engine's loss and grads."""
+    padded, packed = _engines(model_dirs["llama"], trainable=True)
+    assert packed.hf_model.config._attn_implementation == varlen.NAME
+    vocab = padded.hf_model.config.vocab_size
+    full = make_rl_batch(vocab, batch_size=6, lp=5, lr=7, seed=6)
+    full["attention_mask"][:] = 1
+    full["response_mask"][:] = 1
+    full["position_ids"] = position_ids_from_mask(full["attention_mask"])
+    natural = make_rl_batch(vocab, batch_size=6, lp=5, lr=7, seed=6)
+    assert not worth_packing(full["attention_mask"]) and worth_packing(natural["attention_mask"])
+    rows = []  # rows of each packed plan (a spy on the real function)
+    real_plan = packing.plan
+    monkeypatch.setattr(packing, "plan", lambda *a: rows.append(real_plan(*a).rows) or real_plan(*a))
+    for batch, want_rows in ((full, []), (natural, [1])):
+        rows.clear()
+        m_pad, g_pad = _grads(padded, batch, micro_batch_size=6)
+        m_pack, g_pack = _grads(packed, batch, micro_batch_size=6)
+        assert rows == want_rows  # the padded forward, or every sequence in one packed row
+        assert m_pack["loss"] == pytest.approx(m_pad["loss"], rel=1e-6)
+        for name, g in g_pad.items():
+            torch.testing.assert_close(g_pack[name], g, atol=1e-6, rtol=1e-5, msg=name)

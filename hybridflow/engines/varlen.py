@@ -1,0 +1,100 @@
+"""Causal attention per sequence inside one packed row: the varlen attention of padding removal on
+devices without a varlen kernel (CPU; docs/design.md §7, "Padding removal").
+
+Why: transformers' packed path (attention_mask None, positions restarting at 0) builds a block-diagonal
+mask, and sdpa with a mask computes every (query, key) pair of the row, so rows must stay as short as the
+longest sequence (engines/packing.py) and first fit leaves slack in them (at natural EOS with a 32-token
+cap, 1736 computed tokens for 1531 real ones). Here all of a micro-batch's sequences share one row with
+no slack, and attention runs causally on each sequence's own slice (`F.scaled_dot_product_attention(...,
+is_causal=True)`, one call per sequence), so every linear layer sees exactly the real tokens and
+attention costs sum(len_i^2 / 2).
+
+How it plugs in: `install(model)` registers one attention function under `NAME` and switches the model
+to it. Without `seq_lens` in the call (the padded forward, HF generation) it is transformers' own sdpa
+path with sdpa's mask, unchanged; `RLForward` passes `seq_lens` (a list of ints summing to the row
+length) through the model's **kwargs, and `no_mask()` tells the mask builder to skip the block-diagonal
+mask the call does not read. Activation checkpointing recomputes a layer with the same kwargs, so the
+recomputation takes the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+NAME = "hybridflow_sdpa"
+_NO_MASK = contextvars.ContextVar("hybridflow_varlen_no_mask", default=False)
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_lens=None, **kwargs):
+    """transformers' attention-interface signature. query (1, H, N, D), key / value (1, Hkv, N, D) of one
+    packed row when seq_lens (lengths summing to N) is given; returns (output (1, N, H, D), None)."""
+    if seq_lens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    runs = _runs(seq_lens)
+    sizes = [n * k for n, k in runs]
+    # (1, H, N, D) -> (1, N, H, D) views, split into runs of equal-length sequences (split, not slicing:
+    # its backward concatenates the runs' grads instead of zero-filling a full-size tensor per slice)
+    qs, ks, vs = (t.transpose(1, 2).split(sizes, 1) for t in (query, key, value))
+    outs = []
+    for (n, k), q, kk, v in zip(runs, qs, ks, vs):
+        # a run of k sequences of n tokens is a (k, H, n, D) batch: one call per run, not per sequence
+        q, kk, v = (t.reshape(k, n, *t.shape[2:]).transpose(1, 2) for t in (q, kk, v))
+        o = F.scaled_dot_product_attention(
+            q, kk, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=kk.shape[1] != q.shape[1]
+        )
+        outs.append(o.transpose(1, 2).reshape(1, n * k, o.shape[1], o.shape[3]))
+    return torch.cat(outs, dim=1), None  # (1, N, H, D)
+
+
+def _runs(seq_lens: list[int]) -> list[tuple[int, int]]:
+    """[(length, count)] of consecutive equal lengths: [5, 5, 3, 5] -> [(5, 2), (3, 1), (5, 1)]."""
+    runs: list[list[int]] = []
+    for n in seq_lens:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return [(n, k) for n, k in runs]
+
+
+def _mask(*args, **kwargs):
+    """sdpa's mask, except inside no_mask() (a packed call: attention reads seq_lens, not a mask)."""
+    return None if _NO_MASK.get() else sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, _mask)
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Switch `model` to NAME if it computes attention through transformers' sdpa function; returns
+    whether it did (other implementations, e.g. flash-attention on GPU, keep the row packing)."""
+    if model.config._attn_implementation not in ("sdpa", NAME):
+        return False
+    model.set_attn_implementation(NAME)
+    return True
+
+
+def fits(model: torch.nn.Module, longest: int) -> bool:
+    """Whether per-sequence causal attention is the model's attention for sequences of up to `longest`
+    tokens: installed, and no sliding window shorter than that (Mistral's window)."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    windowed = window is not None and getattr(config, "use_sliding_window", True)
+    return config._attn_implementation == NAME and not (windowed and longest > window)
+
+
+@contextlib.contextmanager
+def no_mask():
+    token = _NO_MASK.set(True)
+    try:
+        yield
+    finally:
+        _NO_MASK.reset(token)
