@@ -32,6 +32,7 @@ from hybridflow.batch import Batch
 from hybridflow.checkpoint import atomic_write_text
 from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.controller import Future
+from hybridflow.workers.shard_sync import split_dims
 
 PART = "rollout_ahead"  # the checkpoint part holding the batch in flight
 SYNC_TIMEOUT_S = 600.0
@@ -50,7 +51,7 @@ class RolloutAhead:
         self.pending: dict | None = None  # step, prompts, result and scores (Futures or Batches), version
         self.scores: dict = {}  # frozen role -> its output for the current step's batch (see `scored`)
         self.rollout_version = 0
-        self._spec, self._connected_to = None, None
+        self._spec, self._dims, self._connected_to = None, None, None
 
     @property
     def group(self):
@@ -125,11 +126,17 @@ class RolloutAhead:
         t = self.trainer
         with t.timers("weight_sync"):
             sent, received = _get_both(
-                t.actor.send_weights.future(self._spec), self.group.receive_weights.future(self._spec)
+                t.actor.send_weights.future(self._spec, self._dims),
+                self.group.receive_weights.future(self._spec),
             )
+        # sync/bytes: what each rollout rank received (its shard when rollout.tg > 1); sync/bytes_sent:
+        # what actor rank 0 broadcast in all (one payload per TP index)
         t.metrics["sync/bytes"] = max(m["sync/bytes"] for m in sent)
-        if min(m["sync/bytes"] for m in received) != t.metrics["sync/bytes"]:
-            raise RuntimeError(f"weight sync: sent {sent[0]} but the rollout ranks received {received}")
+        t.metrics["sync/bytes_sent"] = max(m["sync/bytes_sent"] for m in sent)
+        if {m["sync/bytes"] for m in received} != {t.metrics["sync/bytes"]}:
+            raise RuntimeError(
+                f"weight sync: sent {sent[0]} to each rollout rank but they received {received}"
+            )
         self.rollout_version = version
 
     def _connect(self) -> None:
@@ -139,18 +146,13 @@ class RolloutAhead:
         if self._connected_to is self.group:
             return
         addr, port = t.actor.weight_sync_address()
-        world = 1 + self.group.world_size
+        world, tg = 1 + self.group.world_size, self.group.weight_sync_tg()  # tg > 1: shard-only sync
         _get_both(
-            t.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S),
-            self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S),
+            t.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S, tg),
+            self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S, tg),
         )
-        spec, shapes = self.group.weight_spec(), t.actor.weight_shapes()
-        bad = [f"{n} {s}" for n, s, _ in spec if shapes.get(n) != s]
-        if bad:
-            raise ValueError(
-                f"rollout pool: the actor's model has no tensor of the same name and shape for {bad[:3]} "
-                f"(the actor has e.g. {list(shapes)[:3]})"
-            )
+        spec = self.group.weight_spec()
+        self._dims = split_dims(spec, t.actor.weight_shapes(), tg)  # ValueError: the models differ
         self._spec, self._connected_to, self.rollout_version = spec, self.group, 0
 
     # ---- checkpoints --------------------------------------------------------------------------------

@@ -38,9 +38,10 @@ from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
 from hybridflow.rollout.factory import build_generation_engine
-from hybridflow.rollout.pool_tp import generation_shard, pool_tp_group
+from hybridflow.rollout.pool_tp import keep_shard, load_shard, param_bytes, pool_tp_group
 from hybridflow.workers.common import (
     MetricLists,
     engine_config,
@@ -122,18 +123,31 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 r = self.config.rollout
                 # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md)
                 self.resharder = Resharder(self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin")
-            model = (
-                self.actor.hf_model
-                if self.actor is not None
-                else load_causal_lm(m.path, **remote).to(self.device)
-            )
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
-            self.rollout = build_generation_engine(self.config, model, self.world_size, own_weights=own)
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
-                if self.config.rollout.engine == "vllm":
-                    model.to("meta")  # vLLM holds the weights; the HF model only names their shapes now
+            model = self.actor.hf_model if not own else self._pool_model(m.path, remote)
+            self.rollout = build_generation_engine(self.config, model, self.world_size, own_weights=own)
+            if own and self.config.rollout.engine == "vllm":
+                model.to("meta")  # vLLM holds the weights; the HF model only names their shapes now
         return info
+
+    def _pool_model(self, path: str, remote: dict) -> torch.nn.Module:
+        """A rollout-only pool's model: whole for tg = 1 (and vLLM, which slices it itself), else only this
+        rank's generation shard (rollout/pool_tp.py), read as safetensors slices when the directory
+        holds every tensor by name (else loaded whole and cut down at once)."""
+        if self.pool_tp is None:
+            return load_causal_lm(path, **remote).to(self.device)
+        model = load_causal_lm(path, device="meta", **remote)
+        index, tg = self.pool_tp.rank(), self.pool_tp.size
+        if hasattr(model, WEIGHTS_ATTR):
+            return load_shard(model, index, tg, self.device).to(self.device)  # buffers too
+        return keep_shard(model, index, tg).to(self.device)
+
+    @register(Protocol.ONE_TO_ALL)
+    def rollout_param_bytes(self) -> int:
+        """Bytes of the rollout model's parameters this rank holds (a rollout pool rank's shard)."""
+        return param_bytes(self.rollout.model)
 
     def _pool_tg(self) -> int:
         """Generation TP size of a rollout-only pool: rollout.tg with the built-in engine (vLLM runs its own)."""
@@ -189,9 +203,9 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         """Switch to the generation layout for the duration of a generate call; yields a dict that is
         filled with this round's reshard metrics (max over ranks) when the switch is back."""
         metrics: dict[str, float] = {}
-        if self.pool_tp is not None:  # a rollout-only pool: slices of its full weights, no switch
+        if self.pool_tp is not None:  # a rollout-only pool: its model holds only its shard, no switch
             self.rollout.set_shard(
-                generation_shard(self.rollout.model, self.pool_tp.rank(), self.pool_tp.size), self.pool_tp
+                dict(self.rollout.model.named_parameters(remove_duplicate=False)), self.pool_tp
             )
             try:
                 yield metrics

@@ -11,7 +11,9 @@ built-in engine copies them into its model in place (rollout/base.load_named_wei
 weights (rollout/vllm_engine.py, reload in place; nothing touches disk).
 
 Both sides walk the same list of (name, shape, dtype), the rollout model's state dict without tied
-duplicates, so they cut the same buckets without sending any layout information per sync.
+duplicates, so they cut the same buckets without sending any layout information per sync. A tensor-parallel
+rollout pool (rollout.tg > 1, built-in engine) holds only its generation shards, so the spec has their
+shapes and each rank is sent only its slice, over a subgroup per TP index (workers/shard_sync.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import Protocol, register
+from hybridflow.workers.shard_sync import build_subgroups, send_shards
 
 BUCKET_BYTES = 64 << 20  # one broadcast per bucket: few calls, bounded extra memory on both sides
 
@@ -67,9 +70,12 @@ class WeightSyncMixin:
         return addr, self._sync_socket.getsockname()[1]
 
     @register(Protocol.ONE_TO_ALL)
-    def init_weight_sync(self, addr: str, port: int, world: int, first_rank: int, timeout_s: float) -> None:
+    def init_weight_sync(
+        self, addr: str, port: int, world: int, first_rank: int, timeout_s: float, tg: int = 1
+    ) -> None:
         """Join the sync group as rank first_rank + this rank; an actor group passes first_rank=0 and only
-        its rank 0 joins (the other actor ranks only help gather). All members must call concurrently."""
+        its rank 0 joins (the other actor ranks only help gather). All members must call concurrently.
+        tg > 1 (a rollout pool holding generation shards): also the subgroups of the shard-only sync."""
         if first_rank == 0 and self.rank != 0:
             return
         rank, timeout = first_rank + self.rank, datetime.timedelta(seconds=timeout_s)
@@ -78,13 +84,22 @@ class WeightSyncMixin:
                                   master_listen_fd=self._sync_socket.fileno())  # fmt: skip
         else:
             store = dist.TCPStore(addr, port, world, False, timeout)
-        if self.context.backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, rank, world, opts)
-        else:
-            group = dist.ProcessGroupGloo(store, rank, world, timeout)
-        self._sync_store, self._sync_group = store, group
+
+        def make(store, rank, world):
+            if self.context.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                return dist.ProcessGroupNCCL(store, rank, world, opts)
+            return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+        self._sync_store, self._sync_group = store, make(store, rank, world)
+        self._sync_subgroups = build_subgroups(store, rank, world, tg, make) if tg > 1 else []
+
+    @register(Protocol.RANK_ZERO)
+    def weight_sync_tg(self) -> int:
+        """How many slices of a split tensor the rollout pool's ranks hold: its generation TP size when
+        they hold only their shards (the built-in engine, rollout/pool_tp.py), else 1 (whole weights)."""
+        return self.pool_tp.size if self.pool_tp is not None else 1
 
     @register(Protocol.RANK_ZERO)
     def weight_spec(self) -> list:
@@ -104,14 +119,17 @@ class WeightSyncMixin:
         return {n: list(t.shape) for n, t in self._engine("actor").hf_model.state_dict().items()}
 
     @register(Protocol.ONE_TO_ALL)
-    def send_weights(self, spec: list) -> dict:
-        """Every actor rank gathers the full tensors; rank 0 broadcasts the spec's, in buckets.
-        -> sync/bytes (rank 0's; 0 on the others)."""
+    def send_weights(self, spec: list, dims: list | None = None) -> dict:
+        """Every actor rank gathers the full tensors; rank 0 broadcasts the spec's, in buckets (dims: per
+        spec entry, the dimension a shard-only sync cuts it along, shard_sync.split_dims).
+        -> sync/bytes (what each rollout rank receives; 0 on actor ranks but 0), sync/bytes_sent."""
         gathered = self._engine("actor").iter_full_state_dict(device=self.device)
         if self.rank != 0:
             for _ in gathered:  # each gather is a collective over the actor's group
                 pass
-            return {"sync/bytes": 0.0}
+            return {"sync/bytes": 0.0, "sync/bytes_sent": 0.0}
+        if self._sync_subgroups:
+            return send_shards(gathered, spec, dims, self._sync_subgroups, _broadcast, plan_buckets(spec))
         wanted, have, sent = {s[0] for s in spec}, {}, 0
         for bucket in plan_buckets(spec):
             for i in bucket:
@@ -125,19 +143,20 @@ class WeightSyncMixin:
             sent += flat.numel() * flat.element_size()
         for _ in gathered:
             pass
-        return {"sync/bytes": float(sent)}
+        return {"sync/bytes": float(sent), "sync/bytes_sent": float(sent)}
 
     @register(Protocol.ONE_TO_ALL)
     def receive_weights(self, spec: list) -> dict:
-        """Receive the buckets from actor rank 0 into this rank's rollout engine, in place.
-        -> sync/bytes received."""
+        """Receive the buckets from actor rank 0 into this rank's rollout engine, in place (over the
+        subgroup of this rank's TP index when it holds a shard). -> sync/bytes received."""
         received = [0]
+        group = self._sync_subgroups[0] if self._sync_subgroups else self._sync_group
 
         def stream():  # each bucket is received when the engine's loader reaches it
             for bucket in plan_buckets(spec):
                 numels = [math.prod(spec[i][1]) for i in bucket]
                 flat = torch.empty(sum(numels), dtype=_dtype(spec[bucket[0]][2]), device=self.device)
-                _broadcast(self._sync_group, flat)
+                _broadcast(group, flat)
                 received[0] += flat.numel() * flat.element_size()
                 yield from ((spec[i][0], p.view(spec[i][1])) for i, p in zip(bucket, flat.split(numels)))
 

@@ -2,7 +2,8 @@
 ... resources.placement=auto trainer.rollout_ahead=1`, and a plan file written by `hybridflow plan
 --schedule ahead`, build the planned rollout pool and the actor's layout (read back from the run's
 placement.json), and the rollout pool generates tensor-parallel (tg = 2, rollout/pool_tp.py) with the
-outputs and metrics of tg = 1. Real Ray groups, gloo, the tiny Llama.
+outputs and metrics of tg = 1, each rollout rank holding and receiving only its generation shard
+(workers/shard_sync.py). Real Ray groups, gloo, the tiny Llama.
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ import yaml
 
 from hybridflow.cli import main as cli_main
 from hybridflow.config import ConfigError
+from hybridflow.models import load_causal_lm
 from hybridflow.planner import Plan
+from hybridflow.rollout.pool_tp import generation_shard
 from hybridflow.trainers import build_trainer
 from tests.trainers.lifecycle_helpers import assert_rollout_pool_greedy_equals_actor, comparable, grpo_config
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 AHEAD = (DIGITS, "trainer.rollout_ahead=1", "trainer.val_before_train=false", "trainer.total_steps=3")
 LAG = "rollout/policy_lag"
+
+
+def _shard_bytes(model_dir, tg: int) -> int:
+    """Bytes of one rank's generation shard of the model (tied weights once)."""
+    model = load_causal_lm(model_dir)
+    return sum(t.numel() * t.element_size() for t in generation_shard(model, 0, tg).values())
 
 
 def _placement(run: Path) -> dict:
@@ -55,7 +64,7 @@ def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys) -> Path:
     too, but picks one device here). The runs have no KL term: the reference pool is not started."""
     out = tmp_path / "plan.yaml"
     args = ["plan", "--model-config", str(tiny_model_dir), "--algorithm", "grpo", "--no-reward-model",
-            "--gpu", "cpu", "--gpus", "3", "--max-pp", "1", "--max-pg", "1", "--tp-whole-heads", "--rollout-full-weights",
+            "--gpu", "cpu", "--gpus", "3", "--max-pp", "1", "--max-pg", "1", "--tp-whole-heads",
             "--prompts", "4", "--samples-per-prompt", "2", "--prompt-len", "16", "--response-len", "4",
             "--schedule", "ahead", "--frozen-pool", "training", "--output", str(out)]  # fmt: skip
     assert cli_main(args) == 0
@@ -72,27 +81,37 @@ def test_plan_file_with_a_tensor_parallel_rollout_pool(
     ray_cluster, make_config, tiny_model_dir, tmp_path, capsys
 ):
     path = _ahead_plan_file(tiny_model_dir, tmp_path, capsys)
-    cfg = make_config("grpo", *AHEAD, f"resources.placement={path}", "trainer.experiment_name=tg2", devices=3)
+    four = "trainer.total_steps=4"  # syncs before steps 3 and 4 (and the check's), each a shard per rank
+    cfg = make_config(
+        "grpo", *AHEAD, four, f"resources.placement={path}", "trainer.experiment_name=tg2", devices=3
+    )
     with build_trainer(cfg) as trainer:
         assert trainer.groups["rollout"].world_size == 2
         tg2 = trainer.fit()
         # the rollout pool (one replica, tg = 2) decodes greedily as the actor (tg = 1)
         assert_rollout_pool_greedy_equals_actor(trainer, 6)
+        # each rank holds its shard only: q/k/v, gate/up, o/down and the (92-row) embeddings and lm_head
+        # halved, the norms whole
+        assert trainer.groups["rollout"].rollout_param_bytes() == [_shard_bytes(tiny_model_dir, 2)] * 2
     built = _placement(Path(cfg.run_dir))
     assert built["pools"]["rollout"] == 2 and sum(built["pools"].values()) == 3
     assert built["roles"]["rollout"] == {"pool": "rollout", "world_size": 2, "rollout": {"dp": 1, "tp": 2}}
     assert built["roles"]["actor_rollout"]["train"] == {"dp": 1, "tp": 1}
 
     # the same run with tg = 1 on one rollout device (one replica, so the same sampling seeds)
-    ref = make_config("grpo", *AHEAD, "trainer.experiment_name=tg1", devices=2)
+    ref = make_config("grpo", *AHEAD, four, "trainer.experiment_name=tg1", devices=2)
     with build_trainer(ref) as trainer:
         tg1 = trainer.fit()
-    assert [h[LAG] for h in tg2] == [h[LAG] for h in tg1] == [0.0, 1.0, 1.0]
-    assert tg2[1]["sync/bytes"] == tg1[1]["sync/bytes"]  # every rollout rank receives the full weights
+    assert [h[LAG] for h in tg2] == [h[LAG] for h in tg1] == [0.0, 1.0, 1.0, 1.0]
+    # sync/bytes: what each rollout rank received (its shard); sync/bytes_sent: actor rank 0's total
+    full, half = _shard_bytes(tiny_model_dir, 1), _shard_bytes(tiny_model_dir, 2)
+    assert half == 172_288 and full == 343_296  # 1/2 of the model but for the norms (64 floats each)
+    assert [(h["sync/bytes"], h["sync/bytes_sent"]) for h in tg1[1:-1]] == [(full, full)] * 2
+    assert [(h["sync/bytes"], h["sync/bytes_sent"]) for h in tg2[1:-1]] == [(half, 2 * half)] * 2
     for a, b in zip(tg2, tg1, strict=True):
         a, b = comparable(a), comparable(b)
         assert a.keys() == b.keys()
-        for k in a:
+        for k in (k for k in a if not k.startswith("sync/")):
             assert math.isclose(a[k], b[k], rel_tol=1e-3, abs_tol=1e-4), (a["step"], k, a[k], b[k])
 
 
