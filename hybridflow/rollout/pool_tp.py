@@ -124,7 +124,9 @@ def load_shard(model: nn.Module, index: int, tg: int, device: torch.device) -> n
                 slice(None) if d != dim else slice(index * part.shape[d], (index + 1) * part.shape[d])
                 for d in range(p.dim())
             )
-            new[id(p)] = handles[files[name]].get_slice(name)[index_].to(device=device, dtype=p.dtype)
+            # a slice may be a view of the file's whole tensor: copy it into a tensor of its own size
+            new[id(p)] = torch.empty(part.shape, dtype=p.dtype, device=device)
+            new[id(p)].copy_(handles[files[name]].get_slice(name)[index_])
     _replace(model, new)
     return model
 

@@ -1,16 +1,25 @@
 """The rollout pool's generation shards (rollout/pool_tp.py): the same slices as the hand-made Megatron
 split that tests/rollout/test_tp_decoder.py runs tensor-parallel against tg = 1 (q/k/v, gate/up and
 biases by rows, o/down by columns, norms whole, embeddings vocab-parallel when V divides by tg), as
-views of the model's own tensors (a sync copying in place is what the next call reads); consecutive
-TP groups."""
+views of a full model's tensors; consecutive TP groups; and a rollout rank's model holding only those
+slices, read from model.path's safetensors (rollout/pool_tp.py load_shard) or cut from a whole model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridflow.models.tiny import build_tiny_model
-from hybridflow.rollout.pool_tp import consecutive_groups, generation_shard
+from hybridflow.models import load_causal_lm
+from hybridflow.models.tiny import build_tiny_model, save_tiny_model
+from hybridflow.rollout.pool_tp import (
+    consecutive_groups,
+    generation_shard,
+    keep_shard,
+    load_shard,
+    param_bytes,
+    shard_of,
+    split_dim,
+)
 from tests.rollout.test_tp_decoder import shard
 
 
@@ -38,3 +47,44 @@ def test_tp_groups_are_consecutive_ranks():
     assert consecutive_groups(3, 1) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="rollout.tg=2 must divide the rollout pool's 3 ranks"):
         consecutive_groups(3, 2)
+
+
+@pytest.mark.parametrize("arch,tied,vocab", [("qwen2", False, 92), ("llama", True, 92), ("llama", False, 93)])
+def test_a_rank_loads_only_its_shard_as_its_own_tensors(tmp_path, arch, tied, vocab):
+    """load_shard (safetensors slices into a meta-built model) and keep_shard (a whole model cut down) give
+    the model's parameters exactly generation_shard's slices, each a contiguous tensor of its own, tied
+    weights still one tensor; the shard is ~1/tg of the model's bytes (the norms, and embeddings whose
+    vocabulary does not divide by tg, whole)."""
+    path = save_tiny_model(tmp_path, "tiny", arch, seed=0, tie_word_embeddings=tied, vocab_size=vocab)
+    full = load_causal_lm(path)
+    whole = param_bytes(full)
+    for rank in range(2):
+        want = generation_shard(full, rank, 2)
+        for model in (
+            load_shard(load_causal_lm(path, device="meta"), rank, 2, torch.device("cpu")),
+            keep_shard(load_causal_lm(path), rank, 2),
+        ):
+            ours = dict(model.named_parameters())
+            assert ours.keys() == want.keys()
+            for name, t in ours.items():
+                assert torch.equal(t, want[name]) and t.is_contiguous() and not t.is_meta, name
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name  # no full tensor
+            assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+            split = sum(t.numel() * t.element_size() for t in want.values())
+            assert param_bytes(model) == split
+    norms = sum(p.numel() * 4 for n, p in full.named_parameters() if "norm" in n)
+    embeds = (1 if tied else 2) * vocab * full.config.hidden_size * 4
+    if vocab % 2:  # embeddings and lm_head whole, the rest halved
+        assert split == embeds + (whole - embeds - norms) // 2 + norms
+    else:
+        assert split == (whole - norms) // 2 + norms
+        assert split / whole < 0.51
+
+
+def test_a_dimension_tg_does_not_divide_is_one_line():
+    with pytest.raises(
+        ValueError, match=r"rollout.tg=3 must divide model.layers.0.mlp.up_proj.weight's dimension 0"
+    ):
+        shard_of("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 64), 0, 3, False)
+    assert split_dim("model.layers.0.self_attn.o_proj.bias", True) is None
+    assert split_dim("lm_head.weight", False) is None and split_dim("lm_head.weight", True) == 0
