@@ -11,6 +11,10 @@ are sent to the rollout pool. In steady state one iteration takes
 against the synchronous schedule's generation + preparation + training on all devices. Generation
 needs no hybrid-engine switch here (the rollout pool keeps its own copy of the weights), and its pool
 holds only the generation weights and the KV cache; the training side no longer holds a KV cache.
+By default each rollout device holds and is sent only its generation shard, 1/(pg*tg) of the weights,
+as the built-in trainer's rollout pool does (rollout/pool_tp.py, workers/shard_sync.py);
+EngineLimits.rollout_full_weights (`hybridflow plan --rollout-full-weights`) prices ranks that hold and
+receive the whole model instead, for an engine whose loader slices the full weights itself.
 
 The frozen models (reference, reward, cost: they never train) may run on the rollout pool instead
 (`frozen_pool="rollout"`, the trainer's resources.frozen_pool default): they score batch k+1 there right

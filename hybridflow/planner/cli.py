@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--rollout-full-weights",
         action="store_true",
-        help="each one-step-ahead rollout rank holds and is sent the full weights (the built-in trainer)",
+        help="each one-step-ahead rollout rank holds and is sent the full weights (an engine that slices them "
+        "itself); default: only its generation shard, as the built-in trainer's rollout pool",
     )
     e.add_argument(
         "--tp-whole-heads",

@@ -263,8 +263,9 @@ class EngineLimits:
     tp_shards_whole_heads: bool = False
     # largest tg of a one-step-ahead rollout pool (ahead.py; None: any), 1 where it runs plain replicas
     max_rollout_tg: int | None = None
-    # each rollout-pool rank holds and is sent the full weights and generates on its tg-slice (the
-    # built-in trainer, rollout/pool_tp.py): its memory and weight sync are priced at the whole model
+    # each rollout-pool rank holds and is sent the full weights and generates on its tg-slice (an engine
+    # whose loader slices them itself); its memory and weight sync are priced at the whole model. False
+    # (the built-in trainer, rollout/pool_tp.py): each rank holds and is sent its generation shard only
     rollout_full_weights: bool = False
 
     def __post_init__(self):

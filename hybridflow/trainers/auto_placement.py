@@ -65,9 +65,9 @@ from hybridflow.trainers.plan_schedule import (
 # What the built-in engines run: TrainEngine has no pipeline parallelism (ParallelConfig pp must be 1,
 # and so generation pg, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
 # columns. `hybridflow plan --max-pp 1 --tp-whole-heads` plans under the same limits.
-# A one-step-ahead rollout pool runs any tg dividing the heads, each rank holding and sent the full
-# weights (rollout/pool_tp.py). `... --max-pg 1 --rollout-full-weights` adds these (plan_schedule.py).
-ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True, rollout_full_weights=True)
+# A one-step-ahead rollout pool runs any tg dividing the heads, each rank holding and sent only its
+# generation shard (rollout/pool_tp.py, the planner's default). `... --max-pg 1` adds these (plan_schedule.py).
+ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
 
 # trainer role -> planner role
 PLANNER_ROLE = {

@@ -10,7 +10,9 @@ from __future__ import annotations
 from hybridflow.planner import Plan
 
 REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
-AHEAD_FLAGS = "--max-pg 1 --rollout-full-weights"  # how the trainer's rollout pool runs (rollout/pool_tp.py)
+AHEAD_FLAGS = (
+    "--max-pg 1"  # how the trainer's rollout pool runs: each rank holds its shard (rollout/pool_tp.py)
+)
 
 
 def config_rollout_ahead(cfg) -> int | None:
@@ -102,10 +104,15 @@ def report_schedule(p: Plan, cfg, console) -> None:
     """Say when the schedule the config did not pick is predicted faster."""
     if config_rollout_ahead(cfg) is None or p.ahead is None or not p.synchronous_seconds:
         return
-    if p.rollout_ahead and p.ahead.tg > 1 and not p.limits.rollout_full_weights:
+    if (
+        p.rollout_ahead
+        and p.ahead.tg > 1
+        and p.limits.rollout_full_weights
+        and cfg.rollout.engine == "builtin"
+    ):
         console.print(
-            f"note: the plan prices each rollout device holding and receiving 1/{p.ahead.tg} of the weights; "
-            f"the trainer's rollout ranks hold and receive them whole (re-plan with {AHEAD_FLAGS} to price that)"
+            "note: the plan prices each rollout device holding and receiving the whole weights; the trainer's "
+            f"rollout ranks hold and receive 1/{p.ahead.tg} of them (re-plan without --rollout-full-weights)"
         )
     sync, ahead = p.synchronous_seconds, p.ahead.iteration_seconds
     if not p.rollout_ahead and ahead < sync:

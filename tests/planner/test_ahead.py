@@ -162,8 +162,9 @@ def test_rollout_pool_layout_fits_memory_with_waves():
 
 
 def test_rollout_ranks_holding_full_weights_are_priced_whole():
-    """EngineLimits.rollout_full_weights (the built-in trainer's rollout pool, rollout/pool_tp.py): a rank
-    holds and is sent the whole model whatever tg. Two devices with room for half the weights plus the KV
+    """EngineLimits.rollout_full_weights (an engine whose rollout ranks slice the full weights themselves;
+    the built-in trainer's hold and receive their shards, the default): a rank holds and is sent the whole
+    model whatever tg. Two devices with room for half the weights plus the KV
     of all 8 sequences split over tg = 2: tg = 2 in one wave fits when ranks hold halves; holding the
     whole model, nothing fits (the model alone is over the budget)."""
     actor = build_dataflow("grpo", TOY_MODEL).model("actor")
