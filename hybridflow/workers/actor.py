@@ -74,22 +74,25 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self._gen_calls = 0
         seed = config.trainer.seed
         pack = {"remove_padding": config.model.remove_padding}
-        self.actor_cfg = engine_config(
-            config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps, **pack
-        )
-        self.ref_cfg = engine_config(config.ref, self.world_size, "ref", seed, config.model.dtype, **pack)
+        # each role's engine config only where it runs: a role on another pool has that pool's dp
+        # (the reference on the rollout pool of rollout_ahead=1 while the actor's pool is smaller)
+        self.actor_cfg = self.ref_cfg = None
         if "actor" in roles:
+            self.actor_cfg = engine_config(
+                config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps, **pack
+            )
             set_train_layout(self, "train", self.actor_cfg.parallel)
         if "ref" in roles:
+            self.ref_cfg = engine_config(config.ref, self.world_size, "ref", seed, config.model.dtype, **pack)
             set_train_layout(self, "ref", self.ref_cfg.parallel)
         if "rollout" in roles:
             self._set_rollout_layout()
 
     def _set_rollout_layout(self) -> None:
         """Generation replicas of the 3D-HybridEngine's layout (hybrid_engine/layout.py GenLayout)."""
-        r, par = self.config.rollout, self.actor_cfg.parallel
+        r = self.config.rollout
         if "actor" in self.roles:
-            t, d, tg = par.tp, par.dp, r.tg
+            t, d, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
         else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py,
             tg = r.tg  # or vLLM's own over the pool's ranks: the same consecutive ones)
             t, d = tg, self.world_size // tg

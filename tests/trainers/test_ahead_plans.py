@@ -58,7 +58,7 @@ def test_auto_with_rollout_ahead_runs_through_the_cli(ray_cluster, tiny_model_di
     assert [r[LAG] for r in rows] == [0.0, 1.0]
 
 
-def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys) -> Path:
+def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys, n_devices: int = 2, tg: int = 2) -> Path:
     """`hybridflow plan --schedule ahead` for the tiny GRPO on 3 CPU devices (actor | reference | rollout,
     one each: the reference priced in the training pool), with the rollout pool edited to 2 devices generating tg = 2 (the planner prices tg > 1
     too, but picks one device here). The runs have no KL term: the reference pool is not started."""
@@ -72,7 +72,7 @@ def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys) -> Path:
     data = yaml.safe_load(out.read_text())
     assert data["rollout_ahead"] == 1 and [p["n_devices"] for p in data["pools"]] == [1, 1]
     assert data["ahead"]["n_devices"] == 1
-    data["ahead"].update(n_devices=2, tg=2)
+    data["ahead"].update(n_devices=n_devices, tg=tg)
     out.write_text(yaml.safe_dump(data))
     return out
 
@@ -144,3 +144,36 @@ def test_a_plan_for_the_other_schedule_stops_train_in_one_line(tiny_model_dir, t
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
     assert "has rollout_ahead: 1 but trainer.rollout_ahead=0" in err and "--schedule sync" in err
+
+
+def test_two_tensor_parallel_replicas_each_rank_sent_only_its_shard(
+    ray_cluster, make_config, tiny_model_dir, tmp_path, capsys
+):
+    """4 rollout ranks at tg = 2: two replicas, so each TP index's slice goes by one broadcast over a
+    subgroup of actor rank 0 and the two rollout ranks of that index (workers/shard_sync.py). The run
+    equals tg = 1 on 2 rollout ranks (two replicas as well: the same prompts and seeds per replica)."""
+    path = _ahead_plan_file(tiny_model_dir, tmp_path, capsys, n_devices=4)
+    cfg = make_config(
+        "grpo", *AHEAD, f"resources.placement={path}", "trainer.experiment_name=tg2x2", devices=5
+    )
+    with build_trainer(cfg) as trainer:
+        assert trainer.groups["rollout"].world_size == 4
+        tg2 = trainer.fit()
+        assert_rollout_pool_greedy_equals_actor(trainer, 6)
+        assert trainer.groups["rollout"].rollout_param_bytes() == [_shard_bytes(tiny_model_dir, 2)] * 4
+    built = _placement(Path(cfg.run_dir))
+    assert built["roles"]["rollout"] == {"pool": "rollout", "world_size": 4, "rollout": {"dp": 2, "tp": 2}}
+    ref = make_config(
+        "grpo", *AHEAD, "resources.rollout_devices=2", "trainer.experiment_name=tg1x2", devices=3
+    )
+    with build_trainer(ref) as trainer:
+        assert trainer.groups["rollout"].world_size == 2
+        tg1 = trainer.fit()
+    half, full = _shard_bytes(tiny_model_dir, 2), _shard_bytes(tiny_model_dir, 1)
+    assert (tg2[1]["sync/bytes"], tg2[1]["sync/bytes_sent"]) == (half, 2 * half)
+    assert (tg1[1]["sync/bytes"], tg1[1]["sync/bytes_sent"]) == (full, full)
+    for a, b in zip(tg2, tg1, strict=True):
+        a, b = comparable(a), comparable(b)
+        assert a.keys() == b.keys()
+        for k in (k for k in a if not k.startswith("sync/")):
+            assert math.isclose(a[k], b[k], rel_tol=1e-3, abs_tol=1e-4), (a["step"], k, a[k], b[k])
