@@ -131,3 +131,23 @@ def test_auto_plans_the_schedule_the_config_asks_for(make_config):
     fixed = _config(make_config, 1, "resources.placement=auto")
     fixed.resources.rollout_devices = 3 - p.ahead.n_devices  # the user's split is kept
     assert plan_for_config(fixed).ahead.n_devices == 3 - p.ahead.n_devices
+
+
+def test_a_plan_priced_with_full_rollout_weights_gets_a_note(make_config):
+    """The trainer's rollout ranks hold and receive only their shards (rollout/pool_tp.py): a tg > 1 plan
+    priced with --rollout-full-weights says so, one priced as shards (the default) says nothing."""
+    from hybridflow.planner import EngineLimits
+    from hybridflow.trainers.plan_schedule import report_schedule
+
+    lines: list[str] = []
+    ahead = SimpleNamespace(tg=2, n_devices=2, iteration_seconds=1.0)
+    for full, notes in ((True, 1), (False, 0)):
+        p = SimpleNamespace(
+            rollout_ahead=1,
+            ahead=ahead,
+            synchronous_seconds=2.0,
+            limits=EngineLimits(rollout_full_weights=full),
+        )
+        lines.clear()
+        report_schedule(p, _config(make_config, 1), SimpleNamespace(print=lines.append))
+        assert sum("rollout ranks hold and receive 1/2 of them" in x for x in lines) == notes, lines
