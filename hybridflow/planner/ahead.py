@@ -6,7 +6,8 @@ critic, reference, reward: any placement of them, searched as usual). The rollou
 k+1's responses while the training side prepares and trains on step k, then the actor's new weights
 are sent to the rollout pool. In steady state one iteration takes
 
-    max(generation on the rollout pool, preparation + training on the training side) + weight sync
+    max(generation on the rollout pool + weight sync, preparation + training on the training side
+        + the share of the sync actor rank 0 waits for)
 
 against the synchronous schedule's generation + preparation + training on all devices. Generation
 needs no hybrid-engine switch here (the rollout pool keeps its own copy of the weights), and its pool
@@ -21,7 +22,7 @@ The frozen models (reference, reward, cost: they never train) may run on the rol
 after generating it, so the rollout side costs generation + their forwards (data parallel over the pool,
 their weights beside the generation's) and the training side keeps only the actor and the critic:
 
-    max(generation + frozen forwards, actor preparation + training) + weight sync
+    max(generation + frozen forwards + sync, actor preparation + training + its share of the sync)
 
 Ahead wins where generation and training take similar time and generation scales poorly with devices
 (memory-bound decode re-reads the weights on every replica); it loses where one phase dominates and
@@ -48,10 +49,23 @@ FROZEN_POOLS = (
 )  # search_ahead also takes "auto": whichever predicts the shorter iteration
 
 
-def ahead_iteration_seconds(generation: float, training_side: float, sync: float) -> float:
-    """Steady-state iteration of the one-step-ahead schedule: the two sides overlap, then the weights
-    move (the sync is a collective over both pools, so neither side works during it)."""
-    return max(generation, training_side) + sync
+def ahead_iteration_seconds(
+    generation: float, training_side: float, sync: float, sender_waits: float = 1.0
+) -> float:
+    """Steady-state iteration of the one-step-ahead schedule: the two sides overlap; the rollout side
+    waits for the whole weight sync before generating, the training side only for the `sender_waits`
+    fraction of it that its rank 0 cannot leave in flight behind the next update (sender_wait_fraction)."""
+    return max(generation + sync, training_side + sender_waits * sync)
+
+
+def sender_wait_fraction(task: ModelTask, cluster: ClusterSpec) -> float:
+    """The share of a sync actor rank 0 waits for: it issues the broadcasts and trains on while at most
+    SEND_INFLIGHT_BYTES of its packed buckets are in flight (workers/weight_sync.py); the rest it waits
+    for as they are sent."""
+    from hybridflow.workers.weight_sync import SEND_INFLIGHT_BYTES
+
+    total = task.spec.num_params * cluster.device.bytes_per_param
+    return max(0.0, 1.0 - SEND_INFLIGHT_BYTES / total) if total else 0.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +186,7 @@ class AheadResult:
     frozen_pool: str = "training"  # where the frozen models run ("rollout": priced on the rollout side)
     frozen: tuple[str, ...] = ()  # the frozen models on the rollout pool
     scoring_seconds: float = 0.0  # their forwards there, after generation
+    sender_waits: float = 1.0  # the share of the sync the training side waits for (sender_wait_fraction)
 
     @property
     def rollout_side_seconds(self) -> float:
@@ -180,28 +195,30 @@ class AheadResult:
     @property
     def iteration_time(self) -> float:
         return ahead_iteration_seconds(
-            self.rollout_side_seconds, self.train.iteration_time, self.sync_seconds
+            self.rollout_side_seconds, self.train.iteration_time, self.sync_seconds, self.sender_waits
         )
 
 
-def best_split(generation, training, sync, num_devices: int) -> tuple[float, int] | None:
+def best_split(
+    generation, training, sync, num_devices: int, sender_waits: float = 1.0
+) -> tuple[float, int] | None:
     """(iteration seconds, rollout devices) minimising max(generation(n), training(N - n)) + sync(n)
     over n = 1..N-1, or None. `generation(n)` and `sync(n)` map a device count to seconds (None: does
     not fit); `training(m, limit)` gives the training side's seconds on m devices, or None when it does
     not fit or cannot beat `limit` (the search passes what would still improve the best split).
     Assumes, as the simulator gives, that training(m) does not grow with m (idle devices are allowed)
-    and sync(n) does not shrink with n, so the scan stops once training(N - n) + sync(n) alone reaches
+    and sync(n) does not shrink with n, so the scan stops once training(N - n) + sender_waits * sync(n) reaches
     the best found."""
     best = None
     for n in range(1, num_devices):
         s = sync(n)
-        t = training(num_devices - n, math.inf if best is None else best[0] - s)
+        t = training(num_devices - n, math.inf if best is None else best[0] - sender_waits * s)
         if t is None or not math.isfinite(t):
             break  # fewer devices for the training side, more sync: no later n can do better
         g = generation(n)
         if g is None or not math.isfinite(g):
             continue
-        cost = ahead_iteration_seconds(g, t, s)
+        cost = ahead_iteration_seconds(g, t, s, sender_waits)
         if best is None or cost < best[0]:
             best = (cost, n)
     return best
@@ -276,6 +293,7 @@ def search_ahead(
         lambda m, limit: (train_best(m, limit) or (None,))[0],
         lambda n: weight_sync_seconds(actor, cluster, n, *_sync_layout(rollout_memo[n], limits)),
         n_total,
+        sender_wait_fraction(actor, cluster),
     )
     if split is None:
         return None
@@ -296,6 +314,7 @@ def search_ahead(
         frozen_pool,
         tuple(m.role for m in frozen),
         scoring_seconds(frozen, cluster, wl, n_rollout),
+        sender_wait_fraction(actor, cluster),
     )
 
 

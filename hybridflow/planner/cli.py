@@ -193,9 +193,10 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         scored = f" + {'+'.join(r.frozen)} {r.scoring_seconds:.2f} s" if r.frozen else ""
         console.print(
             f"one step ahead (trainer.rollout_ahead=1): iteration = max(generation {r.generation_seconds:.2f} s"
-            f"{scored}, "
-            f"preparation + training {r.training_side_seconds:.2f} s) + weight sync {r.sync_seconds:.3f} s "
-            f"({r.sync_bytes / 2**30:.2f} GiB per rollout device) = {r.iteration_seconds:.2f} s"
+            f"{scored} + weight sync, "
+            f"preparation + training {r.training_side_seconds:.2f} s + its share of the sync); weight sync {r.sync_seconds:.3f} s "
+            f"({r.sync_bytes / 2**30:.2f} GiB per rollout device; the training side waits for "
+            f"{r.sender_waits:.0%} of it) = {r.iteration_seconds:.2f} s"
         )
     t = Table(title=f"best {top} placements (each with its best allocation)", title_justify="left")
     for col in ("rank", "strategy", "pools:devices", "iteration s", "vs best"):

@@ -84,7 +84,7 @@ class RolloutPlan:
     training_side_seconds: float  # preparation + training of the other pools
     sync_seconds: float  # actor weights -> rollout pool, each iteration
     sync_bytes: float  # received per rollout device, each iteration
-    iteration_seconds: float  # max(generation, training side) + sync
+    iteration_seconds: float  # max(generation + sync, training side + sender_waits * sync)
     placement: list[list[str]]  # the training side's pools
     allocation: list[int]
     weight_gib: float  # per rollout device
@@ -93,6 +93,7 @@ class RolloutPlan:
     frozen_pool: str = "training"
     frozen: list[str] = field(default_factory=list)  # those on the rollout pool ("rollout")
     scoring_seconds: float = 0.0  # their forwards on the rollout pool, after generation
+    sender_waits: float = 1.0  # the share of the sync the training side waits for (1 in older plans)
 
 
 @dataclass
@@ -208,7 +209,7 @@ def _rollout_plan(ahead: AheadResult) -> RolloutPlan:
         sync_seconds=ahead.sync_seconds, sync_bytes=ahead.sync_bytes, iteration_seconds=ahead.iteration_time,
         placement=[list(s) for s in train.placement], allocation=list(train.allocation),
         weight_gib=r.weight_bytes / GiB, kv_gib=r.kv_bytes / GiB, frozen_pool=ahead.frozen_pool,
-        frozen=list(ahead.frozen), scoring_seconds=ahead.scoring_seconds,
+        frozen=list(ahead.frozen), scoring_seconds=ahead.scoring_seconds, sender_waits=ahead.sender_waits,
     )  # fmt: skip
 
 

@@ -111,8 +111,13 @@ class RLTrainer(Trainer):
         batch = _pending(batch)
         if not self.uses_ref:
             return batch
-        ahead = self.ahead.scored("ref")  # computed on the rollout pool a step ahead (rollout_ahead.py)
-        return batch.add(ahead if ahead is not None else self.ref.compute_ref_log_prob.future(batch.local))
+        return batch.add(self.frozen_output("ref", "compute_ref_log_prob", batch))
+
+    def frozen_output(self, role: str, method: str, batch: Pending):
+        """A frozen model's output for `batch`: scored a step ahead on the rollout pool
+        (rollout_ahead.py), else a call of `method` on the role's own group now."""
+        ahead = self.ahead.scored(role)
+        return ahead if ahead is not None else getattr(self.groups[role], method).future(batch.local)
 
     def values(self, batch: Batch | Pending) -> Pending:
         batch = _pending(batch)
@@ -123,10 +128,7 @@ class RLTrainer(Trainer):
         holds), while the phases issued before it run on their groups; a reward model is a future."""
         batch = _pending(batch)
         if self.rule_reward is None:
-            ahead = self.ahead.scored("reward")
-            return batch.add(
-                ahead if ahead is not None else self.groups["reward"].compute_reward.future(batch.local)
-            )
+            return batch.add(self.frozen_output("reward", "compute_reward", batch))
         batch["scores"], metrics = self.score(batch.local)
         self.metrics.update(metrics)
         return batch

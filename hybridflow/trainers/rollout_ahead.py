@@ -25,8 +25,11 @@ as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
+
+import torch
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import atomic_write_text
@@ -51,7 +54,8 @@ class RolloutAhead:
         self.pending: dict | None = None  # step, prompts, result and scores (Futures or Batches), version
         self.scores: dict = {}  # frozen role -> its output for the current step's batch (see `scored`)
         self.rollout_version = 0
-        self._spec, self._dims, self._connected_to = None, None, None
+        self._spec, self._dims, self._tg, self._connected_to = None, None, 1, None
+        self._syncing: tuple[Future, Future] | None = None  # (send, receive) of the sync in flight
 
     @property
     def group(self):
@@ -77,6 +81,7 @@ class RolloutAhead:
         if self._pending_for(step):
             p, self.pending = self.pending, None
             batch, version, self.scores = _result(p["result"]), p["version"], p["scores"]
+            self._check_sync()  # received before that batch was generated
         else:  # the first step (or a schedule just turned on): nothing was drawn ahead
             self.sync(actor_version)
             future, self.scores = self._issue(prompts)
@@ -119,25 +124,39 @@ class RolloutAhead:
 
     # ---- weight sync --------------------------------------------------------------------------------
     def sync(self, version: int) -> None:
-        """Bring the rollout pool to the actor's weights (of `version`) unless it has them already."""
+        """Bring the rollout pool to the actor's weights (of `version`) unless it has them already.
+
+        Issued, not awaited: the actor's rank 0 returns once its broadcasts are queued (workers/
+        weight_sync.py) and goes on to the update, the rollout ranks receive before the generation the
+        driver queues behind (a group runs its calls in order). The sizes are checked when the next
+        sync, a checkpoint or the next step's batch is due (`_check_sync`)."""
         self._connect()
         if self.rollout_version == version:
             return
         t = self.trainer
-        with t.timers("weight_sync"):
-            sent, received = _get_both(
+        self._check_sync()
+        with t.timers.phase("weight_sync"):  # the workers' busy time: in effect, the rollout's receive
+            self._syncing = (
                 t.actor.send_weights.future(self._spec, self._dims),
                 self.group.receive_weights.future(self._spec),
             )
-        # sync/bytes: what each rollout rank received (its shard when rollout.tg > 1); sync/bytes_sent:
-        # what actor rank 0 broadcast in all (one payload per TP index)
-        t.metrics["sync/bytes"] = max(m["sync/bytes"] for m in sent)
-        t.metrics["sync/bytes_sent"] = max(m["sync/bytes_sent"] for m in sent)
-        if {m["sync/bytes"] for m in received} != {t.metrics["sync/bytes"]}:
+        # sync/bytes: what each rollout rank receives (the spec's shapes: its shard when rollout.tg > 1);
+        # sync/bytes_sent: what actor rank 0 broadcasts in all (one equal payload per TP index)
+        t.metrics["sync/bytes"] = float(sum(math.prod(shape) * _itemsize(dt) for _, shape, dt in self._spec))
+        t.metrics["sync/bytes_sent"] = self._tg * t.metrics["sync/bytes"]
+        self.rollout_version = version
+
+    def _check_sync(self) -> None:
+        """Wait for the sync in flight (if any): a failure on either side is raised at once, and the
+        rollout ranks must have received every byte the actor sent."""
+        if self._syncing is None:
+            return
+        pair, self._syncing = self._syncing, None
+        sent, received = _get_both(*pair)
+        if {m["sync/bytes"] for m in received} != {max(m["sync/bytes"] for m in sent)}:
             raise RuntimeError(
                 f"weight sync: sent {sent[0]} to each rollout rank but they received {received}"
             )
-        self.rollout_version = version
 
     def _connect(self) -> None:
         """Build the sync group (actor rank 0 + the rollout ranks) once per pair of groups; a new rollout
@@ -153,11 +172,12 @@ class RolloutAhead:
         )
         spec = self.group.weight_spec()
         self._dims = split_dims(spec, t.actor.weight_shapes(), tg)  # ValueError: the models differ
-        self._spec, self._connected_to, self.rollout_version = spec, self.group, 0
+        self._spec, self._tg, self._connected_to, self.rollout_version = spec, tg, self.group, 0
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
         """Write the batch in flight (waiting for it) into checkpoint directory `directory`/rollout_ahead."""
+        self._check_sync()
         if self.pending is None:
             return
         p = self.pending
@@ -184,8 +204,8 @@ class RolloutAhead:
                             "prompts": _load_batch(part / "prompts"), "result": _load_batch(part / "rollouts")}  # fmt: skip
 
     def reset(self) -> None:
-        """Forget the batch in flight (its groups are gone: a restart)."""
-        self.pending, self.scores = None, {}
+        """Forget the batch and the sync in flight (their groups are gone: a restart)."""
+        self.pending, self.scores, self._syncing = None, {}, None
 
 
 def _get_both(a: Future, b: Future) -> tuple:
@@ -199,6 +219,10 @@ def _get_both(a: Future, b: Future) -> tuple:
         if pending:
             time.sleep(0.002)
     return a.get(), b.get()
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
 
 
 def _result(x: Future | Batch) -> Batch:

@@ -64,10 +64,7 @@ class SafeRLHFTrainer(PPOTrainer):
     def reward(self, batch) -> Pending:
         batch = super().reward(batch)
         if self.rule_cost is None:
-            ahead = self.ahead.scored("cost")  # computed on the rollout pool a step ahead (rollout_ahead.py)
-            return batch.add(
-                ahead if ahead is not None else self.groups["cost"].compute_reward.future(batch.local)
-            )
+            return batch.add(self.frozen_output("cost", "compute_reward", batch))
         batch["costs"] = self.rule_cost(batch.local)[0]
         return batch
 

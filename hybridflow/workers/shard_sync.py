@@ -64,7 +64,8 @@ def send_shards(
     gathered: Iterator, spec: list, dims: list, groups: list, broadcast: Callable, buckets: list
 ) -> dict:
     """Actor rank 0: the full tensors from `gathered` ((name, tensor) in state-dict order), each bucket
-    of the spec cut into its tg slices and slice j broadcast over groups[j].
+    of the spec cut into its tg slices and slice j packed into a copy and given to broadcast(groups[j],
+    flat) (which may return before the bytes are sent: weight_sync.py keeps the copy until they are).
     -> sync/bytes (what each rollout rank receives), sync/bytes_sent (all tg payloads)."""
     tg = len(groups)
     wanted, have, per_rank = {s[0] for s in spec}, {}, [0] * tg

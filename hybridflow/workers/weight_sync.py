@@ -10,6 +10,13 @@ buckets of one dtype; each rollout rank streams them into its engine's load_weig
 built-in engine copies them into its model in place (rollout/base.load_named_weights), vLLM into its own
 weights (rollout/vllm_engine.py, reload in place; nothing touches disk).
 
+The sender does not wait for its broadcasts: each bucket is a copy (the flat tensor it was packed into),
+so actor rank 0 returns as soon as they are issued and starts the next update while the collective
+backend's own threads push the bytes (gloo's worker threads; NCCL's stream). Only the rollout pool, which
+needs the weights before it generates, waits for them. The next sync (or a new sync group) first waits
+for the previous one's broadcasts; at most SEND_INFLIGHT_BYTES of buckets are held at once, so a large
+model's sync overlaps its last SEND_INFLIGHT_BYTES with the update and waits for the rest as before.
+
 Both sides walk the same list of (name, shape, dtype), the rollout model's state dict without tied
 duplicates, so they cut the same buckets without sending any layout information per sync. A tensor-parallel
 rollout pool (rollout.tg > 1, built-in engine) holds only its generation shards, so the spec has their
@@ -29,6 +36,7 @@ from hybridflow.controller import Protocol, register
 from hybridflow.workers.shard_sync import build_subgroups, send_shards
 
 BUCKET_BYTES = 64 << 20  # one broadcast per bucket: few calls, bounded extra memory on both sides
+SEND_INFLIGHT_BYTES = 1 << 30  # buckets actor rank 0 may hold while their broadcasts run behind its update
 
 
 def plan_buckets(spec: list, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
@@ -49,10 +57,11 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
+def _broadcast(group, tensor: torch.Tensor, wait: bool = True):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
+    work = group.broadcast([tensor], opts)
+    return work.wait() if wait else work
 
 
 class WeightSyncMixin:
@@ -78,6 +87,7 @@ class WeightSyncMixin:
         tg > 1 (a rollout pool holding generation shards): also the subgroups of the shard-only sync."""
         if first_rank == 0 and self.rank != 0:
             return
+        self._sending = []  # a previous group's broadcasts are abandoned with it (its peers are gone)
         rank, timeout = first_rank + self.rank, datetime.timedelta(seconds=timeout_s)
         if rank == 0:
             store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False,
@@ -120,16 +130,21 @@ class WeightSyncMixin:
 
     @register(Protocol.ONE_TO_ALL)
     def send_weights(self, spec: list, dims: list | None = None) -> dict:
-        """Every actor rank gathers the full tensors; rank 0 broadcasts the spec's, in buckets (dims: per
-        spec entry, the dimension a shard-only sync cuts it along, shard_sync.split_dims).
-        -> sync/bytes (what each rollout rank receives; 0 on actor ranks but 0), sync/bytes_sent."""
+        """Every actor rank gathers the full tensors; rank 0 issues the broadcasts of the spec's, in
+        buckets, and returns without waiting for them (the module docstring says why and how long the
+        buckets are kept). dims: per spec entry, the dimension a shard-only sync cuts it along
+        (shard_sync.split_dims). -> sync/bytes (what each rollout rank receives; 0 on the other actor
+        ranks), sync/bytes_sent (all rank 0 broadcast)."""
         gathered = self._engine("actor").iter_full_state_dict(device=self.device)
         if self.rank != 0:
             for _ in gathered:  # each gather is a collective over the actor's group
                 pass
             return {"sync/bytes": 0.0, "sync/bytes_sent": 0.0}
+        self.finish_send()
         if self._sync_subgroups:
-            return send_shards(gathered, spec, dims, self._sync_subgroups, _broadcast, plan_buckets(spec))
+            return send_shards(
+                gathered, spec, dims, self._sync_subgroups, self._send_async, plan_buckets(spec)
+            )
         wanted, have, sent = {s[0] for s in spec}, {}, 0
         for bucket in plan_buckets(spec):
             for i in bucket:
@@ -138,12 +153,26 @@ class WeightSyncMixin:
                     if name in wanted:
                         have[name] = t
             dtype = _dtype(spec[bucket[0]][2])
-            flat = torch.cat([have.pop(spec[i][0]).to(dtype).reshape(-1) for i in bucket])
-            _broadcast(self._sync_group, flat)
+            flat = torch.cat([have.pop(spec[i][0]).to(dtype).reshape(-1) for i in bucket])  # a copy
+            self._sending.append((_broadcast(self._sync_group, flat, wait=False), flat))
             sent += flat.numel() * flat.element_size()
+            while sum(f.numel() * f.element_size() for _, f in self._sending) > SEND_INFLIGHT_BYTES:
+                self._sending.pop(0)[0].wait()
         for _ in gathered:
             pass
         return {"sync/bytes": float(sent), "sync/bytes_sent": float(sent)}
+
+    def _send_async(self, group, flat: torch.Tensor) -> None:
+        """Issue shard_sync's broadcast of `flat` (a copy) over `group`, held as send_weights' own are."""
+        self._sending.append((_broadcast(group, flat, wait=False), flat))
+        while sum(f.numel() * f.element_size() for _, f in self._sending) > SEND_INFLIGHT_BYTES:
+            self._sending.pop(0)[0].wait()
+
+    def finish_send(self) -> None:
+        """Wait for the broadcasts of the last send_weights (raises if one failed)."""
+        sending, self._sending = getattr(self, "_sending", []), []
+        for work, _ in sending:
+            work.wait()
 
     @register(Protocol.ONE_TO_ALL)
     def receive_weights(self, spec: list) -> dict:

@@ -35,6 +35,7 @@ from hybridflow.planner.ahead import (
     best_split,
     rollout_option,
     search_ahead,
+    sender_wait_fraction,
     training_side,
     weight_sync_bytes,
     weight_sync_seconds,
@@ -62,6 +63,19 @@ def _toy_plan(response_len: int, schedule: str = "auto") -> Plan:
 def test_iteration_is_the_longer_side_plus_the_weight_sync():
     assert ahead_iteration_seconds(3.0, 5.0, 0.5) == 5.5
     assert ahead_iteration_seconds(5.0, 3.0, 0.5) == 5.5
+    # the actor's rank 0 leaves its broadcasts in flight: only the rollout side waits for the sync
+    assert ahead_iteration_seconds(3.0, 5.0, 0.5, sender_waits=0.0) == 5.0
+    assert ahead_iteration_seconds(4.8, 5.0, 0.5, sender_waits=0.0) == 5.3
+    assert ahead_iteration_seconds(3.0, 5.0, 0.5, sender_waits=0.5) == 5.25
+
+
+def test_sender_waits_for_what_exceeds_the_in_flight_bound():
+    """workers/weight_sync.py keeps at most 1 GiB of packed buckets in flight behind the update."""
+    actor = build_dataflow("grpo", TOY_MODEL).model("actor")  # 94,720 parameters
+    weighing = lambda total: ClusterSpec(replace(TOY, bytes_per_param=total / 94_720), 2, 2)  # noqa: E731
+    assert sender_wait_fraction(actor, weighing(50e6)) == 0.0  # 50 MB: all of it in flight
+    assert sender_wait_fraction(actor, weighing(2**31)) == pytest.approx(0.5)  # 2 GiB: waits for half
+    assert sender_wait_fraction(actor, weighing(14 * 2**30)) == pytest.approx(1 - 1 / 14)  # 7B in bf16
 
 
 def test_best_split_on_hand_made_curves():

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 
 from hybridflow.config import ConfigError
+from hybridflow.controller import Future
 from hybridflow.models import load_causal_lm
 from hybridflow.trainers import build_trainer
 from tests.trainers.lifecycle_helpers import assert_rollout_pool_greedy_equals_actor
@@ -80,6 +82,27 @@ def test_with_learning_rate_zero_the_importance_weights_are_one(ray_cluster, mak
         assert math.isfinite(h["actor/pg_loss"])
         # timing_s/gen is the wait for the batch made a step ahead, not generation: no FLOP/s from it
         assert "perf/tflops_per_device/gen" not in h and "perf/tflops_per_device/update_actor" in h
+
+
+def test_the_actor_sends_without_waiting_for_the_rollout_pool(ray_cluster, make_config):
+    """workers/weight_sync.py: actor rank 0 issues its broadcasts and returns (its next update need not
+    wait); the rollout ranks receive them later, every byte, and then sample as the actor does."""
+    with build_trainer(make_config("grpo", *AHEAD, "trainer.total_steps=3", devices=2)) as trainer:
+        # the actor has moved one update; the rollout pool holds model.path and is idle (stopping wrote a
+        # checkpoint, which waited for the batch it generated ahead)
+        trainer.fit(stop_after=1)
+        ahead = trainer.ahead
+        assert ahead.rollout_version == 0 and not isinstance(ahead.pending["result"], Future)
+        send = trainer.actor.send_weights.future(ahead._spec)
+        deadline = time.time() + 120
+        while not send.done() and time.time() < deadline:
+            time.sleep(0.05)
+        assert send.done(), "send_weights waited for a receiver that was never called"
+        received = trainer.groups["rollout"].receive_weights(ahead._spec)
+        sent = send.get()[0]["sync/bytes"]
+        assert sent > 0 and [r["sync/bytes"] for r in received] == [sent]
+        ahead.rollout_version = trainer.global_step  # what was sent: the actor after step 1
+        assert_rollout_pool_greedy_equals_actor(trainer, 4)
 
 
 @pytest.mark.parametrize(
