@@ -37,7 +37,6 @@ lists (`ahead.frozen`, planned with resources.frozen_pool=rollout) go on that po
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -63,6 +62,8 @@ from hybridflow.trainers.plan_schedule import (
     REPLAN_FLAGS,
     check_schedule,
     config_rollout_ahead,
+    planner_old_log_probs,
+    report_old_log_probs,
     report_schedule,
 )
 
@@ -129,20 +130,6 @@ def _model_dirs(cfg) -> dict[str, str]:
         "reward": m.reward_model_path,
         "cost": m.cost_model_path,
     }
-
-
-def planner_old_log_probs(cfg, rollout_ahead: int | None = None) -> str:
-    """ "actor" or "free" (planner/dataflow.py): whether the trainer runs a separate actor forward for old
-    log-probs under `cfg` with trainer.rollout_ahead = `rollout_ahead` (None: the config's), asked of the
-    trainer's own rule (trainers/rl.py old_log_prob_source) so that the plan prices what the run does."""
-    from hybridflow.trainers.rl import old_log_prob_source
-
-    if rollout_ahead is not None and rollout_ahead != config_rollout_ahead(cfg):
-        cfg = copy.copy(cfg)
-        cfg.trainer = replace(cfg.trainer, rollout_ahead=rollout_ahead)
-    r = cfg.rollout  # vLLM's log-probs miss top-k / top-p truncation (rollout/vllm_engine.py sets the meta)
-    exact = r.engine != "vllm" or r.temperature == 0 or not (r.top_k > 0 or r.top_p < 1.0)
-    return "actor" if old_log_prob_source(cfg, exact) == "actor" else "free"
 
 
 def build_planner_dataflow(cfg, rollout_ahead: int | None = None) -> Dataflow:
@@ -372,13 +359,13 @@ def report_plan(p: Plan, placement, cfg, source: str, stream) -> None:
     """Print the plan's tables, then what the run does differently from the plan or the config."""
     from rich.console import Console
 
-    from hybridflow.planner.cli import old_log_probs_line, print_plan
+    from hybridflow.planner.cli import print_plan
 
     console = Console(file=stream, width=160)
     origin = "planned (resources.placement=auto)" if source == "auto" else f"loaded from {source}"
     console.print(f"placement {origin}")
     print_plan(p, console, top=3)
-    console.print(old_log_probs_line(p))
+    report_old_log_probs(p, cfg, console)
     report_schedule(p, cfg, console)
     idle = [pool.name for pool in p.pools if pool.name not in placement.pools]
     if idle:

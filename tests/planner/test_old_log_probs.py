@@ -4,6 +4,7 @@ trainers/rl.py old_log_prob_source): by hand on a toy model, through `hybridflow
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 
@@ -13,7 +14,15 @@ from hybridflow.cli import main
 from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
 from hybridflow.planner.ahead import training_side
 from hybridflow.planner.dataflow import old_log_prob_work, with_old_log_probs
-from hybridflow.trainers.auto_placement import build_planner_dataflow, plan_for_config, planner_old_log_probs
+from hybridflow.trainers.auto_placement import (
+    ENGINE_LIMITS,
+    build_planner_cluster,
+    build_planner_dataflow,
+    build_planner_workload,
+    placement_for_config,
+    plan_for_config,
+)
+from hybridflow.trainers.plan_schedule import planner_old_log_probs
 from hybridflow.trainers.rl import old_log_prob_source
 from tests.trainers.configs import tiny_config
 
@@ -142,3 +151,25 @@ def test_auto_placement_asks_the_trainer(tiny_model_dir, tmp_path):
     assert (p.rollout_ahead, p.old_log_probs, p.ahead.old_log_probs) == (0, "free", "actor")
     kl.rollout.engine, kl.rollout.top_p = "vllm", 0.9  # vLLM's truncated log-probs cannot stand in
     assert planner_old_log_probs(kl) == "actor"
+
+
+def test_a_plan_file_priced_otherwise_gets_a_note(tiny_model_dir, tmp_path):
+    """A plan made with the actor forward, run by a one-step config: the run says its times are off."""
+    cfg = tiny_config(tiny_model_dir, tmp_path / "runs", "grpo", devices=2)
+    inputs = build_planner_cluster(cfg), build_planner_workload(cfg)
+    priced = plan(with_old_log_probs(build_planner_dataflow(cfg), "actor"), *inputs, limits=ENGINE_LIMITS)
+    path = priced.save(tmp_path / "plan.yaml")
+    planned = tiny_config(tiny_model_dir, tmp_path / "runs", "grpo", f"resources.placement={path}", devices=2)
+    out = io.StringIO()
+    placement_for_config(planned, out)
+    text = " ".join(out.getvalue().split())  # rich wraps long lines
+    assert "note: the plan prices an actor forward for old log-probs, but this run does not" in text
+    auto = tiny_config(tiny_model_dir, tmp_path / "runs", "grpo", "resources.placement=auto", devices=2)
+    out = io.StringIO()
+    placement_for_config(auto, out)
+    text = " ".join(out.getvalue().split())  # rich wraps long lines
+    assert (
+        "old log-probs (as trainers/rl.py old_log_prob_source takes them): both schedules: the rollout's"
+        in text
+    )
+    assert "note: the plan prices" not in text
