@@ -147,8 +147,9 @@ def old_log_prob_work(
     rollout_ahead: int = 0,
     rollout_exact: bool = True,
 ) -> str:
-    """ "actor" or "free": trainers/rl.py `old_log_prob_source` on the planner's inputs (tests/planner
-    check that the two agree). Several optimizer steps (epochs x mini-batches) move the weights before
+    """Whether the trainer runs an actor forward for old log-probs ("actor") or not ("free"):
+    trainers/rl.py `old_log_prob_source` on the planner's inputs (tests/planner check that the two
+    agree). Several optimizer steps (epochs x mini-batches) move the weights before
     the later mini-batches, so the actor recomputes pi_old; with one step the synchronous fp32 rollout's
     own log-probs (from an engine whose log-probs are exact) or the update's own forward serve, except
     that KL in the reward reads old log-probs before the update."""

@@ -95,9 +95,7 @@ class RolloutPlan:
     frozen_pool: str = "training"
     frozen: list[str] = field(default_factory=list)  # those on the rollout pool ("rollout")
     scoring_seconds: float = 0.0  # their forwards on the rollout pool, after generation
-    old_log_probs: str = (
-        "actor"  # "free": the actor's preparation forward not priced (rollout_ahead=1's rule)
-    )
+    old_log_probs: str = "actor"  # "free": no actor forward for old log-probs priced (rollout_ahead=1)
 
 
 @dataclass
