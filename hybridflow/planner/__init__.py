@@ -13,7 +13,15 @@ in which stage) -> memory, simulate (bytes and seconds of one model under one la
 (`auto_parallel`, per model and device count, cached) -> search (placements x allocations) -> plan.
 """
 
-from hybridflow.planner.dataflow import ALGORITHMS, STAGES, Dataflow, ModelTask, build_dataflow
+from hybridflow.planner.dataflow import (
+    ALGORITHMS,
+    STAGES,
+    Dataflow,
+    ModelTask,
+    build_dataflow,
+    old_log_prob_work,
+    with_old_log_probs,
+)
 from hybridflow.planner.parallel import ModelOption, auto_parallel, clear_caches
 from hybridflow.planner.plan import (
     Alternative,
@@ -59,10 +67,12 @@ __all__ = [
     "build_dataflow",
     "clear_caches",
     "get_device",
+    "old_log_prob_work",
     "plan",
     "plan_to_resources",
     "search",
     "set_partitions",
     "split_placement",
     "strategy_name",
+    "with_old_log_probs",
 ]

@@ -1,8 +1,10 @@
 """The one-step-ahead schedule (`trainer.rollout_ahead: 1`, docs/planner.md): generation on its own pool.
 
 With `rollout_ahead = 1` the devices are split in two: a rollout pool that only generates, and a
-training side where every other model's work runs (the actor's preparation forward and its update,
-critic, reference, reward: any placement of them, searched as usual). The rollout pool generates step
+training side where every other model's work runs (the actor's update, and its preparation forward
+where the dataflow has one: with one optimizer step the trainer's rollout_ahead=1 takes the old log-probs
+from the update's own forward unless KL is in the reward, dataflow.old_log_prob_work; critic,
+reference, reward: any placement of them, searched as usual). The rollout pool generates step
 k+1's responses while the training side prepares and trains on step k, then the actor's new weights
 are sent to the rollout pool. In steady state one iteration takes
 
@@ -143,8 +145,9 @@ def rollout_option(
 
 
 def training_side(dataflow: Dataflow, frozen_pool: str = "training") -> Dataflow:
-    """The dataflow without generation: the actor keeps its preparation forward and its update; with
-    frozen_pool="rollout" the frozen models are left out too (they score on the rollout pool)."""
+    """The dataflow without generation: the actor keeps its update (and its preparation forward where
+    `dataflow.old_log_probs` is "actor"); with frozen_pool="rollout" the frozen models are left out too
+    (they score on the rollout pool)."""
     if frozen_pool not in FROZEN_POOLS:
         raise ValueError(f"frozen_pool must be one of {FROZEN_POOLS}, got {frozen_pool!r}")
     models = tuple(
@@ -154,7 +157,7 @@ def training_side(dataflow: Dataflow, frozen_pool: str = "training") -> Dataflow
         for m in dataflow.models
         if frozen_pool == "training" or m.role not in FROZEN
     )
-    return Dataflow(dataflow.algorithm, models)
+    return Dataflow(dataflow.algorithm, models, dataflow.old_log_probs)
 
 
 def frozen_tasks(dataflow: Dataflow, frozen_pool: str) -> tuple[ModelTask, ...]:
@@ -187,6 +190,7 @@ class AheadResult:
     frozen: tuple[str, ...] = ()  # the frozen models on the rollout pool
     scoring_seconds: float = 0.0  # their forwards there, after generation
     sender_waits: float = 1.0  # the share of the sync the training side waits for (sender_wait_fraction)
+    old_log_probs: str = "actor"  # the searched dataflow's: is the actor's preparation forward priced
 
     @property
     def rollout_side_seconds(self) -> float:
@@ -315,6 +319,7 @@ def search_ahead(
         tuple(m.role for m in frozen),
         scoring_seconds(frozen, cluster, wl, n_rollout),
         sender_wait_fraction(actor, cluster),
+        dataflow.old_log_probs,
     )
 
 

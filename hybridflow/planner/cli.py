@@ -9,7 +9,9 @@ needs (`resources.placement: auto` applies them itself).
 `--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
 which stages the winner gains and loses time; then the synchronous schedule beside the one-step-ahead
-one (`--schedule`, docs/planner.md): each one's predicted iteration and what decides between them.
+one (`--schedule`, docs/planner.md): each one's predicted iteration and what decides between them,
+and whether each schedule priced the actor's old-log-prob forward (the trainer's rule, dataflow.py
+`old_log_prob_work`, from --ppo-epochs, --mini-batches, --kl-in-reward and the device's precision).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import argparse
 import time
 
 from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
-from hybridflow.planner.dataflow import ALGORITHMS, STAGES, build_dataflow
+from hybridflow.planner.dataflow import (
+    ALGORITHMS,
+    STAGES,
+    build_dataflow,
+    old_log_prob_work,
+    with_old_log_probs,
+)
 from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
 from hybridflow.planner.search import bell_number, search
 from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
@@ -75,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mini-batches", type=int, default=defaults.mini_batches, help="optimizer steps per epoch"
     )
     w.add_argument(
+        "--kl-in-reward",
+        action="store_true",
+        help="KL penalty in the reward (algorithm.kl.in_reward): with one optimizer step the actor still "
+        "recomputes old log-probs unless the synchronous rollout's own serve (fp32 devices)",
+    )
+    w.add_argument(
         "--schedule",
         default="auto",
         choices=SCHEDULES,
@@ -102,6 +116,12 @@ def plan_from_args(args) -> tuple[Plan, float]:
         actor = ModelSpec.from_param_count(args.model_size)
     critic = ModelSpec.from_param_count(args.critic_size) if args.critic_size else None
     reward = ModelSpec.from_param_count(args.reward_size) if args.reward_size else None
+    cluster = ClusterSpec.build(args.gpu, args.gpus, args.devices_per_node)
+    # where the trainer takes old log-probs, per schedule (trainers/rl.py old_log_prob_source): the
+    # catalogue's 4-byte entry (cpu) computes in fp32, as model.dtype=auto does on CPU; the built-in
+    # rollout's log-probs are exact
+    fp32 = cluster.device.bytes_per_param >= 4
+    old = [old_log_prob_work(args.ppo_epochs, args.mini_batches, args.kl_in_reward, fp32, a) for a in (0, 1)]
     dataflow = build_dataflow(
         args.algorithm,
         actor,
@@ -109,8 +129,8 @@ def plan_from_args(args) -> tuple[Plan, float]:
         reward=reward,
         reward_model=not args.no_reward_model,
         samples_per_prompt=args.samples_per_prompt,
+        old_log_probs=old[0],
     )
-    cluster = ClusterSpec.build(args.gpu, args.gpus, args.devices_per_node)
     wl = WorkloadSpec(
         prompts=args.prompts,
         samples_per_prompt=args.samples_per_prompt,
@@ -125,7 +145,7 @@ def plan_from_args(args) -> tuple[Plan, float]:
     start = time.perf_counter()
     results = search(dataflow, cluster, wl, limits)
     ahead = (
-        search_ahead(dataflow, cluster, wl, limits, None, args.frozen_pool)
+        search_ahead(with_old_log_probs(dataflow, old[1]), cluster, wl, limits, None, args.frozen_pool)
         if args.schedule != "sync"
         else None
     )
@@ -213,10 +233,25 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
     console.print(t)
 
 
+def old_log_probs_line(plan: Plan) -> str:
+    """One line: whether each schedule priced the actor's old-log-prob forward (dataflow.py)."""
+    what = {
+        "actor": "a separate actor forward, priced in preparation",
+        "free": "the rollout's or the update's own, no actor forward priced",
+    }
+    schedules = [("synchronous", plan.old_log_probs)] if plan.synchronous_seconds else []
+    schedules += [("one step ahead", plan.ahead.old_log_probs)] if plan.ahead else []
+    if len({source for _, source in schedules}) == 1:
+        schedules = [("both schedules" if len(schedules) > 1 else schedules[0][0], schedules[0][1])]
+    said = "; ".join(f"{name}: {what[source]}" for name, source in schedules)
+    return f"old log-probs (as trainers/rl.py old_log_prob_source takes them): {said}"
+
+
 def explain(plan: Plan, console) -> None:
     """The winner against the paper's fixed strategies, stage by stage."""
     from rich.table import Table
 
+    console.print(old_log_probs_line(plan))
     if not plan.alternatives:  # one step ahead fits, no synchronous placement does
         explain_schedules(plan, console)
         return

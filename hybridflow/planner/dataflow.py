@@ -8,8 +8,13 @@ which is all the planner needs to know about dependencies.
 The built-in dataflows follow the paper's evaluation: PPO (actor, critic, reference, reward), ReMax
 (no critic, one extra greedy response per prompt), GRPO (no critic, n responses per prompt) and
 Safe-RLHF (PPO plus a cost model; the paper counts 5 models, so its cost critic is folded into the
-critic). Like verl, the actor recomputes the log-probs of its own samples in preparation
-(`old_log_probs`) rather than trusting the generation engine's numerics.
+critic).
+
+The actor's preparation forward (old log-probs, pi_old of the PPO ratio) exists only where the trainer
+runs one: `old_log_probs="actor"`. With one optimizer step per iteration the trainer takes them from the
+rollout or from the update's own forward instead (trainers/rl.py `old_log_prob_source`), and
+`old_log_probs="free"` prices no such forward. `old_log_prob_work` is that rule on the planner's inputs
+(`hybridflow plan`); auto placement asks the trainer's own function (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from hybridflow.planner.specs import ModelSpec
 
 STAGES = ("generation", "preparation", "training")
 WORK_KINDS = ("generate", "infer", "train")  # per stage, what a model does in it
+# where the old log-probs come from, as the planner prices it: a separate actor forward in preparation,
+# or free (the rollout's own, or the update's own forward: trainers/rl.py old_log_prob_source)
+OLD_LOG_PROBS = ("actor", "free")
 
 
 @dataclass(frozen=True)
@@ -51,8 +59,11 @@ class Dataflow:
 
     algorithm: str
     models: tuple[ModelTask, ...] = field(default_factory=tuple)
+    old_log_probs: str = "actor"  # OLD_LOG_PROBS: whether the actor's work has its preparation forward
 
     def __post_init__(self):
+        if self.old_log_probs not in OLD_LOG_PROBS:
+            raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROBS}, got {self.old_log_probs!r}")
         roles = [m.role for m in self.models]
         if len(set(roles)) != len(roles):
             raise ValueError(f"dataflow {self.algorithm!r} has duplicate roles {roles}")
@@ -74,7 +85,8 @@ class Dataflow:
         raise KeyError(f"dataflow {self.algorithm!r} has no model {role!r}; it has {self.roles}")
 
 
-_ACTOR = (("generation", "generate"), ("preparation", "infer"), ("training", "train"))
+_OLD_LOG_PROB_FORWARD = ("preparation", "infer")
+_ACTOR = (("generation", "generate"), _OLD_LOG_PROB_FORWARD, ("training", "train"))
 _CRITIC = (("preparation", "infer"), ("training", "train"))
 _INFER = (("preparation", "infer"),)
 
@@ -87,11 +99,13 @@ def build_dataflow(
     reward: ModelSpec | None = None,
     reward_model: bool = True,
     samples_per_prompt: int = 1,
+    old_log_probs: str = "actor",
 ) -> Dataflow:
     """The dataflow of a built-in algorithm; unspecified models default to the actor's size.
 
     `reward_model=False` means a rule-based reward (no model to place), as GRPO usually uses.
     `samples_per_prompt` only matters for ReMax (its extra greedy sample per prompt).
+    `old_log_probs="free"` drops the actor's preparation forward (one optimizer step: `old_log_prob_work`).
     """
     algorithm = algorithm.lower().replace("_", "-")
     critic, reference, reward = critic or actor, reference or actor, reward or actor
@@ -107,7 +121,43 @@ def build_dataflow(
         models.append(ModelTask("cost", reward, _INFER))
     if algorithm == "remax":
         models[0] = replace(models[0], generation_factor=(samples_per_prompt + 1) / samples_per_prompt)
-    return Dataflow(algorithm, tuple(models))
+    return with_old_log_probs(Dataflow(algorithm, tuple(models)), old_log_probs)
+
+
+def with_old_log_probs(dataflow: Dataflow, old_log_probs: str) -> Dataflow:
+    """`dataflow` with the actor's preparation forward priced ("actor") or not ("free")."""
+    if old_log_probs not in OLD_LOG_PROBS:
+        raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROBS}, got {old_log_probs!r}")
+    models = []
+    for m in dataflow.models:
+        if m.role == "actor":
+            work = {w for w in m.work if w != _OLD_LOG_PROB_FORWARD}
+            if old_log_probs == "actor":
+                work.add(_OLD_LOG_PROB_FORWARD)
+            m = replace(m, work=tuple(sorted(work, key=lambda w: STAGES.index(w[0]))))
+        models.append(m)
+    return Dataflow(dataflow.algorithm, tuple(models), old_log_probs)
+
+
+def old_log_prob_work(
+    ppo_epochs: int,
+    mini_batches: int,
+    kl_in_reward: bool = False,
+    fp32: bool = False,
+    rollout_ahead: int = 0,
+    rollout_exact: bool = True,
+) -> str:
+    """Whether the trainer runs an actor forward for old log-probs ("actor") or not ("free"):
+    trainers/rl.py `old_log_prob_source` on the planner's inputs (tests/planner check that the two
+    agree). Several optimizer steps (epochs x mini-batches) move the weights before
+    the later mini-batches, so the actor recomputes pi_old; with one step the synchronous fp32 rollout's
+    own log-probs (from an engine whose log-probs are exact) or the update's own forward serve, except
+    that KL in the reward reads old log-probs before the update."""
+    if ppo_epochs != 1 or mini_batches != 1:
+        return "actor"
+    if not rollout_ahead and fp32 and rollout_exact:
+        return "free"  # the rollout's own
+    return "actor" if kl_in_reward else "free"  # the update's own forward
 
 
 ALGORITHMS = ("ppo", "grpo", "remax", "safe-rlhf")

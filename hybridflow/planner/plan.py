@@ -10,7 +10,9 @@ pools and parallel configs.
 A plan also says which schedule it runs (docs/planner.md): synchronous (`rollout_ahead: 0`, the paper's
 stages one after another) or one step ahead (`rollout_ahead: 1`, ahead.py: generation on its own pool,
 `rollout`, overlapping the other models' work). Either way it records the best plan of the other
-schedule (`synchronous_seconds`, `ahead`) so `hybridflow plan --explain` can set them side by side.
+schedule (`synchronous_seconds`, `ahead`) so `hybridflow plan --explain` can set them side by side,
+and for each schedule whether it priced the actor's old-log-prob forward (`old_log_probs`: "actor" or
+"free", dataflow.py; plans written before the choice load as "actor", which they priced).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hybridflow.planner.ahead import ROLLOUT_POOL, AheadResult, search_ahead, training_side
-from hybridflow.planner.dataflow import STAGES, Dataflow
+from hybridflow.planner.dataflow import OLD_LOG_PROBS, STAGES, Dataflow, with_old_log_probs
 from hybridflow.planner.parallel import UNCONSTRAINED
 from hybridflow.planner.search import PlacementResult, search, strategy_name
 from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec
@@ -94,6 +96,7 @@ class RolloutPlan:
     frozen: list[str] = field(default_factory=list)  # those on the rollout pool ("rollout")
     scoring_seconds: float = 0.0  # their forwards on the rollout pool, after generation
     sender_waits: float = 1.0  # the share of the sync the training side waits for (1 in older plans)
+    old_log_probs: str = "actor"  # "free": no actor forward for old log-probs priced (rollout_ahead=1)
 
 
 @dataclass
@@ -114,6 +117,7 @@ class Plan:
     rollout_ahead: int = 0  # the schedule this plan runs: 0 synchronous, 1 one step ahead (`ahead`)
     ahead: RolloutPlan | None = None  # the best one-step-ahead plan (None: not searched or no fit)
     synchronous_seconds: float = 0.0  # the best synchronous plan's iteration (0: none fits)
+    old_log_probs: str = "actor"  # the synchronous schedule's: "free" = no actor preparation forward priced
 
     @property
     def limits(self) -> EngineLimits:
@@ -144,6 +148,12 @@ class Plan:
             raise ValueError(f"rollout_ahead must be 0 or 1, got {data['rollout_ahead']!r}")
         if data.get("rollout_ahead") == 1 and data.get("ahead") is None:
             raise ValueError("rollout_ahead: 1 needs the `ahead` section (the rollout pool)")
+        sources = [data.get("old_log_probs", "actor")] + (
+            [data["ahead"].old_log_probs] if data.get("ahead") else []
+        )
+        for source in sources:
+            if source not in OLD_LOG_PROBS:
+                raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROBS}, got {source!r}")
         return cls(**data)
 
     def save(self, path: str | Path) -> Path:
@@ -210,6 +220,7 @@ def _rollout_plan(ahead: AheadResult) -> RolloutPlan:
         placement=[list(s) for s in train.placement], allocation=list(train.allocation),
         weight_gib=r.weight_bytes / GiB, kv_gib=r.kv_bytes / GiB, frozen_pool=ahead.frozen_pool,
         frozen=list(ahead.frozen), scoring_seconds=ahead.scoring_seconds, sender_waits=ahead.sender_waits,
+        old_log_probs=ahead.old_log_probs,
     )  # fmt: skip
 
 
@@ -253,7 +264,8 @@ def build_plan(
             "plan the synchronous schedule (--schedule sync) or add devices"
         )
     if rollout_ahead:
-        pools, models = _pools_and_models(training_side(dataflow, ahead.frozen_pool), ahead.train)
+        side = training_side(with_old_log_probs(dataflow, ahead.old_log_probs), ahead.frozen_pool)
+        pools, models = _pools_and_models(side, ahead.train)
         stage = dict(_stage_dict(ahead.train.stage_times), generation=ahead.rollout.generation_seconds)
         iteration = ahead.iteration_time
     else:
@@ -287,6 +299,7 @@ def build_plan(
         rollout_ahead=rollout_ahead,
         ahead=_rollout_plan(ahead) if ahead else None,
         synchronous_seconds=sync_best or 0.0,
+        old_log_probs=dataflow.old_log_probs,
     )
 
 
@@ -297,17 +310,23 @@ def plan(
     limits: EngineLimits = UNCONSTRAINED,
     schedule: str = "sync",
     frozen_pool: str = "auto",
+    ahead_old_log_probs: str | None = None,
 ) -> Plan:
     """The auto-mapping planner: (dataflow, cluster, workload) -> the fastest predicted Plan whose
     layouts are all within the executing engines' `limits` (default: none, the paper's search).
 
     `schedule`: "sync" (the paper's), "ahead" (one step ahead, ahead.py) or "auto" (the faster);
-    `frozen_pool`: one step ahead, where the frozen models run (ahead.py: "training", "rollout" or "auto").
+    `frozen_pool`: one step ahead, where the frozen models run (ahead.py: "training", "rollout" or "auto");
+    `ahead_old_log_probs`: the one-step-ahead candidate's old-log-prob source where it differs from
+    `dataflow.old_log_probs` (dataflow.old_log_prob_work with rollout_ahead=1; None: the same).
     The synchronous search always runs (the plan records its best for comparison)."""
     wl = wl or WorkloadSpec()
     choose_schedule(schedule, None, None)  # reject an unknown name before searching
     results = search(dataflow, cluster, wl, limits)
-    ahead = search_ahead(dataflow, cluster, wl, limits, None, frozen_pool) if schedule != "sync" else None
+    ahead = None
+    if schedule != "sync":
+        ahead_df = with_old_log_probs(dataflow, ahead_old_log_probs or dataflow.old_log_probs)
+        ahead = search_ahead(ahead_df, cluster, wl, limits, None, frozen_pool)
     return build_plan(dataflow, cluster, wl, results, limits, ahead, schedule)
 
 

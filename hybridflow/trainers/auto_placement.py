@@ -5,7 +5,9 @@ builds those three from the config, runs it for `resources.placement: auto` or l
 (`hybridflow plan --output plan.yaml`), checks that the plan fits the config and what the engines can
 run, and turns it into a `Placement`: one pool per colocated set plus each role's parallel sizes.
 
-    dataflow   the configured algorithm's models, shapes read from their HF config.json (ModelSpec)
+    dataflow   the configured algorithm's models, shapes read from their HF config.json (ModelSpec), the
+               actor's old-log-prob forward priced only where the trainer runs one (trainers/rl.py
+               old_log_prob_source on this config, per schedule: `planner_old_log_probs`)
     cluster    resources.n_gpus_per_node x nnodes devices; the catalogue's "cpu" entry on CPU, on GPU
                the entry matching torch.cuda's device name
     workload   data.train_batch_size prompts x rollout.n samples, max prompt / response lengths,
@@ -52,6 +54,7 @@ from hybridflow.planner import (
     plan,
 )
 from hybridflow.planner.ahead import ROLLOUT_POOL, search_ahead
+from hybridflow.planner.dataflow import with_old_log_probs
 from hybridflow.planner.plan import build_plan
 from hybridflow.planner.search import search
 from hybridflow.planner.specs import DEVICES
@@ -59,6 +62,8 @@ from hybridflow.trainers.plan_schedule import (
     REPLAN_FLAGS,
     check_schedule,
     config_rollout_ahead,
+    planner_old_log_probs,
+    report_old_log_probs,
     report_schedule,
 )
 
@@ -127,9 +132,10 @@ def _model_dirs(cfg) -> dict[str, str]:
     }
 
 
-def build_planner_dataflow(cfg) -> Dataflow:
+def build_planner_dataflow(cfg, rollout_ahead: int | None = None) -> Dataflow:
     """The configured algorithm's dataflow with only the models the trainer runs, each model's shape
-    read from its directory's config.json."""
+    read from its directory's config.json, and the actor's old-log-prob forward where the trainer runs
+    one with trainer.rollout_ahead = `rollout_ahead` (None: the config's)."""
     needed = {PLANNER_ROLE[r] for r in trainer_roles(cfg)}
     dirs = _model_dirs(cfg)
     specs = {role: ModelSpec.from_hf_config(dirs[role]) for role in needed}
@@ -138,9 +144,10 @@ def build_planner_dataflow(cfg) -> Dataflow:
         specs["actor"],
         reward_model="reward" in needed,
         samples_per_prompt=cfg.rollout.n,
+        old_log_probs=planner_old_log_probs(cfg, rollout_ahead),
     )
     models = tuple(replace(m, spec=specs[m.role]) for m in df.models if m.role in needed)
-    return Dataflow(df.algorithm, models)
+    return Dataflow(df.algorithm, models, df.old_log_probs)
 
 
 def build_planner_workload(cfg) -> WorkloadSpec:
@@ -204,16 +211,19 @@ def build_planner_cluster(cfg) -> ClusterSpec:
 def plan_for_config(cfg) -> Plan:
     """Run the planner on the config's dataflow, cluster and workload, within the built-in engines'
     limits (so `check_plan` accepts every layout it returns), for the schedule the config runs. Where
-    the build has trainer.rollout_ahead the other schedule is searched too, for comparison."""
+    the build has trainer.rollout_ahead the other schedule is searched too, for comparison; each
+    schedule prices the old-log-prob forward as the trainer would run it under that schedule."""
     ahead = config_rollout_ahead(cfg)
     try:
-        df, cluster, wl = build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg)
+        df = build_planner_dataflow(cfg, None if ahead is None else 0)
+        cluster, wl = build_planner_cluster(cfg), build_planner_workload(cfg)
         if ahead is None:
             return plan(df, cluster, wl, limits=ENGINE_LIMITS)
         results = search(df, cluster, wl, ENGINE_LIMITS)
         fixed = getattr(cfg.resources, "rollout_devices", 0) or None  # the user's split, if set
         frozen_pool = getattr(cfg.resources, "frozen_pool", "training")  # auto: the faster place
-        best_ahead = search_ahead(df, cluster, wl, ENGINE_LIMITS, fixed, frozen_pool)
+        ahead_df = with_old_log_probs(df, planner_old_log_probs(cfg, 1))
+        best_ahead = search_ahead(ahead_df, cluster, wl, ENGINE_LIMITS, fixed, frozen_pool)
         schedule = "ahead" if ahead else "sync"
         return build_plan(df, cluster, wl, results, ENGINE_LIMITS, best_ahead, schedule)
     except ConfigError:
@@ -355,6 +365,7 @@ def report_plan(p: Plan, placement, cfg, source: str, stream) -> None:
     origin = "planned (resources.placement=auto)" if source == "auto" else f"loaded from {source}"
     console.print(f"placement {origin}")
     print_plan(p, console, top=3)
+    report_old_log_probs(p, cfg, console)
     report_schedule(p, cfg, console)
     idle = [pool.name for pool in p.pools if pool.name not in placement.pools]
     if idle:

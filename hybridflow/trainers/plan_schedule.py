@@ -3,9 +3,15 @@
 `trainer.rollout_ahead` in the config decides: `resources.placement: auto` plans that schedule, and a
 plan file's `rollout_ahead` must match it (switching to off-policy training is the user's call, not a
 placement's). Builds without the setting accept only synchronous plans. auto_placement.py calls these.
+
+The schedule also decides where the trainer takes old log-probs (trainers/rl.py old_log_prob_source),
+so `planner_old_log_probs` asks that rule per schedule, and a plan file that priced it otherwise gets a note.
 """
 
 from __future__ import annotations
+
+import copy
+from dataclasses import replace
 
 from hybridflow.planner import Plan
 
@@ -18,6 +24,37 @@ AHEAD_FLAGS = (
 def config_rollout_ahead(cfg) -> int | None:
     """The config's trainer.rollout_ahead, or None where this build has no such setting."""
     return getattr(cfg.trainer, "rollout_ahead", None)
+
+
+def planner_old_log_probs(cfg, rollout_ahead: int | None = None) -> str:
+    """Whether the trainer runs a separate actor forward for old log-probs ("actor") or not ("free",
+    planner/dataflow.py) under `cfg` with trainer.rollout_ahead = `rollout_ahead` (None: the config's),
+    asked of the trainer's own rule (trainers/rl.py old_log_prob_source) so the plan prices what runs."""
+    from hybridflow.trainers.rl import old_log_prob_source
+
+    if rollout_ahead is not None and rollout_ahead != config_rollout_ahead(cfg):
+        cfg = copy.copy(cfg)
+        cfg.trainer = replace(cfg.trainer, rollout_ahead=rollout_ahead)
+    r = cfg.rollout  # vLLM's log-probs miss top-k / top-p truncation (rollout/vllm_engine.py sets the meta)
+    exact = r.engine != "vllm" or r.temperature == 0 or not (r.top_k > 0 or r.top_p < 1.0)
+    return "actor" if old_log_prob_source(cfg, exact) == "actor" else "free"
+
+
+def report_old_log_probs(p: Plan, cfg, console) -> None:
+    """The plan's old-log-prob pricing per schedule, and a note when the run takes them otherwise than
+    the plan priced for the schedule it runs (a plan file made for other epochs / mini-batches / KL)."""
+    from hybridflow.planner.cli import old_log_probs_line
+
+    console.print(old_log_probs_line(p))
+    planned = p.ahead.old_log_probs if p.rollout_ahead and p.ahead else p.old_log_probs
+    runs = planner_old_log_probs(cfg, p.rollout_ahead if config_rollout_ahead(cfg) is not None else None)
+    if planned != runs:
+        priced = "prices an actor forward" if planned == "actor" else "prices no actor forward"
+        console.print(
+            f"note: the plan {priced} for old log-probs, but this run {'runs one' if runs == 'actor' else 'does not'}"
+            " (trainers/rl.py old_log_prob_source); its predicted times are off by that forward: re-plan with "
+            "`hybridflow plan` given this config's --ppo-epochs, --mini-batches and --kl-in-reward"
+        )
 
 
 def check_schedule(p: Plan, cfg, source: str) -> list[str]:

@@ -36,10 +36,14 @@ DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 KL_LOSS = "algorithm.use_kl_loss=true"
 
 
-def _tiny_plan(model_dir, algorithm: str, devices: int, reward_model: bool = False) -> Plan:
+def _tiny_plan(
+    model_dir, algorithm: str, devices: int, reward_model: bool = False, old_log_probs: str = "actor"
+) -> Plan:
     """What `hybridflow plan --model-config DIR --gpu cpu --gpus N --max-pp 1 --tp-whole-heads` computes,
-    for the tiny test run."""
-    df = build_dataflow(algorithm, ModelSpec.from_hf_config(model_dir), reward_model=reward_model)
+    for the tiny test run (old_log_probs="actor": with an actor forward for old log-probs, as the
+    trainer runs when it takes several optimizer steps; the CLI derives "free" for this one-step batch)."""
+    model = ModelSpec.from_hf_config(model_dir)
+    df = build_dataflow(algorithm, model, reward_model=reward_model, old_log_probs=old_log_probs)
     wl = WorkloadSpec(  # tests/trainers/configs.py's batch and the config's default micro-batch sizes
         prompts=4, samples_per_prompt=2, prompt_len=16, response_len=4, mini_batches=1,
         micro_batch_size=4, inference_micro_batch_size=8,
@@ -95,16 +99,18 @@ def test_plan_becomes_pools_roles_and_layouts(make_config, tiny_model_dir):
 
 
 def test_auto_plans_what_the_plan_api_plans(make_config, tiny_model_dir, capsys):
-    """`auto` on 4 CPU devices = the plan `hybridflow plan` computes for the same model and workload."""
+    """`auto` on 4 CPU devices = the plan `hybridflow plan` computes for the same model and workload:
+    one optimizer step, so neither prices an actor forward for old log-probs (trainers/rl.py)."""
     cfg = make_config("grpo", KL_LOSS, "resources.placement=auto", devices=4)
     placement = Placement.from_config(cfg)
-    expected = placement_from_plan(_tiny_plan(tiny_model_dir, "grpo", 4), cfg)
+    expected = placement_from_plan(_tiny_plan(tiny_model_dir, "grpo", 4, old_log_probs="free"), cfg)
     assert (placement.pools, placement.roles, placement.parallel) == (
         expected.pools, expected.roles, expected.parallel,
     )  # fmt: skip
-    assert len(placement.pools) == 2  # actor and reference standalone, 2 devices each
+    # preparation is then the reference's forward alone: nothing to run beside it on a pool of its own
+    assert placement.pools == {"actor+reference": 4}
     out = capsys.readouterr().out
-    assert "placement planned (resources.placement=auto)" in out and "standalone" in out
+    assert "placement planned (resources.placement=auto)" in out and "colocate" in out
     assert Plan.load(Path(cfg.run_dir) / "plan.yaml") == placement.plan  # the run records its plan
 
 
