@@ -16,9 +16,8 @@ from dataclasses import replace
 from hybridflow.planner import Plan
 
 REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
-AHEAD_FLAGS = (
-    "--max-pg 1"  # how the trainer's rollout pool runs: each rank holds its shard (rollout/pool_tp.py)
-)
+# how the trainer's rollout pool runs: each rank holds only its generation shard (rollout/pool_tp.py)
+AHEAD_FLAGS = "--max-pg 1"
 
 
 def config_rollout_ahead(cfg) -> int | None:
