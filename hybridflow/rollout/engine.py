@@ -10,7 +10,8 @@ a group); other architectures fall back to the HF forward on the model's own who
 
 On CPU with >= 2 threads the rows run as parallel streams of one intra-op thread each, meeting once per
 step (row_streams.py; `cpu_streams`): bit-identical to one thread, and no per-op barrier that stalls
-when the cores are shared (docs/bench/generation.md, "Row streams").
+when the cores are shared (docs/bench/generation.md, "Row streams"). Each CPU call's output carries
+`rollout/cpu_streams` in meta[ROLLOUT_METRICS]: the most streams a prefill or decode step ran as (1: none).
 
 Finished rows stop costing compute: when the finished rows still in the decode batch exceed
 `compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
@@ -27,6 +28,7 @@ import torch
 
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.base import (
+    ROLLOUT_METRICS,
     GenerationEngine,
     build_rollout_batch,
     check_prompt_batch,
@@ -148,13 +150,22 @@ class BuiltinEngine(GenerationEngine):
         if hf:
             self.model.eval()
         torch.set_num_threads(gen_threads)
+        streams = getattr(decoder, "streams", None)
+        if streams is not None:
+            streams.widest = 0
         try:
             with torch.no_grad():
                 limit = self.config.max_num_seqs
                 if limit and len(batch) * params.n > limit:
                     chunks = batch.split(max(1, limit // params.n))
-                    return Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
-                return self._generate_batch(batch, params, decoder)
+                    out = Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
+                else:
+                    out = self._generate_batch(batch, params, decoder)
+            if next(self.model.parameters()).device.type == "cpu":
+                # observable proof that the streams ran (a batch under 2 x 4 rows never splits)
+                widest = streams.widest if streams is not None else 0
+                out.meta[ROLLOUT_METRICS] = {"rollout/cpu_streams": float(max(1, widest))}
+            return out
         finally:
             decoder.release()
             if hf:
