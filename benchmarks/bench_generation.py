@@ -12,9 +12,10 @@ the stop token, over wall time of whole `generate` calls (prefill included), sum
     .venv/bin/python benchmarks/bench_generation.py --cpu-streams --sizes medium --threads 2
 
 --natural-eos runs rows that stop at the model's EOS only (instead of the stop set) (id 2: ~1 in 90 tokens, mean length ~70-90 of
-128, the natural-EOS workload of benchmarks/vs_trl.py). --one-stream (with --threads >= 2) also runs the
-built-in engine with rollout row streams off (`cpu_streams=1`: every op split over the threads), alternated
-with the others, to show what the streams (rollout/row_streams.py) give. --cpu-streams runs the built-in
+128, the natural-EOS workload of benchmarks/vs_trl.py). --one-stream (with --threads >= 2) runs the built-in
+engine with rollout row streams on (`cpu_streams=0`, auto) and also with them off (`cpu_streams=1`, the
+default: every op split over the threads), alternated with the others, to show what the streams
+(rollout/row_streams.py) give. --cpu-streams runs the built-in
 engine alone, `rollout.cpu_streams` auto (0) against off (1), one call each in turn (A B A B ...), on
 natural-EOS rows (random length, the users' workload) and on fixed-length rows (no stop), and prints the
 median of the per-pair time ratios beside the totals (a burst of load hits one pair, not the median).
@@ -160,7 +161,8 @@ def main(argv=None) -> int:
     for size in args.sizes:
         model = build_tiny_model(size, "llama", seed=0, **(heads if size == "tiny" else {})).eval()
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
-        engine = BuiltinEngine(model)
+        # with --one-stream the built-in engine runs with the streams on (auto), against them off
+        engine = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=0 if args.one_stream else 1))
         one_stream = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=1)) if args.one_stream else None
         for batch_size in args.batches:
             batch = make_prompts(batch_size, model.config.vocab_size, seed=batch_size)
@@ -236,7 +238,7 @@ def compare_streams(args) -> int:
     for size in args.sizes:
         model = build_tiny_model(size, "llama", seed=0).eval()
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
-        auto = BuiltinEngine(model)
+        auto = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=0))
         off = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=1))
         streams = auto._row_streams(args.threads)
         n_streams = streams.n if streams is not None else 1

@@ -166,9 +166,10 @@ class RolloutConfig:
         0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
     )
     cpu_streams: int = _f(
-        0,
+        1,
         "builtin engine on CPU with >= 2 threads: decode the rows as this many parallel streams, one "
-        "thread each, same bits as 1 thread (0 = auto: one per thread from 5M params; 1 = off)",
+        "thread each, same bits as 1 thread (1 = off, the default: measured 0.7-0.9x the speed of "
+        "2 OpenMP threads at 25M, docs/bench/generation.md; 0 = auto: one per thread from 5M params)",
     )
     gpu_memory_utilization: float = _f(
         0.0,

@@ -83,9 +83,11 @@ def test_auto_streams_follow_threads_and_model_size(monkeypatch):
     from hybridflow.rollout import engine as engine_mod
 
     model = build_tiny_model("tiny", "llama", seed=0)
-    assert BuiltinEngine(model)._row_streams(2) is None, "a sub-5M model decodes on one thread"
+    auto = BuiltinEngineConfig(cpu_streams=0)
+    assert BuiltinEngine(model, auto)._row_streams(2) is None, "a sub-5M model decodes on one thread"
     monkeypatch.setattr(engine_mod, "SMALL_MODEL_PARAMS", 0)
-    engine = BuiltinEngine(model)
+    assert BuiltinEngine(model)._row_streams(2) is None, "off by default (docs/bench/generation.md)"
+    engine = BuiltinEngine(model, auto)
     streams = engine._row_streams(2)
     assert (streams.n, streams.threads) == (2, 1)
     assert engine._row_streams(2) is streams, "kept across calls"
