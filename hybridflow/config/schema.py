@@ -169,7 +169,7 @@ class RolloutConfig:
         1,
         "builtin engine on CPU with >= 2 threads: decode the rows as this many parallel streams, one "
         "thread each, same bits as 1 thread (1 = off, the default: at 25M, 0.7-0.8x the speed of 2 "
-        "OpenMP threads under load, even when lighter, docs/bench/generation.md; 0 = auto: one per thread "
+        "OpenMP threads under load, 0.8-1.1x when lighter, docs/bench/generation.md; 0 = auto: one per thread "
         "from 5M params)",
     )
     gpu_memory_utilization: float = _f(

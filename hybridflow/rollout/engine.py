@@ -70,7 +70,7 @@ class BuiltinEngineConfig:
     """CPU decode with >= 2 threads: decode the rows as this many parallel streams (row_streams.py), each
     on its own thread with max(1, threads // streams) intra-op threads, meeting once per step; 1 = off
     (every op split over the threads), the default: on the 25M model at 2 threads the streams ran at
-    0.7-0.8x the speed of 2 OpenMP threads on the shared machine and even with them in its lightest load,
+    0.7-0.8x the speed of 2 OpenMP threads on the shared machine and 0.8-1.1x in its lightest load,
     using more CPU time (OMP_WAIT_POLICY=PASSIVE, as the workers run; docs/bench/generation.md,
     "Row streams: the default"). 0 = auto: one stream per generation thread for
     models from SMALL_MODEL_PARAMS parameters, off below (their steps are Python-bound, and the threads
