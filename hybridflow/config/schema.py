@@ -166,9 +166,11 @@ class RolloutConfig:
         0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
     )
     cpu_streams: int = _f(
-        0,
+        1,
         "builtin engine on CPU with >= 2 threads: decode the rows as this many parallel streams, one "
-        "thread each, same bits as 1 thread (0 = auto: one per thread from 5M params; 1 = off)",
+        "thread each, same bits as 1 thread (1 = off, the default: at 25M, 0.7-0.8x the speed of 2 "
+        "OpenMP threads under load, 0.8-1.1x when lighter, docs/bench/generation.md; 0 = auto: one per thread "
+        "from 5M params)",
     )
     gpu_memory_utilization: float = _f(
         0.0,

@@ -28,10 +28,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hybridflow.batch import Batch, position_ids_from_mask
-from hybridflow.engines import varlen
+from hybridflow.engines import full_weights, varlen
 from hybridflow.engines.config import EngineConfig, compute_dtype
 from hybridflow.engines.forward import RLForward
 from hybridflow.engines.mesh import build_mesh, device_type
@@ -303,50 +302,23 @@ class TrainEngine:
             return float(mb["response_mask"].sum())
         return float(mb["attention_mask"][:, -response_length(mb) :].sum())
 
-    # ---- weights -----------------------------------------------------------------------------------
+    # ---- weights (engines/full_weights.py) ----------------------------------------------------------
     def iter_full_state_dict(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) pairs, gathered from the shards one tensor at a time (all ranks must
         iterate: each gather is a collective). Names and layouts are those of the HF checkpoint."""
-        transforms = hf_layout_transforms(self.hf_model)
-        with self.phase():
-            for name, t in self.hf_model.state_dict().items():
-                yield name, _gather(name, t, transforms, device)
+        return full_weights.iter_full_state_dict(self, device)
 
     def full_state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         return dict(self.iter_full_state_dict(device))
 
     def iter_full_grads(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, full gradient) after forward_backward; collective like iter_full_state_dict."""
-        transforms = hf_layout_transforms(self.hf_model)
-        for name, p in self.hf_model.named_parameters():
-            if p.grad is None:
-                continue
-            yield name, _gather(name, p.grad, transforms, device)
+        return full_weights.iter_full_grads(self, device)
 
     def save_hf(self, path, tokenizer=None) -> None:
         """Write the full model as an HF directory from rank 0, streaming: each tensor is gathered
         (a collective: every rank calls this), written and dropped, so no rank holds the model."""
-        from hybridflow.checkpoint.stream_write import write_safetensors
-
-        transforms = hf_layout_transforms(self.hf_model)
-        with self.phase():
-            live = self.hf_model.state_dict()
-            if getattr(self.hf_model.config, "tie_word_embeddings", False) and len(live) > 1:
-                live.pop("lm_head.weight", None)  # save_pretrained leaves the tied copy out too
-            specs = {n: (tuple(t.shape), t.dtype) for n, t in live.items()}
-            produce = lambda name: _gather(name, live[name], transforms, "cpu")  # noqa: E731
-            if self.mesh is None or dist.get_rank() == 0:
-                write_safetensors(path, specs, produce)
-                self.hf_model.config.save_pretrained(path)
-                if self.kind == "causal_lm" and getattr(self.hf_model, "generation_config", None) is not None:
-                    self.hf_model.generation_config.save_pretrained(path)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(path)
-            else:
-                for name in specs:
-                    produce(name)
-        if self.mesh is not None:
-            dist.barrier()
+        full_weights.save_hf(self, path, tokenizer)
 
     # ---- resume ------------------------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
@@ -404,17 +376,3 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 if id(p) not in new:
                     new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                 module._parameters[name] = new[id(p)]
-
-
-def _gather(name: str, t: torch.Tensor, transforms: dict, device) -> torch.Tensor:
-    """Full, HF-layout copy of a (possibly sharded) tensor that never aliases the live one (a 1-rank
-    full_tensor() or a CPU .to() would return the same storage, which training then mutates)."""
-    live = t.to_local() if isinstance(t, DTensor) else t
-    full = t.full_tensor() if isinstance(t, DTensor) else t
-    if name in transforms:
-        dim, perm = transforms[name]
-        full = full.index_select(dim, torch.argsort(perm).to(full.device))
-    out = full.detach().to(device)
-    if out.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
-        out = out.clone()
-    return out

@@ -8,9 +8,11 @@ run on a lean functional forward with a static KV cache (`llama_decoder.py`, ten
 a group); other architectures fall back to the HF forward on the model's own whole weights
 (`hf_decoder.py`).
 
-On CPU with >= 2 threads the rows run as parallel streams of one intra-op thread each, meeting once per
-step (row_streams.py; `cpu_streams`): bit-identical to one thread, and no per-op barrier that stalls
-when the cores are shared (docs/bench/generation.md, "Row streams").
+On CPU with >= 2 threads the rows can run as parallel streams of one intra-op thread each, meeting once
+per step (row_streams.py; `cpu_streams`, off by default): bit-identical to one thread, and no per-op
+barrier that stalls when the cores are shared, but slower than 2 OpenMP threads where measured
+(docs/bench/generation.md, "Row streams"). Each CPU call's output carries
+`rollout/cpu_streams` in meta[ROLLOUT_METRICS]: the most streams a prefill or decode step ran as (1: none).
 
 Finished rows stop costing compute: when the finished rows still in the decode batch exceed
 `compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
@@ -27,6 +29,7 @@ import torch
 
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.base import (
+    ROLLOUT_METRICS,
     GenerationEngine,
     build_rollout_batch,
     check_prompt_batch,
@@ -63,12 +66,15 @@ class BuiltinEngineConfig:
     SMALL_MODEL_PARAMS parameters (their decode matmuls are too small to split: the threads' wake-ups
     cost more than they save), else the process's setting. Measured at 32 rows x 128 tokens on 2 cores:
     0.8M params 0.33 s (1 thread) vs 0.60 s (2); 3.2M 0.72 vs 0.79 s; 10.7M 1.90 vs 1.72 s; 25M 4.1 vs 3.3 s."""
-    cpu_streams: int = 0
+    cpu_streams: int = 1
     """CPU decode with >= 2 threads: decode the rows as this many parallel streams (row_streams.py), each
     on its own thread with max(1, threads // streams) intra-op threads, meeting once per step; 1 = off
-    (every op split over the threads). 0 = auto: one stream per generation thread for models from
-    SMALL_MODEL_PARAMS parameters, off below (their steps are Python-bound, and the threads share the
-    GIL). Outputs are bit-identical either way (each stream keeps >= 4 rows)."""
+    (every op split over the threads), the default: on the 25M model at 2 threads the streams ran at
+    0.7-0.8x the speed of 2 OpenMP threads on the shared machine and 0.8-1.1x in its lightest load,
+    using more CPU time (OMP_WAIT_POLICY=PASSIVE, as the workers run; docs/bench/generation.md,
+    "Row streams: the default"). 0 = auto: one stream per generation thread for
+    models from SMALL_MODEL_PARAMS parameters, off below (their steps are Python-bound, and the threads
+    share the GIL). Outputs are bit-identical to 1 thread with streams (each stream keeps >= 4 rows)."""
     max_num_seqs: int = 0
     """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
@@ -148,13 +154,22 @@ class BuiltinEngine(GenerationEngine):
         if hf:
             self.model.eval()
         torch.set_num_threads(gen_threads)
+        streams = getattr(decoder, "streams", None)
+        if streams is not None:
+            streams.widest = 0
         try:
             with torch.no_grad():
                 limit = self.config.max_num_seqs
                 if limit and len(batch) * params.n > limit:
                     chunks = batch.split(max(1, limit // params.n))
-                    return Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
-                return self._generate_batch(batch, params, decoder)
+                    out = Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
+                else:
+                    out = self._generate_batch(batch, params, decoder)
+            if next(self.model.parameters()).device.type == "cpu":
+                # observable proof that the streams ran (a batch under 2 x 4 rows never splits)
+                widest = streams.widest if streams is not None else 0
+                out.meta[ROLLOUT_METRICS] = {"rollout/cpu_streams": float(max(1, widest))}
+            return out
         finally:
             decoder.release()
             if hf:

@@ -86,7 +86,7 @@ def rollout_engine_errors(cfg) -> list[str]:
     r, errors = cfg.rollout, []
     if r.cpu_streams < 0:
         errors.append(f"rollout.cpu_streams: must be >= 0 (0 = auto, 1 = off), got {r.cpu_streams}")
-    elif r.engine == "vllm" and r.cpu_streams:
+    elif r.engine == "vllm" and r.cpu_streams != 1:
         errors.append(
             f"rollout.cpu_streams: {r.cpu_streams} is a builtin-engine setting; vLLM schedules its own "
             "batch (remove it, or set rollout.engine=builtin)"

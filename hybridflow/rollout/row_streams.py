@@ -35,6 +35,8 @@ class RowStreams:
         if n < 2:
             raise ValueError(f"RowStreams needs >= 2 streams, got {n}")
         self.n, self.threads = n, threads
+        self.widest = 0
+        """Most parts one run() has had since the engine last reset it: whether the streams ran at all."""
         # The pool threads set their own intra-op threads once (torch's thread count is per thread under
         # OpenMP); the caller's is set around the decode loop (BuiltinEngine._generate).
         self.pool = ThreadPoolExecutor(
@@ -54,6 +56,7 @@ class RowStreams:
         # Grad mode is per thread: the pool's parts run in the caller's (no_grad: the cache is written in
         # place through views made under it).
         mode = _GradMode(torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        self.widest = max(self.widest, len(parts))
         futures = [self.pool.submit(mode.call, fn, lo, hi) for lo, hi in parts[1:]]
         try:
             first = fn(*parts[0])

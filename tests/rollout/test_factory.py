@@ -37,8 +37,9 @@ def test_builtin_engine_from_config():
 def test_settings_an_engine_does_not_use_are_rejected():
     (e,) = errors(["rollout.cpu_streams=-1"])
     assert e.startswith("rollout.cpu_streams:") and "\n" not in e
-    (e,) = errors(["rollout.engine=vllm", "rollout.cpu_streams=2"])
-    assert e.startswith("rollout.cpu_streams:") and "builtin" in e
+    for streams in (0, 2):  # 1 (off) is the default
+        (e,) = errors(["rollout.engine=vllm", f"rollout.cpu_streams={streams}"])
+        assert e.startswith("rollout.cpu_streams:") and "builtin" in e
     (e,) = errors(["rollout.gpu_memory_utilization=0.4"])
     assert e.startswith("rollout.gpu_memory_utilization:") and "builtin" in e and "\n" not in e
     assert any("sglang" in x and "rollout.engine" in x for x in errors(["rollout.engine=sglang"]))

@@ -8,6 +8,7 @@ import torch
 
 from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model
 from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
+from hybridflow.rollout.base import ROLLOUT_METRICS
 from hybridflow.rollout.row_streams import RowStreams
 from tests.rollout.gen_helpers import TEXTS, check_greedy_matches_hf, prompt_batch
 
@@ -74,15 +75,19 @@ def test_streams_equal_one_thread_bit_for_bit(tokenizer, arch):
         assert lengths.min() < lengths.max() or params.top_k, "rows finish at different steps"
         for key in ("responses", "response_mask", "rollout_log_probs"):
             assert torch.equal(a[key], b[key]), (key, params)
+        assert b.meta[ROLLOUT_METRICS] == {"rollout/cpu_streams": 2.0}, "the streams ran (and say so)"
+        assert a.meta[ROLLOUT_METRICS] == {"rollout/cpu_streams": 1.0}
 
 
 def test_auto_streams_follow_threads_and_model_size(monkeypatch):
     from hybridflow.rollout import engine as engine_mod
 
     model = build_tiny_model("tiny", "llama", seed=0)
-    assert BuiltinEngine(model)._row_streams(2) is None, "a sub-5M model decodes on one thread"
+    auto = BuiltinEngineConfig(cpu_streams=0)
+    assert BuiltinEngine(model, auto)._row_streams(2) is None, "a sub-5M model decodes on one thread"
     monkeypatch.setattr(engine_mod, "SMALL_MODEL_PARAMS", 0)
-    engine = BuiltinEngine(model)
+    assert BuiltinEngine(model)._row_streams(2) is None, "off by default (docs/bench/generation.md)"
+    engine = BuiltinEngine(model, auto)
     streams = engine._row_streams(2)
     assert (streams.n, streams.threads) == (2, 1)
     assert engine._row_streams(2) is streams, "kept across calls"

@@ -1,0 +1,78 @@
+"""A TrainEngine's weights as whole HF-layout tensors, gathered from its shards one tensor at a time:
+the full state dict, full gradients, and `save_hf` streamed from rank 0.
+
+Every function here is a collective when the engine is sharded: all ranks must call it and iterate to
+the end (each tensor's gather is one all-gather over its mesh).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hybridflow.engines.parallelize import hf_layout_transforms
+
+if TYPE_CHECKING:
+    from hybridflow.engines.train_engine import TrainEngine
+
+
+def iter_full_state_dict(engine: TrainEngine, device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs; names and layouts are those of the HF checkpoint."""
+    transforms = hf_layout_transforms(engine.hf_model)
+    with engine.phase():
+        for name, t in engine.hf_model.state_dict().items():
+            yield name, gather(name, t, transforms, device)
+
+
+def iter_full_grads(engine: TrainEngine, device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, full gradient) of the parameters that have one."""
+    transforms = hf_layout_transforms(engine.hf_model)
+    for name, p in engine.hf_model.named_parameters():
+        if p.grad is None:
+            continue
+        yield name, gather(name, p.grad, transforms, device)
+
+
+def save_hf(engine: TrainEngine, path, tokenizer=None) -> None:
+    """The full model as an HF directory written by rank 0: each tensor gathered, written and dropped,
+    so no rank holds the whole model."""
+    from hybridflow.checkpoint.stream_write import write_safetensors
+
+    model = engine.hf_model
+    transforms = hf_layout_transforms(model)
+    with engine.phase():
+        live = model.state_dict()
+        if getattr(model.config, "tie_word_embeddings", False) and len(live) > 1:
+            live.pop("lm_head.weight", None)  # save_pretrained leaves the tied copy out too
+        specs = {n: (tuple(t.shape), t.dtype) for n, t in live.items()}
+        produce = lambda name: gather(name, live[name], transforms, "cpu")  # noqa: E731
+        if engine.mesh is None or dist.get_rank() == 0:
+            write_safetensors(path, specs, produce)
+            model.config.save_pretrained(path)
+            if engine.kind == "causal_lm" and getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        else:
+            for name in specs:  # the other ranks take part in every gather
+                produce(name)
+    if engine.mesh is not None:
+        dist.barrier()
+
+
+def gather(name: str, t: torch.Tensor, transforms: dict, device) -> torch.Tensor:
+    """Full, HF-layout copy of a (possibly sharded) tensor that never aliases the live one (a 1-rank
+    full_tensor() or a CPU .to() would return the same storage, which training then mutates)."""
+    live = t.to_local() if isinstance(t, DTensor) else t
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    if name in transforms:
+        dim, perm = transforms[name]
+        full = full.index_select(dim, torch.argsort(perm).to(full.device))
+    out = full.detach().to(device)
+    if out.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
+        out = out.clone()
+    return out
