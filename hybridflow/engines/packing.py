@@ -50,6 +50,16 @@ def resolve_remove_padding(setting: bool | None, model_type: str) -> bool:
     return model_type in PACKABLE_MODEL_TYPES if setting is None else bool(setting)
 
 
+def resolve_share_prompt(setting: bool | None, remove_padding: bool) -> bool:
+    """EngineConfig.share_prompt once remove_padding is resolved: None = remove_padding."""
+    if setting and not remove_padding:
+        raise ValueError(
+            "model.share_prompt=true needs padding removal (the shared prompt lives in a packed row), "
+            "but it is off for this model; set share_prompt to null or false, or remove_padding to true"
+        )
+    return remove_padding if setting is None else bool(setting)
+
+
 @dataclass
 class PackPlan:
     """Where each real token of a (B, L) micro-batch goes in the packed (R, C) rows."""
@@ -76,13 +86,14 @@ class PackPlan:
         return [n for n in lengths[order].tolist() if n]
 
     def response_index(self, attention_mask: torch.Tensor, response_length: int):
-        """For every attended response position (b, j): (b, j) and the packed (row, col) of its token."""
+        """For every attended response position (b, j): (b, j), the packed (row, col) of its token and the
+        (row, col) of the hidden state that predicts it (the token before it)."""
         resp = attention_mask[:, -response_length:].bool()
         b, j = resp.nonzero(as_tuple=True)
         # response tokens are the sequence's last ones: token j of b sits resp_len - j from its end
         resp_len = resp.sum(-1)
         col = self.seq_end[b] - (resp_len[b] - 1 - j)
-        return (b, j), (self.seq_row[b], col)
+        return (b, j), (self.seq_row[b], col), (self.seq_row[b], col - 1)
 
 
 _TENSOR_FIELDS = ("src", "dst", "k", "seq_row", "seq_end")
