@@ -4,6 +4,8 @@ of the unshared packed forward and of the padded one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from rl_data import pg_loss
@@ -21,7 +23,7 @@ N, LP, LR, SINGLE = 4, 7, 9, 5
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("shared_prompt_models")
-    return {a: save_tiny_model(root / a, "tiny", a, seed=2) for a in ("llama", "qwen2")}
+    return {a: save_tiny_model(root / a, "tiny", a, seed=2) for a in ("llama", "qwen2", "gpt2")}
 
 
 def grouped_batch(vocab: int, seed: int = 0) -> Batch:
@@ -159,3 +161,44 @@ def test_share_prompt_without_padding_removal_is_refused(model_dirs):
         load_config(None, [*base, "model.remove_padding=false", "model.share_prompt=true"])
     assert len(e.value.errors) == 1 and e.value.errors[0].startswith("model.share_prompt: true needs padding")
     assert load_config(None, [*base, "model.remove_padding=false"]).model.share_prompt is None
+    gpt2 = [
+        f"model.path={model_dirs['gpt2']}",
+        *base[1:],
+    ]  # padding removal null: off for a model that cannot pack
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*gpt2, "model.share_prompt=true"])
+    assert e.value.errors == [
+        "model.share_prompt: true, but model.path is a 'gpt2' model, which cannot run packed sequences "
+        "(supported: llama, qwen2, qwen3, mistral); set it to false or null"
+    ]
+
+
+def test_grpo_run_shared_equals_unshared(ray_cluster, tmp_path):
+    """A 2-step GRPO run (n=4, KL loss, entropy logged) at natural EOS through the trainer: sharing the prompts
+    changes no metric, and the update reports the prompt tokens it did not compute."""
+    from test_packing import _eos_prone
+
+    from hybridflow.trainers import build_trainer
+    from tests.trainers.configs import tiny_config
+
+    torch.manual_seed(0)
+    model_dir = _eos_prone(save_tiny_model(tmp_path / "qwen2", "tiny", "qwen2", seed=2))
+    digits = f"reward.fn={Path(__file__).parents[1] / 'trainers' / 'rewards.py'}:digit_reward"
+    runs = {}
+    for flag in ("false", "true"):
+        cfg = tiny_config(model_dir, tmp_path / flag, "grpo", f"model.share_prompt={flag}", digits,
+                          "rollout.n=4", "rollout.response_length=12", "actor.micro_batch_size_per_device=8", "algorithm.use_kl_loss=true",
+                          "trainer.val_before_train=false")  # fmt: skip
+        with build_trainer(cfg) as trainer:
+            runs[flag] = trainer.fit()
+    keys = ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "reward/mean",
+            "response_length/mean")  # fmt: skip
+    for plain, shared in zip(runs["false"], runs["true"], strict=True):
+        for key in keys:
+            assert shared[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+        assert plain["perf/actor_shared_prompt_tokens"] == 0
+    # the updates' packed micro-batches (those > 5% padding) computed each prompt once
+    assert sum(m["perf/actor_shared_prompt_tokens"] for m in runs["true"]) > 0
+    assert (
+        runs["true"][-1]["actor/kl_loss"] > 0
+    )  # the second step's policy moved: the numbers are not trivial
