@@ -14,7 +14,8 @@ to it. Without `seq_lens` in the call (the padded forward, HF generation) it is 
 path with sdpa's mask, unchanged; `RLForward` passes `seq_lens` (a list of ints summing to the row
 length) through the model's **kwargs, and `no_mask()` tells the mask builder to skip the block-diagonal
 mask the call does not read. Activation checkpointing recomputes a layer with the same kwargs, so the
-recomputation takes the same path.
+recomputation takes the same path. With `shared_layout` instead (engines/shared_prompt.py, model.share_prompt)
+a row holds groups [prompt, r_1, ..., r_k], and each response attends to its prompt's keys and causally to its own.
 """
 
 from __future__ import annotations

@@ -112,6 +112,22 @@ def test_shared_log_probs_entropy_and_grads_equal_unshared_and_padded(model_dirs
     assert max(float(g.abs().max()) for g in g_pack.values()) > 0
 
 
+def test_shared_grads_under_activation_checkpointing(model_dirs):
+    """Recomputing each decoder layer in backward takes the shared attention again (same kwargs)."""
+    engines = []
+    for share in (False, True):
+        torch.manual_seed(0)
+        cfg = EngineConfig(remove_padding=True, share_prompt=share, gradient_checkpointing=True)
+        engines.append(TrainEngine(load_causal_lm(model_dirs["llama"]), cfg))
+    batch = grouped_batch(engines[0].hf_model.config.vocab_size, seed=6)
+    grads = [
+        dict(e.iter_full_grads()) for e in engines if e.forward_backward(batch, pg_loss, micro_batch_size=13)
+    ]
+    assert engines[1].take_shared_prompt_tokens() == sum(PROMPT_LENS) * (N - 1)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_shuffled_rows_split_groups_and_unique_prompts(model_dirs):
     """Rows in any order give the same per-row outputs; a group split over micro-batches shares within each;
     a micro-batch with no repeated prompt takes the unshared path."""
