@@ -115,16 +115,22 @@ class RLForward(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """pack_rows: None = the padded forward; an int = padding removed (engines/packing.py), rows of
         max(pack_rows, longest sequence) tokens. Outputs have the padded layout either way."""
-        # packed: enough padding to gain (packing.MIN_PADDING_TO_PACK), each row one run of tokens, and
-        # some response token to score; else the padded pass
+        # packed: each row one run of tokens, some response token to score, and enough tokens saved to gain
+        # (packing.MIN_PADDING_TO_PACK: padding, plus the prompts computed once with share_prompt); else padded
         if (
             pack_rows is not None
-            and packing.worth_packing(attention_mask)
-            and packing.contiguous(attention_mask)
             and attention_mask[:, -response_length:].any()
+            and packing.contiguous(attention_mask)
         ):
-            return self._packed(input_ids, attention_mask, position_ids, response_length, temperature,
-                                with_entropy, pack_rows)  # fmt: skip
+            mask = attention_mask.cpu()
+            # one row of every sequence, attention per sequence (engines/varlen.py), where the model takes it
+            one_row = varlen.fits(self.model, int(mask.sum(-1).max()))
+            shared = None  # stays None where no two rows share a prompt
+            if one_row and self.share_prompt:
+                shared = shared_prompt.plan(mask, input_ids, position_ids, response_length)
+            if packing.worth_packing(mask, shared.saved if shared is not None else 0):
+                return self._packed(input_ids, attention_mask, position_ids, response_length, temperature,
+                                    with_entropy, pack_rows, one_row, shared)  # fmt: skip
         out = self.model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
@@ -155,15 +161,11 @@ class RLForward(nn.Module):
         return outputs
 
     def _packed(self, input_ids, attention_mask, position_ids, response_length, temperature, with_entropy,
-                pack_rows) -> dict[str, torch.Tensor]:  # fmt: skip
-        """The forward on packed rows; the heads run on the real response tokens only (N of them)."""
+                pack_rows, one_row, shared) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The forward on packed rows (one row, or rows of pack_rows; a shared-prompt plan if given); the
+        heads run on the real response tokens only (N of them)."""
         mask = attention_mask.cpu()
         lengths = mask.sum(-1)
-        # one row of every sequence, attention per sequence (engines/varlen.py), where the model takes it
-        one_row = varlen.fits(self.model, int(lengths.max()))
-        shared = None
-        if one_row and self.share_prompt:  # None where no two rows share a prompt
-            shared = shared_prompt.plan(mask, input_ids, position_ids, response_length)
         if shared is not None:
             plan = shared.to(input_ids.device)
             ids, pos = plan.pack(input_ids, position_ids)

@@ -35,9 +35,11 @@ from hybridflow.models.files import PACKABLE_MODEL_TYPES
 MIN_PADDING_TO_PACK = 0.05
 
 
-def worth_packing(attention_mask: torch.Tensor) -> bool:
-    """Whether padding removal saves work on this (B, L) micro-batch (see MIN_PADDING_TO_PACK)."""
-    return 1.0 - float(attention_mask.sum()) / max(attention_mask.numel(), 1) > MIN_PADDING_TO_PACK
+def worth_packing(attention_mask: torch.Tensor, shared: int = 0) -> bool:
+    """Whether padding removal saves work on this (B, L) micro-batch (see MIN_PADDING_TO_PACK); `shared`:
+    real tokens the packed forward does not compute either (prompts computed once, engines/shared_prompt.py)."""
+    computed = float(attention_mask.sum()) - shared
+    return 1.0 - computed / max(attention_mask.numel(), 1) > MIN_PADDING_TO_PACK
 
 
 def resolve_remove_padding(setting: bool | None, model_type: str) -> bool:

@@ -153,6 +153,27 @@ def test_shuffled_rows_split_groups_and_unique_prompts(model_dirs):
     assert shared.take_shared_prompt_tokens() == 0
 
 
+def test_group_without_padding_is_packed_for_its_shared_prompt(model_dirs):
+    """A micro-batch of one group with no padding at all runs padded unshared (packing.MIN_PADDING_TO_PACK),
+    but packed with its prompt computed once: the tokens saved count as padding would."""
+    padded, packed, shared = _engines(model_dirs["llama"], trainable=True)
+    batch = grouped_batch(padded.hf_model.config.vocab_size, seed=7).index(torch.arange(N))  # prompt len LP
+    batch["attention_mask"][:, LP:] = 1
+    batch["response_mask"][:] = 1
+    batch["position_ids"] = position_ids_from_mask(batch["attention_mask"])
+    batch["advantages"] = torch.randn(N, LR, generator=torch.Generator().manual_seed(0))
+    assert bool(batch["attention_mask"].all())
+    want, _ = padded.compute_log_probs(batch, micro_batch_size=N)
+    for engine, saved in ((packed, 0), (shared, LP * (N - 1))):
+        lp, _ = engine.compute_log_probs(batch, micro_batch_size=N)
+        torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
+        assert engine.take_shared_prompt_tokens() == saved
+    g_pad, g_share = (dict(e.iter_full_grads()) for e in (padded, shared)
+                      if e.forward_backward(batch, pg_loss, micro_batch_size=N))  # fmt: skip
+    for name, g in g_pad.items():
+        torch.testing.assert_close(g_share[name], g, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_shared_values_and_scores_equal_unshared(model_dirs):
     batch = grouped_batch(60, seed=5)
     mask = batch["attention_mask"][:, -LR:].bool()
