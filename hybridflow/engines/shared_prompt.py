@@ -101,7 +101,8 @@ def prompt_groups(
         if not bool(m.any()):
             groups.append([b])
             continue
-        key = (tuple(prompt_ids[b][m].tolist()), tuple(prompt_pos[b][m].tolist()))
+        # bytes of the attended tokens and positions: a cheap exact key (one dtype per batch field)
+        key = (prompt_ids[b][m].numpy().tobytes(), prompt_pos[b][m].numpy().tobytes())
         if key in by_key:
             by_key[key].append(b)
         else:
