@@ -69,11 +69,10 @@ def test_groups_found_by_content_in_any_order():
     batch = grouped_batch(50)
     perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(1))
     shuffled = batch.index(perm)
-    lp = LP
     groups = shared_prompt.prompt_groups(
-        shuffled["attention_mask"][:, :lp].bool(),
-        shuffled["input_ids"][:, :lp],
-        shuffled["position_ids"][:, :lp],
+        shuffled["attention_mask"][:, :LP].bool(),
+        shuffled["input_ids"][:, :LP],
+        shuffled["position_ids"][:, :LP],
     )
     want = sorted(sorted(perm.argsort()[i * N : (i + 1) * N].tolist()) for i in range(3))
     assert sorted(sorted(g) for g in groups if len(g) > 1) == want
