@@ -13,6 +13,10 @@ Every figure is the median over interleaved repeats of one process with 1 thread
 
     .venv/bin/python benchmarks/bench_packing.py [--sizes small medium] [--lengths 32 128] [--repeats 5]
     .venv/bin/python benchmarks/bench_packing.py --break-even --sizes small medium --lengths 32
+    .venv/bin/python benchmarks/bench_packing.py --share --sizes medium [--lengths 32 128]
+
+--share (model.share_prompt): the batch is 8 prompts x n=4 in consecutive rows, as GRPO's; baseline is the
+packed engine with share_prompt=false, beside it the packed engine computing each prompt once and the padded one.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from hybridflow.models import load_causal_lm
 from hybridflow.models.tiny import save_tiny_model
 
 
-def natural_eos_batch(vocab: int, lr: int, seqs: int = 32, seed: int = 0) -> Batch:
+def natural_eos_batch(vocab: int, lr: int, seqs: int = 32, seed: int = 0, n: int = 1) -> Batch:
+    """n > 1: seqs / n prompts, each repeated n times in consecutive rows (GRPO's groups)."""
     g = torch.Generator().manual_seed(seed)
     lp = 24
-    prompt_lens = torch.randint(14, lp + 1, (seqs,), generator=g)
+    prompt_lens = torch.randint(14, lp + 1, (seqs // n,), generator=g).repeat_interleave(n)
     u = torch.rand(seqs, generator=g).clamp(min=1e-9)
     resp_lens = (torch.log(u) / torch.log(torch.tensor(1 - 1 / 90))).long().clamp(0, lr - 1) + 1
     pm = (torch.arange(lp)[None] >= lp - prompt_lens[:, None]).long()
     rm = (torch.arange(lr)[None] < resp_lens[:, None]).long()
-    prompts = torch.randint(5, vocab, (seqs, lp), generator=g) * pm
+    prompts = torch.randint(5, vocab, (seqs // n, lp), generator=g).repeat_interleave(n, 0) * pm
     responses = torch.randint(5, vocab, (seqs, lr), generator=g) * rm
     attn = torch.cat([pm, rm], 1)
     return Batch.from_dict(
@@ -62,17 +67,30 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run_row(model_dir: Path, lr: int, repeats: int) -> dict:
-    variants = {
-        "padded (baseline)": (dict(remove_padding=False), {"micro_batch_size": 32}),
-        "padded, token budget 1024": (dict(remove_padding=False), {"max_tokens": 1024}),
-        "packed (remove_padding)": (dict(remove_padding=True), {"micro_batch_size": 32}),
-    }
+PADDING_VARIANTS = {
+    "padded (baseline)": (dict(remove_padding=False), {"micro_batch_size": 32}),
+    "padded, token budget 1024": (dict(remove_padding=False), {"max_tokens": 1024}),
+    "packed (remove_padding)": (dict(remove_padding=True, share_prompt=False), {"micro_batch_size": 32}),
+}
+# --share: 8 prompts x n=4 (vs_trl's GRPO batch); the baseline is the packed engine without shared prompts
+SHARE_VARIANTS = {
+    "packed, share_prompt=false (baseline)": (
+        dict(remove_padding=True, share_prompt=False),
+        {"micro_batch_size": 32},
+    ),
+    "packed, share_prompt=true": (dict(remove_padding=True, share_prompt=True), {"micro_batch_size": 32}),
+    "padded": (dict(remove_padding=False), {"micro_batch_size": 32}),
+}
+
+
+def run_row(model_dir: Path, lr: int, repeats: int, share: bool = False) -> dict:
+    variants = SHARE_VARIANTS if share else PADDING_VARIANTS
     engines = {
         name: TrainEngine(load_causal_lm(model_dir), EngineConfig(optim=_no_step(), **cfg))
         for name, (cfg, _) in variants.items()
     }
-    batch = natural_eos_batch(engines["padded (baseline)"].hf_model.config.vocab_size, lr)
+    vocab = next(iter(engines.values())).hf_model.config.vocab_size
+    batch = natural_eos_batch(vocab, lr, n=4 if share else 1)
     times: dict = {(n, p): [] for n in variants for p in ("log-probs", "update")}
     for rep in range(repeats + 1):  # the first round warms up
         for name, (_, mb) in variants.items():
@@ -87,9 +105,18 @@ def run_row(model_dir: Path, lr: int, repeats: int) -> dict:
         "real": int(attn.sum()),
         "padded": int(attn.shape[0] * (attn[:, :24].sum(-1).max() + attn[:, 24:].sum(-1).max())),
         "resp_mean": float(attn[:, 24:].sum(-1).float().mean()),
+        "tokens_note": _shared_tokens(batch, lr) if share else "",
         "times": {k: tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for k, v in times.items()},
         "variants": list(variants),
     }
+
+
+def _shared_tokens(batch: Batch, lr: int) -> str:
+    """The tokens a shared-prompt forward computes, for the table."""
+    from hybridflow.engines import shared_prompt
+
+    p = shared_prompt.plan(batch["attention_mask"], batch["input_ids"], batch["position_ids"], lr)
+    return f" (shared: {p.cols})"
 
 
 def _no_step():
@@ -100,14 +127,15 @@ def _no_step():
 
 def table(rows: dict) -> str:
     out = "| model | Lr | real / padded tokens | setting | log-probs CPU s (wall) | update CPU s (wall) | "
-    out += "**CPU speed-up vs padded: log-probs, update** |\n" + "|---" * 7 + "|\n"
+    base_name = next(iter(rows.values()))["variants"][0].removesuffix(" (baseline)")
+    out += f"**CPU speed-up vs {base_name}: log-probs, update** |\n" + "|---" * 7 + "|\n"
     for (size, lr), r in rows.items():
         base = r["times"]
         for name in r["variants"]:
             (lw, lc), (uw, uc) = base[(name, "log-probs")], base[(name, "update")]
             (_, blc), (_, buc) = base[(r["variants"][0], "log-probs")], base[(r["variants"][0], "update")]
             out += (
-                f"| {size} | {lr} | {r['real']} / {r['padded']} | {name} | {lc:.3f} ({lw:.3f}) | "
+                f"| {size} | {lr} | {r['real']} / {r['padded']}{r['tokens_note']} | {name} | {lc:.3f} ({lw:.3f}) | "
                 f"{uc:.3f} ({uw:.3f}) | **{blc / lc:.2f}x, {buc / uc:.2f}x** |\n"
             )
     return out
@@ -170,6 +198,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--break-even", action="store_true", help="the packed / padded ratio against the padding fraction"
     )
+    p.add_argument(
+        "--share", action="store_true", help="8 prompts x n=4: packed with shared prompts vs packed without"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="bench_packing_"))
@@ -183,7 +214,7 @@ def main(argv=None) -> int:
                     f"{size}, Lr {lr}, 32 sequences:\n" + break_even(model_dir, lr, args.repeats), flush=True
                 )
                 continue
-            rows[(size, lr)] = run_row(model_dir, lr, args.repeats)
+            rows[(size, lr)] = run_row(model_dir, lr, args.repeats, args.share)
             print(table(rows), flush=True)
     print(f"load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
           f"{time.time() - started:.0f} s; {args.repeats} repeats; 1 thread")  # fmt: skip

@@ -66,6 +66,13 @@ class ModelConfig:
         "(max_tokens_per_micro_batch) then count real tokens. null = on for llama, qwen2, qwen3 and mistral "
         "models, off for others; true on another model type is rejected",
     )
+    share_prompt: Optional[bool] = _f(
+        None,
+        "with padding removal, rows of a micro-batch with the same prompt (GRPO/RLOO's n samples) compute it "
+        "once: each response attends to the one copy, outputs and gradients unchanged (docs/design.md §7). "
+        "Saves the repeated prompt tokens in the reference, old-log-prob, value and update forwards. "
+        "null = wherever padding is removed; true needs padding removal (rejected with remove_padding=false)",
+    )
 
 
 @dataclass

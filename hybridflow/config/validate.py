@@ -276,6 +276,12 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
             f"dp={act.parallel.dp} ranks (both rows of a pair must land on the same rank)"
         )
 
+    if cfg.model.share_prompt is True and cfg.model.remove_padding is False:
+        errors.append(
+            "model.share_prompt: true needs padding removal (shared prompts live in packed rows), but "
+            "model.remove_padding is false; set share_prompt to null or false, or remove_padding to null or true"
+        )
+
     # run
     for name in t.loggers:
         if name not in LOGGERS:

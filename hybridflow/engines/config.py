@@ -105,6 +105,9 @@ class EngineConfig:
     # computed. None = on for the model types that pack (packing.PACKABLE_MODEL_TYPES), off otherwise;
     # True on another type raises. With it the token budget counts real tokens, not padded ones.
     remove_padding: bool | None = None
+    # Shared prompts (engines/shared_prompt.py): in a packed micro-batch, rows with an identical prompt
+    # compute it once. None = wherever padding is removed; True with padding removal off raises.
+    share_prompt: bool | None = None
     # Sequence positions per chunk of lm_head + log_softmax: bounds the logits held at once to
     # (micro_batch, logits_chunk_size, vocab).
     logits_chunk_size: int = 256

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hybridflow.engines import packing, varlen
+from hybridflow.engines import packing, shared_prompt, varlen
 from hybridflow.models.hf import model_kind, scalar_head
 
 
@@ -94,11 +94,14 @@ class RLForward(nn.Module):
       reward:    "scores" (B,) read at the last attended token
     """
 
-    def __init__(self, model: nn.Module, logits_chunk_size: int = 256):
+    def __init__(self, model: nn.Module, logits_chunk_size: int = 256, share_prompt: bool = False):
         super().__init__()
         self.model = model
         self.kind = model_kind(model)
         self.logits_chunk_size = logits_chunk_size
+        # packed micro-batches: rows with the same prompt compute it once (engines/shared_prompt.py)
+        self.share_prompt = share_prompt
+        self.shared_prompt_tokens = 0  # prompt tokens not computed since the engine last took the count
 
     def forward(
         self,
@@ -112,16 +115,22 @@ class RLForward(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """pack_rows: None = the padded forward; an int = padding removed (engines/packing.py), rows of
         max(pack_rows, longest sequence) tokens. Outputs have the padded layout either way."""
-        # packed: enough padding to gain (packing.MIN_PADDING_TO_PACK), each row one run of tokens, and
-        # some response token to score; else the padded pass
+        # packed: each row one run of tokens, some response token to score, and enough tokens saved to gain
+        # (packing.MIN_PADDING_TO_PACK: padding, plus the prompts computed once with share_prompt); else padded
         if (
             pack_rows is not None
-            and packing.worth_packing(attention_mask)
-            and packing.contiguous(attention_mask)
             and attention_mask[:, -response_length:].any()
+            and packing.contiguous(attention_mask)
         ):
-            return self._packed(input_ids, attention_mask, position_ids, response_length, temperature,
-                                with_entropy, pack_rows)  # fmt: skip
+            mask = attention_mask.cpu()
+            # one row of every sequence, attention per sequence (engines/varlen.py), where the model takes it
+            one_row = varlen.fits(self.model, int(mask.sum(-1).max()))
+            shared = None  # stays None where no two rows share a prompt
+            if one_row and self.share_prompt:
+                shared = shared_prompt.plan(mask, input_ids, position_ids, response_length)
+            if packing.worth_packing(mask, shared.saved if shared is not None else 0):
+                return self._packed(input_ids, attention_mask, position_ids, response_length, temperature,
+                                    with_entropy, pack_rows, one_row, shared)  # fmt: skip
         out = self.model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
@@ -152,28 +161,36 @@ class RLForward(nn.Module):
         return outputs
 
     def _packed(self, input_ids, attention_mask, position_ids, response_length, temperature, with_entropy,
-                pack_rows) -> dict[str, torch.Tensor]:  # fmt: skip
-        """The forward on packed rows; the heads run on the real response tokens only (N of them)."""
+                pack_rows, one_row, shared) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The forward on packed rows (one row, or rows of pack_rows; a shared-prompt plan if given); the
+        heads run on the real response tokens only (N of them)."""
         mask = attention_mask.cpu()
         lengths = mask.sum(-1)
-        # one row of every sequence, attention per sequence (engines/varlen.py), where the model takes it
-        one_row = varlen.fits(self.model, int(lengths.max()))
-        plan = packing.plan(mask, int(lengths.sum()) if one_row else pack_rows).to(input_ids.device)
-        ids, pos = packing.pack(plan, input_ids, position_ids)
-        if one_row:
+        if shared is not None:
+            plan = shared.to(input_ids.device)
+            ids, pos = plan.pack(input_ids, position_ids)
+            self.shared_prompt_tokens += plan.saved
+            with varlen.no_mask():
+                out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False,
+                                            shared_layout=plan.layout)  # fmt: skip
+        elif one_row:
+            plan = packing.plan(mask, int(lengths.sum())).to(input_ids.device)
+            ids, pos = packing.pack(plan, input_ids, position_ids)
             with varlen.no_mask():
                 out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False,
                                             seq_lens=plan.row_lengths())  # fmt: skip
         else:  # attention_mask=None: transformers builds the per-sequence causal mask from the position resets
+            plan = packing.plan(mask, pack_rows).to(input_ids.device)
+            ids, pos = packing.pack(plan, input_ids, position_ids)
             out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False)
         hidden = out.last_hidden_state
         if self.kind == "reward":
             h_last = hidden[plan.seq_row, plan.seq_end.clamp(min=0)]
             return {"scores": scalar_head(self.model)(h_last).squeeze(-1).float()}
-        (b, j), (row, col) = plan.response_index(attention_mask, response_length)
+        (b, j), (row, col), prev = plan.response_index(attention_mask, response_length)
         # one row of N tokens: chunks of B x logits_chunk_size tokens hold as many logits as the padded ones
         chunk = self.logits_chunk_size * attention_mask.shape[0]
-        heads = self._heads(hidden[row, col - 1].unsqueeze(0), ids[row, col].unsqueeze(0), temperature,
+        heads = self._heads(hidden[prev].unsqueeze(0), ids[row, col].unsqueeze(0), temperature,
                             with_entropy, chunk)  # fmt: skip
         shape = (attention_mask.shape[0], response_length)
         return {k: v.new_zeros(shape).index_put((b, j), v[0]) for k, v in heads.items()}

@@ -35,9 +35,11 @@ from hybridflow.models.files import PACKABLE_MODEL_TYPES
 MIN_PADDING_TO_PACK = 0.05
 
 
-def worth_packing(attention_mask: torch.Tensor) -> bool:
-    """Whether padding removal saves work on this (B, L) micro-batch (see MIN_PADDING_TO_PACK)."""
-    return 1.0 - float(attention_mask.sum()) / max(attention_mask.numel(), 1) > MIN_PADDING_TO_PACK
+def worth_packing(attention_mask: torch.Tensor, shared: int = 0) -> bool:
+    """Whether padding removal saves work on this (B, L) micro-batch (see MIN_PADDING_TO_PACK); `shared`:
+    real tokens the packed forward does not compute either (prompts computed once, engines/shared_prompt.py)."""
+    computed = float(attention_mask.sum()) - shared
+    return 1.0 - computed / max(attention_mask.numel(), 1) > MIN_PADDING_TO_PACK
 
 
 def resolve_remove_padding(setting: bool | None, model_type: str) -> bool:
@@ -48,6 +50,16 @@ def resolve_remove_padding(setting: bool | None, model_type: str) -> bool:
             f"(supported: {', '.join(PACKABLE_MODEL_TYPES)}); set it to false or null"
         )
     return model_type in PACKABLE_MODEL_TYPES if setting is None else bool(setting)
+
+
+def resolve_share_prompt(setting: bool | None, remove_padding: bool) -> bool:
+    """EngineConfig.share_prompt once remove_padding is resolved: None = remove_padding."""
+    if setting and not remove_padding:
+        raise ValueError(
+            "model.share_prompt=true needs padding removal (the shared prompt lives in a packed row), "
+            "but it is off for this model; set share_prompt to null or false, or remove_padding to true"
+        )
+    return remove_padding if setting is None else bool(setting)
 
 
 @dataclass
@@ -76,13 +88,14 @@ class PackPlan:
         return [n for n in lengths[order].tolist() if n]
 
     def response_index(self, attention_mask: torch.Tensor, response_length: int):
-        """For every attended response position (b, j): (b, j) and the packed (row, col) of its token."""
+        """For every attended response position (b, j): (b, j), the packed (row, col) of its token and the
+        (row, col) of the hidden state that predicts it (the token before it)."""
         resp = attention_mask[:, -response_length:].bool()
         b, j = resp.nonzero(as_tuple=True)
         # response tokens are the sequence's last ones: token j of b sits resp_len - j from its end
         resp_len = resp.sum(-1)
         col = self.seq_end[b] - (resp_len[b] - 1 - j)
-        return (b, j), (self.seq_row[b], col)
+        return (b, j), (self.seq_row[b], col), (self.seq_row[b], col - 1)
 
 
 _TENSOR_FIELDS = ("src", "dst", "k", "seq_row", "seq_end")

@@ -43,7 +43,7 @@ from hybridflow.engines.micro_batch import (
 )
 from hybridflow.engines.offload import Offloader
 from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from hybridflow.engines.packing import resolve_remove_padding
+from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.engines.sharded_init import materialize
 from hybridflow.models.hf import model_kind
@@ -83,8 +83,9 @@ class TrainEngine:
         # only its own shards from disk (sharded_init.py); a loaded one is moved, then sharded.
         on_meta = any(p.is_meta for p in model.parameters())
         self.hf_model = model if on_meta else model.to(self.device)
-        self.module = RLForward(model, self.config.logits_chunk_size)
         self.remove_padding = resolve_remove_padding(self.config.remove_padding, model.config.model_type)
+        self.share_prompt = resolve_share_prompt(self.config.share_prompt, self.remove_padding)
+        self.module = RLForward(model, self.config.logits_chunk_size, self.share_prompt)
         if self.remove_padding:  # packed micro-batches: one row, attention per sequence (engines/varlen.py)
             varlen.install(model)
         parallelize(
@@ -346,6 +347,12 @@ class TrainEngine:
     def offload_stats(self) -> dict[str, float]:
         """offload_s / offload_bytes / offload_moves since the last call (then reset)."""
         return self._offload.take_stats()
+
+    def take_shared_prompt_tokens(self) -> int:
+        """Prompt tokens this engine's forwards did not compute (shared within a micro-batch, model.share_prompt)
+        since the last call (then reset)."""
+        n, self.module.shared_prompt_tokens = self.module.shared_prompt_tokens, 0
+        return n
 
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.hf_model.parameters())

@@ -14,7 +14,8 @@ to it. Without `seq_lens` in the call (the padded forward, HF generation) it is 
 path with sdpa's mask, unchanged; `RLForward` passes `seq_lens` (a list of ints summing to the row
 length) through the model's **kwargs, and `no_mask()` tells the mask builder to skip the block-diagonal
 mask the call does not read. Activation checkpointing recomputes a layer with the same kwargs, so the
-recomputation takes the same path.
+recomputation takes the same path. With `shared_layout` instead (engines/shared_prompt.py, model.share_prompt)
+a row holds groups [prompt, r_1, ..., r_k], and each response attends to its prompt's keys and causally to its own.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ NAME = "hybridflow_sdpa"
 _NO_MASK = contextvars.ContextVar("hybridflow_varlen_no_mask", default=False)
 
 
-def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_lens=None, **kwargs):
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_lens=None,
+              shared_layout=None, **kwargs):  # fmt: skip
     """transformers' attention-interface signature. query (1, H, N, D), key / value (1, Hkv, N, D) of one
-    packed row when seq_lens (lengths summing to N) is given; returns (output (1, N, H, D), None)."""
+    packed row when seq_lens (lengths summing to N) or shared_layout (engines/shared_prompt.py) is given;
+    returns (output (1, N, H, D), None)."""
+    if shared_layout is not None:
+        return _shared(shared_layout, query, key, value, dropout, scaling), None
     if seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     runs = _runs(seq_lens)
@@ -51,6 +56,29 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         )
         outs.append(o.transpose(1, 2).reshape(1, n * k, o.shape[1], o.shape[3]))
     return torch.cat(outs, dim=1), None  # (1, N, H, D)
+
+
+def _shared(layout, query, key, value, dropout, scaling) -> torch.Tensor:
+    """Attention over a row with shared prompts: one sdpa call per length of the causal segments (plain
+    sequences and prompts) and one per (prompt length, response length) of the responses, each response's
+    queries against cat(its prompt's keys, its own keys) under the bottom-right causal mask."""
+    qs, ks, vs = (t.transpose(1, 2).split(layout.sizes, 1) for t in (query, key, value))  # (1, n, H, D) each
+    gqa = key.shape[1] != query.shape[1]
+    out: list[torch.Tensor | None] = [None] * len(layout.sizes)
+
+    def run(q, k, v, segments, **how):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           dropout_p=dropout, scale=scaling, enable_gqa=gqa, **how)  # fmt: skip
+        for i, o_i in zip(segments, o.transpose(1, 2).split(1)):
+            out[i] = o_i
+
+    for _, segs in layout.causal:
+        run(*(torch.cat([t[i] for i in segs]) for t in (qs, ks, vs)), segs, is_causal=True)
+    for (p, n), pairs in layout.shared:
+        q = torch.cat([qs[r] for _, r in pairs])
+        k, v = (torch.cat([torch.cat((t[pr], t[r]), 1) for pr, r in pairs]) for t in (ks, vs))
+        run(q, k, v, [r for _, r in pairs], attn_mask=layout.mask(p, n, query.device))
+    return torch.cat(out, dim=1)  # (1, N, H, D)
 
 
 def _runs(seq_lens: list[int]) -> list[tuple[int, int]]:

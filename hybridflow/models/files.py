@@ -121,15 +121,18 @@ def model_type(directory: str) -> str | None:
 
 
 def remove_padding_errors(model_cfg) -> list[str]:
-    """model.remove_padding=true on a model directory whose type cannot pack: one line each."""
-    if model_cfg.remove_padding is not True:
+    """model.remove_padding=true (or share_prompt=true, which needs it) on a model directory whose type
+    cannot pack: one line each."""
+    share = getattr(model_cfg, "share_prompt", None) is True and model_cfg.remove_padding is None
+    if model_cfg.remove_padding is not True and not share:
         return []
     errors = []
     for key in ("path", "critic_path", "reward_model_path", "cost_model_path"):
         kind = model_type(getattr(model_cfg, key)) if getattr(model_cfg, key) else None
         if kind is not None and kind not in PACKABLE_MODEL_TYPES:
+            setting = "remove_padding" if model_cfg.remove_padding else "share_prompt"
             errors.append(
-                f"model.remove_padding: true, but model.{key} is a {kind!r} model, which cannot run packed "
+                f"model.{setting}: true, but model.{key} is a {kind!r} model, which cannot run packed "
                 f"sequences (supported: {', '.join(PACKABLE_MODEL_TYPES)}); set it to false or null"
             )
     return errors

@@ -74,7 +74,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = None
         self._gen_calls = 0
         seed = config.trainer.seed
-        pack = {"remove_padding": config.model.remove_padding}
+        pack = {"remove_padding": config.model.remove_padding, "share_prompt": config.model.share_prompt}
         # each role's engine config only where it runs: a role on another pool has that pool's dp
         # (the reference on the rollout pool of rollout_ahead=1 while the actor's pool is smaller)
         self.actor_cfg = self.ref_cfg = None
@@ -280,6 +280,8 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                                      loss_weighting=weighting, global_metrics=True)  # fmt: skip
                 metrics.add(out, "actor/")
         metrics.add(offload_metrics(eng), "perf/actor_")
+        # prompt tokens the update's forwards did not compute (model.share_prompt), per rank
+        metrics.add({"shared_prompt_tokens": eng.take_shared_prompt_tokens()}, "perf/actor_")
         return metrics.as_dict()
 
     @register(Protocol.DP_METRICS, layout="train")

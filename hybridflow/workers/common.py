@@ -62,8 +62,10 @@ def engine_config(
     total_steps: int = 0,
     micro_batch_size_per_device: int | None = None,
     remove_padding: bool | None = None,
+    share_prompt: bool | None = None,
 ) -> EngineConfig:
-    """An EngineConfig from an actor / critic / ref / reward config section (remove_padding: model.remove_padding)."""
+    """An EngineConfig from an actor / critic / ref / reward config section (remove_padding, share_prompt:
+    model.remove_padding, model.share_prompt)."""
     optim = getattr(section, "optim", None)
     return EngineConfig(
         parallel=engine_parallel(section.parallel, world_size, what),
@@ -71,6 +73,7 @@ def engine_config(
         micro_batch_size_per_device=micro_batch_size_per_device or section.micro_batch_size_per_device,
         max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", 0),
         remove_padding=remove_padding,
+        share_prompt=share_prompt,
         gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
         mixed_precision=_MIXED_PRECISION[model_dtype],
         offload=getattr(section, "offload", False),

@@ -61,6 +61,7 @@ class CriticWorker(Worker):
             config.model.dtype,
             total_optim_steps,
             remove_padding=config.model.remove_padding,
+            share_prompt=config.model.share_prompt,
         )
         set_train_layout(self, "train", self.engine_cfg.parallel)
         self.engine = None

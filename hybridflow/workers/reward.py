@@ -31,7 +31,7 @@ class RewardModelWorker(Worker):
         self.config, self.model_path, self.score_key = config, model_path, score_key
         self.engine_cfg = engine_config(
             config.reward, self.world_size, "reward", config.trainer.seed, config.model.dtype,
-            remove_padding=config.model.remove_padding,
+            remove_padding=config.model.remove_padding, share_prompt=config.model.share_prompt,
         )  # fmt: skip
         set_train_layout(self, "train", self.engine_cfg.parallel)
         self.engine = None

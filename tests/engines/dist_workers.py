@@ -58,6 +58,7 @@ def run_case(case: dict, out_dir: Path) -> dict:
         "grads": grads,
         "step": step,
         "state": state,
+        "shared_prompt_tokens": engine.take_shared_prompt_tokens(),
     }
 
 

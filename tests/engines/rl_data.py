@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.batch import Batch
+from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.models.tiny import random_rl_batch
 
 
-def make_rl_batch(vocab_size: int, batch_size: int = 8, lp: int = 6, lr: int = 8, seed: int = 0) -> Batch:
-    """Random tokens with random valid prompt lengths (1..lp) and response lengths (1..lr)."""
-    return random_rl_batch(vocab_size, batch_size, lp, lr, seed)
+def make_rl_batch(
+    vocab_size: int, batch_size: int = 8, lp: int = 6, lr: int = 8, seed: int = 0, group: int = 1
+) -> Batch:
+    """Random tokens with random valid prompt lengths (1..lp) and response lengths (1..lr); group > 1:
+    each run of `group` consecutive rows has the prompt of its first row (GRPO's n samples)."""
+    batch = random_rl_batch(vocab_size, batch_size, lp, lr, seed)
+    if group > 1:
+        first = torch.arange(batch_size) // group * group
+        prompts = batch["prompts"][first]
+        attn = torch.cat([(prompts != 0).long(), batch["response_mask"]], 1)
+        batch["prompts"] = prompts
+        batch["input_ids"] = torch.cat([prompts, batch["responses"]], 1)
+        batch["attention_mask"] = attn
+        batch["position_ids"] = position_ids_from_mask(attn)
+    return batch
 
 
 def pg_loss(outputs, mb):

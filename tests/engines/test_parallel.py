@@ -28,15 +28,17 @@ def model_dirs(tmp_path_factory):
     }
 
 
-def reference(model_dir: str) -> dict:
+def reference(model_dir: str, batch_kwargs: dict = BATCH, **engine_kwargs) -> dict:
     """The same two steps in one process on the whole batch, one micro-batch, no process group.
 
     Adam's eps is 1e-6 (not 1e-8) on both sides: some gradients are zero in exact arithmetic (GPT-2's
     key bias: softmax ignores a constant added to every key) and Adam would turn their ~1e-12
     round-off, which differs between layouts, into full +-lr steps."""
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, eps=1e-6)
-    engine = TrainEngine(load_causal_lm(model_dir), EngineConfig(optim=optim, logits_chunk_size=4))
-    batch = make_rl_batch(engine.hf_model.config.vocab_size, **BATCH)
+    engine = TrainEngine(
+        load_causal_lm(model_dir), EngineConfig(optim=optim, logits_chunk_size=4, **engine_kwargs)
+    )
+    batch = make_rl_batch(engine.hf_model.config.vocab_size, **batch_kwargs)
     log_probs, entropy = engine.compute_log_probs(batch, with_entropy=True, micro_batch_size=8)
     metrics = engine.forward_backward(batch, pg_loss, micro_batch_size=8)
     grads = dict(engine.iter_full_grads())
@@ -127,3 +129,19 @@ def test_dp2_x_tp2_mesh_matches_reference(model_dirs, tmp_path):
     )
     got = run_group(4, [case], tmp_path)["mesh"]
     assert_matches_reference(got, reference(model_dirs["qwen2"]))
+
+
+def test_shared_prompts_under_fsdp_and_tensor_parallel_match_unshared_reference(model_dirs, tmp_path):
+    """model.share_prompt on 2 ranks (FSDP2 dp=2, and tp=2 on Qwen2): rows with the same prompt compute it
+    once on each rank; log-probs, losses, gradients and the stepped weights are the unshared run's."""
+    grouped = {**BATCH, "group": 4}
+    cases = [
+        dict(name="dp2", model_dir=model_dirs["llama"], tp=1, dp=2, batch=grouped,
+             engine={"share_prompt": True, "micro_batch_size_per_device": 4}),
+        dict(name="tp2", model_dir=model_dirs["qwen2"], tp=2, dp=1, batch=grouped,
+             engine={"share_prompt": True, "micro_batch_size_per_device": 8}),
+    ]  # fmt: skip
+    got = run_group(2, cases, tmp_path)
+    for name, arch in (("dp2", "llama"), ("tp2", "qwen2")):
+        assert got[name]["shared_prompt_tokens"] > 0
+        assert_matches_reference(got[name], reference(model_dirs[arch], grouped, share_prompt=False))
