@@ -50,7 +50,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | memory (4 ranks, 106M) | the code before sharded checkpoints (2b42e07) | save adds 0 MiB vs 811 (2.0 M); export peaks at one tensor; init, resume equal on CPU |
 | fault recovery | the same run without a kill | random worker SIGKILLed: 3/3 runs complete, 0 steps lost beyond the last checkpoint, metrics equal |
 | end to end | TRL 1.16 `GRPOTrainer` | 1.77x / 1.38x / 1.16x / 1.14x tokens/s (goal 3x: not met; fp32 GEMMs bound both sides) |
-| end to end, natural EOS through `hybridflow train` | TRL 1.16 `GRPOTrainer` | best setting (trainer.rollout_ahead=1), quiet machine: small 2.70x / 3.17x, medium 1.41x / 1.46x tokens/s at cap 32 / 128 (goal 1.5x: small met, medium not; TRL's own rate drifted 1.27x between quiet runs) |
+| end to end, natural EOS through `hybridflow train` | TRL 1.16 `GRPOTrainer` | best setting (trainer.rollout_ahead=1), quiet machine, latest run: small 2.57x / 4.25x, medium 1.49x / 1.49x tokens/s at cap 32 / 128 (goal 1.5x: small met, medium not; TRL's own rate drifted up to ~25% between quiet runs) |
 | CLI start-up | the eager torch/Ray/transformers import `--help` made before | `hybridflow --help` 0.008x the baseline's CPU time (0.06 s vs 7.9 s) |
 """
 
