@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -155,6 +156,8 @@ class VLLMEngine(GenerationEngine):
             # torchrun variables; Ray workers have the process group but not these (each worker sees its
             # own GPU as device 0).
             rank = torch.distributed.get_rank()
+            if not self.gpu:
+                clear_stale_cpu_shm(rank)
             os.environ.setdefault("RANK", str(rank))
             os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if self.gpu else rank))
             kw.update(
@@ -376,3 +379,34 @@ def _first(x):
     if isinstance(x, (list, tuple)):
         return x[0] if x else None
     return x
+
+
+def clear_stale_cpu_shm(rank: int, shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove this rank's leftover vLLM CPU all-reduce segments; -> the paths removed.
+
+    vLLM's CPU tensor parallelism keeps a shared-memory file per rank, `<ident>-tp:...-cpushm_<rank>`,
+    whose name is the same for every engine started by the external launcher (its ident comes from
+    the "env://" init method). A process that is killed rather than shut down (a worker restart, the end
+    of a Ray job) leaves it behind, and the next engine's create then fails with EEXIST. A file no live
+    process has mapped is such a leftover."""
+    import glob
+
+    stale = [
+        path
+        for path in glob.glob(os.path.join(shm_dir, f"*-cpushm_{rank}"))
+        if not _mapped_by_a_live_process(path)
+    ]
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return stale
+
+
+def _mapped_by_a_live_process(path: str) -> bool:
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if path in maps.read_text():
+                return True
+        except OSError:  # the process exited, or is not ours to read
+            continue
+    return False
