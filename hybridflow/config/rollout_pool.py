@@ -29,7 +29,13 @@ def frozen_on_rollout(cfg) -> bool:
     res = cfg.resources
     if not cfg.trainer.rollout_ahead or res.frozen_pool == "training":
         return False
-    return res.frozen_pool == "rollout" or res.placement in ("colocate", "split")
+    return res.frozen_pool in ("rollout", "both") or res.placement in ("colocate", "split")
+
+
+def ref_on_both_pools(cfg) -> bool:
+    """resources.frozen_pool=both: the reference also joins the actor's workers, and each step's rows are
+    split between the two pools (trainers/rollout_ahead.py, RefSplit)."""
+    return bool(cfg.trainer.rollout_ahead) and cfg.resources.frozen_pool == "both"
 
 
 def with_frozen_on_rollout(cfg, devices: dict[str, int] | None) -> dict[str, int] | None:
@@ -86,6 +92,16 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
         errors.append(
             f"resources.frozen_pool: {res.frozen_pool!r} places nothing: this run has no reference, reward or "
             "cost model (no KL term, rule rewards); remove it"
+        )
+    elif res.frozen_pool == "both" and frozen is not None and "ref" not in frozen:
+        errors.append(
+            "resources.frozen_pool: both splits the reference's rows between the pools, and this run has no "
+            "reference (no KL term); use rollout or training"
+        )
+    if res.frozen_pool == "both" and res.placement not in ("colocate", "split"):
+        errors.append(
+            f"resources.frozen_pool: both needs placement colocate or split (with placement "
+            f"{res.placement!r} the plan places the frozen models); use auto"
         )
     if not 0 <= r < n:
         errors.append(

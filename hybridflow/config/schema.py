@@ -271,9 +271,11 @@ class ResourcesConfig:
     frozen_pool: str = _f(
         "auto",
         "trainer.rollout_ahead=1: the pool of the reference, reward and cost models: rollout = in the rollout "
-        "pool's processes, scoring step k+1's batch while the actor trains on step k; training; auto = rollout "
-        "under colocate / split (balances the pools, docs/design.md), the planner's choice under auto / a plan",
-        choices=("auto", "rollout", "training"),
+        "pool's processes, scoring step k+1's batch while the actor trains on step k; training; both = the "
+        "reference in both pools, each step's rows split between them to even the pools' busy time (reward "
+        "and cost models on the rollout pool); auto = rollout under colocate / split (docs/design.md), the "
+        "planner's choice under auto / a plan",
+        choices=("auto", "rollout", "training", "both"),
     )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
     ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")

@@ -13,6 +13,7 @@ outputs; `observe_calls` lets the driver's phase timers see every call made insi
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,18 @@ class Future:
         self._collect_ranks = collect_ranks  # sharded protocols: one rank per shard, in shard order
         self._done = False
         self._value: Any = None
+        self.row_range: tuple[int, int] | None = None  # set by rows(): only these rows of the output
+
+    def rows(self, lo: int, hi: int) -> Future:
+        """Rows [lo, hi) of this (sharded) call's output, as a Future of its own: passed to another
+        group's method, each consumer rank cuts its shard out of those rows only, and the driver still
+        fetches nothing (trainers/rollout_ahead.py scores part of a batch where it was generated)."""
+        if not self.sharded:
+            raise TypeError(f"{self!r}: only a sharded call's output has rows")
+        view = copy.copy(self)
+        base = self.row_range[0] if self.row_range else 0
+        view.row_range, view._done, view._value = (base + lo, base + hi), False, None
+        return view
 
     @property
     def sharded(self) -> bool:
@@ -87,6 +100,8 @@ class Future:
                 got = dict(zip(self._ranks, ray.get(self._out_refs)))
                 outputs = [got.get(r) for r in range(self._view.world_size)]
             self._value = self._protocol.collect(self._view, outputs)
+            if self.row_range is not None:
+                self._value = self._value.index(slice(*self.row_range))
             self._done = True
         return self._value
 

@@ -62,13 +62,15 @@ class FutureShard:
     """Shard `shard` of `n_shards` of another call's collected outputs, cut out by the consumer.
 
     size_refs / out_refs: the producer's collected ranks in shard order (sizes are CallInfos).
-    n_shards = 0 means "the whole output" (a broadcast of a future).
+    n_shards = 0 means "the whole output" (a broadcast of a future). rows: only rows [lo, hi) of the
+    output are sharded (Future.rows), None = all of them.
     """
 
     size_refs: list
     out_refs: list
     shard: int
     n_shards: int
+    rows: tuple[int, int] | None = None
 
 
 def resolve(arg):
@@ -85,12 +87,15 @@ def _resolve_future_shard(f: FutureShard) -> tuple[Batch, int]:
     if any(s is None for s in sizes):
         raise TypeError("a future passed on as a batch must come from a method returning a Batch")
     offsets = np.cumsum([0, *sizes])
-    total = int(offsets[-1])
+    lo, hi = f.rows or (0, int(offsets[-1]))
+    if not 0 <= lo <= hi <= offsets[-1]:
+        raise IndexError(f"rows [{lo}, {hi}) of a call's output of {int(offsets[-1])} rows")
+    total = hi - lo
     if f.n_shards == 0:
         rows, pad = slice(0, total), 0
     else:
         rows, pad = shard_indices(total, f.n_shards, f.shard)
-    idx = np.arange(total)[rows] if isinstance(rows, slice) else rows
+    idx = lo + (np.arange(total)[rows] if isinstance(rows, slice) else rows)
     if len(idx) == 0:
         return ray.get(f.out_refs[0]).index(slice(0, 0)), 0
     owner = np.searchsorted(offsets, idx, side="right") - 1  # producer shard holding each row
@@ -103,8 +108,8 @@ def _resolve_future_shard(f: FutureShard) -> tuple[Batch, int]:
         stop = start
         while stop < len(idx) and owner[stop] == p and idx[stop] == idx[start] + (stop - start):
             stop += 1
-        lo = int(idx[start] - offsets[p])
-        pieces.append(parts[p].index(slice(lo, lo + stop - start)))
+        at = int(idx[start] - offsets[p])
+        pieces.append(parts[p].index(slice(at, at + stop - start)))
         start = stop
     out = pieces[0] if len(pieces) == 1 else Batch.concat(pieces)
     return out, pad

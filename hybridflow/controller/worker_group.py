@@ -233,7 +233,7 @@ def _resolve_futures(values) -> list:
     for v in values:
         if isinstance(v, Future) and v.sharded:
             sizes, outs = v.collected_refs()
-            out.append(FutureShard(sizes, outs, 0, 0))
+            out.append(FutureShard(sizes, outs, 0, 0, v.row_range))
         else:
             out.append(v.get() if isinstance(v, Future) else v)
     return out
@@ -272,7 +272,7 @@ def _shard_arguments(args: tuple, kwargs: dict, n: int, where: str) -> list[tupl
             per_value.append(parts)
         elif isinstance(v, Future):
             sizes, outs = v.collected_refs()
-            per_value.append([FutureShard(sizes, outs, s, n) for s in range(n)])
+            per_value.append([FutureShard(sizes, outs, s, n, v.row_range) for s in range(n)])
         else:
             per_value.append([v] * n)
     n_args = len(args)

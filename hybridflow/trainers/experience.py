@@ -77,9 +77,24 @@ class Pending:
 
 
 def join(*parts: Batch) -> Batch:
-    batch = parts[0]
+    """The fields of every part on the rows of the first. A part with fewer rows is a row slice of a
+    phase's output (resources.frozen_pool=both: the reference scores rows [0, m) on the rollout pool and
+    rows [m, B) on the training pool): consecutive slices are stacked, in the order given, until they
+    cover the batch."""
+    batch, rows, pieces = parts[0], len(parts[0]), []
     for p in parts[1:]:
+        if not p.keys():
+            continue
+        if pieces or len(p) < rows:
+            pieces.append(p)
+            if sum(len(x) for x in pieces) < rows:
+                continue
+            p, pieces = Batch.concat(pieces), []
+        if len(p) != rows:
+            raise ValueError(f"a phase's output has {len(p)} rows, the batch {rows}")
         batch = batch.union(p)
+    if pieces:
+        raise ValueError(f"row slices of {sum(len(x) for x in pieces)} rows do not cover the batch of {rows}")
     return batch
 
 

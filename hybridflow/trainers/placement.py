@@ -18,7 +18,9 @@ trainer.rollout_ahead=1 a "rollout" pool is added: resources.rollout_devices of 
 colocate / split, the pools above sharing the rest (config/rollout_pool.py); the plan's `ahead` pool
 and tg under auto / a plan file. Its workers generate rollout.tg-way (rollout/pool_tp.py); with
 resources.frozen_pool rollout (auto under colocate / split, or a plan that says so) the frozen models
-(ref, reward, cost) go on that pool too, the ref joining the rollout worker instance.
+(ref, reward, cost) go on that pool too, the ref joining the rollout worker instance; with
+resources.frozen_pool=both the ref also joins the actor's worker instance (groups["ref_training"]), and
+the driver splits each batch's rows between the two (rollout_ahead.RefSplit).
 `write_placement` records what was built in run_dir/placement.json.
 """
 
@@ -30,7 +32,13 @@ import os
 from dataclasses import dataclass, field
 
 from hybridflow.checkpoint import atomic_write_text
-from hybridflow.config.rollout_pool import FROZEN_ROLES, frozen_on_rollout, rollout_devices, training_devices
+from hybridflow.config.rollout_pool import (
+    FROZEN_ROLES,
+    frozen_on_rollout,
+    ref_on_both_pools,
+    rollout_devices,
+    training_devices,
+)
 from hybridflow.config.validate import split_sizes
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups, share_cpus
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
@@ -49,6 +57,7 @@ class Placement:
     default_pool: str = ""
     parallel: dict = field(default_factory=dict)
     plan: object = None
+    ref_on_training: bool = False  # the ref on the rollout pool AND in the actor's workers (frozen_pool=both)
 
     def pool_of(self, role: str) -> str:
         pool = self.roles.get(role, self.default_pool or next(iter(self.pools)))
@@ -73,7 +82,8 @@ class Placement:
             roles = {**placement.roles, "rollout": "rollout"}
             if frozen_on_rollout(cfg):  # resources.frozen_pool=rollout: they score on the rollout pool
                 roles.update(dict.fromkeys(FROZEN_ROLES, "rollout"))
-            return cls(pools, roles, default, placement.parallel, placement.plan)
+            both = ref_on_both_pools(cfg)
+            return cls(pools, roles, default, placement.parallel, placement.plan, ref_on_training=both)
         return placement
 
     @classmethod
@@ -152,7 +162,8 @@ def build_worker_groups(
     """Create pools and worker groups for `roles` (role -> extra init kwargs), then init every model.
 
     Returns (groups by role, pools). groups["ref"] is groups["actor_rollout"] (or groups["rollout"]) when
-    they share a pool: the reference joins that ActorRolloutRefWorker instance.
+    they share a pool: the reference joins that ActorRolloutRefWorker instance. With
+    placement.ref_on_training a second reference joins the actor's instance: groups["ref_training"].
     """
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
@@ -179,11 +190,18 @@ def build_worker_groups(
                 role_cfg = role_config(cfg, placement, role)
                 if role == "rollout":
                     role_cfg = rollout_pool_config(role_cfg, placement.pools[name], with_ref)
+                if role == "actor_rollout" and placement.ref_on_training and "ref" in roles:
+                    # the training pool's reference: the actor's parallel sizes fit this pool (cfg.ref's
+                    # were fitted to the rollout pool, where the other reference runs)
+                    role_cfg, with_ref = copy.deepcopy(role_cfg), True
+                    _set_parallel(role_cfg.ref, role_cfg.actor.parallel)
                 specs[role] = _spec(role_cfg, role, roles[role], with_ref)
             made = create_colocated_groups(pool, specs, group_name=f"{name}:{'+'.join(specs)}")
             groups.update(made)
         if host:
             groups["ref"] = groups[host]
+        if placement.ref_on_training and "ref" in roles:
+            groups["ref_training"] = groups["actor_rollout"]
         for role in ROLES:  # actor first: colocated models are built in a fixed order on every rank
             if role in groups and not (role == "ref" and host):
                 groups[role].init_model()

@@ -113,7 +113,11 @@ class RLTrainer(Trainer):
         batch = _pending(batch)
         if not self.uses_ref:
             return batch
-        return batch.add(self.frozen_output("ref", "compute_ref_log_prob", batch))
+        # resources.frozen_pool=both: rows scored on the rollout pool, then the rest on the training pool
+        parts = self.ahead.ref_parts(batch.local)
+        for part in parts if parts is not None else [self.frozen_output("ref", "compute_ref_log_prob", batch)]:
+            batch.add(part)
+        return batch
 
     def frozen_output(self, role: str, method: str, batch: Pending):
         """A frozen model's output for `batch`: scored a step ahead on the rollout pool
@@ -154,6 +158,7 @@ class RLTrainer(Trainer):
 
     def update_actor(self, batch: Pending) -> None:
         self.updates.append(self.actor.update_actor.future(batch.experience))
+        self.ahead.note_update(self.updates[-1])
 
     def finish(self, batch: Pending) -> tuple[Pending, dict]:
         """Wait for the step: its calls' timing, the updates' metrics and the experience's (data

@@ -14,7 +14,9 @@ Frozen models on the rollout pool (resources.frozen_pool=rollout, the default): 
 cost models live in the rollout pool's processes and score each batch there right after generating it,
 chained on the generation's Future (no pass through the driver), so batch k+1's reference log-probs and
 reward-model scores are computed while the actor trains on batch k; step k+1's ref / reward phases take
-them (`scored`). The rule reward stays in the driver.
+them (`scored`). The rule reward stays in the driver. With resources.frozen_pool=both the reference
+there scores only rows [0, m) of each batch, and the training pool's reference the rest before the
+update (`ref_parts`); m evens the two sides' busy time, step by step (ref_split.py).
 
 Checkpoints: the batch in flight is waited for and written into the checkpoint (rollout_ahead/: prompts,
 rollouts and the frozen models' outputs as safetensors + JSON, no pickle), with the loader already past its
@@ -33,8 +35,9 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import atomic_write_text
-from hybridflow.config.rollout_pool import FROZEN_ROLES
+from hybridflow.config.rollout_pool import FROZEN_ROLES, ref_on_both_pools
 from hybridflow.controller import Future
+from hybridflow.trainers.ref_split import RefSplit
 from hybridflow.workers.shard_sync import split_dims
 
 PART = "rollout_ahead"  # the checkpoint part holding the batch in flight
@@ -56,6 +59,13 @@ class RolloutAhead:
         self.rollout_version = 0
         self._spec, self._dims, self._tg, self._connected_to = None, None, 1, None
         self._syncing: tuple[Future, Future] | None = None  # (send, receive) of the sync in flight
+        # resources.frozen_pool=both: rows of the current batch whose reference the rollout pool scored,
+        # and the busy seconds the split is balanced on (the training side's calls of the last step, the
+        # rollout side's last receive)
+        self.split = RefSplit(trainer.cfg.rollout.n) if ref_on_both_pools(trainer.cfg) else None
+        self.ref_rows: int | None = None
+        self.training_calls: list[tuple[str, Future, float]] = []  # (what, call, rows or tokens)
+        self._receive_s, self._tokens, self._batch_rows = 0.0, 0.0, 0
 
     @property
     def group(self):
@@ -82,30 +92,79 @@ class RolloutAhead:
             p, self.pending = self.pending, None
             batch, version, self.scores = _result(p["result"]), p["version"], p["scores"]
             self._check_sync()  # received before that batch was generated
+            self._balance(p)
         else:  # the first step (or a schedule just turned on): nothing was drawn ahead
             self.sync(actor_version)
-            future, self.scores = self._issue(prompts)
-            batch, version = future.get(), actor_version
+            p = self._issue(prompts)
+            batch, version, self.scores = p["result"].get(), actor_version, p["scores"]
+        self.ref_rows = p.get("ref_rows")
+        self._tokens, self._batch_rows = float(batch["attention_mask"].sum()), len(batch)
         t.metrics["rollout/policy_lag"] = float(actor_version - version)
+        if self.ref_rows is not None:
+            t.metrics["rollout/ref_rows_on_rollout_pool"] = float(self.ref_rows)
         if self.enabled and step < t.total_steps:
             self.sync(actor_version)
             ahead = t.train_loader.next_batch()
             ahead.meta["global_step"] = step + 1
-            future, scores = self._issue(ahead)
-            self.pending = {"step": step + 1, "prompts": ahead, "result": future, "scores": scores,
-                            "version": self.rollout_version}  # fmt: skip
+            self.pending = {"step": step + 1, "version": self.rollout_version, **self._issue(ahead)}
         return batch
 
-    def _issue(self, prompts: Batch) -> tuple[Future, dict]:
+    def _issue(self, prompts: Batch) -> dict:
         """Generate `prompts` on the rollout pool and chain the frozen models there on its output (each
-        rank fetches its rows of the generation itself); -> (generation, {role: scoring}) as Futures."""
+        rank fetches its rows of the generation itself); -> {prompts, result: the generation, scores:
+        {role: scoring}, ref_rows (frozen_pool=both: the rows the reference scores here)} as Futures."""
         t = self.trainer
         future, scores = self.group.generate_sequences.future(prompts), {}
+        out = {"prompts": prompts, "result": future, "scores": scores}
         for role in self.frozen_roles:
             method, phase = SCORING[role]
+            rows = future
+            if role == "ref" and self.split is not None:
+                rest = 0 if self.ref_rows is None else self._batch_rows - self.ref_rows
+                out["ref_rows"] = self.split.rows_for(len(prompts) * t.cfg.rollout.n, self._tokens, rest)
+                if out["ref_rows"] == 0:
+                    continue  # the training pool scores them all
+                rows = future.rows(0, out["ref_rows"])
             with t.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
-                scores[role] = getattr(t.groups[role], method).future(future)
-        return future, scores
+                scores[role] = getattr(t.groups[role], method).future(rows)
+        return out
+
+    def ref_parts(self, local: Batch) -> list | None:
+        """frozen_pool=both: the current batch's reference log-probs in row order: rows [0, ref_rows) as
+        the rollout pool scored them, the rest issued now on the training pool; None without the split
+        (the phase calls the reference's group itself)."""
+        if self.split is None or self.ref_rows is None:
+            return None
+        parts = [self.scores.pop("ref")] if self.ref_rows else []
+        if self.ref_rows < len(local):
+            rest = local.index(slice(self.ref_rows, None))
+            parts.append(self.trainer.groups["ref_training"].compute_ref_log_prob.future(rest))
+            self.training_calls.append(("ref", parts[-1], len(rest)))
+        return parts
+
+    def note_update(self, future: Future) -> None:
+        """The actor's update of this step: the training side's work the split is balanced against."""
+        if self.split is not None:
+            self.training_calls.append(("update", future, self._tokens))
+
+    def _balance(self, p: dict) -> None:
+        """Feed the split the busy seconds of the batch just taken (its generation and rollout-side
+        reference) and of the training side's last step (update and reference on the other rows)."""
+        calls, self.training_calls = self.training_calls, []
+        ref = p["scores"].get("ref")
+        if self.split is None or not isinstance(p["result"], Future) or isinstance(ref, Batch):
+            return  # restored from a checkpoint: nothing measured
+        refs = [(_busy(f), rows) for what, f, rows in calls if what == "ref"]
+        updates = [(_busy(f), tokens) for what, f, tokens in calls if what == "update"]
+        self.split.observe(
+            rollout_rows=p["ref_rows"],
+            rollout_s=self._receive_s + _busy(p["result"]),
+            rollout_ref_s=0.0 if ref is None else _busy(ref),
+            training_rows=sum(r for _, r in refs),
+            training_ref_s=sum(s for s, _ in refs),
+            update_tokens=sum(n for _, n in updates),
+            update_s=sum(s for s, _ in updates),
+        )
 
     @property
     def frozen_roles(self) -> list[str]:
@@ -153,6 +212,7 @@ class RolloutAhead:
             return
         pair, self._syncing = self._syncing, None
         sent, received = _get_both(*pair)
+        self._receive_s = _busy(pair[1])
         if {m["sync/bytes"] for m in received} != {max(m["sync/bytes"] for m in sent)}:
             raise RuntimeError(
                 f"weight sync: sent {sent[0]} to each rollout rank but they received {received}"
@@ -202,10 +262,13 @@ class RolloutAhead:
             scores = {r: _load_batch(part / f"scores_{r}") for r in FROZEN_ROLES if (part / f"scores_{r}.json").is_file()}  # fmt: skip
             self.pending = {"step": int(state["step"]), "version": int(state["version"]), "scores": scores,
                             "prompts": _load_batch(part / "prompts"), "result": _load_batch(part / "rollouts")}  # fmt: skip
+            if self.split is not None:
+                self.pending["ref_rows"] = len(scores["ref"]) if "ref" in scores else 0
 
     def reset(self) -> None:
         """Forget the batch and the sync in flight (their groups are gone: a restart)."""
         self.pending, self.scores, self._syncing = None, {}, None
+        self.ref_rows, self.training_calls = None, []
 
 
 def _get_both(a: Future, b: Future) -> tuple:
@@ -219,6 +282,11 @@ def _get_both(a: Future, b: Future) -> tuple:
         if pending:
             time.sleep(0.002)
     return a.get(), b.get()
+
+
+def _busy(future: Future) -> float:
+    """A finished call's busy seconds: the slowest rank's run time of the method."""
+    return max(c.end - c.start for c in future.calls())
 
 
 def _itemsize(dtype: str) -> int:

@@ -38,6 +38,24 @@ def test_future_between_groups_of_different_dp_size_skips_the_driver(groups2, gr
         fut.get()  # proves the tripwire is live: fetching in the driver does trip it
 
 
+@pytest.mark.parametrize("producer,consumer", [(4, 2), (2, 4)])
+def test_rows_of_a_future_reach_the_consumer_ranks_without_the_driver(groups2, groups4, producer, consumer):
+    src = (groups2 if producer == 2 else groups4)["dp"]
+    dst = (groups2 if consumer == 2 else groups4)["dp"]
+    n, lo, hi = 11, 3, 9  # rows 3..8 span several producer shards
+    fut = src.produce(
+        Batch({"x": torch.arange(n, dtype=torch.float32)}), driver_pid=os.getpid(), payload=32768
+    )
+    part = fut.rows(lo, hi)
+    out = dst.consume(part)  # would raise in the driver had it deserialised the producer's rows
+    assert out["x"].tolist() == [float(i) for i in range(lo, hi)]
+    # each consumer rank got its shard of the 6 rows, padded as a driver-side split of them would be
+    assert dst.last_x() == [[lo + r for r in _rows(hi - lo, consumer, s)] for s in range(consumer)]
+    assert dst.consume(part.rows(1, 3))["x"].tolist() == [4.0, 5.0]  # rows of rows
+    with pytest.raises(TypeError, match="sharded"):
+        groups2["dp"].info.future().rows(0, 1)
+
+
 def test_future_into_3d_group_and_into_broadcast(groups2, groups4):
     n = 5
     fut = groups4["dp"].dp_async(Batch({"x": torch.arange(n, dtype=torch.float32)}))

@@ -1,7 +1,8 @@
 """trainer.rollout_ahead=1 with the frozen models on the rollout pool (resources.frozen_pool=rollout, the
 default; trainers/rollout_ahead.py): the reference and the reward model score step k+1's batch in the rollout
-pool's processes while the actor trains on step k. The same numbers as with them in the training pool, the
-calls counted where they ran, a resume from the checkpoint (which holds the batch in flight and its scores)
+pool's processes while the actor trains on step k. The same numbers as with them in the training pool and
+with the reference's rows split between the pools (frozen_pool=both), the calls and rows counted where
+they ran, a resume from the checkpoint (which holds the batch in flight and its scores)
 repeats the uninterrupted run, and a misplaced setting is one line through `hybridflow train`.
 """
 
@@ -77,6 +78,25 @@ def test_frozen_models_score_on_the_rollout_pool_with_the_same_numbers(ray_clust
     for a, b in zip(on_rollout, on_training):  # same seeds, prompts and frozen models: the same run
         _assert_close(a, b, 1e-5)
 
+    # frozen_pool=both: the reference in both pools, each batch's rows split between them (ref_split.py)
+    cfg_b = make_config("grpo", *_settings(rm_dir), "resources.frozen_pool=both",
+                        "trainer.experiment_name=both", devices=2)  # fmt: skip
+    with _counting(cfg_b) as trainer:
+        groups = trainer.groups
+        assert groups["ref"] is groups["rollout"] and groups["ref_training"] is groups["actor_rollout"]
+        assert groups["reward"].pool is groups["rollout"].pool
+        on_both = trainer.fit()
+        rows = {r: groups[r].execute_all("scored_rows") for r in ("actor_rollout", "rollout")}
+    batch = cfg_b.data.train_batch_size * cfg_b.rollout.n
+    split = [h["rollout/ref_rows_on_rollout_pool"] for h in on_both]
+    n = cfg_b.rollout.n
+    assert split[0] == n * round(batch / n / 2) and all(m % n == 0 and 0 <= m <= batch for m in split)
+    # every row of the 3 batches scored once: the rollout pool's rows as logged, the training pool the rest
+    assert rows == {"rollout": [sum(split)], "actor_rollout": [3 * batch - sum(split)]}
+    for a, b in zip(on_rollout, on_both):
+        b = {k: v for k, v in b.items() if k != "rollout/ref_rows_on_rollout_pool"}
+        _assert_close(a, b, 1e-5)
+
     # resume from step 2: the checkpoint holds batch 3 and its reference / reward scores
     part = Path(cfg.run_dir) / "checkpoints" / "step_2" / "rollout_ahead"
     assert {p.name for p in part.glob("scores_*.safetensors")} == {
@@ -91,13 +111,23 @@ def test_frozen_models_score_on_the_rollout_pool_with_the_same_numbers(ray_clust
     assert [h["step"] for h in rest] == [3] and ref_calls == [0]  # step 3 took its scores from the checkpoint
     assert _comparable(rest[0]) == _comparable(on_rollout[2])
 
+    # with the split, the checkpoint holds the rollout pool's rows of batch 3; the training pool scores the rest
+    part = Path(cfg_b.run_dir) / "checkpoints" / "step_2" / "rollout_ahead"
+    resumed = make_config("grpo", *_settings(rm_dir), "resources.frozen_pool=both",
+                          "trainer.experiment_name=resumed_both", f"trainer.resume={part.parent}", devices=2)  # fmt: skip
+    with _counting(resumed) as trainer:
+        rest = trainer.fit()
+        rows = {r: trainer.groups[r].execute_all("scored_rows") for r in ("actor_rollout", "rollout")}
+    assert rows == {"rollout": [0], "actor_rollout": [batch - split[2]]}
+    assert _comparable(rest[0]) == _comparable(on_both[2])
+
 
 def test_a_misplaced_frozen_pool_is_one_line_exit_2(tiny_model_dir, tmp_path, capsys):
     base = [f"model.path={tiny_model_dir}", "data.dataset=synthetic:arithmetic", "resources.device=cpu",
             f"trainer.output_dir={tmp_path}"]  # fmt: skip
     cases = {
         "resources.frozen_pool=training": "resources.frozen_pool: 'training' is only used with trainer.rollout_ahead=1",
-        "resources.frozen_pool=driver": "resources.frozen_pool: 'driver' is not one of ['auto', 'rollout', 'training']",
+        "resources.frozen_pool=driver": "resources.frozen_pool: 'driver' is not one of ['auto', 'rollout', 'training', 'both']",
     }
     for setting, expected in cases.items():
         assert cli_main(["train", *base, setting]) == 2
@@ -107,3 +137,10 @@ def test_a_misplaced_frozen_pool_is_one_line_exit_2(tiny_model_dir, tmp_path, ca
     ahead = ["trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "resources.frozen_pool=training"]
     assert cli_main(["train", *base, *ahead]) == 2
     assert "resources.frozen_pool: 'training' places nothing" in capsys.readouterr().err
+    # 'both' splits the reference: a reward model alone is not enough, and a plan places the models itself
+    both = [*ahead[:2], "resources.frozen_pool=both"]
+    rm = ["reward.kind=model", f"model.reward_model_path={tiny_model_dir}"]
+    assert cli_main(["train", *base, *both, *rm]) == 2
+    assert "resources.frozen_pool: both splits the reference's rows" in capsys.readouterr().err
+    assert cli_main(["train", *base, *both, "algorithm.use_kl_loss=true", "resources.placement=auto"]) == 2
+    assert "resources.frozen_pool: both needs placement colocate or split" in capsys.readouterr().err
