@@ -9,8 +9,11 @@ user can choose by config on this machine) and the best one is reported with its
 one-step-ahead schedule (`trainer.rollout_ahead=1`: rollout on its own pool, one step off-policy) when
 this build has the setting, else the row says "n/a (rollout_ahead not built)"; it runs the frozen models
 (here the reference of the KL term) where the build's default puts them (resources.frozen_pool=rollout:
-on the rollout pool, scoring batch k+1 while the actor trains on batch k), and a second one-step-ahead
-run keeps them in the training pool (`AHEAD_TRAINING`, listed with the phases).
+on the rollout pool, scoring batch k+1 while the actor trains on batch k), a second one-step-ahead
+run keeps them in the training pool (`AHEAD_TRAINING`) and a third splits the reference's rows between
+the pools (`AHEAD_BOTH`, resources.frozen_pool=both); the headline shows the fastest of the three, named.
+TRL runs twice per row, before and after hybridflow's runs, and its rate is the two runs' pooled (the
+machine's speed drifts by up to ~25% over minutes; each run's rate is listed).
 
 Tokens/s = (prompt + response tokens of the step) / the step's wall time, median over the steps after
 the warm-up; the two sides sample different lengths (separate RNG streams), which the rate absorbs.
@@ -40,6 +43,15 @@ AHEAD_TRAINING = (
     2,
     ["trainer.rollout_ahead=1", "resources.frozen_pool=training"],
 )
+AHEAD_BOTH = (
+    "rollout_ahead=1, ref rows split between the pools (resources.frozen_pool=both)",
+    2,
+    ["trainer.rollout_ahead=1", "resources.frozen_pool=both"],
+)
+AHEAD_KEYS = {"ahead": AHEAD[0], "ahead_training": AHEAD_TRAINING[0], "ahead_both": AHEAD_BOTH[0]}
+# the headline table's name of each (no "|": it is a table cell)
+AHEAD_SHORT = {"ahead": "frozen_pool default (rollout)", "ahead_training": "frozen_pool=training",
+               "ahead_both": "frozen_pool=both"}  # fmt: skip
 
 
 def ahead_built() -> bool:
@@ -56,6 +68,14 @@ def frozen_pool_built() -> bool:
     return any(f.name == "frozen_pool" for f in dataclasses.fields(ResourcesConfig))
 
 
+def frozen_pool_both_built() -> bool:
+    """Whether resources.frozen_pool takes `both` (the reference's rows split between the pools)."""
+    from hybridflow.config.schema import ResourcesConfig
+
+    field = next((f for f in dataclasses.fields(ResourcesConfig) if f.name == "frozen_pool"), None)
+    return field is not None and "both" in (field.metadata.get("choices") or ())
+
+
 def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> list[dict]:
     from hybridflow.models.tiny import save_tiny_model
 
@@ -67,14 +87,14 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
             row = {"size": size, "length": length, "seqs": args.batch_size * args.n, "sync": {}}
             tag = f"eos_{size}_{length}"
             print(f"[vs_trl] natural EOS {size}/{length}: trl ...", file=sys.stderr, flush=True)
-            res = run_grpo_side("trl", args, base, workdir / f"trl_{tag}.log")
-            row["trl"] = summarize_eos(res, args.warmup, summarize)
+            trl_runs = [run_grpo_side("trl", args, base, workdir / f"trl_{tag}.log")]
             runs = [
                 (name, workers, sets, f"{i}")
                 for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items())
             ]
             runs += [(*AHEAD, "ahead")] if ahead_built() else []
             runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
+            runs += [(*AHEAD_BOTH, "ahead_both")] if frozen_pool_both_built() else []
             for name, workers, sets, suffix in runs:
                 print(
                     f"[vs_trl] natural EOS {size}/{length}: hybridflow {name} ...",
@@ -88,6 +108,12 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
                     row[suffix] = summary
                 else:
                     row["sync"][name] = summary
+            # TRL again after hybridflow's runs: the machine's speed drifts by up to ~25% over minutes, and
+            # its runs before and after, pooled, bracket hybridflow's (each run's rate is listed too)
+            print(f"[vs_trl] natural EOS {size}/{length}: trl again ...", file=sys.stderr, flush=True)
+            trl_runs.append(run_grpo_side("trl", args, base, workdir / f"trl_{tag}_after.log"))
+            row["trl_runs"] = [summarize_eos(r, args.warmup, summarize) for r in trl_runs]
+            row["trl"] = summarize_eos({**trl_runs[0], "steps": pooled_steps(trl_runs, args.warmup)}, 0, summarize)
             rows.append(row)
             # partial results survive an interrupted run (the machine may be shared and slow)
             (workdir / "natural_eos_rows.json").write_text(json.dumps(rows, indent=1))
@@ -97,6 +123,17 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
 
 def _rate(s: dict) -> float:
     return s["rate"]
+
+
+def pooled_steps(runs: list[dict], warmup: int) -> list[dict]:
+    """The measured steps (after `warmup`) of several runs of one side, as one run's."""
+    return [step for r in runs for step in (r["steps"][warmup:] or r["steps"][-1:])]
+
+
+def best_ahead(row: dict) -> tuple[str, dict] | None:
+    """The fastest one-step-ahead setting of a row, by its short name (None: this build has none)."""
+    runs = [(AHEAD_SHORT[key], row[key]) for key in AHEAD_KEYS if key in row]
+    return max(runs, key=lambda kv: _rate(kv[1])) if runs else None
 
 
 def best_sync(row: dict) -> tuple[str, dict]:
@@ -114,24 +151,27 @@ def ideal_bound(s: dict) -> tuple[float, float, float]:
 def natural_table(rows: list[dict]) -> str:
     head = (
         "| model | Lr (max) | resp. tokens TRL / hf | TRL tok/s | hybridflow sync tok/s | **sync / TRL** | "
-        "best sync setting | rollout_ahead=1 tok/s | **ahead / TRL** | gen s / rest s (sync) | "
-        "ideal overlap tok/s (/ TRL) | CPU tokens/s: TRL, hybridflow sync (ratio) |\n" + "|---" * 12 + "|\n"
+        "best sync setting | rollout_ahead=1 tok/s | **ahead / TRL** | best ahead setting | gen s / rest s (sync) | "
+        "ideal overlap tok/s (/ TRL) | CPU tokens/s: TRL, hybridflow sync (ratio) | TRL runs tok/s |\n"
+        + "|---" * 14 + "|\n"
     )
     body = ""
     for r in rows:
         trl = r["trl"]
         name, hf = best_sync(r)
         gen, rest, ideal = ideal_bound(hf)
-        if "ahead" in r:
-            a = r["ahead"]
+        best = best_ahead(r)
+        if best is not None:
+            ahead_name, a = best
             ahead, ahead_ratio = f"{_rate(a):.0f}", f"**{_rate(a) / _rate(trl):.2f}x**"
         else:
-            ahead, ahead_ratio = "n/a (rollout_ahead not built)", "n/a"
+            ahead, ahead_ratio, ahead_name = "n/a (rollout_ahead not built)", "n/a", ""
+        trl_runs = ", ".join(f"{_rate(t):.0f}" for t in r.get("trl_runs", [trl]))
         body += (
             f"| {r['size']} | {r['length']} | {trl['response_mean']:.1f} / {hf['response_mean']:.1f} | "
             f"{_rate(trl):.0f} | {_rate(hf):.0f} | **{_rate(hf) / _rate(trl):.2f}x** | {name} | {ahead} | "
-            f"{ahead_ratio} | {gen:.2f} / {rest:.2f} | {ideal:.0f} ({ideal / _rate(trl):.2f}x) | "
-            f"{trl['cpu_rate']:.0f}, {hf['cpu_rate']:.0f} ({hf['cpu_rate'] / trl['cpu_rate']:.2f}x) |\n"
+            f"{ahead_ratio} | {ahead_name} | {gen:.2f} / {rest:.2f} | {ideal:.0f} ({ideal / _rate(trl):.2f}x) | "
+            f"{trl['cpu_rate']:.0f}, {hf['cpu_rate']:.0f} ({hf['cpu_rate'] / trl['cpu_rate']:.2f}x) | {trl_runs} |\n"
         )
     return head + body
 
@@ -142,12 +182,9 @@ def variants_table(rows: list[dict], phases) -> str:
     head += "|---" * (len(phases) + 5) + "|\n"
     body = ""
     for r in rows:
-        runs = [("TRL", r["trl"]), *r["sync"].items()]
-        runs += [
-            (name, r[key])
-            for name, key in ((AHEAD[0], "ahead"), (AHEAD_TRAINING[0], "ahead_training"))
-            if key in r
-        ]
+        trl = r.get("trl_runs", [r["trl"]])
+        runs = [("TRL" if len(trl) == 1 else f"TRL (run {i + 1})", t) for i, t in enumerate(trl)]
+        runs += [*r["sync"].items(), *((name, r[key]) for key, name in AHEAD_KEYS.items() if key in r)]
         for name, s in runs:
             cells = " | ".join(f"{s[p]:.2f}" for p in phases)
             body += f"| {r['size']} | {r['length']} | {name} | {_rate(s):.0f} | {cells} | {s['iteration']:.2f} |\n"

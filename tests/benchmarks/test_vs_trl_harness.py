@@ -80,3 +80,18 @@ def test_curve_table_blocks_and_summary():
     # trl first 3 = (0, .2, .4): mean .2, s.e. = stdev .2 / sqrt 3 = .115
     assert "trl: mean reward, first 3 iterations 0.200 +- 0.115, last 3 0.800 +- 0.115 (s.e.)" in table
     assert "hybridflow: mean reward, first 3 iterations 0.100 +- 0.000, last 3 0.500 +- 0.000" in table
+
+
+def test_natural_eos_table_pools_trl_runs_and_names_the_best_ahead_setting():
+    import vs_trl_eos
+
+    runs = [{"steps": [{"tokens": 1.0, "iteration": 9.0}, {"tokens": 100.0, "iteration": 1.0}]},
+            {"steps": [{"tokens": 1.0, "iteration": 9.0}, {"tokens": 300.0, "iteration": 2.0}]}]  # fmt: skip
+    pooled = vs_trl_eos.pooled_steps(runs, warmup=1)  # the warm-up step of each run left out
+    assert [s["tokens"] for s in pooled] == [100.0, 300.0]
+    base = {"rate": 100.0, "response_mean": 1.0, "cpu_rate": 1.0, "generation": 1.0, "iteration": 2.0}
+    row = {"size": "m", "length": 32, "trl": base, "trl_runs": [dict(base, rate=90.0), dict(base, rate=110.0)],
+           "sync": {"dp=1": dict(base, rate=120.0)}, "ahead": {"rate": 150.0}, "ahead_both": {"rate": 160.0}}  # fmt: skip
+    assert vs_trl_eos.best_ahead(row) == ("frozen_pool=both", {"rate": 160.0})
+    line = vs_trl_eos.natural_table([row]).splitlines()[-1]
+    assert "| 160 | **1.60x** | frozen_pool=both |" in line and line.endswith("| 90, 110 |")
