@@ -264,6 +264,8 @@ class RolloutAhead:
                             "prompts": _load_batch(part / "prompts"), "result": _load_batch(part / "rollouts")}  # fmt: skip
             if self.split is not None:
                 self.pending["ref_rows"] = len(scores["ref"]) if "ref" in scores else 0
+            elif "ref" in scores and len(scores["ref"]) < len(self.pending["result"]):
+                del scores["ref"]  # saved with frozen_pool=both, resumed without: scored whole again
 
     def reset(self) -> None:
         """Forget the batch and the sync in flight (their groups are gone: a restart)."""
