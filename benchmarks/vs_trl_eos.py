@@ -113,7 +113,9 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
             print(f"[vs_trl] natural EOS {size}/{length}: trl again ...", file=sys.stderr, flush=True)
             trl_runs.append(run_grpo_side("trl", args, base, workdir / f"trl_{tag}_after.log"))
             row["trl_runs"] = [summarize_eos(r, args.warmup, summarize) for r in trl_runs]
-            row["trl"] = summarize_eos({**trl_runs[0], "steps": pooled_steps(trl_runs, args.warmup)}, 0, summarize)
+            row["trl"] = summarize_eos(
+                {**trl_runs[0], "steps": pooled_steps(trl_runs, args.warmup)}, 0, summarize
+            )
             rows.append(row)
             # partial results survive an interrupted run (the machine may be shared and slow)
             (workdir / "natural_eos_rows.json").write_text(json.dumps(rows, indent=1))
@@ -153,7 +155,8 @@ def natural_table(rows: list[dict]) -> str:
         "| model | Lr (max) | resp. tokens TRL / hf | TRL tok/s | hybridflow sync tok/s | **sync / TRL** | "
         "best sync setting | rollout_ahead=1 tok/s | **ahead / TRL** | best ahead setting | gen s / rest s (sync) | "
         "ideal overlap tok/s (/ TRL) | CPU tokens/s: TRL, hybridflow sync (ratio) | TRL runs tok/s |\n"
-        + "|---" * 14 + "|\n"
+        + "|---" * 14
+        + "|\n"
     )
     body = ""
     for r in rows:

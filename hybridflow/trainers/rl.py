@@ -115,7 +115,9 @@ class RLTrainer(Trainer):
             return batch
         # resources.frozen_pool=both: rows scored on the rollout pool, then the rest on the training pool
         parts = self.ahead.ref_parts(batch.local)
-        for part in parts if parts is not None else [self.frozen_output("ref", "compute_ref_log_prob", batch)]:
+        for part in (
+            parts if parts is not None else [self.frozen_output("ref", "compute_ref_log_prob", batch)]
+        ):
             batch.add(part)
         return batch
 

@@ -64,8 +64,8 @@ class RolloutAhead:
         # rollout side's last receive)
         self.split = RefSplit(trainer.cfg.rollout.n) if ref_on_both_pools(trainer.cfg) else None
         self.ref_rows: int | None = None
-        self.training_calls: list[tuple[str, Future, float]] = []  # (what, call, rows or tokens)
-        self._receive_s, self._tokens, self._batch_rows = 0.0, 0.0, 0
+        self.training_calls: list[tuple[str, Future, float]] = []  # (what, call, its batch's tokens)
+        self._receive_s, self._tokens, self._batch_rows, self._rest_tokens = 0.0, 0.0, 0, 0.0
 
     @property
     def group(self):
@@ -92,13 +92,15 @@ class RolloutAhead:
             p, self.pending = self.pending, None
             batch, version, self.scores = _result(p["result"]), p["version"], p["scores"]
             self._check_sync()  # received before that batch was generated
-            self._balance(p)
+            self._balance(p, batch)
         else:  # the first step (or a schedule just turned on): nothing was drawn ahead
             self.sync(actor_version)
             p = self._issue(prompts)
             batch, version, self.scores = p["result"].get(), actor_version, p["scores"]
         self.ref_rows = p.get("ref_rows")
         self._tokens, self._batch_rows = float(batch["attention_mask"].sum()), len(batch)
+        # tokens of the rows the training pool scores (frozen_pool=both)
+        self._rest_tokens = float(batch["attention_mask"][self.ref_rows or 0 :].sum())
         t.metrics["rollout/policy_lag"] = float(actor_version - version)
         if self.ref_rows is not None:
             t.metrics["rollout/ref_rows_on_rollout_pool"] = float(self.ref_rows)
@@ -120,8 +122,8 @@ class RolloutAhead:
             method, phase = SCORING[role]
             rows = future
             if role == "ref" and self.split is not None:
-                rest = 0 if self.ref_rows is None else self._batch_rows - self.ref_rows
-                out["ref_rows"] = self.split.rows_for(len(prompts) * t.cfg.rollout.n, self._tokens, rest)
+                per_row = self._tokens / max(self._batch_rows, 1)
+                out["ref_rows"] = self.split.rows_for(len(prompts) * t.cfg.rollout.n, self._tokens, per_row)
                 if out["ref_rows"] == 0:
                     continue  # the training pool scores them all
                 rows = future.rows(0, out["ref_rows"])
@@ -139,7 +141,7 @@ class RolloutAhead:
         if self.ref_rows < len(local):
             rest = local.index(slice(self.ref_rows, None))
             parts.append(self.trainer.groups["ref_training"].compute_ref_log_prob.future(rest))
-            self.training_calls.append(("ref", parts[-1], len(rest)))
+            self.training_calls.append(("ref", parts[-1], self._rest_tokens))
         return parts
 
     def note_update(self, future: Future) -> None:
@@ -147,23 +149,23 @@ class RolloutAhead:
         if self.split is not None:
             self.training_calls.append(("update", future, self._tokens))
 
-    def _balance(self, p: dict) -> None:
-        """Feed the split the busy seconds of the batch just taken (its generation and rollout-side
-        reference) and of the training side's last step (update and reference on the other rows)."""
+    def _balance(self, p: dict, batch: Batch) -> None:
+        """Feed the split the busy seconds of `batch`, just taken (its generation and rollout-side
+        reference), and of the training side's last step (update and reference on the other rows)."""
         calls, self.training_calls = self.training_calls, []
         ref = p["scores"].get("ref")
         if self.split is None or not isinstance(p["result"], Future) or isinstance(ref, Batch):
             return  # restored from a checkpoint: nothing measured
-        refs = [(_busy(f), rows) for what, f, rows in calls if what == "ref"]
+        refs = [(_busy(f), tokens) for what, f, tokens in calls if what == "ref"]
         updates = [(_busy(f), tokens) for what, f, tokens in calls if what == "update"]
         self.split.observe(
-            rollout_rows=p["ref_rows"],
             rollout_s=self._receive_s + _busy(p["result"]),
             rollout_ref_s=0.0 if ref is None else _busy(ref),
-            training_rows=sum(r for _, r in refs),
+            rollout_tokens=float(batch["attention_mask"][: p["ref_rows"]].sum()),
             training_ref_s=sum(s for s, _ in refs),
-            update_tokens=sum(n for _, n in updates),
+            training_tokens=sum(n for _, n in refs),
             update_s=sum(s for s, _ in updates),
+            update_tokens=sum(n for _, n in updates),
         )
 
     @property
