@@ -27,11 +27,8 @@ as an uninterrupted one.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
-
-import torch
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import atomic_write_text
@@ -39,6 +36,7 @@ from hybridflow.config.rollout_pool import FROZEN_ROLES, ref_on_both_pools
 from hybridflow.controller import Future
 from hybridflow.trainers.ref_split import RefSplit
 from hybridflow.workers.shard_sync import split_dims
+from hybridflow.workers.weight_sync import tensor_bytes
 
 PART = "rollout_ahead"  # the checkpoint part holding the batch in flight
 SYNC_TIMEOUT_S = 600.0
@@ -203,7 +201,7 @@ class RolloutAhead:
             )
         # sync/bytes: what each rollout rank receives (the spec's shapes: its shard when rollout.tg > 1);
         # sync/bytes_sent: what actor rank 0 broadcasts in all (one equal payload per TP index)
-        t.metrics["sync/bytes"] = float(sum(math.prod(shape) * _itemsize(dt) for _, shape, dt in self._spec))
+        t.metrics["sync/bytes"] = float(sum(tensor_bytes(shape, dt) for _, shape, dt in self._spec))
         t.metrics["sync/bytes_sent"] = self._tg * t.metrics["sync/bytes"]
         self.rollout_version = version
 
@@ -291,10 +289,6 @@ def _get_both(a: Future, b: Future) -> tuple:
 def _busy(future: Future) -> float:
     """A finished call's busy seconds: the slowest rank's run time of the method."""
     return max(c.end - c.start for c in future.calls())
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(torch, dtype).itemsize
 
 
 def _result(x: Future | Batch) -> Batch:

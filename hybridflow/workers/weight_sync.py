@@ -44,13 +44,18 @@ def plan_buckets(spec: list, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]
     most `bucket_bytes` each (a larger tensor gets a bucket of its own)."""
     buckets, size, dtype = [], 0, None
     for i, (_, shape, dt) in enumerate(spec):
-        nbytes = math.prod(shape) * _dtype(dt).itemsize
+        nbytes = tensor_bytes(shape, dt)
         if not buckets or dt != dtype or size + nbytes > bucket_bytes:
             buckets.append([])
             size, dtype = 0, dt
         buckets[-1].append(i)
         size += nbytes
     return buckets
+
+
+def tensor_bytes(shape: list, dtype: str) -> int:
+    """Bytes of one spec entry's tensor (shape, dtype name as in weight_spec): what a sync sends of it."""
+    return math.prod(shape) * _dtype(dtype).itemsize
 
 
 def _dtype(name: str) -> torch.dtype:

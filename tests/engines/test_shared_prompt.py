@@ -14,7 +14,7 @@ from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.config import ConfigError, load_config
 from hybridflow.engines import EngineConfig, TrainEngine, shared_prompt
 from hybridflow.models import load_causal_lm, load_critic, load_reward_model
-from hybridflow.models.tiny import save_tiny_model
+from hybridflow.models.tiny import random_rl_batch, save_tiny_model
 
 PROMPT_LENS = (7, 4, 2)  # three groups of N rows, then one singleton with a prompt of its own
 N, LP, LR, SINGLE = 4, 7, 9, 5
@@ -28,31 +28,27 @@ def model_dirs(tmp_path_factory):
 
 def grouped_batch(vocab: int, seed: int = 0) -> Batch:
     """3 groups x N rows sharing a left-padded prompt (lengths PROMPT_LENS) + 1 singleton; responses of
-    random lengths in 1..LR (right-padded; some at the cap), random advantages."""
-    g = torch.Generator().manual_seed(seed)
+    random lengths in 1..LR (right-padded; row 1 at the cap), random advantages: random_rl_batch's layout
+    with its prompts overwritten by the groups'."""
     plens = [p for p in PROMPT_LENS for _ in range(N)] + [SINGLE]
     rows = len(plens)
-    prompts = torch.zeros(rows, LP, dtype=torch.long)
+    batch = random_rl_batch(vocab, batch_size=rows, lp=LP, lr=LR, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.zeros_like(batch["prompts"])
     for i, p in enumerate(plens):
         if i % N == 0 or i == rows - 1:  # a new prompt; the rest of a group copies it
             prompt = torch.randint(3, vocab, (p,), generator=g)
         prompts[i, LP - p :] = prompt
-    resp_lens = torch.randint(1, LR + 1, (rows,), generator=g)
-    resp_lens[1] = LR
-    rm = (torch.arange(LR)[None] < resp_lens[:, None]).long()
-    responses = torch.randint(3, vocab, (rows, LR), generator=g) * rm
+    rm, responses, advantages = batch["response_mask"], batch["responses"], batch["advantages"]
+    rm[1] = 1  # one row at the response cap
+    responses[1] = torch.randint(3, vocab, (LR,), generator=g)
+    advantages[1] = torch.randn(LR, generator=g)
     attn = torch.cat([(prompts != 0).long(), rm], 1)
-    return Batch.from_dict(
-        dict(
-            prompts=prompts,
-            responses=responses,
-            input_ids=torch.cat([prompts, responses], 1),
-            attention_mask=attn,
-            position_ids=position_ids_from_mask(attn),
-            response_mask=rm,
-            advantages=torch.randn(rows, LR, generator=g) * rm,
-        )  # fmt: skip
-    )
+    batch["prompts"] = prompts
+    batch["input_ids"] = torch.cat([prompts, responses], 1)
+    batch["attention_mask"] = attn
+    batch["position_ids"] = position_ids_from_mask(attn)
+    return batch
 
 
 def _engines(path, loader=load_causal_lm, trainable=False):

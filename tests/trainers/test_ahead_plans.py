@@ -77,6 +77,27 @@ def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys, n_devices: int = 2,
     return out
 
 
+def _fit_tg2(cfg, tiny_model_dir, ranks: int) -> list[dict]:
+    """Train with a rollout pool of `ranks` ranks at tg = 2: it decodes greedily as the actor (tg = 1), and
+    each rank holds its shard only (q/k/v, gate/up, o/down and the (92-row) embeddings and lm_head halved,
+    the norms whole). -> the run's per-step metrics."""
+    with build_trainer(cfg) as trainer:
+        assert trainer.groups["rollout"].world_size == ranks
+        history = trainer.fit()
+        assert_rollout_pool_greedy_equals_actor(trainer, 6)
+        assert trainer.groups["rollout"].rollout_param_bytes() == [_shard_bytes(tiny_model_dir, 2)] * ranks
+    return history
+
+
+def _assert_same_but_sync(tg2: list[dict], tg1: list[dict]) -> None:
+    """The tg = 2 run's metrics equal tg = 1's step by step, but for the sync's byte counts."""
+    for a, b in zip(tg2, tg1, strict=True):
+        a, b = comparable(a), comparable(b)
+        assert a.keys() == b.keys()
+        for k in (k for k in a if not k.startswith("sync/")):
+            assert math.isclose(a[k], b[k], rel_tol=1e-3, abs_tol=1e-4), (a["step"], k, a[k], b[k])
+
+
 def test_plan_file_with_a_tensor_parallel_rollout_pool(
     ray_cluster, make_config, tiny_model_dir, tmp_path, capsys
 ):
@@ -85,14 +106,7 @@ def test_plan_file_with_a_tensor_parallel_rollout_pool(
     cfg = make_config(
         "grpo", *AHEAD, four, f"resources.placement={path}", "trainer.experiment_name=tg2", devices=3
     )
-    with build_trainer(cfg) as trainer:
-        assert trainer.groups["rollout"].world_size == 2
-        tg2 = trainer.fit()
-        # the rollout pool (one replica, tg = 2) decodes greedily as the actor (tg = 1)
-        assert_rollout_pool_greedy_equals_actor(trainer, 6)
-        # each rank holds its shard only: q/k/v, gate/up, o/down and the (92-row) embeddings and lm_head
-        # halved, the norms whole
-        assert trainer.groups["rollout"].rollout_param_bytes() == [_shard_bytes(tiny_model_dir, 2)] * 2
+    tg2 = _fit_tg2(cfg, tiny_model_dir, ranks=2)
     built = _placement(Path(cfg.run_dir))
     assert built["pools"]["rollout"] == 2 and sum(built["pools"].values()) == 3
     assert built["roles"]["rollout"] == {"pool": "rollout", "world_size": 2, "rollout": {"dp": 1, "tp": 2}}
@@ -108,11 +122,7 @@ def test_plan_file_with_a_tensor_parallel_rollout_pool(
     assert half == 172_288 and full == 343_296  # 1/2 of the model but for the norms (64 floats each)
     assert [(h["sync/bytes"], h["sync/bytes_sent"]) for h in tg1[1:-1]] == [(full, full)] * 2
     assert [(h["sync/bytes"], h["sync/bytes_sent"]) for h in tg2[1:-1]] == [(half, 2 * half)] * 2
-    for a, b in zip(tg2, tg1, strict=True):
-        a, b = comparable(a), comparable(b)
-        assert a.keys() == b.keys()
-        for k in (k for k in a if not k.startswith("sync/")):
-            assert math.isclose(a[k], b[k], rel_tol=1e-3, abs_tol=1e-4), (a["step"], k, a[k], b[k])
+    _assert_same_but_sync(tg2, tg1)
 
 
 @pytest.mark.parametrize(
@@ -156,11 +166,7 @@ def test_two_tensor_parallel_replicas_each_rank_sent_only_its_shard(
     cfg = make_config(
         "grpo", *AHEAD, f"resources.placement={path}", "trainer.experiment_name=tg2x2", devices=5
     )
-    with build_trainer(cfg) as trainer:
-        assert trainer.groups["rollout"].world_size == 4
-        tg2 = trainer.fit()
-        assert_rollout_pool_greedy_equals_actor(trainer, 6)
-        assert trainer.groups["rollout"].rollout_param_bytes() == [_shard_bytes(tiny_model_dir, 2)] * 4
+    tg2 = _fit_tg2(cfg, tiny_model_dir, ranks=4)
     built = _placement(Path(cfg.run_dir))
     assert built["roles"]["rollout"] == {"pool": "rollout", "world_size": 4, "rollout": {"dp": 2, "tp": 2}}
     ref = make_config(
@@ -172,8 +178,4 @@ def test_two_tensor_parallel_replicas_each_rank_sent_only_its_shard(
     half, full = _shard_bytes(tiny_model_dir, 2), _shard_bytes(tiny_model_dir, 1)
     assert (tg2[1]["sync/bytes"], tg2[1]["sync/bytes_sent"]) == (half, 2 * half)
     assert (tg1[1]["sync/bytes"], tg1[1]["sync/bytes_sent"]) == (full, full)
-    for a, b in zip(tg2, tg1, strict=True):
-        a, b = comparable(a), comparable(b)
-        assert a.keys() == b.keys()
-        for k in (k for k in a if not k.startswith("sync/")):
-            assert math.isclose(a[k], b[k], rel_tol=1e-3, abs_tol=1e-4), (a["step"], k, a[k], b[k])
+    _assert_same_but_sync(tg2, tg1)
