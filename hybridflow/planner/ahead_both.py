@@ -54,3 +54,31 @@ def best_both_split(
         if best is None or cost < best[0]:
             best = (cost, n, f)
     return best
+
+
+def explain_frozen_pools(planned: str, dataflow, cluster, wl, limits, console) -> None:
+    """One step ahead, each place of the frozen models with its best plan (ahead.py, ahead_both.py): both
+    sides' seconds (sync included) and, with "both", the share of the reference's rows on the rollout pool."""
+    from rich.table import Table
+
+    from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
+
+    t = Table(title="one step ahead: where the frozen models run (--frozen-pool)", title_justify="left")
+    for col in ("frozen pool", "rollout devices", "rollout side s", "training side s", "ref rows on rollout",
+                "iteration s"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "frozen pool" else "right")
+    for place in FROZEN_POOLS:
+        try:
+            r = search_ahead(dataflow, cluster, wl, limits, None, place)
+        except ValueError:  # "both" without a reference
+            r = None
+        if r is None:
+            t.add_row(place, "-", "-", "-", "-", "no plan")
+            continue
+        mark = " <- plan" if place == planned else ""
+        t.add_row(
+            place + mark, str(r.rollout.n_devices), f"{r.rollout_side_seconds + r.sync_seconds:.3f}",
+            f"{r.training_side_seconds + r.sender_waits * r.sync_seconds:.3f}",
+            f"{r.ref_rows_on_rollout:.0%}" if place == "both" else "-", f"{r.iteration_time:.3f}",
+        )  # fmt: skip
+    console.print(t)
