@@ -219,6 +219,8 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
     if plan.rollout_ahead:
         r = plan.ahead
         scored = f" + {'+'.join(r.frozen)} {r.scoring_seconds:.2f} s" if r.frozen else ""
+        if r.frozen_pool == "both":  # the reference on both sides (ahead_both.py)
+            scored += f" ({r.ref_rows_on_rollout:.0%} of the reference's rows, the rest on the training side)"
         console.print(
             f"one step ahead (trainer.rollout_ahead=1): iteration = max(generation {r.generation_seconds:.2f} s"
             f"{scored} + weight sync, "

@@ -130,6 +130,8 @@ def test_explain_sets_the_frozen_pools_side_by_side(capsys):
     assert main([*args, "--frozen-pool", "both"]) == 0
     text = capsys.readouterr().out
     assert "where the frozen models run (--frozen-pool)" in text
+    words = " ".join(text.split())  # the plan's own line, however the console wraps it
+    assert "of the reference's rows, the rest on the training side)" in words
     rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.startswith("│ ")}
     assert "both <- plan" in rows and "rollout" in rows and "training" in rows
     share = rows["both <- plan"].split("│")[5].strip()
