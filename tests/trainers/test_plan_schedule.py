@@ -131,6 +131,12 @@ def test_auto_plans_the_schedule_the_config_asks_for(make_config):
     fixed = _config(make_config, 1, "resources.placement=auto")
     fixed.resources.rollout_devices = 3 - p.ahead.n_devices  # the user's split is kept
     assert plan_for_config(fixed).ahead.n_devices == 3 - p.ahead.n_devices
+    # resources.frozen_pool=both under auto asks the planner for both (the reference on both sides)
+    both = _config(make_config, 1, "resources.placement=auto")
+    both.resources.frozen_pool = "both"
+    planned = plan_for_config(both)
+    assert planned.ahead.frozen_pool == "both" and planned.ahead.frozen == ["reference"]
+    assert placement_from_plan(planned, both).ref_on_training
 
 
 def test_a_plan_priced_with_full_rollout_weights_gets_a_note(make_config):
