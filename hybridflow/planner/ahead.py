@@ -263,10 +263,16 @@ def search_ahead(
     (search.py), for every device count the rollout pool leaves; candidates are computed once.
     """
     has_ref = "reference" in dataflow.roles
-    if frozen_pool == "auto":  # ties go to the earlier place: "both" holds the reference twice
-        pools = [f for f in FROZEN_POOLS if f != "both" or has_ref]
-        found = [search_ahead(dataflow, cluster, wl, limits, rollout_devices, f) for f in pools]
-        return min((r for r in found if r is not None), key=lambda r: r.iteration_time, default=None)
+    if frozen_pool == "auto":
+        found = [
+            search_ahead(dataflow, cluster, wl, limits, rollout_devices, f) for f in ("rollout", "training")
+        ]
+        best = min((r for r in found if r is not None), key=lambda r: r.iteration_time, default=None)
+        split = search_ahead(dataflow, cluster, wl, limits, rollout_devices, "both") if has_ref else None
+        # "both" holds the reference twice: only for a strictly shorter iteration (a tie is f = 0 or 1)
+        if split is not None and (best is None or split.iteration_time < best.iteration_time * (1 - 1e-9)):
+            return split
+        return best
     both = frozen_pool == "both"
     if both and not has_ref:
         raise ValueError(
