@@ -33,8 +33,9 @@ def frozen_on_rollout(cfg) -> bool:
 
 
 def ref_on_both_pools(cfg) -> bool:
-    """resources.frozen_pool=both: the reference also joins the actor's workers, and each step's rows are
-    split between the two pools (trainers/rollout_ahead.py, RefSplit)."""
+    """resources.frozen_pool=both under colocate / split: the reference also joins the actor's workers, and
+    each step's rows are split between the two pools (trainers/rollout_ahead.py, RefSplit); under auto / a
+    plan file the plan says (trainers/auto_placement.py)."""
     return bool(cfg.trainer.rollout_ahead) and cfg.resources.frozen_pool == "both"
 
 
@@ -97,11 +98,6 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
         errors.append(
             "resources.frozen_pool: both splits the reference's rows between the pools, and this run has no "
             "reference (no KL term); use rollout or training"
-        )
-    if res.frozen_pool == "both" and res.placement not in ("colocate", "split"):
-        errors.append(
-            f"resources.frozen_pool: both needs placement colocate or split (with placement "
-            f"{res.placement!r} the plan places the frozen models); use auto"
         )
     if not 0 <= r < n:
         errors.append(

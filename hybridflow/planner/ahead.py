@@ -26,6 +26,9 @@ their weights beside the generation's) and the training side keeps only the acto
 
     max(generation + frozen forwards + sync, actor preparation + training + its share of the sync)
 
+With `frozen_pool="both"` the reference is in both (reward and cost on the rollout pool), and a
+fraction of each batch's rows is scored on each side to even them (ahead_both.py).
+
 Ahead wins where generation and training take similar time and generation scales poorly with devices
 (memory-bound decode re-reads the weights on every replica); it loses where one phase dominates and
 would rather have all the devices, or where the weight sync crosses a slow network.
@@ -38,6 +41,7 @@ from dataclasses import dataclass, replace
 
 from hybridflow.planner import memory as mem
 from hybridflow.planner import simulate as sim
+from hybridflow.planner.ahead_both import best_both_split
 from hybridflow.planner.dataflow import Dataflow, ModelTask
 from hybridflow.planner.parallel import UNCONSTRAINED, _powers_of_two_upto
 from hybridflow.planner.search import PlacementResult, best_allocation, pool_candidates, set_partitions
@@ -45,10 +49,9 @@ from hybridflow.planner.specs import ClusterSpec, EngineLimits, WorkloadSpec
 
 ROLLOUT_POOL = "rollout"
 FROZEN = ("reference", "reward", "cost")  # planner roles that never train: they may score on the rollout pool
-FROZEN_POOLS = (
-    "rollout",
-    "training",
-)  # search_ahead also takes "auto": whichever predicts the shorter iteration
+# "both": the reference on both sides, its rows split (ahead_both.py); search_ahead also takes "auto":
+# whichever predicts the shorter iteration
+FROZEN_POOLS = ("rollout", "training", "both")
 
 
 def ahead_iteration_seconds(
@@ -147,7 +150,7 @@ def rollout_option(
 def training_side(dataflow: Dataflow, frozen_pool: str = "training") -> Dataflow:
     """The dataflow without generation: the actor keeps its update (and its preparation forward where
     `dataflow.old_log_probs` is "actor"); with frozen_pool="rollout" the frozen models are left out too
-    (they score on the rollout pool)."""
+    (they score on the rollout pool), with "both" all but the reference (it scores on both sides)."""
     if frozen_pool not in FROZEN_POOLS:
         raise ValueError(f"frozen_pool must be one of {FROZEN_POOLS}, got {frozen_pool!r}")
     models = tuple(
@@ -155,14 +158,17 @@ def training_side(dataflow: Dataflow, frozen_pool: str = "training") -> Dataflow
         if m.generates
         else m
         for m in dataflow.models
-        if frozen_pool == "training" or m.role not in FROZEN
+        if frozen_pool == "training"
+        or m.role not in FROZEN
+        or (frozen_pool == "both" and m.role == "reference")
     )
     return Dataflow(dataflow.algorithm, models, dataflow.old_log_probs)
 
 
 def frozen_tasks(dataflow: Dataflow, frozen_pool: str) -> tuple[ModelTask, ...]:
-    """The models that score on the rollout pool (none with frozen_pool="training")."""
-    return tuple(m for m in dataflow.models if m.role in FROZEN) if frozen_pool == "rollout" else ()
+    """The models that score on the rollout pool (none with frozen_pool="training"; with "both" the
+    reference among them, on its share of the rows)."""
+    return tuple(m for m in dataflow.models if m.role in FROZEN) if frozen_pool != "training" else ()
 
 
 def scoring_seconds(tasks: tuple[ModelTask, ...], cluster: ClusterSpec, wl: WorkloadSpec, n: int) -> float:
@@ -188,18 +194,29 @@ class AheadResult:
     sync_bytes: float  # per rollout device, per iteration
     frozen_pool: str = "training"  # where the frozen models run ("rollout": priced on the rollout side)
     frozen: tuple[str, ...] = ()  # the frozen models on the rollout pool
-    scoring_seconds: float = 0.0  # their forwards there, after generation
+    scoring_seconds: float = 0.0  # their forwards there, after generation ("both": the reference's share)
     sender_waits: float = 1.0  # the share of the sync the training side waits for (sender_wait_fraction)
     old_log_probs: str = "actor"  # the searched dataflow's: is the actor's preparation forward priced
+    # frozen_pool="both" (ahead_both.py): the fraction of the rows the rollout pool's reference scores, and
+    # the reference's forward over the whole batch on each side (train includes R_train in full)
+    ref_rows_on_rollout: float = 0.0
+    ref_rollout_seconds: float = 0.0
+    ref_training_seconds: float = 0.0
 
     @property
     def rollout_side_seconds(self) -> float:
         return self.rollout.generation_seconds + self.scoring_seconds
 
     @property
+    def training_side_seconds(self) -> float:
+        """The training side's work: its placement's iteration less the reference's rows scored on the
+        rollout pool (frozen_pool="both")."""
+        return self.train.iteration_time - self.ref_rows_on_rollout * self.ref_training_seconds
+
+    @property
     def iteration_time(self) -> float:
         return ahead_iteration_seconds(
-            self.rollout_side_seconds, self.train.iteration_time, self.sync_seconds, self.sender_waits
+            self.rollout_side_seconds, self.training_side_seconds, self.sync_seconds, self.sender_waits
         )
 
 
@@ -239,14 +256,29 @@ def search_ahead(
     """The fastest one-step-ahead plan of `dataflow` on `cluster`, or None (one device, or nothing fits);
     `rollout_devices` fixes the rollout pool's size (a user's resources.rollout_devices), else searched;
     `frozen_pool` places the frozen models ("training": searched with the training side; "rollout":
-    priced on the rollout side, after generation; "auto": the faster of the two).
+    priced on the rollout side, after generation; "both": the reference on both sides, its rows split,
+    ahead_both.py; "auto": the fastest of them, "both" only where the dataflow has a reference).
 
     The training side's placements and allocations are searched exactly as the synchronous schedule's
     (search.py), for every device count the rollout pool leaves; candidates are computed once.
     """
+    has_ref = "reference" in dataflow.roles
     if frozen_pool == "auto":
-        found = [search_ahead(dataflow, cluster, wl, limits, rollout_devices, f) for f in FROZEN_POOLS]
-        return min((r for r in found if r is not None), key=lambda r: r.iteration_time, default=None)
+        found = [
+            search_ahead(dataflow, cluster, wl, limits, rollout_devices, f) for f in ("rollout", "training")
+        ]
+        best = min((r for r in found if r is not None), key=lambda r: r.iteration_time, default=None)
+        split = search_ahead(dataflow, cluster, wl, limits, rollout_devices, "both") if has_ref else None
+        # "both" holds the reference twice: only for a strictly shorter iteration (a tie is f = 0 or 1)
+        if split is not None and (best is None or split.iteration_time < best.iteration_time * (1 - 1e-9)):
+            return split
+        return best
+    both = frozen_pool == "both"
+    if both and not has_ref:
+        raise ValueError(
+            f"frozen_pool both splits the reference's rows, and {dataflow.algorithm}'s dataflow {dataflow.roles} "
+            "has no reference; use rollout, training or auto"
+        )
     n_total = cluster.num_devices
     if n_total < 2:
         return None
@@ -257,6 +289,8 @@ def search_ahead(
     frozen = frozen_tasks(dataflow, frozen_pool)
     reserved = frozen_bytes(frozen, cluster)
     placements = list(set_partitions(side.roles))
+    if both:  # the training side's reference joins the actor's workers (trainers/placement.py)
+        placements = [pl for pl in placements if any({"actor", "reference"} <= set(s) for s in pl)]
     cache: dict = {}
     for placement in placements:
         for roles in placement:
@@ -288,20 +322,45 @@ def search_ahead(
         n: rollout_option(actor, cluster, wl, n, limits, reserved) if n in sizes else None
         for n in range(1, n_total)
     }
-    split = best_split(
-        lambda n: (
-            rollout_memo[n].generation_seconds + scoring_seconds(frozen, cluster, wl, n)
-            if rollout_memo[n]
-            else None
-        ),
-        lambda m, limit: (train_best(m, limit) or (None,))[0],
-        lambda n: weight_sync_seconds(actor, cluster, n, *_sync_layout(rollout_memo[n], limits)),
-        n_total,
-        sender_wait_fraction(actor, cluster),
-    )
+    others = tuple(m for m in frozen if not both or m.role != "reference")  # scored whole on the rollout pool
+    refs = tuple(m for m in frozen if m.role == "reference") if both else ()
+
+    def sync_of(n: int) -> float:
+        return weight_sync_seconds(actor, cluster, n, *_sync_layout(rollout_memo[n], limits))
+
+    def rollout_side(n: int) -> float | None:
+        r = rollout_memo[n]
+        return r.generation_seconds + scoring_seconds(others, cluster, wl, n) if r else None
+
+    def ref_training(found) -> float:
+        """The reference's forward in the training side's placement `found` (train_best's)."""
+        _, placement, idx = found
+        picked = (cache[roles].choices[i] for roles, i in zip(placement, idx))
+        return sum(sum(o.stage_times) for choice in picked for o in choice if o.role == "reference")
+
+    if both:
+        split = best_both_split(
+            lambda n: (
+                None if rollout_side(n) is None else (rollout_side(n), scoring_seconds(refs, cluster, wl, n))
+            ),
+            lambda m: None if (r := train_best(m)) is None else (r[0], ref_training(r)),
+            sync_of,
+            n_total,
+            sender_wait_fraction(actor, cluster),
+        )
+    else:
+        split = best_split(
+            rollout_side,
+            lambda m, limit: (train_best(m, limit) or (None,))[0],
+            sync_of,
+            n_total,
+            sender_wait_fraction(actor, cluster),
+        )
     if split is None:
         return None
     n_rollout = split[1]
+    f = split[2] if both else 0.0
+    r_roll = scoring_seconds(refs, cluster, wl, n_rollout)
     option = rollout_memo[n_rollout]
     cost, placement, idx = found_at[n_total - n_rollout]
     cands = [cache[roles] for roles in placement]
@@ -317,9 +376,12 @@ def search_ahead(
         weight_sync_bytes(actor, cluster, *sync),
         frozen_pool,
         tuple(m.role for m in frozen),
-        scoring_seconds(frozen, cluster, wl, n_rollout),
+        scoring_seconds(others, cluster, wl, n_rollout) + f * r_roll,
         sender_wait_fraction(actor, cluster),
         dataflow.old_log_probs,
+        f,
+        r_roll,
+        ref_training(found_at[n_total - n_rollout]) if both else 0.0,
     )
 
 

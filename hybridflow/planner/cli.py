@@ -10,7 +10,7 @@ needs (`resources.placement: auto` applies them itself).
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
 which stages the winner gains and loses time; then the synchronous schedule beside the one-step-ahead
 one (`--schedule`, docs/planner.md): each one's predicted iteration and what decides between them,
-and whether each schedule priced the actor's old-log-prob forward (the trainer's rule, dataflow.py
+where the frozen models run one step ahead (`--frozen-pool`, with both sides' seconds), and whether each schedule priced the actor's old-log-prob forward (the trainer's rule, dataflow.py
 `old_log_prob_work`, from --ppo-epochs, --mini-batches, --kl-in-reward and the device's precision).
 """
 
@@ -20,6 +20,7 @@ import argparse
 import time
 
 from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
+from hybridflow.planner.ahead_both import explain_frozen_pools
 from hybridflow.planner.dataflow import (
     ALGORITHMS,
     STAGES,
@@ -100,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=("auto", *FROZEN_POOLS),
         help="one step ahead: where the frozen models (reference, reward, cost) run: rollout = on the rollout "
-        "pool after generation, training = with the training side, auto = the faster (resources.frozen_pool)",
+        "pool after generation, training = with the training side, both = the reference on both, its rows "
+        "split, reward / cost on the rollout pool; auto = the fastest (resources.frozen_pool)",
     )
     o = parser.add_argument_group("output")
     o.add_argument("--explain", action="store_true", help="compare with colocate / split / standalone")
@@ -110,6 +112,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args) -> tuple[Plan, float]:
     """(plan, search seconds) for parsed CLI arguments."""
+    dataflow, ahead_df, cluster, wl, limits = _inputs(args)
+    start = time.perf_counter()
+    results = search(dataflow, cluster, wl, limits)
+    ahead = (
+        search_ahead(ahead_df, cluster, wl, limits, None, args.frozen_pool)
+        if args.schedule != "sync"
+        else None
+    )
+    seconds = time.perf_counter() - start
+    return build_plan(dataflow, cluster, wl, results, limits, ahead, args.schedule), seconds
+
+
+def _inputs(args):
+    """(dataflow, its one-step-ahead variant, cluster, workload, limits) for parsed CLI arguments."""
     if args.model_config:
         actor = ModelSpec.from_hf_config(args.model_config)
     else:
@@ -142,15 +158,7 @@ def plan_from_args(args) -> tuple[Plan, float]:
     limits = EngineLimits(
         args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg, args.rollout_full_weights
     )
-    start = time.perf_counter()
-    results = search(dataflow, cluster, wl, limits)
-    ahead = (
-        search_ahead(with_old_log_probs(dataflow, old[1]), cluster, wl, limits, None, args.frozen_pool)
-        if args.schedule != "sync"
-        else None
-    )
-    seconds = time.perf_counter() - start
-    return build_plan(dataflow, cluster, wl, results, limits, ahead, args.schedule), seconds
+    return dataflow, with_old_log_probs(dataflow, old[1]), cluster, wl, limits
 
 
 def _fmt_placement(placement, allocation) -> str:
@@ -211,6 +219,8 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
     if plan.rollout_ahead:
         r = plan.ahead
         scored = f" + {'+'.join(r.frozen)} {r.scoring_seconds:.2f} s" if r.frozen else ""
+        if r.frozen_pool == "both":  # the reference on both sides (ahead_both.py)
+            scored += f" ({r.ref_rows_on_rollout:.0%} of the reference's rows, the rest on the training side)"
         console.print(
             f"one step ahead (trainer.rollout_ahead=1): iteration = max(generation {r.generation_seconds:.2f} s"
             f"{scored} + weight sync, "
@@ -368,6 +378,9 @@ def run(args) -> int:
     print_plan(plan, console, args.top, seconds)
     if args.explain:
         explain(plan, console)
+        if plan.ahead is not None:
+            _, ahead_df, cluster, wl, limits = _inputs(args)
+            explain_frozen_pools(plan.ahead.frozen_pool, ahead_df, cluster, wl, limits, console)
     if args.output:
         path = plan.save(args.output)
         console.print(f"plan written to {path}")

@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hybridflow.planner.ahead import ROLLOUT_POOL, AheadResult, search_ahead, training_side
+from hybridflow.planner.ahead import FROZEN_POOLS, ROLLOUT_POOL, AheadResult, search_ahead, training_side
 from hybridflow.planner.dataflow import OLD_LOG_PROBS, STAGES, Dataflow, with_old_log_probs
 from hybridflow.planner.parallel import UNCONSTRAINED
 from hybridflow.planner.search import PlacementResult, search, strategy_name
@@ -93,8 +93,13 @@ class RolloutPlan:
     kv_gib: float
     # where the frozen models (reference, reward, cost) run; "training" in plans written before the choice
     frozen_pool: str = "training"
-    frozen: list[str] = field(default_factory=list)  # those on the rollout pool ("rollout")
-    scoring_seconds: float = 0.0  # their forwards on the rollout pool, after generation
+    frozen: list[str] = field(default_factory=list)  # those on the rollout pool ("rollout", "both")
+    scoring_seconds: float = 0.0  # their forwards on the rollout pool, after generation ("both": its share)
+    # frozen_pool "both" (ahead_both.py): the share of the rows the rollout pool's reference scores, and the
+    # reference's forward over the whole batch on each side (0 in plans written before "both")
+    ref_rows_on_rollout: float = 0.0
+    ref_rollout_seconds: float = 0.0
+    ref_training_seconds: float = 0.0
     sender_waits: float = 1.0  # the share of the sync the training side waits for (1 in older plans)
     old_log_probs: str = "actor"  # "free": no actor forward for old log-probs priced (rollout_ahead=1)
 
@@ -144,6 +149,10 @@ class Plan:
         data["alternatives"] = [Alternative(**a) for a in data.get("alternatives", [])]
         if data.get("ahead") is not None:
             data["ahead"] = RolloutPlan(**data["ahead"])
+        if data.get("ahead") is not None and data["ahead"].frozen_pool not in FROZEN_POOLS:
+            raise ValueError(
+                f"ahead.frozen_pool must be one of {FROZEN_POOLS}, got {data['ahead'].frozen_pool!r}"
+            )
         if data.get("rollout_ahead", 0) not in (0, 1):
             raise ValueError(f"rollout_ahead must be 0 or 1, got {data['rollout_ahead']!r}")
         if data.get("rollout_ahead") == 1 and data.get("ahead") is None:
@@ -215,12 +224,13 @@ def _rollout_plan(ahead: AheadResult) -> RolloutPlan:
     r, train = ahead.rollout, ahead.train
     return RolloutPlan(
         n_devices=r.n_devices, first_device=sum(train.allocation), pg=r.pg, tg=r.tg, waves=r.waves,
-        generation_seconds=r.generation_seconds, training_side_seconds=train.iteration_time,
+        generation_seconds=r.generation_seconds, training_side_seconds=ahead.training_side_seconds,
         sync_seconds=ahead.sync_seconds, sync_bytes=ahead.sync_bytes, iteration_seconds=ahead.iteration_time,
         placement=[list(s) for s in train.placement], allocation=list(train.allocation),
         weight_gib=r.weight_bytes / GiB, kv_gib=r.kv_bytes / GiB, frozen_pool=ahead.frozen_pool,
         frozen=list(ahead.frozen), scoring_seconds=ahead.scoring_seconds, sender_waits=ahead.sender_waits,
-        old_log_probs=ahead.old_log_probs,
+        old_log_probs=ahead.old_log_probs, ref_rows_on_rollout=ahead.ref_rows_on_rollout,
+        ref_rollout_seconds=ahead.ref_rollout_seconds, ref_training_seconds=ahead.ref_training_seconds,
     )  # fmt: skip
 
 
@@ -316,7 +326,8 @@ def plan(
     layouts are all within the executing engines' `limits` (default: none, the paper's search).
 
     `schedule`: "sync" (the paper's), "ahead" (one step ahead, ahead.py) or "auto" (the faster);
-    `frozen_pool`: one step ahead, where the frozen models run (ahead.py: "training", "rollout" or "auto");
+    `frozen_pool`: one step ahead, where the frozen models run (ahead.py: "training", "rollout", "both" or
+    "auto");
     `ahead_old_log_probs`: the one-step-ahead candidate's old-log-prob source where it differs from
     `dataflow.old_log_probs` (dataflow.old_log_prob_work with rollout_ahead=1; None: the same).
     The synchronous search always runs (the plan records its best for comparison)."""

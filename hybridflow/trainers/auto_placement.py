@@ -32,7 +32,9 @@ step ahead with the rollout pool's size chosen by the planner) and says when the
 faster; a plan file's `rollout_ahead` must match the config's (switching to off-policy training is the
 user's call, not a placement's). A one-step-ahead plan adds the pool `rollout` (role "rollout", its
 generation layout in `parallel["rollout"]`) for the trainer's rollout worker group; the frozen models it
-lists (`ahead.frozen`, planned with resources.frozen_pool=rollout) go on that pool, data parallel over it.
+lists (`ahead.frozen`, planned with resources.frozen_pool=rollout) go on that pool, data parallel over it;
+a plan with `ahead.frozen_pool: both` also puts the reference in the actor's workers (Placement.ref_on_training,
+as resources.frozen_pool=both does under colocate / split), the driver splitting each batch's rows.
 """
 
 from __future__ import annotations
@@ -310,7 +312,8 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
 
 
 def _frozen_on_rollout(p: Plan) -> set[str]:
-    """Planner roles a one-step-ahead plan runs on its rollout pool (resources.frozen_pool=rollout)."""
+    """Planner roles a one-step-ahead plan runs on its rollout pool (resources.frozen_pool=rollout; with
+    both the reference also runs in the actor's pool, placement_from_plan)."""
     return set(p.ahead.frozen) if p.rollout_ahead and p.ahead is not None else set()
 
 
@@ -340,7 +343,8 @@ def placement_from_plan(p: Plan, cfg, source: str = "plan"):
         r = p.ahead
         pools[ROLLOUT_POOL], roles[ROLLOUT_POOL] = r.n_devices, ROLLOUT_POOL
         parallel[ROLLOUT_POOL] = RoleParallel(r.pg, r.tg, r.n_devices // (r.pg * r.tg), r.pg, r.tg)
-    return Placement(pools, roles, parallel=parallel, plan=p)
+    both = bool(p.rollout_ahead) and p.ahead.frozen_pool == "both" and "ref" in roles
+    return Placement(pools, roles, parallel=parallel, plan=p, ref_on_training=both)
 
 
 def placement_for_config(cfg, stream=None):

@@ -103,8 +103,11 @@ def _frozen_pool_errors(where: str, r, cfg) -> list[str]:
     spec = algorithm_spec(cfg)
     if want in ("auto", r.frozen_pool) or not any(role in FROZEN_ROLES for role in spec.roles(cfg)):
         return []
+    place = (
+        "both pools (the reference's rows split)" if r.frozen_pool == "both" else f"the {r.frozen_pool} pool"
+    )
     return [
-        f"{where}: runs the frozen models (reference, reward, cost) in the {r.frozen_pool} pool but "
+        f"{where}: runs the frozen models (reference, reward, cost) in {place} but "
         f"resources.frozen_pool={want}; set resources.frozen_pool={r.frozen_pool} or re-plan with "
         f"`hybridflow plan ... --frozen-pool {want}`"
     ]

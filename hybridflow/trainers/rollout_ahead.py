@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import atomic_write_text
-from hybridflow.config.rollout_pool import FROZEN_ROLES, ref_on_both_pools
+from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.controller import Future
 from hybridflow.trainers.ref_split import RefSplit
 from hybridflow.workers.shard_sync import split_dims
@@ -60,7 +60,8 @@ class RolloutAhead:
         # resources.frozen_pool=both: rows of the current batch whose reference the rollout pool scored,
         # and the busy seconds the split is balanced on (the training side's calls of the last step, the
         # rollout side's last receive)
-        self.split = RefSplit(trainer.cfg.rollout.n) if ref_on_both_pools(trainer.cfg) else None
+        # (the placement says: resources.frozen_pool=both, or a plan that chose both)
+        self.split = RefSplit(trainer.cfg.rollout.n) if "ref_training" in trainer.groups else None
         self.ref_rows: int | None = None
         self.training_calls: list[tuple[str, Future, float]] = []  # (what, call, its batch's tokens)
         self._receive_s, self._tokens, self._batch_rows, self._rest_tokens = 0.0, 0.0, 0, 0.0

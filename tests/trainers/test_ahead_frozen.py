@@ -3,7 +3,8 @@ default; trainers/rollout_ahead.py): the reference and the reward model score st
 pool's processes while the actor trains on step k. The same numbers as with them in the training pool and
 with the reference's rows split between the pools (frozen_pool=both), the calls and rows counted where
 they ran, a resume from the checkpoint (which holds the batch in flight and its scores)
-repeats the uninterrupted run, and a misplaced setting is one line through `hybridflow train`.
+repeats the uninterrupted run, a plan file that chose both runs the split, and a misplaced setting is one
+line through `hybridflow train`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hybridflow.cli import main as cli_main
 from hybridflow.models import load_reward_model, save_hf_model
 from hybridflow.trainers import build_trainer, placement
 from tests.trainers.counting_workers import COUNTING_CLASSES
+from tests.trainers.test_plan_schedule import _plan
 from tests.trainers.test_rollout_ahead import AHEAD, _comparable
 
 
@@ -142,5 +144,39 @@ def test_a_misplaced_frozen_pool_is_one_line_exit_2(tiny_model_dir, tmp_path, ca
     rm = ["reward.kind=model", f"model.reward_model_path={tiny_model_dir}"]
     assert cli_main(["train", *base, *both, *rm]) == 2
     assert "resources.frozen_pool: both splits the reference's rows" in capsys.readouterr().err
-    assert cli_main(["train", *base, *both, "algorithm.use_kl_loss=true", "resources.placement=auto"]) == 2
-    assert "resources.frozen_pool: both needs placement colocate or split" in capsys.readouterr().err
+    # under a plan file the plan says where the frozen models run: one that priced them elsewhere is refused
+    path = _plan(tiny_model_dir, 2, "ahead", "rollout").save(tmp_path / "rollout.yaml")
+    assert cli_main(["train", *base, *both, "algorithm.use_kl_loss=true", f"resources.placement={path}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hybridflow train:")]
+    assert len(err) == 1 and "in the rollout pool but resources.frozen_pool=both" in err[0], err
+
+
+def test_a_plan_with_the_reference_on_both_sides_runs_the_split(
+    ray_cluster, tiny_model_dir, tmp_path, capsys
+):
+    """`hybridflow plan` chose frozen_pool=both (planner/ahead_both.py); `hybridflow train` with that plan file
+    builds the training pool's reference (groups["ref_training"]) beside the rollout pool's and splits the
+    rows between them, as resources.frozen_pool=both does under colocate."""
+    p = _plan(tiny_model_dir, 2, "ahead", "both")
+    assert p.ahead.frozen_pool == "both" and p.ahead.frozen == ["reference"]
+    path = p.save(tmp_path / "both.yaml")
+    argv = ["train", "algorithm.name=grpo", f"model.path={tiny_model_dir}", "data.dataset=synthetic:arithmetic",
+            "data.dataset_kwargs={num_samples: 64, val_size: 6, max_operand: 9}", "data.max_prompt_length=16",
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3", "rollout.n=2",
+            "rollout.response_length=4", "reward.num_workers=0", "resources.device=cpu",
+            "resources.n_gpus_per_node=2", *AHEAD,
+            "algorithm.use_kl_loss=true", f"resources.placement={path}", "trainer.total_steps=2",
+            f"trainer.output_dir={tmp_path}", "trainer.experiment_name=planned", "trainer.loggers=[jsonl]"]  # fmt: skip
+    assert cli_main(argv) == 0, capsys.readouterr().err[-2000:]
+    run = tmp_path / "planned"
+    roles = json.loads((run / "placement.json").read_text())["roles"]
+    assert roles["ref"]["pool"] == "rollout" and roles["ref"]["world_size"] == p.ahead.n_devices == 1
+    assert roles["ref_training"]["pool"] == roles["actor_rollout"]["pool"] == p.model("actor").pool
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    split = [r["rollout/ref_rows_on_rollout_pool"] for r in rows if "rollout/ref_rows_on_rollout_pool" in r]
+    # 4 prompts x 2: half the batch, in whole groups, until both sides' costs are measured (ref_split.py)
+    assert split[0] == 4.0 and len(split) == 2 and all(m % 2 == 0 and 0 <= m <= 8 for m in split)
+    kl = [r["actor/kl_loss"] for r in rows if "actor/kl_loss" in r]
+    assert (
+        len(kl) == 2 and kl[-1] > 0
+    )  # after one update the reference's log-probs differ: the KL term is live

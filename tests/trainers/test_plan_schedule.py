@@ -131,6 +131,12 @@ def test_auto_plans_the_schedule_the_config_asks_for(make_config):
     fixed = _config(make_config, 1, "resources.placement=auto")
     fixed.resources.rollout_devices = 3 - p.ahead.n_devices  # the user's split is kept
     assert plan_for_config(fixed).ahead.n_devices == 3 - p.ahead.n_devices
+    # resources.frozen_pool=both under auto asks the planner for both (the reference on both sides)
+    both = _config(make_config, 1, "resources.placement=auto")
+    both.resources.frozen_pool = "both"
+    planned = plan_for_config(both)
+    assert planned.ahead.frozen_pool == "both" and planned.ahead.frozen == ["reference"]
+    assert placement_from_plan(planned, both).ref_on_training
 
 
 def test_a_plan_priced_with_full_rollout_weights_gets_a_note(make_config):
@@ -151,3 +157,34 @@ def test_a_plan_priced_with_full_rollout_weights_gets_a_note(make_config):
         lines.clear()
         report_schedule(p, _config(make_config, 1), SimpleNamespace(print=lines.append))
         assert sum("rollout ranks hold and receive 1/2 of them" in x for x in lines) == notes, lines
+
+
+def test_a_plan_with_the_reference_on_both_sides_places_it_twice(make_config, tiny_model_dir):
+    """ahead.frozen_pool: both (planner/ahead_both.py): the reference on the rollout pool, data parallel
+    there, and in the actor's workers (Placement.ref_on_training), as resources.frozen_pool=both does."""
+    both = _plan(tiny_model_dir, 3, "ahead", "both")
+    r = both.ahead
+    assert r.frozen_pool == "both" and r.frozen == ["reference"] and 0 <= r.ref_rows_on_rollout <= 1
+    assert both.model("reference").pool == both.model("actor").pool  # the training side's reference
+    for want in ("auto", "both"):
+        placement = placement_from_plan(both, _pinned(make_config, want))
+        assert placement.ref_on_training and placement.pool_of("ref") == "rollout"
+        assert placement.parallel["ref"] == RoleParallel(1, 1, r.n_devices)
+    on_rollout = _plan(tiny_model_dir, 3, "ahead", "rollout")
+    assert not placement_from_plan(on_rollout, _config(make_config, 1)).ref_on_training
+    with pytest.raises(
+        ConfigError, match=r"in the rollout pool but resources.frozen_pool=both; .*--frozen-pool both"
+    ):
+        placement_from_plan(on_rollout, _pinned(make_config, "both"))
+    with pytest.raises(
+        ConfigError,
+        match=r"in both pools \(the reference's rows split\) but resources.frozen_pool=rollout; "
+        r"set resources.frozen_pool=both",
+    ):
+        placement_from_plan(both, _pinned(make_config, "rollout"))
+
+
+def _pinned(make_config, frozen_pool: str):
+    cfg = _config(make_config, 1)
+    cfg.resources.frozen_pool = frozen_pool  # set after loading, as trainer.rollout_ahead is (see above)
+    return cfg
