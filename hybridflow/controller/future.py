@@ -89,6 +89,10 @@ class Future:
         raises like wait() on a failure. Outputs stay in the object store."""
         return wait_all(self._size_refs, self._ranks, self.group_name, self.method)
 
+    def busy_seconds(self) -> float:
+        """The call's busy time: the slowest rank's run time of the method (waits like calls())."""
+        return max(c.end - c.start for c in self.calls())
+
     def get(self):
         """The collected result (as the blocking call would have returned it)."""
         if not self._done:

@@ -79,8 +79,7 @@ class Timers:
         calls, self._calls = self._calls, []
         for name, fut in calls:
             ranks = fut.calls()
-            busy = max(c.end - c.start for c in ranks)
-            self._add(name, min(c.start for c in ranks), max(c.end for c in ranks), busy)
+            self._add(name, min(c.start for c in ranks), max(c.end for c in ranks), fut.busy_seconds())
         if not self.spans:
             return
         t0 = min(s for s, _ in self.spans.values())

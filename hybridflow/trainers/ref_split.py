@@ -16,6 +16,8 @@ cost per token.
 
 from __future__ import annotations
 
+from hybridflow.planner.ahead_both import split_reference
+
 
 def balanced_rows(rows: int, group: int, rollout_s: float, rollout_row_s: float, training_s: float,
                   training_row_s: float) -> int:  # fmt: skip
@@ -25,10 +27,10 @@ def balanced_rows(rows: int, group: int, rollout_s: float, rollout_row_s: float,
     rounded to whole groups (0..rows).
 
     Steady state, not one step: the rows a batch leaves to the training pool are scored there during the
-    next step, so balancing one step alone would push work into the next."""
-    per_row = rollout_row_s + training_row_s
-    m = (training_s + training_row_s * rows - rollout_s) / per_row if per_row > 0 else rows / 2
-    return min(max(group * round(m / group), 0), rows)
+    next step, so balancing one step alone would push work into the next. The planner prices the same
+    balance (planner/ahead_both.split_reference): its row share, times the rows."""
+    f, _, _ = split_reference(rollout_s, training_s, rollout_row_s * rows, training_row_s * rows)
+    return min(max(group * round(f * rows / group), 0), rows)
 
 
 class RefSplit:
@@ -36,14 +38,14 @@ class RefSplit:
 
     When the driver issues batch k+1 it holds batch k, the latest: the update is predicted from its
     tokens, each row's reference from its mean tokens per row (lengths drift slowly as training goes
-    on), and the generation is the recent average (measured per step; per token for the others). The costs are smoothed with weight `smoothing` on
-    the past: enough to ride out one batch's random lengths, little enough to follow the drift."""
+    on), and the generation is the recent average (measured per step; per token for the others). The
+    costs are smoothed with weight `smoothing` on the past: enough to ride out one batch's random
+    lengths, little enough to follow the drift."""
 
     def __init__(self, group: int, smoothing: float = 0.3):
         self.group, self.smoothing = group, smoothing
-        self.estimate: dict[
-            str, float
-        ] = {}  # rollout_s, rollout_ref_token_s, training_ref_token_s, update_token_s
+        # rollout_s, rollout_ref_token_s, training_ref_token_s, update_token_s
+        self.estimate: dict[str, float] = {}
 
     def _smooth(self, name: str, value: float | None) -> None:
         if value is not None:

@@ -57,14 +57,14 @@ class RolloutAhead:
         self.rollout_version = 0
         self._spec, self._dims, self._tg, self._connected_to = None, None, 1, None
         self._syncing: tuple[Future, Future] | None = None  # (send, receive) of the sync in flight
-        # resources.frozen_pool=both: rows of the current batch whose reference the rollout pool scored,
-        # and the busy seconds the split is balanced on (the training side's calls of the last step, the
-        # rollout side's last receive)
-        # (the placement says: resources.frozen_pool=both, or a plan that chose both)
+        # the reference's rows split between the pools (the placement built groups["ref_training"]:
+        # resources.frozen_pool=both, or a plan that chose both): rows of the current batch the rollout pool
+        # scored, and the busy seconds the split is balanced on (the training side's calls of the last
+        # step, the rollout side's last receive)
         self.split = RefSplit(trainer.cfg.rollout.n) if "ref_training" in trainer.groups else None
         self.ref_rows: int | None = None
         self.training_calls: list[tuple[str, Future, float]] = []  # (what, call, its batch's tokens)
-        self._receive_s, self._tokens, self._batch_rows, self._rest_tokens = 0.0, 0.0, 0, 0.0
+        self._receive_s, self._tokens, self._tokens_per_row, self._rest_tokens = 0.0, 0.0, 0.0, 0.0
 
     @property
     def group(self):
@@ -97,7 +97,8 @@ class RolloutAhead:
             p = self._issue(prompts)
             batch, version, self.scores = p["result"].get(), actor_version, p["scores"]
         self.ref_rows = p.get("ref_rows")
-        self._tokens, self._batch_rows = float(batch["attention_mask"].sum()), len(batch)
+        self._tokens = float(batch["attention_mask"].sum())
+        self._tokens_per_row = self._tokens / max(len(batch), 1)
         # tokens of the rows the training pool scores (frozen_pool=both)
         self._rest_tokens = float(batch["attention_mask"][self.ref_rows or 0 :].sum())
         t.metrics["rollout/policy_lag"] = float(actor_version - version)
@@ -121,8 +122,8 @@ class RolloutAhead:
             method, phase = SCORING[role]
             rows = future
             if role == "ref" and self.split is not None:
-                per_row = self._tokens / max(self._batch_rows, 1)
-                out["ref_rows"] = self.split.rows_for(len(prompts) * t.cfg.rollout.n, self._tokens, per_row)
+                rows_next = len(prompts) * t.cfg.rollout.n
+                out["ref_rows"] = self.split.rows_for(rows_next, self._tokens, self._tokens_per_row)
                 if out["ref_rows"] == 0:
                     continue  # the training pool scores them all
                 rows = future.rows(0, out["ref_rows"])
@@ -155,11 +156,11 @@ class RolloutAhead:
         ref = p["scores"].get("ref")
         if self.split is None or not isinstance(p["result"], Future) or isinstance(ref, Batch):
             return  # restored from a checkpoint: nothing measured
-        refs = [(_busy(f), tokens) for what, f, tokens in calls if what == "ref"]
-        updates = [(_busy(f), tokens) for what, f, tokens in calls if what == "update"]
+        refs = [(f.busy_seconds(), tokens) for what, f, tokens in calls if what == "ref"]
+        updates = [(f.busy_seconds(), tokens) for what, f, tokens in calls if what == "update"]
         self.split.observe(
-            rollout_s=self._receive_s + _busy(p["result"]),
-            rollout_ref_s=0.0 if ref is None else _busy(ref),
+            rollout_s=self._receive_s + p["result"].busy_seconds(),
+            rollout_ref_s=0.0 if ref is None else ref.busy_seconds(),
             rollout_tokens=float(batch["attention_mask"][: p["ref_rows"]].sum()),
             training_ref_s=sum(s for s, _ in refs),
             training_tokens=sum(n for _, n in refs),
@@ -213,7 +214,7 @@ class RolloutAhead:
             return
         pair, self._syncing = self._syncing, None
         sent, received = _get_both(*pair)
-        self._receive_s = _busy(pair[1])
+        self._receive_s = pair[1].busy_seconds()
         if {m["sync/bytes"] for m in received} != {max(m["sync/bytes"] for m in sent)}:
             raise RuntimeError(
                 f"weight sync: sent {sent[0]} to each rollout rank but they received {received}"
@@ -285,11 +286,6 @@ def _get_both(a: Future, b: Future) -> tuple:
         if pending:
             time.sleep(0.002)
     return a.get(), b.get()
-
-
-def _busy(future: Future) -> float:
-    """A finished call's busy seconds: the slowest rank's run time of the method."""
-    return max(c.end - c.start for c in future.calls())
 
 
 def _result(x: Future | Batch) -> Batch:
