@@ -248,6 +248,14 @@ def main(argv=None) -> int:
     p.add_argument("--eos-sizes", nargs="+", default=["small", "medium"])
     p.add_argument("--eos-lengths", nargs="+", type=int, default=[32, 128], help="max response tokens")
     p.add_argument(
+        "--eos-precision",
+        nargs="+",
+        choices=("bf16", "fp32"),
+        default=["bf16", "fp32"],
+        help="natural-EOS precisions: bf16 = TRL's default (bf16=True) with hybridflow model.dtype=bfloat16; "
+        "fp32 = both sides fp32",
+    )
+    p.add_argument(
         "--eos-steps", type=int, default=5, help="iterations per natural-EOS run (warm-up included)"
     )
     p.add_argument("--seed", type=int, default=1)
@@ -314,7 +322,8 @@ def report(args, rows: list[dict], curves: dict, seconds: float, eos_rows=()) ->
     if eos_rows:
         out += [
             f"### Natural EOS: responses end at EOS at random lengths; hybridflow through `hybridflow train` "
-            f"(tokens/s over {args.eos_steps - args.warmup} steps after {args.warmup} warm-up)",
+            f"(tokens/s over {args.eos_steps - args.warmup} steps after {args.warmup} warm-up); bf16 rows: TRL "
+            "at its default bf16=True, hybridflow model.dtype=bfloat16; fp32 rows: both sides fp32",
             "",
             natural_table(eos_rows),
             "Every run of the natural-EOS rows, phases in median seconds per step:",

@@ -20,6 +20,12 @@ def workload_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--kl-coef", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: TRL bf16=True (its GRPOConfig default: autocast), hybridflow model.dtype=bfloat16",
+    )
+    p.add_argument(
         "--stop-at-eos",
         action="store_true",
         help="responses end at EOS (learning row) instead of fixed length",

@@ -4,6 +4,11 @@ No forced lengths on either side: TRL's GRPOTrainer at its defaults except activ
 (and the shared workload: batch, group size, lengths, learning rate, KL beta); hybridflow through
 `hybridflow train` in a subprocess, as users run it, its per-step figures read from metrics.jsonl.
 
+Precision (--eos-precision): TRL's GRPOConfig defaults to bf16=True (autocast; its generation stays in
+the fp32 weights), so its defaults are the "bf16" rows, where hybridflow runs model.dtype=bfloat16 (the
+actor in FSDP2 mixed precision over fp32 master weights, generation and the reference in bf16). The
+"fp32" rows run both sides in fp32 (TRL bf16=False, hybridflow model.dtype=float32).
+
 Per row (model x response length) hybridflow runs each synchronous setting of `SYNC_VARIANTS` (what a
 user can choose by config on this machine) and the best one is reported with its name; then the
 one-step-ahead schedule (`trainer.rollout_ahead=1`: rollout on its own pool, one step off-policy) when
@@ -80,51 +85,72 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
     from hybridflow.models.tiny import save_tiny_model
 
     rows = []
-    for size in args.eos_sizes:
+    cells = [
+        (size, length, prec)
+        for prec in args.eos_precision
+        for size in args.eos_sizes
+        for length in args.eos_lengths
+    ]
+    for size, length, prec in cells:
         model = str(save_tiny_model(workdir / f"model_{size}", size))
-        for length in args.eos_lengths:
-            base = common_args(args, model, length, args.eos_steps, workdir) + ["--stop-at-eos"]
-            row = {"size": size, "length": length, "seqs": args.batch_size * args.n, "sync": {}}
-            tag = f"eos_{size}_{length}"
-            print(f"[vs_trl] natural EOS {size}/{length}: trl ...", file=sys.stderr, flush=True)
-            trl_runs = [run_grpo_side("trl", args, base, workdir / f"trl_{tag}.log")]
-            runs = [
-                (name, workers, sets, f"{i}")
-                for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items())
-            ]
-            runs += [(*AHEAD, "ahead")] if ahead_built() else []
-            runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
-            runs += [(*AHEAD_BOTH, "ahead_both")] if frozen_pool_both_built() else []
-            for name, workers, sets, suffix in runs:
-                print(
-                    f"[vs_trl] natural EOS {size}/{length}: hybridflow {name} ...",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                extra = [*base, "--cli", "--workers", str(workers), *(f"--set={s}" for s in sets)]
-                res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_{tag}_{suffix}.log")
-                summary = summarize_eos(res, args.warmup, summarize)
-                if suffix.startswith("ahead"):
-                    row[suffix] = summary
-                else:
-                    row["sync"][name] = summary
-            # TRL again after hybridflow's runs: the machine's speed drifts by up to ~25% over minutes, and
-            # its runs before and after, pooled, bracket hybridflow's (each run's rate is listed too)
-            print(f"[vs_trl] natural EOS {size}/{length}: trl again ...", file=sys.stderr, flush=True)
-            trl_runs.append(run_grpo_side("trl", args, base, workdir / f"trl_{tag}_after.log"))
-            row["trl_runs"] = [summarize_eos(r, args.warmup, summarize) for r in trl_runs]
-            row["trl"] = summarize_eos(
-                {**trl_runs[0], "steps": pooled_steps(trl_runs, args.warmup)}, 0, summarize
+        base = common_args(args, model, length, args.eos_steps, workdir) + [
+            "--stop-at-eos",
+            "--precision",
+            prec,
+        ]
+        row = {
+            "size": size,
+            "length": length,
+            "precision": prec,
+            "seqs": args.batch_size * args.n,
+            "sync": {},
+        }
+        tag = f"eos_{size}_{length}_{prec}"
+        cell = f"{size}/{length} {prec}"
+        print(f"[vs_trl] natural EOS {cell}: trl ...", file=sys.stderr, flush=True)
+        trl_runs = [run_grpo_side("trl", args, base, workdir / f"trl_{tag}.log")]
+        runs = [
+            (name, workers, sets, f"{i}") for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items())
+        ]
+        runs += [(*AHEAD, "ahead")] if ahead_built() else []
+        runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
+        runs += [(*AHEAD_BOTH, "ahead_both")] if frozen_pool_both_built() else []
+        for name, workers, sets, suffix in runs:
+            print(
+                f"[vs_trl] natural EOS {cell}: hybridflow {name} ...",
+                file=sys.stderr,
+                flush=True,
             )
-            rows.append(row)
-            # partial results survive an interrupted run (the machine may be shared and slow)
-            (workdir / "natural_eos_rows.json").write_text(json.dumps(rows, indent=1))
-            print(natural_table(rows), file=sys.stderr, flush=True)
+            extra = [*base, "--cli", "--workers", str(workers), *(f"--set={s}" for s in sets)]
+            res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_{tag}_{suffix}.log")
+            summary = summarize_eos(res, args.warmup, summarize)
+            if suffix.startswith("ahead"):
+                row[suffix] = summary
+            else:
+                row["sync"][name] = summary
+        # TRL again after hybridflow's runs: the machine's speed drifts by up to ~25% over minutes, and
+        # its runs before and after, pooled, bracket hybridflow's (each run's rate is listed too)
+        print(f"[vs_trl] natural EOS {cell}: trl again ...", file=sys.stderr, flush=True)
+        trl_runs.append(run_grpo_side("trl", args, base, workdir / f"trl_{tag}_after.log"))
+        row["trl_runs"] = [summarize_eos(r, args.warmup, summarize) for r in trl_runs]
+        row["trl"] = summarize_eos(
+            {**trl_runs[0], "steps": pooled_steps(trl_runs, args.warmup)}, 0, summarize
+        )
+        rows.append(row)
+        # partial results survive an interrupted run (the machine may be shared and slow)
+        (workdir / "natural_eos_rows.json").write_text(json.dumps(rows, indent=1))
+        print(natural_table(rows), file=sys.stderr, flush=True)
     return rows
 
 
 def _rate(s: dict) -> float:
     return s["rate"]
+
+
+def _precision(row: dict) -> str:
+    """The row's precision cell: bf16 is TRL's default (bf16=True), fp32 sets both sides to fp32."""
+    prec = row.get("precision", "fp32")  # rows saved before the precision column were fp32
+    return "bf16 (TRL default)" if prec == "bf16" else prec
 
 
 def pooled_steps(runs: list[dict], warmup: int) -> list[dict]:
@@ -152,10 +178,10 @@ def ideal_bound(s: dict) -> tuple[float, float, float]:
 
 def natural_table(rows: list[dict]) -> str:
     head = (
-        "| model | Lr (max) | resp. tokens TRL / hf | TRL tok/s | hybridflow sync tok/s | **sync / TRL** | "
+        "| model | Lr (max) | precision | resp. tokens TRL / hf | TRL tok/s | hybridflow sync tok/s | **sync / TRL** | "
         "best sync setting | rollout_ahead=1 tok/s | **ahead / TRL** | best ahead setting | gen s / rest s (sync) | "
         "ideal overlap tok/s (/ TRL) | CPU tokens/s: TRL, hybridflow sync (ratio) | TRL runs tok/s |\n"
-        + "|---" * 14
+        + "|---" * 15
         + "|\n"
     )
     body = ""
@@ -171,7 +197,7 @@ def natural_table(rows: list[dict]) -> str:
             ahead, ahead_ratio, ahead_name = "n/a (rollout_ahead not built)", "n/a", ""
         trl_runs = ", ".join(f"{_rate(t):.0f}" for t in r.get("trl_runs", [trl]))
         body += (
-            f"| {r['size']} | {r['length']} | {trl['response_mean']:.1f} / {hf['response_mean']:.1f} | "
+            f"| {r['size']} | {r['length']} | {_precision(r)} | {trl['response_mean']:.1f} / {hf['response_mean']:.1f} | "
             f"{_rate(trl):.0f} | {_rate(hf):.0f} | **{_rate(hf) / _rate(trl):.2f}x** | {name} | {ahead} | "
             f"{ahead_ratio} | {ahead_name} | {gen:.2f} / {rest:.2f} | {ideal:.0f} ({ideal / _rate(trl):.2f}x) | "
             f"{trl['cpu_rate']:.0f}, {hf['cpu_rate']:.0f} ({hf['cpu_rate'] / trl['cpu_rate']:.2f}x) | {trl_runs} |\n"
@@ -181,8 +207,8 @@ def natural_table(rows: list[dict]) -> str:
 
 def variants_table(rows: list[dict], phases) -> str:
     """Every hybridflow run of the natural-EOS rows with its phases (median s per step)."""
-    head = "| model | Lr | setting | tok/s | " + " | ".join(phases) + " | iteration |\n"
-    head += "|---" * (len(phases) + 5) + "|\n"
+    head = "| model | Lr | precision | setting | tok/s | " + " | ".join(phases) + " | iteration |\n"
+    head += "|---" * (len(phases) + 6) + "|\n"
     body = ""
     for r in rows:
         trl = r.get("trl_runs", [r["trl"]])
@@ -190,7 +216,10 @@ def variants_table(rows: list[dict], phases) -> str:
         runs += [*r["sync"].items(), *((name, r[key]) for key, name in AHEAD_KEYS.items() if key in r)]
         for name, s in runs:
             cells = " | ".join(f"{s[p]:.2f}" for p in phases)
-            body += f"| {r['size']} | {r['length']} | {name} | {_rate(s):.0f} | {cells} | {s['iteration']:.2f} |\n"
+            body += (
+                f"| {r['size']} | {r['length']} | {_precision(r)} | {name} | {_rate(s):.0f} | {cells} | "
+                f"{s['iteration']:.2f} |\n"
+            )
     return head + body
 
 

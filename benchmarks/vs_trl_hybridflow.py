@@ -47,7 +47,7 @@ def overrides(args) -> list[str]:
         "algorithm.kl_loss_kind=low_var_kl",  # TRL's k3 estimator
         "algorithm.norm_by_std=true",  # TRL scale_rewards="group"
         f"model.path={args.model}",
-        "model.dtype=float32",
+        f"model.dtype={'bfloat16' if args.precision == 'bf16' else 'float32'}",
         "data.dataset=synthetic:arithmetic",
         f"data.dataset_kwargs={{num_samples: {args.steps * args.batch_size}}}",
         f"data.seed={args.seed}",  # the dataset seed too (same rows as the TRL side)

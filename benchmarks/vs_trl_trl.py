@@ -122,7 +122,7 @@ def build_trainer(args, timer: PhaseTimer):
         disable_tqdm=True,
         log_completions=False,
         dataloader_num_workers=0,
-        bf16=False,
+        bf16=args.precision == "bf16",  # TRL's default is True; fp32 rows set it False
         fp16=False,
         gradient_checkpointing=False,  # TRL's GRPO default is True; hybridflow's default is off
     )

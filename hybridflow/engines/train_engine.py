@@ -72,7 +72,7 @@ class TrainEngine:
         fsdp = uses_fsdp(self.mesh)
         param_dtype = None
         if self.compute_dtype is not None and not trainable:
-            _cast_parameters(model, self.compute_dtype)  # frozen: stored in it (half the bytes for bf16)
+            cast_parameters(model, self.compute_dtype)  # frozen: stored in it (half the bytes for bf16)
         elif self.compute_dtype is not None:
             param_dtype = self.compute_dtype  # fp32 master weights, low-precision compute
         # Without FSDP (one process, or one dp rank) mixed precision comes from autocast instead of the
@@ -374,7 +374,7 @@ def _to_floats(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(sums, torch.stack(list(sums.values())).tolist()))
 
 
-def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Parameters (not buffers: rotary tables stay fp32, as HF keeps them) to `dtype`, ties kept."""
     new: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():

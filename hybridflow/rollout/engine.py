@@ -75,6 +75,12 @@ class BuiltinEngineConfig:
     "Row streams: the default"). 0 = auto: one stream per generation thread for
     models from SMALL_MODEL_PARAMS parameters, off below (their steps are Python-bound, and the threads
     share the GIL). Outputs are bit-identical to 1 thread with streams (each stream keeps >= 4 rows)."""
+    dtype: torch.dtype | None = None
+    """The dtype generation computes in; None = the weights' own. Given (the actor's compute dtype:
+    model.dtype bfloat16, or "auto" on GPU; workers/common.model_compute_dtype), the functional decoder
+    runs on a copy of the weights cast to it at each call (none when they are stored in it: a rollout
+    pool's) with its KV cache in it, and the HF fallback runs under autocast. bf16 decode took 1.9 s
+    against 3.6 s in fp32 for 32 rows x 128 tokens of the 25M model on one CPU core (bf16 GEMMs)."""
     max_num_seqs: int = 0
     """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
@@ -118,9 +124,14 @@ class BuiltinEngine(GenerationEngine):
                 f"BuiltinEngine: functional backend cannot run this model: {reason}; use backend='hf'"
             )
         if self.shard is None and (backend == "hf" or reason is not None):
-            return HFDecoder(self.model)
+            return HFDecoder(self.model, self.config.dtype)
         return LlamaFamilyDecoder(
-            self.model, self.config.pack_weights, self.shard, self.tp, self._row_streams(threads)
+            self.model,
+            self.config.pack_weights,
+            self.shard,
+            self.tp,
+            self._row_streams(threads),
+            self.config.dtype,
         )
 
     def _row_streams(self, threads: int) -> RowStreams | None:

@@ -22,17 +22,20 @@ _VLLM = None  # this process's vLLM engine, once built
 
 
 def build_generation_engine(
-    config, model: torch.nn.Module, world_size: int = 1, own_weights: bool = False
+    config, model: torch.nn.Module, world_size: int = 1, own_weights: bool = False, dtype=None
 ) -> GenerationEngine:
     """config: the whole HybridFlowConfig; model: the HF causal LM to generate with (the actor's own,
     whose parameters are full tensors while generating); world_size: ranks of the rollout group;
     own_weights: a rollout pool's engine, whose weights change only by load_weights (vLLM then keeps
-    its own copy: rollout/vllm_engine.py; the built-in engine reads `model` either way)."""
+    its own copy: rollout/vllm_engine.py; the built-in engine reads `model` either way); dtype: the
+    compute dtype to generate in (the actor's: workers/common.model_compute_dtype; None = the model's)."""
     r = config.rollout
     if r.engine == "builtin":
         from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
 
-        return BuiltinEngine(model, BuiltinEngineConfig(cpu_threads=r.cpu_threads, cpu_streams=r.cpu_streams))
+        return BuiltinEngine(
+            model, BuiltinEngineConfig(cpu_threads=r.cpu_threads, cpu_streams=r.cpu_streams, dtype=dtype)
+        )
     if r.engine == "vllm":
         from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -52,6 +55,7 @@ def build_generation_engine(
                 seed=config.trainer.seed,
                 cpu_threads=r.cpu_threads,
                 own_weights=own_weights,
+                dtype=dtype,
             ),
         )
         return _VLLM

@@ -12,8 +12,11 @@ from transformers import DynamicCache
 
 
 class HFDecoder:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
         self.model = model
+        # a compute dtype other than the weights' own: the forward runs under autocast to it
+        own = next(model.parameters()).dtype
+        self.dtype = dtype if dtype is not None and dtype != own else None
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed past_key_values -> cache (the old name still works, with a warning).
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -27,6 +30,12 @@ class HFDecoder:
         self.cache = self.mask = None
 
     def _forward(self, ids, mask, pos) -> torch.Tensor:
+        if self.dtype is not None:
+            with torch.autocast(ids.device.type, dtype=self.dtype):
+                return self._run(ids, mask, pos).float()
+        return self._run(ids, mask, pos)
+
+    def _run(self, ids, mask, pos) -> torch.Tensor:
         out = self.model(
             input_ids=ids,
             attention_mask=mask,

@@ -74,6 +74,21 @@ def unsupported_reason(model: torch.nn.Module, max_len: int | None = None) -> st
     return None
 
 
+def _cast(weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights in `dtype`: a copy of each one stored otherwise (a tied tensor cast once), else itself.
+    The cache, rope tables and activations then follow (they take the embedding's dtype)."""
+    cast: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, t in weights.items():
+        if t.dtype == dtype or not t.is_floating_point():
+            out[name] = t
+        else:
+            if id(t) not in cast:
+                cast[id(t)] = t.detach().to(dtype)
+            out[name] = cast[id(t)]
+    return out
+
+
 class LlamaFamilyDecoder:
     """Prefill + incremental decode for one batch at a time. Call `load` once per `generate` call,
     then per batch `start`, `prefill`, and `decode` / `select` alternately; `release` at the end.
@@ -83,7 +98,11 @@ class LlamaFamilyDecoder:
     TPGroup of size tg) the weights are this rank's generation shard: q/k/v, gate/up split on their
     output features, o/down on their input features, norms whole, embeddings and lm_head whole or
     vocab-parallel (V/tg rows each: the lookup is all-reduced, the logits all-gathered); each rank runs
-    heads/tg heads and intermediate/tg MLP columns and all-reduces o's and down's outputs."""
+    heads/tg heads and intermediate/tg MLP columns and all-reduces o's and down's outputs.
+
+    dtype: the compute dtype (None: the weights' own); weights stored otherwise are cast at each `load`
+    (rollout/engine.py, BuiltinEngineConfig.dtype). Attention's softmax and the sampling
+    (rollout/sampling.py) compute in fp32 either way, as HF's eager attention and generate do."""
 
     def __init__(
         self,
@@ -92,8 +111,10 @@ class LlamaFamilyDecoder:
         weights: Mapping[str, torch.Tensor] | None = None,
         tp: TPGroup | None = None,
         streams: RowStreams | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self.model = model
+        self.dtype = dtype  # compute dtype; None = the weights' own (see load)
         self.pack_weights = pack_weights
         self.weights, self.tp = weights, tp
         # Row streams run each part's layers on its own thread: not under TP (its collectives would
@@ -120,6 +141,8 @@ class LlamaFamilyDecoder:
     def load(self) -> None:
         """(Re)read the weights; with pack_weights, build the packed copies (see pack_layer)."""
         w = self.weights if self.weights is not None else model_weights(self.model)
+        if self.dtype is not None:
+            w = _cast(w, self.dtype)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
         head_bias = w.get("lm_head.bias")
         mkl = self.pack_weights and head.device.type == "cpu" and head.dtype == torch.float32
@@ -331,7 +354,8 @@ class LlamaFamilyDecoder:
                 .mul_(_scalar(self.scaling, scores) if scores.dtype == torch.float32 else self.scaling)
                 .add_(bias),
                 dim=-1,
-            )
+                dtype=torch.float32,  # a no-op in fp32; in bf16 the weights' sum stays 1 (HF's eager does the same)
+            ).to(scores.dtype)
             a = torch.bmm(probs.view(-1, group, length), vc[:, :, :length].reshape(-1, length, hd))
             x = self._mlp_block(x, a.view(b, nkv * group * hd), layer)
         return self._logits(x)

@@ -64,6 +64,8 @@ class VLLMEngineConfig:
     cpu_threads: int = 0
     """Torch intra-op threads while generating on CPU (0 = the process's setting)."""
     pad_token_id: int | None = None
+    dtype: torch.dtype | None = None
+    """The dtype vLLM computes and holds its weights in (the actor's compute dtype); None = the model's."""
     own_weights: bool = False
     """False: the actor's model is streamed into vLLM before every generate (colocated). True: vLLM
     holds the weights itself, loaded from `model` once when built and afterwards only by load_weights
@@ -106,7 +108,7 @@ class VLLMEngine(GenerationEngine):
         self.device = param.device
         self.gpu = param.device.type == "cuda"
         self.last_stats: dict[str, float] = {}
-        self.llm = self._build(cfg, param.dtype)
+        self.llm = self._build(cfg, self.config.dtype or param.dtype)
         self._asleep = False
         if self.config.own_weights:
             self.load_weights((n, _full(p.detach())) for n, p in model.named_parameters())
@@ -181,6 +183,8 @@ class VLLMEngine(GenerationEngine):
     # ---- GenerationEngine --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """(HF name, full tensor) pairs into vLLM's model in place, then drop the stale prefix cache."""
+        if self.config.dtype is not None:  # the actor's fp32 master weights, in the dtype vLLM holds
+            weights = ((name, t.to(self.config.dtype)) for name, t in weights)
         if self.pad_head_dim:
             weights = vllm_pad.pad_weights(weights, self.model.config, self.pad_head_dim)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})

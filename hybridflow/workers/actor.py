@@ -36,6 +36,7 @@ from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
+from hybridflow.engines.train_engine import cast_parameters
 from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.meta import WEIGHTS_ATTR
@@ -48,6 +49,7 @@ from hybridflow.workers.common import (
     engine_config,
     iter_mini_batches,
     mask_padding,
+    model_compute_dtype,
     offload_metrics,
     seed_everything,
     set_train_layout,
@@ -130,23 +132,30 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
-            model = self.actor.hf_model if not own else self._pool_model(m.path, remote)
-            self.rollout = build_generation_engine(self.config, model, self.world_size, own_weights=own)
+            dtype = model_compute_dtype(m.dtype, self.config.resources.device)
+            model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
+            self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
             if own and self.config.rollout.engine == "vllm":
                 model.to("meta")  # vLLM holds the weights; the HF model only names their shapes now
         return info
 
-    def _pool_model(self, path: str, remote: dict) -> torch.nn.Module:
+    def _pool_model(self, path: str, remote: dict, dtype: torch.dtype | None) -> torch.nn.Module:
         """A rollout-only pool's model: whole for tg = 1 (and vLLM, which slices it itself), else only this
         rank's generation shard (rollout/pool_tp.py), read as safetensors slices when the directory
-        holds every tensor by name (else loaded whole and cut down at once)."""
+        holds every tensor by name (else loaded whole and cut down at once). Stored in the compute dtype
+        `dtype` (None: as loaded): the weight sync then carries that dtype (half the bytes in bf16)."""
         if self.pool_tp is None:
-            return load_causal_lm(path, **remote).to(self.device)
-        model = load_causal_lm(path, device="meta", **remote)
-        index, tg = self.pool_tp.rank(), self.pool_tp.size
-        if hasattr(model, WEIGHTS_ATTR):
-            return load_shard(model, index, tg, self.device).to(self.device)  # buffers too
-        return keep_shard(model, index, tg).to(self.device)
+            model = load_causal_lm(path, **remote).to(self.device)
+        else:
+            model = load_causal_lm(path, device="meta", **remote)
+            index, tg = self.pool_tp.rank(), self.pool_tp.size
+            if hasattr(model, WEIGHTS_ATTR):
+                model = load_shard(model, index, tg, self.device).to(self.device)  # buffers too
+            else:
+                model = keep_shard(model, index, tg).to(self.device)
+        if dtype is not None:
+            cast_parameters(model, dtype)  # not buffers: the rotary tables stay fp32, as the actor's
+        return model
 
     @register(Protocol.ONE_TO_ALL)
     def rollout_param_bytes(self) -> int:

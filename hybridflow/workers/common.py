@@ -21,6 +21,7 @@ import torch
 
 from hybridflow.batch import PAD_KEY, Batch
 from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig
+from hybridflow.engines.config import compute_dtype
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import ActorConfig, CriticConfig, RefConfig, RewardConfig
@@ -87,9 +88,16 @@ _MIXED_PRECISION = {"auto": "auto", "bfloat16": "bf16", "float16": "fp16", "floa
 
 def computes_in_fp32(model_dtype: str, device: str) -> bool:
     """Whether the actor computes in fp32 under model.dtype on `device` ("cpu"/"cuda"/"auto")."""
+    return model_compute_dtype(model_dtype, device) is None
+
+
+def model_compute_dtype(model_dtype: str, device: str) -> torch.dtype | None:
+    """The dtype the actor computes in under model.dtype on `device` (None = fp32). Generation runs in it
+    too (verl's rollout does: bf16 weights in vLLM), from a copy cast at each call or a rollout pool's
+    weights stored in it (workers/actor.py)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return model_dtype == "float32" or (model_dtype == "auto" and device == "cpu")
+    return compute_dtype(_MIXED_PRECISION[model_dtype], device == "cuda")
 
 
 def set_train_layout(worker, name: str, parallel: ParallelConfig) -> None:

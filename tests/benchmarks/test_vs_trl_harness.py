@@ -95,3 +95,14 @@ def test_natural_eos_table_pools_trl_runs_and_names_the_best_ahead_setting():
     assert vs_trl_eos.best_ahead(row) == ("frozen_pool=both", {"rate": 160.0})
     line = vs_trl_eos.natural_table([row]).splitlines()[-1]
     assert "| 160 | **1.60x** | frozen_pool=both |" in line and line.endswith("| 90, 110 |")
+    row["precision"] = "bf16"  # TRL's default: bf16=True
+    assert "| m | 32 | bf16 (TRL default) |" in vs_trl_eos.natural_table([row])
+
+
+def test_precision_sets_both_sides_dtype():
+    import vs_trl_hybridflow
+
+    base = ["--model", "m", "--workdir", "w"]
+    for prec, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        args = vs_trl_hybridflow.parse_args([*base, "--precision", prec])
+        assert f"model.dtype={dtype}" in vs_trl_hybridflow.overrides(args)

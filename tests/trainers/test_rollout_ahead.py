@@ -148,3 +148,17 @@ def test_the_devices_split_between_training_and_rollout(make_config):
     cfg = make_config("ppo", "trainer.rollout_ahead=1", "resources.placement=split", "resources.rollout_devices=1",
                       "resources.frozen_pool=training", "algorithm.use_kl_loss=true", devices=5)  # fmt: skip
     assert Placement.from_config(cfg).pool_of("ref") == "actor" and cfg.ref.parallel.dp == 2
+
+
+def test_bf16_rollout_pool_holds_and_receives_bf16(ray_cluster, make_config, tiny_model_dir):
+    """model.dtype=bfloat16: the rollout pool stores its weights in the actor's compute dtype, so each sync
+    carries half the fp32 bytes, and the loss still reweights the one-step lag (finite weights near 1)."""
+    cfg = make_config("grpo", *AHEAD, "model.dtype=bfloat16", "trainer.total_steps=3", devices=2)
+    with build_trainer(cfg) as trainer:
+        held = trainer.groups["rollout"].rollout_param_bytes()
+        steps = trainer.fit()
+    half = _param_bytes(tiny_model_dir) // 2
+    assert held == [half]
+    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0] and steps[1]["sync/bytes"] == float(half)
+    for h in steps:
+        assert math.isfinite(h["actor/pg_loss"]) and 0.5 < h["actor/is_weight_mean"] <= 2.0
