@@ -51,7 +51,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_trl_eos import natural_rows, natural_table, variants_table  # noqa: E402
+from vs_trl_eos import headline_table, natural_rows, natural_table, variants_table  # noqa: E402
 
 PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
@@ -324,6 +324,11 @@ def report(args, rows: list[dict], curves: dict, seconds: float, eos_rows=()) ->
             f"### Natural EOS: responses end at EOS at random lengths; hybridflow through `hybridflow train` "
             f"(tokens/s over {args.eos_steps - args.warmup} steps after {args.warmup} warm-up); bf16 rows: TRL "
             "at its default bf16=True, hybridflow model.dtype=bfloat16; fp32 rows: both sides fp32",
+            "",
+            "Headline: TRL at its defaults against hybridflow's fastest setting (either precision):",
+            "",
+            headline_table(eos_rows),
+            "Per precision (bf16 = TRL's default; fp32 = both sides fp32):",
             "",
             natural_table(eos_rows),
             "Every run of the natural-EOS rows, phases in median seconds per step:",

@@ -168,6 +168,34 @@ def best_sync(row: dict) -> tuple[str, dict]:
     return max(row["sync"].items(), key=lambda kv: _rate(kv[1]))
 
 
+def headline_table(rows: list[dict]) -> str:
+    """One line per (model, length): TRL at its defaults (the bf16 row's TRL runs, pooled) against
+    hybridflow's fastest run of that cell at either precision, named (model.dtype is a setting a user
+    chooses by config: the smallest models run faster in fp32, whose ops are too small for bf16 to pay)."""
+    head = (
+        "| model | Lr (max) | TRL tok/s (defaults: bf16) | hybridflow best tok/s | **best / TRL** | "
+        "hybridflow's best setting |\n" + "|---" * 6 + "|\n"
+    )
+    body = ""
+    cells = dict.fromkeys((r["size"], r["length"]) for r in rows)
+    for size, length in cells:
+        mine = [r for r in rows if (r["size"], r["length"]) == (size, length)]
+        trl = next((r["trl"] for r in mine if r.get("precision") == "bf16"), None)
+        if trl is None:
+            continue  # no row at TRL's defaults for this cell
+        runs = []
+        for r in mine:
+            dtype = "model.dtype=bfloat16" if r.get("precision") == "bf16" else "model.dtype=float32"
+            runs += [(f"{dtype}, {name}", v) for name, v in r["sync"].items()]
+            runs += [(f"{dtype}, rollout_ahead=1, {AHEAD_SHORT[k]}", r[k]) for k in AHEAD_KEYS if k in r]
+        name, best = max(runs, key=lambda kv: _rate(kv[1]))
+        body += (
+            f"| {size} | {length} | {_rate(trl):.0f} | {_rate(best):.0f} | **{_rate(best) / _rate(trl):.2f}x** | "
+            f"{name} |\n"
+        )
+    return head + body
+
+
 def ideal_bound(s: dict) -> tuple[float, float, float]:
     """(generation s, rest s, ideal tokens/s) of a synchronous run: the step if generation overlapped
     the rest perfectly takes max(generation, rest) instead of their sum."""
@@ -225,7 +253,11 @@ def variants_table(rows: list[dict], phases) -> str:
 
 def summarize_eos(result: dict, warmup: int, summarize) -> dict:
     """`summarize`'s medians plus, since token counts vary per step at natural EOS, the rate over the
-    measured steps (their tokens / their seconds) and the mean response length per sequence."""
+    measured steps (their tokens / their seconds) and the mean response length per sequence. A
+    one-step-ahead run's last step is left out too: it issues no next rollout, so it only trains and
+    would flatter the steady-state rate."""
+    if len(result["steps"]) > warmup + 1 and any(s.get("policy_lag", 0.0) > 0 for s in result["steps"]):
+        result = {**result, "steps": result["steps"][:-1]}
     out = summarize(result, warmup)
     steps = result["steps"][warmup:] or result["steps"][-1:]
     out["rate"] = sum(s["tokens"] for s in steps) / sum(s["iteration"] for s in steps)

@@ -97,6 +97,12 @@ def test_natural_eos_table_pools_trl_runs_and_names_the_best_ahead_setting():
     assert "| 160 | **1.60x** | frozen_pool=both |" in line and line.endswith("| 90, 110 |")
     row["precision"] = "bf16"  # TRL's default: bf16=True
     assert "| m | 32 | bf16 (TRL default) |" in vs_trl_eos.natural_table([row])
+    # the headline: TRL at its defaults (the bf16 row) against hybridflow's fastest run at either precision
+    fp32 = dict(row, precision="fp32", trl=dict(base, rate=50.0), ahead_both={"rate": 250.0})
+    line = vs_trl_eos.headline_table([row, fp32]).splitlines()[-1]
+    assert (
+        line == "| m | 32 | 100 | 250 | **2.50x** | model.dtype=float32, rollout_ahead=1, frozen_pool=both |"
+    )
 
 
 def test_precision_sets_both_sides_dtype():
