@@ -55,7 +55,9 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "allow custom modelling code shipped in the model directories")
     dtype: str = _f(
         "auto",
-        "parameter dtype (auto = bfloat16 on GPU, float32 on CPU)",
+        "compute dtype of the actor (fp32 master weights under mixed precision), generation and the frozen "
+        "models (auto = bfloat16 on GPU, float32 on CPU; bfloat16 is faster on CPUs with AVX512-BF16 for "
+        "models from ~10M params; docs/rollout.md)",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     remove_padding: Optional[bool] = _f(
