@@ -79,6 +79,24 @@ def test_grpo_one_step_ahead_raises_held_out_accuracy_like_the_synchronous_run(d
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05
 
 
+@pytest.mark.slow
+def test_grpo_in_bf16_raises_held_out_accuracy(demo_sft_model, tmp_path):
+    """The demo recipe with model.dtype=bfloat16: the actor in mixed precision over fp32 master weights,
+    generation and the reference in bf16 (docs/rollout.md, "Compute dtype"), old log-probs from the
+    update's own forward. It must learn as the fp32 recipe does."""
+    cfg, val, rewards = _fit(
+        "grpo_tiny.yaml",
+        tmp_path,
+        f"model.path={demo_sft_model}",
+        "model.dtype=bfloat16",
+        "trainer.val_every=50",
+    )
+    before, after = val[0][ACC], val[-1][ACC]
+    print(f"grpo bf16 (demo recipe): held-out acc {before:.3f} -> {after:.3f}")
+    assert after - before >= MARGIN, (before, after)
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05
+
+
 @pytest.fixture(scope="module")
 def sloppy_sft_model(ray_cluster, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("learning")
