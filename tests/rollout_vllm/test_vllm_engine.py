@@ -7,6 +7,8 @@ tiny models here use 2 attention heads (head_dim 32), and the `padded` cases the
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -159,3 +161,27 @@ def test_sampling_statistics_match_the_exact_distribution(temperature, top_k, to
     if not truncated:  # then vLLM's log-probs are log_softmax(logits / T), as the training side computes
         expect = (logits[0] / temperature).log_softmax(-1)[vout["responses"][:, 0]]
         torch.testing.assert_close(vout["rollout_log_probs"][:, 0], expect, atol=1e-4, rtol=0)
+
+
+def test_compute_dtype_bf16_runs_vllm_in_bf16(batch):
+    """VLLMEngineConfig.dtype (the actor's compute dtype under model.dtype=bfloat16): vLLM is built in bf16
+    and the fp32 actor's weights are cast on each load; its log-probs then match a bf16 forward of the same
+    weights to bf16 rounding, and differ from the fp32 forward's (the setting is used)."""
+    from hybridflow.engines.train_engine import cast_parameters
+    from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    for e in _ENGINES.values():
+        e.close()
+    _ENGINES.clear()
+    m = model("llama")
+    eng = VLLMEngine(m, VLLMEngineConfig(max_model_len=64, max_num_seqs=512, dtype=torch.bfloat16))
+    try:
+        out = eng.generate(batch, SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=()))
+    finally:
+        eng.close()
+    bf16 = copy.deepcopy(m)
+    cast_parameters(bf16, torch.bfloat16)
+    mask = out["response_mask"].bool()
+    err = (out["rollout_log_probs"] - training_log_probs(bf16, out, 1.0))[mask].abs()
+    assert err.mean() < 0.02, err.mean()
+    assert (out["rollout_log_probs"] - training_log_probs(m, out, 1.0))[mask].abs().max() > 1e-4
