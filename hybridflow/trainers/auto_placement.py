@@ -68,6 +68,7 @@ from hybridflow.trainers.plan_schedule import (
     report_old_log_probs,
     report_schedule,
 )
+from hybridflow.workers.common import computes_in_fp32
 
 # What the built-in engines run: TrainEngine has no pipeline parallelism (ParallelConfig pp must be 1,
 # and so generation pg, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
@@ -167,15 +168,17 @@ def build_planner_workload(cfg) -> WorkloadSpec:
 
 
 def detect_device(cfg) -> str:
-    """The catalogue entry of this run's devices: "cpu" on CPU, else the GPU torch.cuda reports."""
+    """The catalogue entry of this run's devices: "cpu" on CPU ("cpu-bf16" when model.dtype computes in bf16
+    there), else the GPU torch.cuda reports."""
     kind = cfg.resources.device
+    cpu = "cpu" if computes_in_fp32(cfg.model.dtype, "cpu") else "cpu-bf16"
     if kind == "cpu":
-        return "cpu"
+        return cpu
     import torch
 
     if not torch.cuda.is_available():
         if kind == "auto":
-            return "cpu"
+            return cpu
         raise ConfigError(
             [
                 "resources.placement=auto with resources.device=cuda, but this process sees no GPU to name; "

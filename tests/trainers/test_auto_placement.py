@@ -188,6 +188,15 @@ def test_device_names_map_to_the_catalogue():
         device_entry("NVIDIA GeForce RTX 4090", 24.0)
 
 
+def test_cpu_entry_follows_the_compute_dtype(make_config):
+    """model.dtype=bfloat16 on CPU plans on the catalogue's bf16 CPU entry (faster GEMMs, 2-byte weights),
+    whose predicted iteration is shorter than fp32's for the same config."""
+    fp32, bf16 = make_config("grpo", KL_LOSS), make_config("grpo", KL_LOSS, "model.dtype=bfloat16")
+    cpu, cpu_bf16 = build_planner_cluster(fp32).device, build_planner_cluster(bf16).device
+    assert (cpu.name, cpu_bf16.name) == ("cpu", "cpu-bf16") and cpu_bf16.bytes_per_param == 2
+    assert plan_for_config(bf16).iteration_seconds < plan_for_config(fp32).iteration_seconds
+
+
 # ---- on a local Ray cluster ----------------------------------------------------------------------------
 def _one_step(trainer) -> dict:
     trainer.global_step = 1
