@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.batch import Batch
 from hybridflow.models.tiny import build_tiny_model
-from hybridflow.rollout import BuiltinEngine, SamplingParams
+from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
 from hybridflow.rollout.tp_group import TPGroup
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -79,6 +79,12 @@ def _worker(rank: int, rdzv: str, results: dict) -> None:
             results[(arch, case, rank)] = {
                 k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")
             }
+    # the compute dtype applies to a shard too: bf16 copies of this rank's slices, bf16 partial sums
+    model = _models()["mistral"]
+    engine = BuiltinEngine(model, BuiltinEngineConfig(dtype=torch.bfloat16))
+    engine.set_shard(shard(model, rank, 2, True), tp)
+    out = engine.generate(_prompts(), SamplingParams(**CASES["greedy"]))
+    results[("mistral", "bf16", rank)] = {k: out[k] for k in ("responses", "rollout_log_probs")}
     dist.destroy_process_group()
 
 
@@ -98,3 +104,13 @@ def test_tp2_generation_equals_tg1():
                 )
             if case == "sampled":  # the stop tokens ended some rows early: finished rows were dropped
                 assert int(ref["response_mask"].sum()) < ref["response_mask"].numel()
+    model = _models()["mistral"]
+    ref = BuiltinEngine(model, BuiltinEngineConfig(dtype=torch.bfloat16)).generate(
+        _prompts(), SamplingParams(**CASES["greedy"])
+    )
+    fp32 = BuiltinEngine(model).generate(_prompts(), SamplingParams(**CASES["greedy"]))
+    for rank in (0, 1):  # bf16 partial sums round differently from tg = 1 bf16, not more than bf16 does
+        got = results[("mistral", "bf16", rank)]
+        assert torch.equal(got["responses"], ref["responses"])
+        torch.testing.assert_close(got["rollout_log_probs"], ref["rollout_log_probs"], atol=0.05, rtol=0)
+        assert not torch.equal(got["rollout_log_probs"], fp32["rollout_log_probs"])
