@@ -79,8 +79,8 @@ class BuiltinEngineConfig:
     """The dtype generation computes in; None = the weights' own. Given (the actor's compute dtype:
     model.dtype bfloat16, or "auto" on GPU; workers/common.model_compute_dtype), the functional decoder
     runs on a copy of the weights cast to it at each call (none when they are stored in it: a rollout
-    pool's) with its KV cache in it, and the HF fallback runs under autocast. bf16 decode took 1.9 s
-    against 3.6 s in fp32 for 32 rows x 128 tokens of the 25M model on one CPU core (bf16 GEMMs)."""
+    pool's) with its KV cache in it, and the HF fallback runs under autocast. bf16 decode took 1.5 s
+    against 3.7 s in fp32 for 32 rows x 128 tokens of the 25M model on one CPU core (bf16 GEMMs)."""
     max_num_seqs: int = 0
     """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""

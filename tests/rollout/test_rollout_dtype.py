@@ -90,3 +90,20 @@ def test_model_compute_dtype():
     assert model_compute_dtype("auto", "cpu") is None and model_compute_dtype("float32", "cuda") is None
     assert model_compute_dtype("auto", "cuda") == BF16
     assert model_compute_dtype("float16", "cpu") == torch.float16
+
+
+def test_bf16_full_row_attention_equals_the_sliced_one(tokenizer, monkeypatch):
+    """16-bit CPU decode reads whole cache rows once that is cheaper (llama_decoder._attend_full): the
+    slots not written yet are masked, so rows that stop early (compaction moves the survivors) and n > 1
+    samples give what attention over the written slots only gives."""
+    from hybridflow.rollout import llama_decoder
+
+    model = build_tiny_model("small", "llama", seed=0, initializer_range=0.2).eval()
+    params = SamplingParams(max_new_tokens=24, n=2, seed=4, temperature=0.8, stop_token_ids=(7, 9, 11))
+    engine = BuiltinEngine(model, BuiltinEngineConfig(dtype=BF16))
+    full = engine.generate(prompt_batch(tokenizer), params)
+    assert int(full["response_mask"].sum()) < full["response_mask"].numel(), "some rows must stop early"
+    monkeypatch.setattr(llama_decoder, "_attend_full", lambda length, max_len: False)
+    sliced = engine.generate(prompt_batch(tokenizer), params)
+    assert torch.equal(full["responses"], sliced["responses"])
+    torch.testing.assert_close(full["rollout_log_probs"], sliced["rollout_log_probs"], atol=1e-2, rtol=0)
