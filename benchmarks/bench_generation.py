@@ -10,6 +10,7 @@ the stop token, over wall time of whole `generate` calls (prefill included), sum
     .venv/bin/python benchmarks/bench_generation.py [--sizes tiny medium] [--batches 16 64]
         [--threads 1] [--no-stop-rows] [--natural-eos] [--one-stream]
     .venv/bin/python benchmarks/bench_generation.py --cpu-streams --sizes medium --threads 2
+    .venv/bin/python benchmarks/bench_generation.py --sizes medium --batches 32 --natural-eos --bf16
 
 --natural-eos runs rows that stop at the model's EOS only (instead of the stop set) (id 2: ~1 in 90 tokens, mean length ~70-90 of
 128, the natural-EOS workload of benchmarks/vs_trl.py). --one-stream (with --threads >= 2) runs the built-in
@@ -146,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--natural-eos", action="store_true", help="rows that stop at the model's EOS only")
     ap.add_argument("--one-stream", action="store_true", help="also the built-in engine with cpu_streams=1")
     ap.add_argument(
+        "--bf16", action="store_true", help="also the built-in engine generating in bf16 (model.dtype)"
+    )
+    ap.add_argument(
         "--cpu-streams", action="store_true", help="only the built-in engine: cpu_streams auto vs 1, A B A B"
     )
     args = ap.parse_args(argv)
@@ -164,6 +168,8 @@ def main(argv=None) -> int:
         # with --one-stream the built-in engine runs with the streams on (auto), against them off
         engine = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=0 if args.one_stream else 1))
         one_stream = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=1)) if args.one_stream else None
+        # --bf16: the same engine generating in bf16 (BuiltinEngineConfig.dtype, as model.dtype=bfloat16 runs it)
+        bf16 = BuiltinEngine(model, BuiltinEngineConfig(dtype=torch.bfloat16)) if args.bf16 else None
         for batch_size in args.batches:
             batch = make_prompts(batch_size, model.config.vocab_size, seed=batch_size)
             vllm = build_vllm(model, batch_size, 32 + args.max_new_tokens) if args.vllm else None
@@ -177,11 +183,15 @@ def main(argv=None) -> int:
                     fns["vllm"] = partial(run_vllm, vllm, batch, max_new, stop)
                 if one_stream is not None:
                     fns["one_stream"] = partial(run_builtin, one_stream, batch, max_new, stop)
+                if bf16 is not None:
+                    fns["bf16"] = partial(run_builtin, bf16, batch, max_new, stop)
                 with torch.inference_mode():
                     run_hf(model, batch, 8, stop, 0)  # warm-up
                     run_builtin(engine, batch, 8, stop, 0)
                     if one_stream is not None:
                         run_builtin(one_stream, batch, 8, stop, 0)
+                    if bf16 is not None:
+                        run_builtin(bf16, batch, 8, stop, 0)
                     if vllm is not None:
                         run_builtin(vllm, batch, 8, stop, 0)
                         vllm.sync_total, vllm.sync_calls = 0.0, 0
@@ -200,11 +210,11 @@ def main(argv=None) -> int:
         "tokens/s = all generated tokens / all seconds, "
         f"load average at the end {os.getloadavg()[0]:.1f}\n"
     )
-    print_table(rows, args.vllm, args.one_stream)
+    print_table(rows, args.vllm, args.one_stream, args.bf16)
     return 0
 
 
-def print_table(rows, with_vllm: bool, with_one_stream: bool = False) -> None:
+def print_table(rows, with_vllm: bool, with_one_stream: bool = False, with_bf16: bool = False) -> None:
     head = (
         "| model | params | batch | stop | mean len HF / built-in | HF tok/s | built-in tok/s | ratio (wall) "
     )
@@ -213,6 +223,8 @@ def print_table(rows, with_vllm: bool, with_one_stream: bool = False) -> None:
         head += " vLLM mean len | vLLM tok/s | built-in / vLLM (wall) | vLLM tok/CPU-s | built-in / vLLM (CPU) | vLLM weight sync s |"
     if with_one_stream:
         head += " 1-stream mean len | 1-stream tok/s | streams / 1 stream (wall) | 1-stream tok/CPU-s | streams / 1 stream (CPU) |"
+    if with_bf16:
+        head += " bf16 mean len | built-in bf16 tok/s | bf16 / fp32 built-in (wall) | bf16 / HF fp32 (wall) |"
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for size, params_m, b, stop_name, res, sync in rows:
@@ -228,6 +240,9 @@ def print_table(rows, with_vllm: bool, with_one_stream: bool = False) -> None:
         if with_one_stream:
             o, o_cpu, o_len = res["one_stream"]
             line += f" {o_len / b:.1f} | {o:,.0f} | **{ours / o:.2f}x** | {o_cpu:,.0f} | **{ours_cpu / o_cpu:.2f}x** |"
+        if with_bf16:
+            h, _, h_len = res["bf16"]
+            line += f" {h_len / b:.1f} | {h:,.0f} | **{h / ours:.2f}x** | **{h / hf:.2f}x** |"
         print(line)
 
 

@@ -43,14 +43,14 @@ baseline each section names. Regenerate a section with its command, then `python
 | shared prompts (8 prompts x n=4) | the packed engine with `model.share_prompt=false` | medium (25M), CPU time: cap 32 log-probs 1.47x, update 1.48x (30% fewer tokens); cap 128 1.17x, 1.19x |
 | per-step overhead (0.8M, 25M) | a plain in-process PyTorch loop, same math | 0.8M: update_actor 0.89-0.97x, log-probs 0.79-1.17x, generate 0.76-0.91x the plain loop's CPU time (25M: 0.94-1.03x); host syncs per update 56 -> 47 |
 | OpenMP wait policy (CPU workers) | libgomp's default (spin, then sleep), same process work | 25M model, 2 threads, load 3.6-14: PASSIVE update 0.21x, generate 0.05x the wall time; quietest (load 1.8-3.6) 0.18x / 0.10x |
-| generation | `transformers` `generate`; vLLM 0.32 (CPU build) | batch 64, random stops: tiny 3.56x, ~25M 3.02x HF (goal 3x: met, at 25M within ~3% noise); vs vLLM at ~25M/64 1.04x CPU time (goal 1.0x: at parity within noise; 0.97x and 1.09x in earlier runs) |
+| generation | `transformers` `generate`; vLLM 0.32 (CPU build) | batch 64, random stops: tiny 3.56x, ~25M 3.02x HF (goal 3x: met, at 25M within ~3% noise); vs vLLM at ~25M/64 1.04x CPU time (goal 1.0x: at parity within noise; 0.97x and 1.09x in earlier runs); bf16 (model.dtype=bfloat16) at ~25M/32, natural EOS: 2.46x the fp32 engine, 3.68x HF fp32 |
 | 3D-HybridEngine | all-gather (DeepSpeed-Chat style) switch, inside `hybridflow train` | bytes = formula exactly; generation weights 0.515x; reshard time 0.49x (8 ranks) / 1.67x (4 ranks, not met) |
 | planner | the paper's search time (up to 30 min at 70B/128) | 70B/128 GPUs in 0.62 s |
 | rule rewards | per-sample timeouts one after another (computed) | 64 hanging samples, timeout 2 s: 5.4 s instead of 128 s (23.9x) |
 | memory (4 ranks, 106M) | the code before sharded checkpoints (2b42e07) | save adds 0 MiB vs 811 (2.0 M); export peaks at one tensor; init, resume equal on CPU |
 | fault recovery | the same run without a kill | random worker SIGKILLed: 3/3 runs complete, 0 steps lost beyond the last checkpoint, metrics equal |
 | end to end | TRL 1.16 `GRPOTrainer` | 1.77x / 1.38x / 1.16x / 1.14x tokens/s (goal 3x: not met; fp32 GEMMs bound both sides) |
-| end to end, natural EOS through `hybridflow train` | TRL 1.16 `GRPOTrainer` at its defaults (bf16=True) | best setting by config, two quiet runs: medium 1.56x / 1.92x (cap 32), 1.84x / 1.75x (cap 128; bf16 + trainer.rollout_ahead=1); small 3.12x / 3.74x (fp32 + rollout_ahead=1): goal 1.5x met on every row. Both sides fp32: medium 1.39-1.44x / 1.32-1.42x (not met) |
+| end to end, natural EOS through `hybridflow train` | TRL 1.16 `GRPOTrainer` at its defaults (bf16=True) | best setting by config (bf16 + trainer.rollout_ahead=1 on medium, fp32 + rollout_ahead=1 on small), quiet runs: medium/32 1.56x, 1.92x, 2.05x; medium/128 1.84x, 1.75x, 2.57x (latest after the faster bf16 decode); small/32 3.12x, small/128 3.74x: goal 1.5x met on every row. Both sides fp32: medium 1.39-1.44x / 1.32-1.42x (not met) |
 | CLI start-up | the eager torch/Ray/transformers import `--help` made before | `hybridflow --help` 0.008x the baseline's CPU time (0.06 s vs 7.9 s) |
 """
 
