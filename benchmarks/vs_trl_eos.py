@@ -85,6 +85,7 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
     from hybridflow.models.tiny import save_tiny_model
 
     rows = []
+    models = {size: str(save_tiny_model(workdir / f"model_{size}", size)) for size in args.eos_sizes}
     cells = [
         (size, length, prec)
         for prec in args.eos_precision
@@ -92,8 +93,7 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
         for length in args.eos_lengths
     ]
     for size, length, prec in cells:
-        model = str(save_tiny_model(workdir / f"model_{size}", size))
-        base = common_args(args, model, length, args.eos_steps, workdir) + [
+        base = common_args(args, models[size], length, args.eos_steps, workdir) + [
             "--stop-at-eos",
             "--precision",
             prec,

@@ -31,8 +31,8 @@ class HFDecoder:
 
     def _forward(self, ids, mask, pos) -> torch.Tensor:
         if self.dtype is not None:
-            with torch.autocast(ids.device.type, dtype=self.dtype):
-                return self._run(ids, mask, pos).float()
+            with torch.autocast(ids.device.type, dtype=self.dtype):  # sampling casts the logits to fp32
+                return self._run(ids, mask, pos)
         return self._run(ids, mask, pos)
 
     def _run(self, ids, mask, pos) -> torch.Tensor:
