@@ -84,6 +84,13 @@ def _attend_full(length: int, max_len: int) -> bool:
     return 3 * length >= max_len
 
 
+def _full_rows(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode attention may read whole cache rows (`_attend_full`): 16-bit on CPU, where torch's bmm
+    copies a strided operand. Its own function so a test can force it in fp32, where the masked slots must
+    then give the sliced path's numbers to fp32 rounding."""
+    return dtype != torch.float32 and device.type == "cpu"
+
+
 def _cast(weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The weights in `dtype`: a copy of each one stored otherwise (a tied tensor cast once), else itself.
     The cache, rope tables and activations then follow (they take the embedding's dtype)."""

@@ -92,18 +92,42 @@ def test_model_compute_dtype():
     assert model_compute_dtype("float16", "cpu") == torch.float16
 
 
-def test_bf16_full_row_attention_equals_the_sliced_one(tokenizer, monkeypatch):
-    """16-bit CPU decode reads whole cache rows once that is cheaper (llama_decoder._attend_full): the
-    slots not written yet are masked, so rows that stop early (compaction moves the survivors) and n > 1
-    samples give what attention over the written slots only gives."""
+def _full_vs_sliced(tokenizer, monkeypatch, dtype, force_full: bool):
+    """(full-row, sliced) generations of the same seeded batch; rows stop early and n = 2 samples."""
     from hybridflow.rollout import llama_decoder
 
+    if force_full:
+        monkeypatch.setattr(llama_decoder, "_full_rows", lambda dtype, device: True)
     model = build_tiny_model("small", "llama", seed=0, initializer_range=0.2).eval()
     params = SamplingParams(max_new_tokens=24, n=2, seed=4, temperature=0.8, stop_token_ids=(7, 9, 11))
-    engine = BuiltinEngine(model, BuiltinEngineConfig(dtype=BF16))
+    engine = BuiltinEngine(model, BuiltinEngineConfig(dtype=dtype))
     full = engine.generate(prompt_batch(tokenizer), params)
     assert int(full["response_mask"].sum()) < full["response_mask"].numel(), "some rows must stop early"
     monkeypatch.setattr(llama_decoder, "_attend_full", lambda length, max_len: False)
     sliced = engine.generate(prompt_batch(tokenizer), params)
+    return model, full, sliced
+
+
+def test_full_row_attention_masks_what_is_not_written(tokenizer, monkeypatch):
+    """Decode attention over whole cache rows (llama_decoder._attend_full), forced in fp32: the slots not
+    written yet are masked, so rows that stop early (compaction moves the survivors) and n > 1 samples give
+    what attention over the written slots gives. fp32 tells masking errors apart from rounding: the two
+    paths only sum the same products over a different number of exact zeros, so they agree to fp32
+    rounding (1e-5 on log-probs of magnitude < 10), where a wrongly unmasked slot moves them by O(0.1)."""
+    _, full, sliced = _full_vs_sliced(tokenizer, monkeypatch, None, force_full=True)
     assert torch.equal(full["responses"], sliced["responses"])
-    torch.testing.assert_close(full["rollout_log_probs"], sliced["rollout_log_probs"], atol=1e-2, rtol=0)
+    torch.testing.assert_close(full["rollout_log_probs"], sliced["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_bf16_full_row_attention_samples_what_the_sliced_one_samples(tokenizer, monkeypatch):
+    """The same in bf16, the dtype it runs in. The tokens must agree; the log-probs only to bf16 rounding:
+    the two paths accumulate attention in a different order (and AMX, AVX512-BF16 and AVX2 kernels each
+    in their own), which can move an activation by one bf16 ulp (2^-8 relative, 8 bits of mantissa). What
+    reaches a logit z is then about 2^-8 |z|, and a log-prob z_y - logsumexp(z) carries two such errors:
+    tolerance 2 * 2^-8 * max|z| (max|z| ~ 8 here: ~0.065; seen on an AMX CPU: 0.016 at 1 of 288 tokens)."""
+    model, full, sliced = _full_vs_sliced(tokenizer, monkeypatch, BF16, force_full=False)
+    assert torch.equal(full["responses"], sliced["responses"])
+    with torch.no_grad():
+        max_logit = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits.abs().max()
+    atol = 2 * 2**-8 * float(max_logit)
+    torch.testing.assert_close(full["rollout_log_probs"], sliced["rollout_log_probs"], atol=atol, rtol=0)
