@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_DEDUP_LOGS ?= 0
 
-.PHONY: venv demo test lint format bench clean vllm test-vllm
+.PHONY: venv demo test test-isa lint format bench clean vllm test-vllm
 
 venv: $(STAMP)
 
@@ -59,6 +59,17 @@ format: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -x --durations=15 tests
 	if [ -f $(VSTAMP) ]; then $(MAKE) test-vllm; fi
+
+# The numerics-sensitive tests under other CPUs' kernels: oneDNN capped below AMX (AVX512-BF16 tiles off), at
+# AVX2, and PyTorch's own kernels at AVX2. Each changes reduction orders and bf16 paths the way another machine
+# would, so a tolerance that only holds on this CPU fails here (docs/testing.md). `default` = this CPU's own.
+ISA_TESTS ?= tests/rollout tests/engines tests/hybrid_engine tests/algorithms
+ISA_SETTINGS ?= default ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+test-isa: $(STAMP)
+	@for isa in $(ISA_SETTINGS); do \
+	  echo "== test-isa: $$isa"; \
+	  env $$(echo $$isa | sed 's/^default$$//') $(BIN)/python -m pytest -q -x $(ISA_TESTS) || exit 1; \
+	done
 
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/run_all.py
