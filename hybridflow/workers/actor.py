@@ -54,8 +54,8 @@ from hybridflow.workers.common import (
     seed_everything,
     set_train_layout,
 )
+from hybridflow.workers.gap_meter import GapMeter, gap_training_side
 from hybridflow.workers.losses import OLD_SOURCE, actor_loss_fn, dpo_loss_fn, sft_loss
-from hybridflow.workers.rollout_gap import GapMeter, gap_training_side
 from hybridflow.workers.weight_sync import WeightSyncMixin
 
 ROLES = ("actor", "rollout", "ref")
@@ -270,7 +270,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         if from_forward and (num_mini, a.ppo_epochs) != (1, 1):
             raise ValueError(f"update_actor: old log-probs from the update's forward need one optimizer "
                              f"step, not {a.ppo_epochs} epoch(s) x {num_mini} mini-batches")  # fmt: skip
-        # the train-vs-rollout gap, from the log-probs before any optimizer step (workers/rollout_gap.py)
+        # the train-vs-rollout gap, from the log-probs before any optimizer step (workers/gap_meter.py)
         gap_side = gap_training_side(batch.meta, batch.keys(), batch.meta.get(OLD_SOURCE))
         keys = (
             [*_ACTOR_FIELDS, "advantages"]

@@ -24,7 +24,7 @@ from hybridflow.algorithms import (
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import ActorConfig, AlgorithmConfig, CriticConfig, DPOConfig
-    from hybridflow.workers.rollout_gap import GapMeter
+    from hybridflow.workers.gap_meter import GapMeter
 
 
 # batch.meta key: where the step's old log-probs come from, "rollout" | "update" | "actor" (set by the
@@ -44,7 +44,7 @@ def actor_loss_fn(
     behind: algorithms/off_policy.py), logged as is_weight_mean / is_weight_clipfrac. old_from_forward:
     the old log-probs are this forward's own, detached (an update of one optimizer step: trainers/rl.py
     old_log_prob_source), so the ratio is exactly 1 where the gradient is taken. gap: given the
-    forward's log-probs against the rollout's, until closed (workers/rollout_gap.py)."""
+    forward's log-probs against the rollout's, until closed (workers/gap_meter.py)."""
     agg = actor_cfg.loss_agg_mode
 
     def loss_fn(out: dict, mb) -> tuple[torch.Tensor, dict]:

@@ -12,7 +12,9 @@ from hybridflow.algorithms.rollout_gap import GAP_STATS, gap_metrics, log_prob_g
 
 def _stats(train, rollout, mask):
     f64 = torch.float64  # exact decimal-ish inputs, so the sums are checked to float64 rounding
-    return log_prob_gap_stats(torch.tensor(train, dtype=f64), torch.tensor(rollout, dtype=f64), torch.tensor(mask))
+    return log_prob_gap_stats(
+        torch.tensor(train, dtype=f64), torch.tensor(rollout, dtype=f64), torch.tensor(mask)
+    )
 
 
 def test_stats_of_one_part_by_hand():
@@ -29,7 +31,9 @@ def test_stats_of_one_part_by_hand():
     m = gap_metrics(_stats(train, rollout, [[1, 1, 0], [1, 0, 0]]))
     assert m["rollout/log_prob_diff_mean"] == pytest.approx(0.25, abs=1e-12)
     assert m["rollout/log_prob_diff_max"] == pytest.approx(0.5, abs=1e-12)
-    assert m["rollout/probs_diff_std"] == pytest.approx(float(torch.tensor(p, dtype=torch.float64).std()), abs=1e-12)
+    assert m["rollout/probs_diff_std"] == pytest.approx(
+        float(torch.tensor(p, dtype=torch.float64).std()), abs=1e-12
+    )
 
 
 def test_two_dp_ranks_reduce_to_the_token_weighted_mean_and_the_max():

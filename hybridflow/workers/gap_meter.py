@@ -21,7 +21,7 @@ EXACT_KEY = "rollout_log_probs_exact"
 
 
 def gap_training_side(meta: dict, fields: list[str], old_source: str | None) -> str | None:
-    """"old" | "forward" (module docstring), or None when the gap is not measured: the batch holds no
+    """ "old" | "forward" (module docstring), or None when the gap is not measured: the batch holds no
     rollout log-probs, or they follow another convention (EXACT_KEY), so that the gap would measure the
     truncated probability mass rather than a numerical mismatch."""
     if "rollout_log_probs" not in fields or not meta.get(EXACT_KEY, True):
@@ -48,7 +48,8 @@ class GapMeter:
 
     def metrics(self, group=None, device: torch.device | str = "cpu") -> dict[str, float]:
         """The step's metrics, the same on every rank (a collective over `group`, the dp ranks: each
-        holds its own rows); tp ranks hold the same rows and gather in their own dp group."""
+        holds its own rows), so DP_METRICS's mean over the ranks returns them unchanged; tp ranks hold
+        the same rows and gather in their own dp group."""
         local = reduce_gap_stats(torch.stack(self.parts)) if self.parts else reduce_gap_stats(torch.zeros(0))
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             t = local.to(device)
