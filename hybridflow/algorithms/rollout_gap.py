@@ -31,25 +31,24 @@ _MAX = torch.tensor([name.endswith("_max") for name in GAP_STATS])
 def log_prob_gap_stats(
     train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
 ) -> torch.Tensor:
-    """(B, L) training log-probs, rollout log-probs and mask of valid tokens -> (6,) float64 `GAP_STATS`.
+    """(B, L) training log-probs, rollout log-probs and mask of valid tokens -> (6,) float64 `GAP_STATS`,
+    on the training log-probs' device.
 
-    In float64, so that summing a long run of tiny differences adds no rounding of its own. A batch with
-    no valid token gives zeros (0 is the identity of the max, since every difference is >= 0)."""
-    mask = response_mask.bool()
-    diff = (train_log_probs.detach().double() - rollout_log_probs.detach().double())[mask].abs()
-    pdiff = (train_log_probs.detach().double().exp() - rollout_log_probs.detach().double().exp())[mask].abs()
-    if diff.numel() == 0:
-        return torch.zeros(len(GAP_STATS), dtype=torch.float64)
-    return torch.stack(
-        [
-            torch.tensor(float(diff.numel()), dtype=torch.float64),
-            diff.sum(),
-            diff.max(),
-            pdiff.sum(),
-            pdiff.square().sum(),
-            pdiff.max(),
-        ]
-    ).cpu()
+    In float64, so that summing a long run of tiny differences adds no rounding of its own. Masked by
+    `where`, not by indexing: no host sync per micro-batch on a GPU (indexing by a mask must read its
+    count), and an invalid position's value, whatever it is, never reaches a sum. A batch with no valid
+    token gives zeros (0 is the identity of the max, since every difference is >= 0)."""
+    dev = train_log_probs.device
+    mask = response_mask.to(dev).bool()
+    if mask.numel() == 0:
+        return torch.zeros(len(GAP_STATS), dtype=torch.float64, device=dev)
+    train = train_log_probs.detach().double()
+    rollout = rollout_log_probs.detach().to(dev).double()
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    diff = torch.where(mask, (train - rollout).abs(), zero)
+    pdiff = torch.where(mask, (train.exp() - rollout.exp()).abs(), zero)
+    tokens = mask.sum().double()
+    return torch.stack([tokens, diff.sum(), diff.amax(), pdiff.sum(), pdiff.square().sum(), pdiff.amax()])
 
 
 def reduce_gap_stats(stats: torch.Tensor) -> torch.Tensor:
@@ -57,8 +56,8 @@ def reduce_gap_stats(stats: torch.Tensor) -> torch.Tensor:
     sums add, maxes take the max."""
     stats = stats.to(torch.float64).reshape(-1, len(GAP_STATS))
     if len(stats) == 0:
-        return torch.zeros(len(GAP_STATS), dtype=torch.float64)
-    return torch.where(_MAX, stats.max(0).values, stats.sum(0))
+        return torch.zeros(len(GAP_STATS), dtype=torch.float64, device=stats.device)
+    return torch.where(_MAX.to(stats.device), stats.amax(0), stats.sum(0))
 
 
 def gap_metrics(stats: torch.Tensor, prefix: str = "rollout/") -> dict[str, float]:

@@ -50,10 +50,10 @@ class GapMeter:
         """The step's metrics, the same on every rank (a collective over `group`, the dp ranks: each
         holds its own rows), so DP_METRICS's mean over the ranks returns them unchanged; tp ranks hold
         the same rows and gather in their own dp group."""
-        local = reduce_gap_stats(torch.stack(self.parts)) if self.parts else reduce_gap_stats(torch.zeros(0))
+        parts = [p.to(device) for p in self.parts]  # the "old" side's are on the host, the forward's not
+        local = reduce_gap_stats(torch.stack(parts) if parts else torch.zeros(0, device=device))
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            t = local.to(device)
-            gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, t, group=group)
-            local = reduce_gap_stats(torch.stack(gathered).cpu())
-        return gap_metrics(local)
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, local, group=group)
+            local = reduce_gap_stats(torch.stack(gathered))
+        return gap_metrics(local.cpu())  # the one host sync of the gap per step

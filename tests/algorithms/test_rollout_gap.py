@@ -61,3 +61,14 @@ def test_a_rank_without_tokens_changes_nothing():
     torch.testing.assert_close(reduce_gap_stats(torch.stack([rank0, empty])), rank0)
     assert gap_metrics(reduce_gap_stats(torch.zeros(0))) == {}
     assert gap_metrics(empty) == {}
+
+
+def test_stats_follow_the_training_device_without_reading_values():
+    """On a GPU the training log-probs are on the device while the micro-batch's rollout log-probs and
+    mask may still be on the host, and a value read per micro-batch would be a host sync. Strict CPU
+    stand-in: training log-probs on the meta device, which holds no values, so any read (`.item()`,
+    indexing by a mask, `.cpu()`) raises; the statistics and their reduction must stay on it."""
+    train = torch.zeros(2, 3, device="meta")
+    stats = log_prob_gap_stats(train, torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.long))
+    assert stats.device.type == "meta" and stats.shape == (len(GAP_STATS),)
+    assert reduce_gap_stats(torch.stack([stats, stats])).device.type == "meta"
