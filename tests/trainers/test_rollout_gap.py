@@ -54,7 +54,6 @@ def test_fp32_gap_is_rounding_only(ray_cluster, tiny_model_dir, gpt2_model_dir, 
     cfg = tiny_config(model, tmp_path, "grpo", *ONE_STEP)
     assert old_log_prob_source(cfg) == "rollout"
     _, metrics = _step(cfg)
-    print(f"{arch} fp32", {k: v for k, v in metrics.items() if k.startswith("rollout/")})
     assert 0.0 <= metrics[MEAN] <= metrics[MAX] < 1e-4  # bound: module docstring
     assert metrics["rollout/probs_diff_max"] < 1e-4
 
@@ -65,7 +64,6 @@ def test_bf16_gap_is_larger_but_bounded(ray_cluster, tiny_model_dir, tmp_path):
     cfg = tiny_config(tiny_model_dir, tmp_path, "grpo", *ONE_STEP, "model.dtype=bfloat16")
     assert old_log_prob_source(cfg) == "update"
     _, metrics = _step(cfg)
-    print("bf16", {k: v for k, v in metrics.items() if k.startswith("rollout/")})
     assert metrics["actor/ppo_kl"] == 0.0
     assert 1e-4 < metrics[MEAN] < 0.1 and metrics[MEAN] <= metrics[MAX] < 0.5  # bounds: module docstring
 
@@ -84,7 +82,6 @@ def test_two_dp_ranks_log_the_whole_batch_gap(ray_cluster, tiny_model_dir, tmp_p
     expect = gap_metrics(
         log_prob_gap_stats(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])
     )
-    print("dp2 bf16", expect)
     assert expect[MEAN] > 1e-4  # bf16: a gap to reduce, not zeros
     for k, v in expect.items():
         assert metrics[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k  # float64 sums in another order
