@@ -17,6 +17,8 @@ from pathlib import Path
 # metrics shown on the console line / progress bar, first match wins (verl names as fallbacks)
 REWARD_KEYS = ("reward/mean", "critic/score/mean", "critic/rewards/mean")
 THROUGHPUT_KEYS = ("perf/throughput",)
+# the train-vs-rollout log-prob gap (docs/metrics.md): whether generation and training agree
+GAP_KEYS = ("rollout/log_prob_diff_mean",)
 
 
 class TrackerError(RuntimeError):
@@ -33,8 +35,8 @@ def _fmt_time(seconds: float) -> str:
 
 
 class ConsoleBackend:
-    """A live tqdm bar (step, ETA, reward, throughput) on a terminal; one line per step otherwise,
-    so captured logs (CI, `make demo | tee`) stay readable."""
+    """A live tqdm bar (step, ETA, reward, throughput, the train-vs-rollout log-prob gap) on a terminal;
+    one line per step otherwise, so captured logs (CI, `make demo | tee`) stay readable."""
 
     def __init__(self, total_steps: int | None = None, initial_step: int = 0, stream=None):
         self.stream = stream or sys.stderr
@@ -59,6 +61,9 @@ class ConsoleBackend:
         tput = _first(metrics, THROUGHPUT_KEYS)
         if tput is not None:
             out["tok/s"] = f"{tput:.0f}"
+        gap = _first(metrics, GAP_KEYS)
+        if gap is not None:
+            out["logp gap"] = f"{gap:.1e}"
         return out
 
     def log(self, metrics: dict, step: int) -> None:

@@ -1,8 +1,8 @@
 """`hybridflow report RUN_DIR`: plot a run's metrics.jsonl to report.png and report.html.
 
 Panels: reward, validation accuracy, KL to the reference, entropy, response length, per-phase time
-(`timing_s/*`), throughput and losses, over steps. Each panel plots the metrics whose names match its
-patterns (the names the trainers write), so a run that logs only some of them (DPO has no KL, GRPO
+(`timing_s/*`), throughput, losses and the train-vs-rollout log-prob gap, over steps. Each panel plots
+the metrics whose names match its patterns (the names the trainers write), so a run that logs only some of them (DPO has no KL, GRPO
 without a KL term has no reference) still gets a report; an empty panel says "not logged". The HTML page embeds the PNG, a summary table
 (first / last / min / max) and the last validation generations table.
 """
@@ -33,6 +33,8 @@ PANELS = [
         "Losses",
         [r"^actor/pg_loss$", r"^critic/vf_loss$", r"^cost_critic/vf_loss$", r"^dpo/loss$", r"^sft/loss$"],
     ),
+    # whether generation and training agree: |log p_train - log p_rollout| over the step's response tokens
+    ("Train vs rollout log-prob gap", [r"^rollout/log_prob_diff_(mean|max)$"]),
 ]
 MAX_SERIES = 8
 

@@ -54,6 +54,7 @@ from hybridflow.workers.common import (
     seed_everything,
     set_train_layout,
 )
+from hybridflow.workers.gap_meter import GapMeter, gap_training_side
 from hybridflow.workers.losses import OLD_SOURCE, actor_loss_fn, dpo_loss_fn, sft_loss
 from hybridflow.workers.weight_sync import WeightSyncMixin
 
@@ -269,13 +270,16 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         if from_forward and (num_mini, a.ppo_epochs) != (1, 1):
             raise ValueError(f"update_actor: old log-probs from the update's forward need one optimizer "
                              f"step, not {a.ppo_epochs} epoch(s) x {num_mini} mini-batches")  # fmt: skip
+        # the train-vs-rollout gap, from the log-probs before any optimizer step (workers/gap_meter.py)
+        gap_side = gap_training_side(batch.meta, batch.keys(), batch.meta.get(OLD_SOURCE))
         keys = (
             [*_ACTOR_FIELDS, "advantages"]
             + ([] if from_forward else ["old_log_probs"])
             + (["ref_log_probs"] if algo.use_kl_loss else [])
-            + (["rollout_log_probs"] if is_cap > 0 else [])
+            + (["rollout_log_probs"] if is_cap > 0 or gap_side else [])
         )
-        loss_fn = actor_loss_fn(a, algo, is_cap, old_from_forward=from_forward)
+        gap = GapMeter() if gap_side else None
+        loss_fn = actor_loss_fn(a, algo, is_cap, from_forward, gap if gap_side == "forward" else None)
         weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
         temperature = batch.meta.get("temperature", 1.0)
         metrics = MetricLists()
@@ -283,11 +287,17 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         # entropy is always logged; it needs grad only when it is part of the loss
         entropy_mode = True if algo.entropy_coeff else "detached"
         rows = mask_padding(batch).select(keys)
+        if gap_side == "old":
+            gap.add(rows["old_log_probs"], rows["rollout_log_probs"], rows["response_mask"])
         with eng.phase(optimizer=True):  # offload: state moves in and out once per update
             for mb in iter_mini_batches(rows, num_mini, a.ppo_epochs, eng.global_step):
                 out = eng.train_step(mb, loss_fn, with_entropy=entropy_mode, temperature=temperature,
                                      loss_weighting=weighting, global_metrics=True)  # fmt: skip
                 metrics.add(out, "actor/")
+                if gap is not None:
+                    gap.close()
+        if gap is not None:
+            metrics.add(gap.metrics(eng.mesh.get_group("dp") if eng.mesh is not None else None, eng.device))
         metrics.add(offload_metrics(eng), "perf/actor_")
         # prompt tokens the update's forwards did not compute (model.share_prompt), per rank
         metrics.add({"shared_prompt_tokens": eng.take_shared_prompt_tokens()}, "perf/actor_")

@@ -24,6 +24,7 @@ from hybridflow.algorithms import (
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import ActorConfig, AlgorithmConfig, CriticConfig, DPOConfig
+    from hybridflow.workers.gap_meter import GapMeter
 
 
 # batch.meta key: where the step's old log-probs come from, "rollout" | "update" | "actor" (set by the
@@ -32,18 +33,25 @@ OLD_SOURCE = "old_log_probs_source"
 
 
 def actor_loss_fn(
-    actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, is_cap: float = 0.0, old_from_forward: bool = False
+    actor_cfg: ActorConfig,
+    algo_cfg: AlgorithmConfig,
+    is_cap: float = 0.0,
+    old_from_forward: bool = False,
+    gap: GapMeter | None = None,
 ):
     """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference when use_kl_loss). is_cap > 0:
     each token's policy loss weighted by min(exp(old - rollout log-prob), is_cap) (a rollout one step
     behind: algorithms/off_policy.py), logged as is_weight_mean / is_weight_clipfrac. old_from_forward:
     the old log-probs are this forward's own, detached (an update of one optimizer step: trainers/rl.py
-    old_log_prob_source), so the ratio is exactly 1 where the gradient is taken."""
+    old_log_prob_source), so the ratio is exactly 1 where the gradient is taken. gap: given the
+    forward's log-probs against the rollout's, until closed (workers/gap_meter.py)."""
     agg = actor_cfg.loss_agg_mode
 
     def loss_fn(out: dict, mb) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
         log_probs = out["log_probs"]
+        if gap is not None:
+            gap.add(log_probs, mb["rollout_log_probs"], mask)
         old = log_probs.detach() if old_from_forward else mb["old_log_probs"]
         is_weights, is_metrics = None, {}
         if is_cap > 0:

@@ -26,6 +26,7 @@ def _metrics(step: int) -> dict:
         "timing_s/generate": 0.5,
         "timing_s/update_actor": 0.25,
         "perf/throughput": 100.0 + step,
+        "rollout/log_prob_diff_mean": 7.6e-4,
         "not_numeric": "x",
         "nan": math.nan,
     }
@@ -45,7 +46,9 @@ def test_tracker_jsonl_console_tensorboard(tmp_path):
         and "nan" not in lines[0]
     )
     console = out.getvalue()
-    assert "step 2/4 | reward 0.200 | synthetic:arithmetic acc 0.100 | tok/s 102" in console
+    assert (
+        "step 2/4 | reward 0.200 | synthetic:arithmetic acc 0.100 | tok/s 102 | logp gap 7.6e-04" in console
+    )
     assert "eta" in console and "val/generations (step 4)" in console and "1+1=" in console
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     gen = json.loads((tmp_path / "generations.jsonl").read_text())

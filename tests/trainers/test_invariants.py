@@ -74,7 +74,12 @@ def test_cli_trains_dpo_from_a_yaml_config(ray_cluster, tiny_model_dir, tmp_path
     assert rows[1]["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-4)
     assert rows[2]["dpo/reward_margin"] > 0.01 and rows[2]["dpo/loss"] < math.log(2)
     written = {k for r in rows.values() for k in r}  # the report finds DPO's loss and implicit rewards
-    assert empty_panels(written) == ["KL to reference", "Entropy", "Response length (tokens)"]
+    assert empty_panels(written) == [
+        "KL to reference",
+        "Entropy",
+        "Response length (tokens)",
+        "Train vs rollout log-prob gap",
+    ]
     assert (tmp_path / "cli" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
     # the same command with more steps resumes from the step-2 checkpoint and runs only step 3
     rc = cli_main(["train", str(cfg), "trainer.total_steps=3", f"trainer.output_dir={tmp_path}",

@@ -74,7 +74,13 @@ def demo_sft_model(ray_cluster, tmp_path_factory):
     base = save_tiny_model(workdir / "tiny", "tiny", "llama", seed=0)
     sft_cfg, _ = _fit("sft_tiny.yaml", workdir, f"model.path={base}")
     written = read_metrics(Path(sft_cfg.run_dir) / "metrics.jsonl")  # the report finds the SFT loss
-    assert empty_panels(written) == ["Reward", "KL to reference", "Entropy", "Response length (tokens)"]
+    assert empty_panels(written) == [
+        "Reward",
+        "KL to reference",
+        "Entropy",
+        "Response length (tokens)",
+        "Train vs rollout log-prob gap",
+    ]
     return export_hf(sft_cfg.run_dir, workdir / "sft")
 
 
