@@ -128,6 +128,8 @@ def test_bf16_full_row_attention_samples_what_the_sliced_one_samples(tokenizer, 
     model, full, sliced = _full_vs_sliced(tokenizer, monkeypatch, BF16, force_full=False)
     assert torch.equal(full["responses"], sliced["responses"])
     with torch.no_grad():
-        max_logit = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits.abs().max()
+        max_logit = (
+            model(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits.abs().max()
+        )
     atol = 2 * 2**-8 * float(max_logit)
     torch.testing.assert_close(full["rollout_log_probs"], sliced["rollout_log_probs"], atol=atol, rtol=0)
