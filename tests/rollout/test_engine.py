@@ -57,7 +57,10 @@ def test_hf_fallback_never_runs_the_models_own_modules(models, tokenizer, arch):
     tensors at each call: same tokens as HF generate, the replica holds nothing after the call, and it
     sees a change to the model's weights at the next call."""
     model = build_tiny_model("tiny", arch, seed=1).eval()
-    batch, params = prompt_batch(tokenizer), SamplingParams(max_new_tokens=12, do_sample=False, eos_token_ids=())
+    batch, params = (
+        prompt_batch(tokenizer),
+        SamplingParams(max_new_tokens=12, do_sample=False, eos_token_ids=()),
+    )
     engine = BuiltinEngine(model)
     expected = [hf_generate(model, batch, 12, None)]
     with torch.no_grad():
