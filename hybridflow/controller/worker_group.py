@@ -206,14 +206,18 @@ class _GroupMethod:
 
 
 def create_colocated_groups(
-    pool: ResourcePool, roles: dict[str, tuple[type, dict]], group_name: str | None = None
+    pool: ResourcePool,
+    roles: dict[str, tuple[type, dict]],
+    group_name: str | None = None,
+    dist_timeout_s: float = 600.0,
 ) -> dict[str, WorkerGroup]:
     """Several roles in one process per device of `pool`: {"actor": (Actor, {...}), "ref": (Ref, {})}.
 
     Returns one WorkerGroup per role; they share processes, device and process group, and each
-    role instance keeps its own layouts. Roles are constructed in the order given.
+    role instance keeps its own layouts. Roles are constructed in the order given. dist_timeout_s:
+    the process group's collective timeout (tests shorten it so a deadlock fails fast).
     """
-    procs = _Processes(pool, group_name or "+".join(roles))
+    procs = _Processes(pool, group_name or "+".join(roles), dist_timeout_s)
     try:
         groups = {}
         for role, (cls, kwargs) in roles.items():

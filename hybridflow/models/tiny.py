@@ -67,7 +67,7 @@ def build_tiny_config(size: str = "tiny", arch: str = "llama", vocab_size: int |
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "gpt2":
         kw = dict(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024, n_inner=inter)
-    else:  # llama / qwen2 / mistral share these names
+    else:  # llama / qwen2 / qwen3 / mistral share these names
         kw = dict(
             hidden_size=hidden,
             num_hidden_layers=layers,
@@ -77,6 +77,8 @@ def build_tiny_config(size: str = "tiny", arch: str = "llama", vocab_size: int |
             max_position_embeddings=1024,
             tie_word_embeddings=False,
         )
+        if arch == "qwen3":  # its config defaults head_dim to 128 whatever the width
+            kw["head_dim"] = hidden // heads
     kw.update(common)
     kw.update(overrides)
     return AutoConfig.for_model(arch, **kw)

@@ -6,7 +6,8 @@ Under the 3D-HybridEngine (docs/hybrid_engine.md) the actor's Resharder hands it
 shard and tensor-parallel group instead (`set_shard`) for the duration of a call. Llama / Qwen2 / Mistral
 run on a lean functional forward with a static KV cache (`llama_decoder.py`, tensor-parallel when given
 a group); other architectures fall back to the HF forward on the model's own whole weights
-(`hf_decoder.py`).
+(`hf_decoder.py`), run on a hook-free replica bound to them for the call, so no FSDP hook runs while
+decoding.
 
 On CPU with >= 2 threads the rows can run as parallel streams of one intra-op thread each, meeting once
 per step (row_streams.py; `cpu_streams`, off by default): bit-identical to one thread, and no per-op
@@ -35,7 +36,7 @@ from hybridflow.rollout.base import (
     check_prompt_batch,
     load_named_weights,
 )
-from hybridflow.rollout.hf_decoder import HFDecoder
+from hybridflow.rollout.hf_decoder import HFDecoder, PlainReplica
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
 from hybridflow.rollout.params import SamplingParams
 from hybridflow.rollout.row_streams import RowStreams
@@ -105,6 +106,7 @@ class BuiltinEngine(GenerationEngine):
         self._num_params: int | None = None
         self.tp: TPGroup | None = None
         self._streams: RowStreams | None = None
+        self._replica: PlainReplica | None = None  # the HF fallback's module tree, built at its first call
 
     def set_shard(self, weights: Mapping[str, torch.Tensor] | None, tp: TPGroup | None = None) -> None:
         """Generate from `weights` (HF name -> tensor; this rank's generation shard when `tp` is given)
@@ -124,7 +126,10 @@ class BuiltinEngine(GenerationEngine):
                 f"BuiltinEngine: functional backend cannot run this model: {reason}; use backend='hf'"
             )
         if self.shard is None and (backend == "hf" or reason is not None):
-            return HFDecoder(self.model, self.config.dtype)
+            if self._replica is None:
+                self._replica = PlainReplica(self.model)
+            replica = self._replica.bind(self.model)
+            return HFDecoder(replica, self.config.dtype, release=self._replica.release)
         return LlamaFamilyDecoder(
             self.model,
             self.config.pack_weights,
@@ -157,18 +162,14 @@ class BuiltinEngine(GenerationEngine):
         gen_threads = self._threads(threads)
         # One decoder (and one weight packing) for all chunks of this call.
         decoder = self._decoder(ids.shape[1] + params.max_new_tokens, gen_threads)
-        # no_grad, not inference_mode: inference tensors in the output would break the trainer's
-        # backward (embedding saves its indices). eval() turns off dropout for the HF fallback; the
-        # functional decoder has no dropout, and walking the modules twice per call costs ~1-3 ms.
-        was_training = self.model.training
-        hf = isinstance(decoder, HFDecoder)
-        if hf:
-            self.model.eval()
-        torch.set_num_threads(gen_threads)
         streams = getattr(decoder, "streams", None)
         if streams is not None:
             streams.widest = 0
         try:
+            torch.set_num_threads(gen_threads)
+            # no_grad, not inference_mode: inference tensors in the output would break the trainer's
+            # backward (embedding saves its indices). Neither decoder has dropout on: the functional one
+            # has none, the HF fallback's replica is in eval mode.
             with torch.no_grad():
                 limit = self.config.max_num_seqs
                 if limit and len(batch) * params.n > limit:
@@ -183,8 +184,6 @@ class BuiltinEngine(GenerationEngine):
             return out
         finally:
             decoder.release()
-            if hf:
-                self.model.train(was_training)
             torch.set_num_threads(threads)
 
     def _threads(self, current: int) -> int:

@@ -19,7 +19,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def models():
     return {
-        arch: build_tiny_model("tiny", arch, seed=0).eval() for arch in ("llama", "qwen2", "mistral", "gpt2")
+        arch: build_tiny_model("tiny", arch, seed=0).eval()
+        for arch in ("llama", "qwen2", "mistral", "gpt2", "qwen3")
     }
 
 
@@ -34,7 +35,7 @@ def hf_log_probs(model, out: Batch, temperature: float) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2", "qwen3"])
 def test_greedy_matches_hf_generate(models, tokenizer, arch):
     """Token for token, with an EOS that fires mid-way for some rows and never for others."""
     check_greedy_matches_hf(BuiltinEngine(models[arch]).generate, models[arch], prompt_batch(tokenizer))
@@ -47,6 +48,61 @@ def test_greedy_matches_hf_generate_without_packed_weights(models, tokenizer, ar
     engine = BuiltinEngine(model, BuiltinEngineConfig(pack_weights=False))
     out = engine.generate(batch, SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=()))
     assert torch.equal(out["responses"], hf_generate(model, batch, 16, None))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_hf_fallback_never_runs_the_models_own_modules(models, tokenizer, arch):
+    """A strict stand-in for FSDP2's units: every module of the model raises when called, as an FSDP
+    unit's forward hook would all-gather. The fallback decodes on its replica bound to the model's
+    tensors at each call: same tokens as HF generate, the replica holds nothing after the call, and it
+    sees a change to the model's weights at the next call."""
+    model = build_tiny_model("tiny", arch, seed=1).eval()
+    batch, params = (
+        prompt_batch(tokenizer),
+        SamplingParams(max_new_tokens=12, do_sample=False, eos_token_ids=()),
+    )
+    engine = BuiltinEngine(model)
+    expected = [hf_generate(model, batch, 12, None)]
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(-1.0)  # greedy picks other tokens now
+    expected.append(hf_generate(model, batch, 12, None))
+    model.get_output_embeddings().weight.data.mul_(-1.0)
+    assert not torch.equal(*expected)
+
+    def forbidden(module, args, kwargs):
+        raise AssertionError(f"the model's own {type(module).__name__} ran during generation")
+
+    hooks = [m.register_forward_pre_hook(forbidden, with_kwargs=True) for m in model.modules()]
+    try:
+        assert torch.equal(engine.generate(batch, params)["responses"], expected[0])
+        assert all(t.is_meta for t in engine._replica.model.state_dict().values())
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(-1.0)
+        assert torch.equal(engine.generate(batch, params)["responses"], expected[1])
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_hf_fallback_prefill_projects_only_the_last_position(models, tokenizer):
+    """logits_to_keep=1: the LM head sees one position per row in prefill as in decode, not (B, prompt)."""
+    from hybridflow.rollout.hf_decoder import _logits_kwargs
+
+    engine, batch = BuiltinEngine(models["gpt2"]), prompt_batch(tokenizer)
+    params = SamplingParams(max_new_tokens=4, do_sample=False)
+    engine.generate(batch, params)  # builds the replica
+    widths = []
+    head = engine._replica.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    try:
+        out = engine.generate(batch, params)
+    finally:
+        hook.remove()
+    assert len(widths) == out["response_mask"].sum(1).max() and set(widths) == {1}
+    assert batch["input_ids"].shape[1] > 1
+    # a forward without the argument runs as it is; the pre-4.50 name is used where that is the one
+    assert _logits_kwargs(lambda input_ids, attention_mask=None, **kw: None) == {}
+    assert _logits_kwargs(lambda input_ids, num_logits_to_keep=0: None) == {"num_logits_to_keep": 1}
 
 
 def test_hole_filling_order():
