@@ -45,35 +45,25 @@ if [ -n "$WHEELS" ]; then
   rm -rf "$SITE"
   TORCH_BEFORE=$("$PY" -c "import torch; print(torch.__version__, torch.__file__)") || {
     report stage install "$STAGES/1_install.json" 0 error="$PY cannot import torch"; finish; }
-  PIP=("$PY" -m pip)
-  if ! "$PY" -m pip --version > /dev/null 2>&1; then  # a Python without pip: run the kit's pip wheel
-    PIP=("$PY" "$(ls "$WHEELS"/pip-*.whl | head -1)/pip")
-  fi
-  # No index and no pip configuration of this machine: only the kit's wheels can be installed.
-  offline=(env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null
-           PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1)
-  pipargs=(install -q --no-index --find-links "$WHEELS" --prefix "$SITE" --no-warn-script-location)
-  t0=$(date +%s)
-  if ! "${offline[@]}" "${PIP[@]}" "${pipargs[@]}" -r scripts/kit_requirements.txt > "$SMOKE_DIR/pip.log" 2>&1 \
-     || ! "${offline[@]}" "${PIP[@]}" "${pipargs[@]}" --no-deps "$WHEELS"/hybridflow-*.whl >> "$SMOKE_DIR/pip.log" 2>&1; then
+  # scripts/kit_install.py: resolves against the interpreter's own packages, then installs exactly
+  # those wheels under $SITE without uninstalling anything (pip --prefix alone would)
+  if ! PYTHONPATH=$("$PY" scripts/kit_install.py "$WHEELS" "$SITE" --out "$SMOKE_DIR/install.json" \
+                    --log "$SMOKE_DIR/pip.log"); then
     tail -15 "$SMOKE_DIR/pip.log"
-    report stage install "$STAGES/1_install.json" 0 error="pip install --no-index failed (see $SMOKE_DIR/pip.log)"
+    report stage install "$STAGES/1_install.json" 0 error="offline install failed (see $SMOKE_DIR/pip.log)"
     finish
   fi
-  # the folders under the prefix that hold the packages (purelib and platlib differ on some distros)
-  PYTHONPATH=$(find "$SITE" -maxdepth 6 \( -path "*/hybridflow/__init__.py" -o -path "*/ray/__init__.py" \) \
-               -printf '%h\n' | xargs -n1 dirname | sort -u | paste -sd:)
   export PYTHONPATH
   TORCH_AFTER=$("$PY" -c "import torch; print(torch.__version__, torch.__file__)")
-  installed=$(cd "$SITE" && find . -maxdepth 6 -name "*.dist-info" -printf '%f\n' | sed 's/.dist-info$//' | sort | paste -sd' ')
   ok=1; [ "$TORCH_BEFORE" = "$TORCH_AFTER" ] || ok=0
+  cd "$SMOKE_DIR"  # from here on, not the repository root: `python -m/-c` would import its hybridflow/ first
   "$PY" -c "import hybridflow, ray, sys; sys.exit(0 if hybridflow.__file__.startswith('$SITE') else 1)" || ok=0
-  report stage install "$STAGES/1_install.json" $ok seconds=$(( $(date +%s) - t0 )) \
-    torch="$TORCH_AFTER" torch_before="$TORCH_BEFORE" installed="$installed" \
-    kit_bytes="$(du -sb "$WHEELS" | cut -f1)"
-  echo "installed into $SITE: $installed"
+  report stage install "$STAGES/1_install.json" $ok torch="$TORCH_AFTER" torch_before="$TORCH_BEFORE" \
+    kit_bytes="$(du -sb "$WHEELS" | cut -f1)" --merge "$SMOKE_DIR/install.json"
+  echo "installed into $SITE: $("$PY" -c "import json; print(' '.join(json.load(open('$SMOKE_DIR/install.json'))['installed']))")"
 else
   export PYTHONPATH=$ROOT
+  cd "$SMOKE_DIR"
   report stage install "$STAGES/1_install.json" 1 skipped="SMOKE_WHEELS not set: $PY's own packages"
 fi
 
@@ -83,7 +73,7 @@ import torch, transformers, ray, hybridflow
 cuda = torch.cuda.is_available()
 env = {"name": "env", "python": sys.version.split()[0], "platform": platform.platform(),
        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,
-       "ray": ray.__version__, "hybridflow": hybridflow.__file__, "cpu_count": os.cpu_count(),
+       "ray": ray.__version__, "ray_path": ray.__file__, "hybridflow": hybridflow.__file__, "cpu_count": os.cpu_count(),
        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}
 env["pass"] = sys.argv[2] == "cpu" or cuda
 print(" | ".join(f"{k} {v}" for k, v in env.items() if k not in ("name", "pass")))
@@ -93,7 +83,7 @@ PY
 [ $? -eq 0 ] || { echo "gpu_smoke: SMOKE_DEVICE=$DEVICE but torch sees no CUDA device"; finish; }
 
 echo "== preflight (Ray-free, one process)"
-"$PY" scripts/gpu_preflight.py --device "$DEVICE" --out "$STAGES/2_preflight.json" 2>&1 | tail -20
+"$PY" "$ROOT/scripts/gpu_preflight.py" --device "$DEVICE" --out "$STAGES/2_preflight.json" 2>&1 | tail -20
 [ -f "$STAGES/2_preflight.json" ] || report stage preflight "$STAGES/2_preflight.json" 0 error="crashed"
 
 echo "== tiny random Qwen2"
@@ -108,7 +98,7 @@ run_grpo() {  # $1 stage file stem, $2 rollout engine, $3 devices
     smi=$!
   fi
   t0=$(date +%s)
-  timeout "$RUN_TIMEOUT" "$PY" -m hybridflow.cli train examples/configs/grpo_tiny.yaml \
+  timeout "$RUN_TIMEOUT" "$PY" -m hybridflow.cli train "$ROOT/examples/configs/grpo_tiny.yaml" \
     model.path="$MODEL" model.dtype=bfloat16 rollout.engine="$engine" \
     resources.device="$DEVICE" resources.n_gpus_per_node="$ndev" \
     data.train_batch_size=$((16 * ndev)) actor.ppo_mini_batch_size=$((16 * ndev)) \

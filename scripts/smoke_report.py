@@ -1,6 +1,6 @@
 """The GPU smoke test's bookkeeping (scripts/gpu_smoke.sh): one JSON per stage, then ONE result file.
 
-    smoke_report.py stage NAME OUT.json 0|1 [key=value ...]            a stage's pass/fail and figures
+    smoke_report.py stage NAME OUT.json 0|1 [key=value ...] [--merge F] a stage's pass/fail and figures
     smoke_report.py grpo NAME RUN_DIR OUT.json --rc RC --steps N ...   a `hybridflow train` run's figures
     smoke_report.py collect STAGES_DIR RESULT.json                     all stages -> RESULT.json + a table
 
@@ -81,6 +81,8 @@ def grpo_figures(rows: list[dict], memlog: Path | None) -> dict:
 def cmd_stage(args) -> int:
     fig = dict(kv.split("=", 1) for kv in args.kv)
     data = {"name": args.name, "pass": bool(int(args.passed)), **{k: parse_value(v) for k, v in fig.items()}}
+    if args.merge and Path(args.merge).is_file():  # figures another step wrote as JSON
+        data.update(json.loads(Path(args.merge).read_text()))
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
@@ -100,9 +102,17 @@ def cmd_grpo(args) -> int:
     gap_s = f"{gap[-1]:.2e}" if isinstance(gap, list) and gap else "not logged"
     tps = fig["tokens_per_s_after_step1"]
     mem = fig["peak_memory_allocated_gb"]
+    mem_s = (
+        f"peak memory {mem:.3f} GB (allocated, max over roles)"
+        if mem is not None
+        else (
+            f"host peak RSS {fig['host_peak_rss_gb']:.2f} GB (max over roles)"
+            if fig["host_peak_rss_gb"]
+            else "no memory figure"
+        )
+    )
     print(f"{args.name}: {'PASS' if ok else 'FAIL'} | steps {fig['steps']}/{args.steps} | tokens/s "
-          f"{tps if tps is None else round(tps)} | peak memory {mem if mem is None else round(mem, 3)} GB "
-          f"(allocated, per role max) | nvidia-smi {fig.get('nvidia_smi_peak_mib', 'n/a')} MiB | "
+          f"{tps if tps is None else round(tps)} | {mem_s} | nvidia-smi {fig.get('nvidia_smi_peak_mib', 'n/a')} MiB | "
           f"rollout/log_prob_diff_mean {gap_s} | {args.seconds} s")  # fmt: skip
     if not ok:
         print("\n".join(data.get("log_tail", [f"(no {log})"])))
@@ -138,6 +148,7 @@ def main(argv=None) -> int:
     s.add_argument("out")
     s.add_argument("passed", help="1 = pass, 0 = fail")
     s.add_argument("kv", nargs="*", help="key=value figures")
+    s.add_argument("--merge", default="", help="a JSON file of more figures")
     g = sub.add_parser("grpo")
     g.add_argument("name")
     g.add_argument("run_dir")
