@@ -22,7 +22,8 @@ DEVICE=${SMOKE_DEVICE:-cuda}
 STEPS=${SMOKE_STEPS:-3}
 WHEELS=${SMOKE_WHEELS:-}
 SMOKE_DIR=${SMOKE_DIR:-${TMPDIR:-/tmp}/hybridflow-gpu-smoke}
-RUN_TIMEOUT=${SMOKE_RUN_TIMEOUT:-180}  # seconds per `hybridflow train` run
+RUN_TIMEOUT=${SMOKE_RUN_TIMEOUT:-180}  # seconds per `hybridflow train` run at most
+BUDGET=${SMOKE_BUDGET_S:-450}          # the whole script: each run gets what is left of it (under 8 minutes)
 START=$(date +%s)
 STAGES=$SMOKE_DIR/stages
 RESULT=${SMOKE_RESULT:-$SMOKE_DIR/result.json}
@@ -91,14 +92,20 @@ MODEL=$SMOKE_DIR/qwen2
 "$PY" -c "from hybridflow.models.tiny import save_tiny_model; save_tiny_model('$MODEL', size='small', arch='qwen2', seed=0)"
 
 run_grpo() {  # $1 stage file stem, $2 rollout engine, $3 devices
-  local name=$1 engine=$2 ndev=$3 out=$SMOKE_DIR/run_$1 smi="" rc=0 t0
+  local name=$1 engine=$2 ndev=$3 out=$SMOKE_DIR/run_$1 smi="" rc=0 t0 limit
+  limit=$(( BUDGET - ($(date +%s) - START) ))
+  [ "$limit" -lt "$RUN_TIMEOUT" ] || limit=$RUN_TIMEOUT
+  if [ "$limit" -lt 30 ]; then
+    report stage "${name#*_}" "$STAGES/$name.json" 1 skipped="no time left of SMOKE_BUDGET_S=$BUDGET"
+    return
+  fi
   rm -rf "$out" && mkdir -p "$out"
   if [ "$DEVICE" = cuda ] && command -v nvidia-smi > /dev/null; then
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/gpu_mem.csv" 2>/dev/null &
     smi=$!
   fi
   t0=$(date +%s)
-  timeout "$RUN_TIMEOUT" "$PY" -m hybridflow.cli train "$ROOT/examples/configs/grpo_tiny.yaml" \
+  timeout "$limit" "$PY" -m hybridflow.cli train "$ROOT/examples/configs/grpo_tiny.yaml" \
     model.path="$MODEL" model.dtype=bfloat16 rollout.engine="$engine" \
     resources.device="$DEVICE" resources.n_gpus_per_node="$ndev" \
     data.train_batch_size=$((16 * ndev)) actor.ppo_mini_batch_size=$((16 * ndev)) \

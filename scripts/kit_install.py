@@ -47,7 +47,8 @@ def site_dirs(prefix: Path) -> list[str]:
         for pat in ("*/hybridflow/__init__.py", "*/ray/__init__.py")
         for p in prefix.rglob(pat)
     }
-    return sorted(str(d) for d in found if "thirdparty_files" not in str(d))
+    # not ray/core/src (it holds a ray/ of its own) nor Ray's vendored thirdparty_files
+    return sorted(str(d) for d in found if d.name in ("site-packages", "dist-packages"))
 
 
 def main(argv=None) -> int:
