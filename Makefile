@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_DEDUP_LOGS ?= 0
 
-.PHONY: venv demo test test-isa lint format bench clean vllm test-vllm
+.PHONY: venv demo test test-isa lint format bench clean vllm test-vllm gpu-kit
 
 venv: $(STAMP)
 
@@ -44,6 +44,13 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 # under the vLLM venv's transformers release (the package supports both).
 test-vllm: $(VSTAMP)
 	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm tests/rollout
+
+# The offline GPU kit (docs/bench/gpu.md): the wheels a GPU machine with torch + transformers preinstalled
+# and no package index needs, for its Python (KIT_PYTHON), in gpu-kit/ (ignored; carried beside the
+# repository). There: SMOKE_WHEELS=gpu-kit scripts/gpu_smoke.sh
+KIT_PYTHON ?= 3.12
+gpu-kit: $(STAMP)
+	scripts/offline_wheels.sh gpu-kit --python-version $(KIT_PYTHON)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
