@@ -118,8 +118,8 @@ def _tensors(args, kwargs):
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
             yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (x for x in a if isinstance(x, torch.Tensor))
+        elif isinstance(a, (list, tuple)):  # ops take lists of tensors, gloo backends lists of lists
+            yield from _tensors(a, {})
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -127,7 +127,8 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def _op_name(func) -> str:
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return name.replace("_VariableFunctionsClass.", "torch.").replace("TensorBase.", "Tensor.")
 
 
 def _to_target(args, kwargs) -> tuple[bool, str | None]:
@@ -226,7 +227,7 @@ def _checked_collective(name: str, fn):
         for t in _tensors(args, kwargs):
             if tag(t) == HOST:
                 raise StrictDeviceError(
-                    f"torch.distributed.{name} on a host tensor {_describe(t)}: NCCL has no CPU backend; "
+                    f"{name} on a host tensor {_describe(t)}: NCCL has no CPU backend; "
                     "create the tensor on the worker's device"
                 )
         return fn(*args, **kwargs)
@@ -235,14 +236,32 @@ def _checked_collective(name: str, fn):
     return wrapper
 
 
+# A torch.distributed Backend's own methods: what a process group built directly (the weight sync's) runs.
+_BACKEND_COLLECTIVES = (
+    "broadcast",
+    "allreduce",
+    "allgather",
+    "reduce_scatter",
+    "send",
+    "recv",
+    "gather",
+    "scatter",
+)
+
+
 def install_collective_checks() -> None:
-    """Wrap torch.distributed's collectives (once per process) so a host tensor in one raises."""
+    """Wrap torch.distributed's collectives and a Backend's collective methods (once per process) so a host
+    tensor in one raises. Collectives torch issues inside FSDP2 / DTensor go through neither."""
     import torch.distributed as dist
 
-    for name in _COLLECTIVES:
-        fn = getattr(dist, name, None)
-        if fn is not None and not getattr(fn, "_hf_strict", False):
-            setattr(dist, name, _checked_collective(name, fn))
+    for owner, names, prefix in (
+        (dist, _COLLECTIVES, "torch.distributed."),
+        (torch._C._distributed_c10d.Backend, _BACKEND_COLLECTIVES, "Backend."),
+    ):
+        for name in names:
+            fn = getattr(owner, name, None)
+            if fn is not None and not getattr(fn, "_hf_strict", False):
+                setattr(owner, name, _checked_collective(prefix + name, fn))
 
 
 @contextlib.contextmanager
