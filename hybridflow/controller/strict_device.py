@@ -54,6 +54,7 @@ _MIXED_OK = {
 _COLLECTIVES = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "gather", "scatter", "reduce", "send", "recv", "isend", "irecv", "all_to_all", "all_to_all_single",
+    "all_gather_single",
 )  # fmt: skip
 # Frames of torch's own argument plumbing between our call and the mode.
 _PLUMBING = (
@@ -93,6 +94,17 @@ def mark_host(obj) -> None:
         obj = list(obj.values())
     for t in obj if isinstance(obj, (list, tuple)) else [obj]:
         _set_tag(t, HOST)
+
+
+def mark_device(module: torch.nn.Module) -> None:
+    """Tag a module's parameters and buffers as device tensors once an engine has placed and sharded it: FSDP2
+    builds its sharded parameters inside torch, so they carry no tag of their own. A no-op outside strict mode."""
+    if _ACTIVE[0]:
+        for t in (*module.parameters(), *module.buffers()):
+            _set_tag(t, DEVICE)
+
+
+_ACTIVE = [0]  # strict scopes entered in this process
 
 
 def _caller_is_torch() -> bool:
@@ -156,7 +168,10 @@ class StrictDeviceMode(TorchFunctionMode):
         if func in _FACTORIES or "device" in kwargs:
             out = func(*args, **kwargs)
             if "device" in kwargs and kwargs["device"] is not None:
-                _set_tag(out, _place(kwargs["device"]))
+                where = _place(
+                    kwargs["device"]
+                )  # torch's own buffers on its mesh's plain "cpu" stay untagged
+                _set_tag(out, None if where == HOST and _caller_is_torch() else where)
             elif func in _FACTORIES and not _caller_is_torch():
                 _set_tag(out, HOST)
             elif isinstance(out, torch.Tensor):
@@ -271,5 +286,9 @@ def strict_scope(active: bool = True):
         yield
         return
     install_collective_checks()
-    with StrictDeviceMode():
-        yield
+    _ACTIVE[0] += 1
+    try:
+        with StrictDeviceMode():
+            yield
+    finally:
+        _ACTIVE[0] -= 1

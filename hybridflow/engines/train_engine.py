@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch, position_ids_from_mask
+from hybridflow.controller import strict_device
 from hybridflow.engines import full_weights, varlen
 from hybridflow.engines.config import EngineConfig, compute_dtype
 from hybridflow.engines.forward import RLForward
@@ -105,6 +106,7 @@ class TrainEngine:
         if on_meta:
             transforms = hf_layout_transforms(model)
             self.init_stats = materialize(self.module, model, self.device, transforms)
+        strict_device.mark_device(self.module)  # device-strict mode (CPU tests of the GPU path)
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)

@@ -66,7 +66,7 @@ def test_ppo_with_critic_and_reward_model_on_two_ranks_then_resume(
     """Generate (colocated, 2 ranks: the reshard metrics' all-reduce), old / ref log-probs, values, scores,
     critic and actor updates, a checkpoint at step 1 and a resume that runs step 2."""
     args = ("reward.kind=model", f"model.reward_model_path={reward_model_dir}", "algorithm.use_kl_loss=true",
-            "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false")  # fmt: skip
+            "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false", "actor.parallel.tp=2", "rollout.tg=2")  # fmt: skip
     first = _fit(make_config("ppo", *args, devices=2), stop_after=1)
     assert [h["step"] for h in first] == [1]
     _finite(first, "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "reward/mean")
