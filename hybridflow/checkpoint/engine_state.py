@@ -53,10 +53,12 @@ def save_engine_state(
     directory = Path(directory)
     rank = _rank(rank)
     (directory / "rng").mkdir(parents=True, exist_ok=True)
-    rng = capture_rng_state()
+    rng = capture_rng_state(engine.device)  # this rank's own device only
     atomic_write_text(directory / "rng" / f"rank_{rank}.json", json.dumps(rng))
     engine.save_checkpoint(directory)
-    restore_rng_state(rng)  # saving must not move any generator: a resumed run continues from here
+    restore_rng_state(
+        rng, engine.device
+    )  # saving must not move any generator: a resumed run continues from here
     if rank == 0:
         engine.hf_model.config.save_pretrained(directory / HF_CONFIG)
         gen = getattr(engine.hf_model, "generation_config", None)
@@ -116,7 +118,7 @@ def load_engine_state(
     if restore_rng:
         rng_file = directory / "rng" / f"rank_{rank}.json"
         if info["world_size"] == engine.config.parallel.world_size and rng_file.is_file():
-            restore_rng_state(json.loads(rng_file.read_text()))
+            restore_rng_state(json.loads(rng_file.read_text()), engine.device)
         else:
             log.warning(
                 "%s: saved with %d ranks, loading on %d: RNG states not restored (random draws will "

@@ -9,6 +9,7 @@ Files, in the order data flows through them:
     process.py        WorkerProcess: the Ray actor per rank; resolves shards and futures worker-side
     future.py         Future / get: non-blocking calls, passed between groups without the driver
     errors.py         WorkerError / WorkerDiedError: failures named by group, rank and method
+    strict_device.py  device-strict mode: GPU-only placement bugs (host tensors on the device path) fail on CPU
 """
 
 from hybridflow.controller.errors import WorkerDiedError, WorkerError

@@ -27,6 +27,7 @@ import ray
 import torch
 
 from hybridflow.batch import PAD_KEY, Batch
+from hybridflow.controller import strict_device
 from hybridflow.controller.layout import shard_indices
 from hybridflow.controller.worker import WorkerContext, set_worker_context
 
@@ -159,11 +160,14 @@ class WorkerProcess:
     """One rank's process. Created by WorkerGroup through ray.remote(...).options(placement)."""
 
     def __init__(
-        self, group_name: str, rank: int, world_size: int, local_rank: int, use_gpu: bool, cpu_ranks: int
-    ):
+        self, group_name: str, rank: int, world_size: int, local_rank: int, use_gpu: bool, cpu_ranks: int,
+        strict: bool = False,
+    ):  # fmt: skip
         torch.set_num_threads(cpu_threads(cpu_ranks, use_gpu))
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
         self.local_rank, self.use_gpu = local_rank, use_gpu
+        # device-strict mode (strict_device.py): a CPU rank stands in for a GPU, so GPU-only placement bugs fail
+        self.strict = strict and not use_gpu
         self.roles: dict[str, object] = {}
 
     def master_address(self) -> tuple[str, int]:
@@ -177,7 +181,7 @@ class WorkerProcess:
 
         import torch.distributed as dist
 
-        device = "cuda:0" if self.use_gpu else "cpu"
+        device = "cuda:0" if self.use_gpu else str(strict_device.ACCEL) if self.strict else "cpu"
         if self.use_gpu:
             torch.cuda.set_device(0)
         backend = "nccl" if self.use_gpu else "gloo"
@@ -199,7 +203,8 @@ class WorkerProcess:
         return os.getpid()
 
     def add_role(self, role: str, cls, kwargs: dict) -> None:
-        self.roles[role] = cls(**kwargs)
+        with strict_device.strict_scope(self.strict):
+            self.roles[role] = cls(**kwargs)
 
     def get_layouts(self, role: str, name: str | None):
         return self.roles[role].get_layout(name)
@@ -210,7 +215,13 @@ class WorkerProcess:
         kwargs = {k: _take(resolve(v), pads) for k, v in kwargs.items()}
         n_in = next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
         start = time.time()
-        out = getattr(self.roles[role], method)(*args, **kwargs)
+        with strict_device.strict_scope(self.strict):
+            for a in (*args, *kwargs.values()):  # what arrives through Ray is on the host
+                if isinstance(a, (Batch, torch.Tensor)):
+                    strict_device.mark_host(a)
+            out = getattr(self.roles[role], method)(*args, **kwargs)
+            if self.strict:
+                strict_device.check_output(out, f"{self.group_name}.{method}")
         end = time.time()
         out = drop_padding(out, n_in, pads[0] if pads else 0, method)
         if isinstance(out, Batch):

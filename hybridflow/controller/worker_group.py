@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
+from hybridflow.controller import strict_device
 from hybridflow.controller.future import Future, notify_observer, wait_all
 from hybridflow.controller.layout import shard_indices
 from hybridflow.controller.process import FutureShard, PutShard, WorkerProcess
@@ -50,7 +51,7 @@ class _Processes:
                     pool.placement_group, placement_group_bundle_index=bundle
                 ),
                 **pool.actor_resources(),
-            ).remote(name, rank, n, local[rank], pool.use_gpu, pool.cpu_ranks(rank))
+            ).remote(name, rank, n, local[rank], pool.use_gpu, pool.cpu_ranks(rank), strict_device.enabled())
             for rank, bundle in enumerate(pool.bundle_of_rank)
         ]
         try:

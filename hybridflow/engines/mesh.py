@@ -8,20 +8,16 @@ group was initialised with (`init_process_group`), usually by the worker group.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hybridflow.engines.config import ParallelConfig
 
 
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def build_mesh(parallel: ParallelConfig) -> DeviceMesh | None:
+def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh | None:
     """A ("dp", "tp") mesh over the default group, or None when no process group is initialised
-    (single-process use: the model then runs unsharded)."""
+    (single-process use: the model then runs unsharded). device_type: the engine's device ("cpu" / "cuda"),
+    the one its worker was given."""
     parallel.check()
     if not dist.is_available() or not dist.is_initialized():
         if parallel.world_size != 1:
@@ -36,4 +32,4 @@ def build_mesh(parallel: ParallelConfig) -> DeviceMesh | None:
             f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}, dp={parallel.dp}) covers {parallel.world_size} "
             f"ranks but the process group has {world}; make tp * pp * dp equal the world size"
         )
-    return init_device_mesh(device_type(), (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))

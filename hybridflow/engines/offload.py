@@ -79,8 +79,8 @@ class Offloader:
             return
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
         self.seconds += time.perf_counter() - t0
         self.bytes += sum(_local_bytes(t) for t in tensors)
         self.moves += 1

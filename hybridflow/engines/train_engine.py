@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch, position_ids_from_mask
+from hybridflow.controller import strict_device
 from hybridflow.engines import full_weights, varlen
 from hybridflow.engines.config import EngineConfig, compute_dtype
 from hybridflow.engines.forward import RLForward
-from hybridflow.engines.mesh import build_mesh, device_type
+from hybridflow.engines.mesh import build_mesh
 from hybridflow.engines.micro_batch import (
     pad_response_aligned,
     plan_micro_batches,
@@ -57,17 +58,22 @@ class TrainEngine:
     model: a plain HF model on CPU (`load_causal_lm` / `load_critic` / `load_reward_model`), or one
     built on the meta device (`device="meta"`): then each rank reads only its shards from disk.
     trainable: False for reference / reward models (no optimizer state is allocated).
+    device: where it computes, the worker's assigned device (Worker.device; "cpu" by default): never
+    guessed from torch.cuda, so `resources.device=cpu` on a GPU host computes on CPU.
     The default process group (if any) must span exactly config.parallel.world_size ranks.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, trainable: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig | None = None,
+        trainable: bool = True,
+        device: str | torch.device = "cpu",
+    ):
         self.config = config or EngineConfig()
         self.kind = model_kind(model)
-        self.mesh = build_mesh(self.config.parallel)
-        self.device = (
-            torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else None
-        )
-        self.device = self.device or torch.device("cpu")
+        self.device = torch.device(device)
+        self.mesh = build_mesh(self.config.parallel, self.device.type)
         self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type == "cuda")
         fsdp = uses_fsdp(self.mesh)
         param_dtype = None
@@ -100,6 +106,7 @@ class TrainEngine:
         if on_meta:
             transforms = hf_layout_transforms(model)
             self.init_stats = materialize(self.module, model, self.device, transforms)
+        strict_device.mark_device(self.module)  # device-strict mode (CPU tests of the GPU path)
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)
@@ -267,6 +274,9 @@ class TrainEngine:
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, torch.Tensor] = {}
             for mb, n in zip(mbs, counts):
+                # the whole micro-batch to the device once: the loss reads its fields (advantages, old / ref
+                # log-probs, returns, masks) beside the device outputs
+                mb = mb.to(self.device)
                 out = self._forward(mb, temperature, with_entropy)
                 loss, metrics = loss_fn(out, mb)
                 (loss * (n * self.dp_size / max(global_total, 1e-8))).backward()

@@ -117,12 +117,18 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         info = {}
         if "actor" in self.roles:
             self.actor = TrainEngine(
-                load_causal_lm(m.path, device="meta", **remote), self.actor_cfg, trainable=True
+                load_causal_lm(m.path, device="meta", **remote),
+                self.actor_cfg,
+                trainable=True,
+                device=self.device,
             )
             info["actor_params"] = self.actor.num_params()
         if "ref" in self.roles:
             self.ref = TrainEngine(
-                load_causal_lm(m.path, device="meta", **remote), self.ref_cfg, trainable=False
+                load_causal_lm(m.path, device="meta", **remote),
+                self.ref_cfg,
+                trainable=False,
+                device=self.device,
             )
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
@@ -239,7 +245,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 yield metrics
             finally:
                 self.rollout.set_shard(None)
-        metrics.update(_max_over_ranks(rs.stats.as_metrics()))
+        metrics.update(_max_over_ranks(rs.stats.as_metrics(), self.device))
 
     # ---- inference ---------------------------------------------------------------------------------
     @register(Protocol.THREE_D, layout="train")
@@ -360,10 +366,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self._engine("actor").save_hf(path, tokenizer=self.tokenizer)
 
 
-def _max_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Every rank gets the max of each value over the group (one small all-reduce)."""
+def _max_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank gets the max of each value over the group (one small all-reduce, on the worker's device:
+    NCCL has no host tensors)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return metrics
-    t = torch.tensor(list(metrics.values()), dtype=torch.float64)
+    t = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(metrics, t.tolist()))

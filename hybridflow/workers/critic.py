@@ -76,7 +76,7 @@ class CriticWorker(Worker):
         if _is_causal_lm_dir(path) and not any(p.is_meta for p in model.parameters()):
             seed = self.config.trainer.seed  # weights not sliceable: load them whole
             model = init_critic_from_causal_lm(path, seed=seed, trust_remote_code=remote)
-        self.engine = TrainEngine(model, self.engine_cfg, trainable=True)
+        self.engine = TrainEngine(model, self.engine_cfg, trainable=True, device=self.device)
         return {f"{self.name}_params": self.engine.num_params()}
 
     @register(Protocol.THREE_D)

@@ -43,7 +43,7 @@ class RewardModelWorker(Worker):
         model = load_reward_model(
             self.model_path, device="meta", trust_remote_code=remote
         )  # each rank: its shards
-        self.engine = TrainEngine(model, self.engine_cfg, trainable=False)
+        self.engine = TrainEngine(model, self.engine_cfg, trainable=False, device=self.device)
         return {f"{self.score_key}_params": self.engine.num_params()}
 
     @register(Protocol.THREE_D)
