@@ -6,8 +6,8 @@ global offset in the layout of torch.distributed.checkpoint's safetensors storag
 headers (`HuggingFaceStorageReader`), never from DCP's pickled `.metadata` (none is written, and one
 planted beside the shards is not opened); each rank reads just the slices its own shards need, so a
 checkpoint resumes onto any dp/tp layout. A torch without that reader loads the same files through
-`load_slices`, which plans from the same headers itself (hybridflow/compat/dcp.py). Only tensors travel this way; the rest of a checkpoint is
-JSON (docs/checkpoints.md).
+`load_slices`, which plans from the same headers itself (hybridflow/compat/dcp.py). Only tensors travel
+this way; the rest of a checkpoint is JSON (docs/checkpoints.md).
 
 `tensor_index` / `read_full` read the same files without any process group, one tensor at a time: the
 streaming export and the memory-bounded tools build on them.
@@ -128,6 +128,7 @@ def load_slices(state: dict[str, torch.Tensor], directory: str | os.PathLike) ->
             entry = index[name]
             if tuple(t.shape) != entry.shape:
                 raise ValueError(f"tensor {name}: checkpoint shape {entry.shape}, expected {tuple(t.shape)}")
+            filled = 0
             for path, c_off, c_size in entry.chunks:
                 # the overlap of [offset, offset + local.shape) and [c_off, c_off + c_size), per dimension
                 lo = [max(o, co) for o, co in zip(offset, c_off)]
@@ -140,6 +141,9 @@ def load_slices(state: dict[str, torch.Tensor], directory: str | os.PathLike) ->
                 where = tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c_off))
                 part = f.get_slice(name)[where] if where else f.get_tensor(name)  # () : a 0-dim tensor
                 local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))].copy_(part)
+                filled += part.numel()
+            if filled != local.numel():  # saved chunks never overlap (a replicated one is written once)
+                raise ValueError(f"tensor {name}: the shards cover {filled} of this rank's {local.numel()} elements")
 
 
 def _local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
