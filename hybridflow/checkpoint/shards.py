@@ -143,7 +143,9 @@ def load_slices(state: dict[str, torch.Tensor], directory: str | os.PathLike) ->
                 local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))].copy_(part)
                 filled += part.numel()
             if filled != local.numel():  # saved chunks never overlap (a replicated one is written once)
-                raise ValueError(f"tensor {name}: the shards cover {filled} of this rank's {local.numel()} elements")
+                raise ValueError(
+                    f"tensor {name}: the shards cover {filled} of this rank's {local.numel()} elements"
+                )
 
 
 def _local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -22,7 +22,9 @@ def test_release_ignores_local_and_pre_release_tags(version, want):
     assert versions.release(version) == want
 
 
-@pytest.mark.parametrize("torch_version", ["2.11.0+cu130", "2.11.0a0+gitabc", "2.12.1", "2.13.0+cpu", "3.0.0"])
+@pytest.mark.parametrize(
+    "torch_version", ["2.11.0+cu130", "2.11.0a0+gitabc", "2.12.1", "2.13.0+cpu", "3.0.0"]
+)
 def test_supported_torch_passes(torch_version):
     line = versions.check_versions({**OK, "torch": torch_version, "transformers": "5.17.0"})
     assert line == f"torch {torch_version}, transformers 5.17.0, ray 2.60.0"
@@ -50,7 +52,11 @@ def test_installed_versions_are_this_venvs():
     import transformers
 
     found = versions.installed_versions()
-    assert found == {"torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__}
+    assert found == {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ray": ray.__version__,
+    }
     versions.check_versions(found)  # the dev venv itself passes
 
 
