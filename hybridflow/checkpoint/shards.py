@@ -5,8 +5,9 @@ the chunks it owns (replicated chunks once), tensor by tensor; the header (JSON)
 global offset in the layout of torch.distributed.checkpoint's safetensors storage. Loading reads the plan from those
 headers (`HuggingFaceStorageReader`), never from DCP's pickled `.metadata` (none is written, and one
 planted beside the shards is not opened); each rank reads just the slices its own shards need, so a
-checkpoint resumes onto any dp/tp layout. Only tensors travel this way; the rest of a checkpoint is
-JSON (docs/checkpoints.md).
+checkpoint resumes onto any dp/tp layout. A torch without that reader loads the same files through
+`load_slices`, which plans from the same headers itself (hybridflow/compat/dcp.py). Only tensors travel
+this way; the rest of a checkpoint is JSON (docs/checkpoints.md).
 
 `tensor_index` / `read_full` read the same files without any process group, one tensor at a time: the
 streaming export and the memory-bounded tools build on them.
@@ -90,15 +91,75 @@ def _own_chunk(t: torch.Tensor, rank: int) -> tuple[torch.Tensor, tuple[int, ...
 
 
 def load_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
-    """Fill `state`'s tensors (DTensors: their local shards) in place from `directory`; collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    """Fill `state`'s tensors (DTensors: their local shards) in place from `directory`; collective.
+    Through DCP's HuggingFaceStorageReader where this torch has one, else `load_slices` (compat/dcp.py)."""
+    from hybridflow.compat.dcp import hf_storage_reader
 
     directory = Path(directory)
     if not any(directory.glob(f"*{SUFFIX}")):
         raise FileNotFoundError(f"{directory} holds no {SUFFIX} shard files")
+    reader = hf_storage_reader()
+    if reader is None:
+        load_slices(state, directory)
+        return
+    import torch.distributed.checkpoint as dcp
+
     with _quiet_single_process():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+        dcp.load(state, storage_reader=reader(str(directory)))
+
+
+@torch.no_grad()
+def load_slices(state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
+    """What DCP's reader does, without DCP: each of `state`'s tensors (a DTensor: this rank's shard) is
+    filled from the parts of the saved chunks that overlap it, read as safetensors slices, so a rank
+    reads only what it holds. Needs no process group (each rank plans from the headers alone)."""
+    from safetensors import safe_open
+
+    index = tensor_index(directory)
+    missing = sorted(set(state) - set(index))
+    if missing:
+        raise KeyError(f"{directory} holds no tensor {missing[0]!r} ({len(missing)} missing)")
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, object] = {}
+        for name, t in state.items():
+            local, offset = _local_view(t)
+            if local.numel() == 0:
+                continue
+            entry = index[name]
+            if tuple(t.shape) != entry.shape:
+                raise ValueError(f"tensor {name}: checkpoint shape {entry.shape}, expected {tuple(t.shape)}")
+            filled = 0
+            for path, c_off, c_size in entry.chunks:
+                # the overlap of [offset, offset + local.shape) and [c_off, c_off + c_size), per dimension
+                lo = [max(o, co) for o, co in zip(offset, c_off)]
+                hi = [min(o + n, co + cn) for o, n, co, cn in zip(offset, local.shape, c_off, c_size)]
+                if any(a >= b for a, b in zip(lo, hi)):
+                    continue
+                if path not in handles:
+                    handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+                f = handles[path]
+                where = tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c_off))
+                part = f.get_slice(name)[where] if where else f.get_tensor(name)  # () : a 0-dim tensor
+                local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))].copy_(part)
+                filled += part.numel()
+            if filled != local.numel():  # saved chunks never overlap (a replicated one is written once)
+                raise ValueError(
+                    f"tensor {name}: the shards cover {filled} of this rank's {local.numel()} elements"
+                )
+
+
+def _local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(the tensor this rank fills, its offset in the global tensor): a DTensor's local shard."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, (0,) * t.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if t.device_mesh.get_coordinate() is None:  # not on this DTensor's mesh: nothing to fill
+        return t.to_local(), (0,) * t.dim()
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(offset)
 
 
 @contextlib.contextmanager

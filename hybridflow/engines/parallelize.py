@@ -24,6 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hybridflow.compat.hf import enable_activation_checkpointing
+
 # Attribute set on the HF model: {param name: (dim, permutation)} applied to HF-layout tensors.
 _LAYOUT_ATTR = "_hybridflow_layout_permutations"
 
@@ -154,7 +156,7 @@ def hf_layout_transforms(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer in backward (HF's own switch, so parameter names are unchanged)."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, {"use_reentrant": False})
 
 
 def apply_fsdp(

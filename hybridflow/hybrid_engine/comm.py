@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridflow.compat.dist import all_gather_single
+
 
 @dataclass
 class CommStats:
@@ -45,7 +47,7 @@ class CountedComm:
             )
         start = time.perf_counter()
         if n > 1:
-            dist.all_gather_single(output, slot, group=group)
+            all_gather_single(output, slot, group=group)
         self.stats.seconds += time.perf_counter() - start
         moved = (n - 1) * _nbytes(slot)
         self._count(moved, moved)

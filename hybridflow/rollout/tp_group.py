@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridflow.compat.dist import all_gather_single
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -40,7 +42,7 @@ class TPGroup:
         """cat over the members (in group order) of their `x` along its last dim: vocab-parallel logits
         -> full-vocabulary logits."""
         out = x.new_empty((self.size, *x.shape))
-        dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=self.group)
+        all_gather_single(out.view(-1), x.contiguous().view(-1), group=self.group)
         return torch.cat(out.unbind(0), dim=-1)
 
     def agree(self, tokens: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

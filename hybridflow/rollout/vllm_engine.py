@@ -18,7 +18,8 @@ loads nothing.
 
 GPU path (written, not yet run on a GPU): `gpu_memory_utilization` is passed to vLLM; between
 generate calls the engine sleeps (level 2: KV cache and weights freed) and wakes weights first, loads
-the actor's weights, then the KV cache (verl's order, lowest peak memory).
+the actor's weights, then the KV cache (verl's order, lowest peak memory), returning torch's cached
+blocks to the device before each wake (`release_cached_blocks`; docs/rollout.md, "GPU memory").
 
 rollout.tg > 1 (CPU and GPU): vLLM's own tensor parallel over the actor's ranks (its external launcher,
 TP groups of consecutive ranks in the actor's process group), each rank loading its 3D-HybridEngine
@@ -236,8 +237,13 @@ class VLLMEngine(GenerationEngine):
             return 0.0  # loaded by load_weights when they changed
         if not self._asleep:
             return self.sync_weights()
+        # vLLM's sleep mode maps its weights and KV cache in a memory pool of its own: blocks that torch's
+        # caching allocator keeps for the training side (activations, gradients, the full tensors streamed
+        # below) are not available to it until they are returned to the device.
+        release_cached_blocks(self.device)
         self.llm.wake_up(tags=["weights"])
         seconds = self.sync_weights()
+        release_cached_blocks(self.device)
         self.llm.wake_up(tags=["kv_cache"])
         self._asleep = False
         return seconds
@@ -280,6 +286,13 @@ class VLLMEngine(GenerationEngine):
 
             del self.llm
             destroy_model_parallel()
+
+
+def release_cached_blocks(device: torch.device) -> None:
+    """Return torch's cached, unused CUDA blocks to the device (before a vLLM wake_up maps memory). On
+    any other device nothing: no CUDA call is made, so a CPU-only torch never initialises CUDA here."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---- pure translation between hybridflow and vLLM ----------------------------------------------------

@@ -56,6 +56,7 @@ def user_errors() -> tuple[type[Exception], ...]:
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    from hybridflow.compat.versions import log_and_check_versions
     from hybridflow.config import load_config
     from hybridflow.controller import WorkerDiedError
     from hybridflow.trainers import build_trainer
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        log_and_check_versions()  # before Ray or any worker: a too-old torch/transformers fails here, in one line
         config, overrides = split_config_arg(args.config, list(args.overrides))
         cfg = load_config(config, overrides, verl=True if args.verl else None)
     except user_errors() as e:
