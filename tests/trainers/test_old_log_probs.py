@@ -68,7 +68,7 @@ def test_rollout_ahead_takes_old_log_probs_from_the_update(ray_cluster, make_con
     assert calls == 2
     _assert_same_run(skipped, forced)
     assert [r["rollout/policy_lag"] for r in skipped] == [0.0, 1.0]
-    # the gap at lag 0 is fp32 rounding only (tests/trainers/test_rollout_gap.py); at lag 1 it holds the
+    # the gap at lag 0 is fp32 rounding only (tests/trainers/test_rollout_gap_runs.py); at lag 1 it holds the
     # policy's move over one update as well (docs/metrics.md): lr 1e-3 moves it far more than rounding
     gap = [r["rollout/log_prob_diff_mean"] for r in skipped]
     assert gap[0] < 1e-4 < gap[1], gap
