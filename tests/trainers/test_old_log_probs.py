@@ -56,7 +56,7 @@ def _assert_same_run(skipped: list[dict], forced: list[dict]) -> None:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=tol), (a["step"], k)
         # the ratio is exactly 1 where the gradient is taken: nothing clipped, no KL to the old policy
         assert a["actor/ppo_kl"] == 0.0 and a["actor/pg_clipfrac"] == 0.0
-        assert a["timing_s/old_log_prob"] < 0.05  # the driver's few microseconds: no worker call was timed
+        # (no separate forward ran: the callers count the actor's calls; a timing bound would depend on load)
 
 
 def test_rollout_ahead_takes_old_log_probs_from_the_update(ray_cluster, make_config):
