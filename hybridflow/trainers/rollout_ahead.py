@@ -97,6 +97,12 @@ class RolloutAhead:
             p = self._issue(prompts)
             batch, version, self.scores = p["result"].get(), actor_version, p["scores"]
         self.ref_rows = p.get("ref_rows")
+        if self.ref_rows and self.ref_rows < len(batch) and isinstance(self.scores.get("ref"), Batch):
+            # restored from a checkpoint: the rollout pool's part of the rows is a Batch now, which cannot
+            # travel beside the whole batch (the advantage phase splits its Batch arguments together), so
+            # the training pool scores every row of this one batch
+            del self.scores["ref"]
+            self.ref_rows = 0
         self._tokens = float(batch["attention_mask"].sum())
         self._tokens_per_row = self._tokens / max(len(batch), 1)
         # tokens of the rows the training pool scores (frozen_pool=both)
@@ -244,13 +250,14 @@ class RolloutAhead:
             return
         p = self.pending
         p["result"] = _result(p["result"])  # the next step uses them as they are
-        p["scores"] = {role: _result(x) for role, x in p["scores"].items()}
         out = Path(directory) / PART
         out.mkdir(parents=True, exist_ok=True)
         _save_batch(p["prompts"], out / "prompts")
         _save_batch(p["result"], out / "rollouts")
+        # the scores stay Futures in flight (fetched here only to be written): a reference part of some of
+        # the rows must reach the advantage phase as a Future (see generate)
         for role, scores in p["scores"].items():
-            _save_batch(scores, out / f"scores_{role}")
+            _save_batch(_result(scores), out / f"scores_{role}")
         state = {"step": self.pending["step"], "version": self.pending["version"]}
         atomic_write_text(out / "state.json", json.dumps(state))
 
