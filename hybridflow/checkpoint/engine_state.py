@@ -56,9 +56,8 @@ def save_engine_state(
     rng = capture_rng_state(engine.device)  # this rank's own device only
     atomic_write_text(directory / "rng" / f"rank_{rank}.json", json.dumps(rng))
     engine.save_checkpoint(directory)
-    restore_rng_state(
-        rng, engine.device
-    )  # saving must not move any generator: a resumed run continues from here
+    # saving must not move any generator: a resumed run continues from here
+    restore_rng_state(rng, engine.device)
     if rank == 0:
         engine.hf_model.config.save_pretrained(directory / HF_CONFIG)
         gen = getattr(engine.hf_model, "generation_config", None)

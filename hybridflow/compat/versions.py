@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from importlib import metadata
 
+from packaging.version import Version
+
 from hybridflow.errors import UserError
 
 MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17)}
@@ -39,19 +41,7 @@ def installed_versions() -> dict[str, str]:
 def release(version: str) -> tuple[int, ...]:
     """The numeric release of a version string: "2.11.0+cu130" and "2.11.0a0+git1234" -> (2, 11, 0).
     Pre-release and local tags are ignored on purpose: vendor images ship torch as 2.11.0a0+<build>."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) < len(piece):  # "0a0", "0rc1", "0.dev": the release ends here
-            break
-    return tuple(parts)
+    return Version(version).release
 
 
 def check_versions(found: dict[str, str] | None = None) -> str:

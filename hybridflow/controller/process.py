@@ -216,9 +216,10 @@ class WorkerProcess:
         n_in = next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
         start = time.time()
         with strict_device.strict_scope(self.strict):
-            for a in (*args, *kwargs.values()):  # what arrives through Ray is on the host
-                if isinstance(a, (Batch, torch.Tensor)):
-                    strict_device.mark_host(a)
+            if self.strict:  # what arrives through Ray is on the host
+                for a in (*args, *kwargs.values()):
+                    if isinstance(a, (Batch, torch.Tensor)):
+                        strict_device.mark_host(a)
             out = getattr(self.roles[role], method)(*args, **kwargs)
             if self.strict:
                 strict_device.check_output(out, f"{self.group_name}.{method}")

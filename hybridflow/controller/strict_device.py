@@ -168,9 +168,8 @@ class StrictDeviceMode(TorchFunctionMode):
         if func in _FACTORIES or "device" in kwargs:
             out = func(*args, **kwargs)
             if "device" in kwargs and kwargs["device"] is not None:
-                where = _place(
-                    kwargs["device"]
-                )  # torch's own buffers on its mesh's plain "cpu" stay untagged
+                # torch's own buffers on its mesh's plain "cpu" stay untagged
+                where = _place(kwargs["device"])
                 _set_tag(out, None if where == HOST and _caller_is_torch() else where)
             elif func in _FACTORIES and not _caller_is_torch():
                 _set_tag(out, HOST)

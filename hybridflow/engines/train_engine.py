@@ -270,7 +270,7 @@ class TrainEngine:
             mbs = split_micro_batches(batch, groups)
             counts = [self._count(mb, loss_weighting) for mb in mbs]
             local_total = sum(counts)
-            global_total = self._all_reduce(local_total, dist.ReduceOp.SUM, self._dp_group())
+            global_total = self._all_reduce(local_total, dist.ReduceOp.SUM, self.dp_group())
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, torch.Tensor] = {}
             for mb, n in zip(mbs, counts):
@@ -300,7 +300,8 @@ class TrainEngine:
             self.global_step += 1
         return {"grad_norm": float(grad_norm), "lr": lr, "step_skipped": float(not finite)}
 
-    def _dp_group(self):
+    def dp_group(self):
+        """The process group of this engine's dp ranks (None without a process group)."""
         return self.mesh.get_group("dp") if self.mesh is not None else None
 
     @staticmethod

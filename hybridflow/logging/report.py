@@ -2,8 +2,8 @@
 
 Panels: reward, validation accuracy, KL to the reference, entropy, response length, per-phase time
 (`timing_s/*`), throughput, losses and the train-vs-rollout log-prob gap, over steps. Each panel plots
-the metrics whose names match its patterns (the names the trainers write), so a run that logs only some of them (DPO has no KL, GRPO
-without a KL term has no reference) still gets a report; an empty panel says "not logged". The HTML page embeds the PNG, a summary table
+the metrics whose names match its patterns (the names the trainers write), so a run that logs only some
+of them (DPO has no KL, GRPO without a KL term has no reference) still gets a report; an empty panel says "not logged". The HTML page embeds the PNG, a summary table
 (first / last / min / max) and the last validation generations table.
 """
 

@@ -303,7 +303,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 if gap is not None:
                     gap.close()
         if gap is not None:
-            metrics.add(gap.metrics(eng.mesh.get_group("dp") if eng.mesh is not None else None, eng.device))
+            metrics.add(gap.metrics(eng.dp_group(), eng.device))
         metrics.add(offload_metrics(eng), "perf/actor_")
         # prompt tokens the update's forwards did not compute (model.share_prompt), per rank
         metrics.add({"shared_prompt_tokens": eng.take_shared_prompt_tokens()}, "perf/actor_")

@@ -52,6 +52,13 @@ def test_all_gather_without_all_gather_single(tmp_path):
             assert int(r[path]["bytes"]) == 16  # one 4-float slot received from the other rank
 
 
+def _load_zeros_like(full: dict, directory) -> dict:
+    """Zero tensors shaped as `full`'s, filled from the checkpoint files in `directory`."""
+    state = {n: torch.zeros_like(t) for n, t in full.items()}
+    load_tensors(state, directory)
+    return state
+
+
 def test_checkpoint_shards_load_without_dcp_hf_storage(tmp_path, monkeypatch):
     directory = tmp_path / "shards"
     got = _spawn(shards_main, 2, str(tmp_path / "init"), str(directory))
@@ -64,11 +71,9 @@ def test_checkpoint_shards_load_without_dcp_hf_storage(tmp_path, monkeypatch):
                     r[path][name], want, rtol=0, atol=0, msg=f"rank {rank} {path} {name}"
                 )
     # the 2-rank files into plain tensors, in one process without a group: both readers
-    primary = {n: torch.zeros_like(t) for n, t in full.items()}
-    load_tensors(primary, directory)
+    primary = _load_zeros_like(full, directory)
     monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.hf_storage", None)
-    fallback = {n: torch.zeros_like(t) for n, t in full.items()}
-    load_tensors(fallback, directory)
+    fallback = _load_zeros_like(full, directory)
     for name, want in full.items():
         torch.testing.assert_close(primary[name], want, rtol=0, atol=0)
         torch.testing.assert_close(fallback[name], want, rtol=0, atol=0)
@@ -80,8 +85,7 @@ def test_single_process_save_then_fallback_load(tmp_path, monkeypatch):
     full = full_tensors()
     save_tensors(full, tmp_path)
     monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.hf_storage", None)
-    state = {n: torch.zeros_like(t) for n, t in full.items()}
-    load_tensors(state, tmp_path)
+    state = _load_zeros_like(full, tmp_path)
     for name, want in full.items():
         torch.testing.assert_close(state[name], want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="checkpoint shape"):
