@@ -50,7 +50,7 @@ from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
 from hybridflow.trainers import lifecycle
-from hybridflow.trainers.lifecycle import start_ray  # noqa: F401 — its home before lifecycle.py
+from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import Timers, throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
 from hybridflow.trainers.validation import ValidationMixin
@@ -87,12 +87,12 @@ class Trainer(ValidationMixin):
         )
         self.train_loader = self.build_train_loader()
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
-        t = cfg.trainer
-        self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader or ())
+        trainer_cfg = cfg.trainer
+        self.total_steps = trainer_cfg.total_steps or trainer_cfg.total_epochs * len(self.train_loader or ())
         self.global_step = self.skipped_in_a_row = 0
         # absolute: worker processes write their parts there and need not share the driver's cwd
         self.ckpt = CheckpointManager(
-            os.path.abspath(cfg.run_dir), keep_last=t.keep_last, config=_hashed_config(cfg)
+            os.path.abspath(cfg.run_dir), keep_last=trainer_cfg.keep_last, config=_hashed_config(cfg)
         )
         self.timers = Timers()
         self.restarts, self.run_lock, self.resume_path = 0, None, None
@@ -203,8 +203,8 @@ class Trainer(ValidationMixin):
         lifecycle.restart(self, error, history)
 
     def _loop(self, history: list[dict], stop: int) -> None:
-        t = self.cfg.trainer
-        if t.val_before_train and self.global_step == 0 and not history:
+        trainer_cfg = self.cfg.trainer
+        if trainer_cfg.val_before_train and self.global_step == 0 and not history:
             with _at_step(0, "validation at "):
                 val = {**self.validate(), **self.timers.pop()}
             self.tracker.log(val, 0)
@@ -221,13 +221,16 @@ class Trainer(ValidationMixin):
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
             metrics.update(self.resource_metrics(batch))
             last = self.global_step == self.total_steps
-            if (t.val_every and self.global_step % t.val_every == 0) or last:
+            if (trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0) or last:
                 with _at_step(self.global_step, "validation at "):
                     metrics.update(self.validate())
-            by_time = t.save_every_minutes and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
+            by_time = (
+                trainer_cfg.save_every_minutes
+                and time.monotonic() - self._last_save >= 60 * trainer_cfg.save_every_minutes
+            )
             stopping = lifecycle.stop_requested()
             if (
-                (t.save_every and self.global_step % t.save_every == 0)
+                (trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0)
                 or last
                 or self.global_step == stop
                 or by_time
@@ -373,8 +376,8 @@ def _hashed_config(cfg) -> dict:
     """The config as hashed into checkpoint manifests: without run length and logging settings, which a
     resumed run may change freely (a mismatch elsewhere is logged as a warning on resume)."""
     d = config_to_dict(cfg)
-    t = d["trainer"]
+    trainer_keys = d["trainer"]
     for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers",
               "save_every_minutes", "max_restarts", "stop_grace_s", "restart_wait_s", "min_devices"):  # fmt: skip
-        t.pop(k, None)
+        trainer_keys.pop(k, None)
     return d
