@@ -13,8 +13,7 @@ Output batch (B * n rows, samples of one prompt adjacent: a, a, b, b):
   position_ids (B*n, Lp + Lr)  cumsum of the prompt mask - 1, then +1 per response slot (verl)
   response_mask (B*n, Lr)      1 up to and including the stop token, 0 after
   rollout_log_probs (B*n, Lr)  float32 log-prob of each sampled token (see sampling.py), 0 on padding
-plus every other input field repeated n times, and meta["temperature"] = the log-prob temperature;
-an engine may add meta[ROLLOUT_METRICS], {name: float} that the trainer logs with the step's metrics.
+plus every other input field repeated n times, and meta["temperature"] = the log-prob temperature.
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.params import SamplingParams
 
 PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
-ROLLOUT_METRICS = "rollout_metrics"
-"""Output meta key: the engine's own figures for the call (e.g. `rollout/cpu_streams`), logged per step."""
 
 
 class GenerationEngine(ABC):

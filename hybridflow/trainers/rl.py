@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from hybridflow.algorithms import build_kl_controller
 from hybridflow.batch import Batch
-from hybridflow.rollout.base import ROLLOUT_METRICS
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.rollout_ahead import RolloutAhead
@@ -93,7 +92,6 @@ class RLTrainer(Trainer):
         else:
             batch = self.actor.generate_sequences(prompts)
         self.metrics.update(batch.meta.pop("reshard_metrics", {}))  # reshard/*, timing_s/reshard
-        self.metrics.update(batch.meta.pop(ROLLOUT_METRICS, {}))  # the engine's own, e.g. rollout/cpu_streams
         batch.meta.update(prompts.meta)
         return batch
 

@@ -41,7 +41,6 @@ from hybridflow.hybrid_engine.resharder import build_resharder, generation_layou
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
-from hybridflow.rollout.base import ROLLOUT_METRICS
 from hybridflow.rollout.factory import build_generation_engine
 from hybridflow.rollout.pool_tp import keep_shard, load_shard, param_bytes, pool_tp_group
 from hybridflow.workers.common import (
@@ -209,9 +208,6 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 for i, chunk in enumerate(prompts.split(per_call))
             ]
         out = outs[0] if len(outs) == 1 else Batch.concat(outs)
-        if len(outs) > 1 and ROLLOUT_METRICS in out.meta:  # concat kept the last chunk's: take the max
-            stats = [o.meta.get(ROLLOUT_METRICS, {}) for o in outs]
-            out.meta[ROLLOUT_METRICS] = {k: max(s.get(k, 0.0) for s in stats) for k in stats[-1]}
         out["response_text"] = self.decode(out["responses"], out["response_mask"])
         if reshard_metrics:
             out.meta["reshard_metrics"] = reshard_metrics
