@@ -233,13 +233,13 @@ def best_split(
     best = None
     for n in range(1, num_devices):
         s = sync(n)
-        t = training(num_devices - n, math.inf if best is None else best[0] - sender_waits * s)
-        if t is None or not math.isfinite(t):
+        train_s = training(num_devices - n, math.inf if best is None else best[0] - sender_waits * s)
+        if train_s is None or not math.isfinite(train_s):
             break  # fewer devices for the training side, more sync: no later n can do better
         g = generation(n)
         if g is None or not math.isfinite(g):
             continue
-        cost = ahead_iteration_seconds(g, t, s, sender_waits)
+        cost = ahead_iteration_seconds(g, train_s, s, sender_waits)
         if best is None or cost < best[0]:
             best = (cost, n)
     return best
