@@ -1,6 +1,7 @@
 """Load the config tree from YAML plus dotted overrides, with errors that name the key.
 
-A thin loader over dataclasses, without OmegaConf (not a dependency): the features needed -- merge,
+A thin loader over dataclasses, without OmegaConf's structured configs (OmegaConf only resolves the
+`${...}` of verl's YAMLs, config/verl.py): the features needed -- merge,
 dotted overrides, type checks -- take ~100 lines here, while OmegaConf's structured-config merge
 raises at the first bad key, so this module's error collection and nearest-key suggestions would
 still be needed on top. Errors
