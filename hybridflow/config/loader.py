@@ -54,6 +54,14 @@ def leaf_paths(cls=HybridFlowConfig, prefix: str = "") -> list[str]:
     return out
 
 
+def key_type(path: str, cls=HybridFlowConfig):
+    """The annotated type of a dotted key (`data.dataset_kwargs` -> dict[str, Any])."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        cls = _hints(cls)[part]
+    return _hints(cls)[leaf]
+
+
 def _suggest(key: str, path: str, candidates: list[str]) -> str:
     """' (did you mean 'actor.optim.lr'?)': a verl/TRL name's meaning first (config/aliases.py), then
     spelling: siblings, then any key with a close last part."""

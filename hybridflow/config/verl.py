@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridflow.config.loader import ConfigError, apply_overrides
-from hybridflow.config.verl_keys import NOTED_TREES, classify
-from hybridflow.config.verl_rules import OUR_KEYS, RULES
+from hybridflow.config.verl_keys import NOTED_TREES, REFUSED, classify
+from hybridflow.config.verl_rules import OUR_KEYS, OUR_MAPPINGS, RULES
 
 # sections only verl has: any of them (in the YAML or the overrides) means "this is a verl config"
 VERL_SECTIONS = ("actor_rollout_ref", "custom_reward_function", "reward_model")
@@ -153,10 +153,13 @@ def is_verl_config(data: dict, overrides=()) -> bool:
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """verl's dotted keys -> values; a mapping that is one setting (ours, or refused unless empty) whole."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
+        path = f"{prefix}{k}"
+        whole = _ours(path) in OUR_MAPPINGS or ({} in REFUSED.get(path, ((), ()))[1])
+        if isinstance(v, dict) and v and not whole:
+            out.update(_flatten(v, f"{path}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

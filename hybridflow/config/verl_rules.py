@@ -10,11 +10,14 @@ key is absent from our schema, a value that would need it is refused and verl's 
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
-from hybridflow.config.loader import leaf_paths
+from hybridflow.config.loader import key_type, leaf_paths
 
 OUR_KEYS = frozenset(leaf_paths())
+# our keys whose value is a mapping (data.dataset_kwargs, reward.fn_kwargs): set whole, never flattened
+OUR_MAPPINGS = frozenset(k for k in OUR_KEYS if typing.get_origin(key_type(k)) is dict)
 ACTOR, ROLLOUT, ALG = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "algorithm."
 POLICY_LOSSES = ("vanilla", "gspo", "cispo", "geo_mean")  # verl's names, ours too (actor.policy_loss)
 

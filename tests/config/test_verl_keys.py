@@ -306,3 +306,12 @@ def test_each_key_of_the_issue_is_in_the_doc_section_that_says_what_happens(key,
 def test_rollout_and_validation_dirs_are_our_keys():
     # verl's trainer.rollout_data_dir / validation_data_dir / val_only move by prefix: same meaning, our keys
     assert {"trainer.rollout_data_dir", "trainer.validation_data_dir", "trainer.val_only"} <= OUR_KEYS
+
+
+def test_a_mapping_that_is_one_setting_is_read_whole():
+    cfg = load("data.dataset_kwargs={num_samples: 8, val_size: 3}", "reward_model.reward_manager=naive")
+    assert cfg.data.dataset_kwargs == {"num_samples": 8, "val_size": 3}
+    (error,) = refused("actor_rollout_ref.model.override_config={attn_implementation: eager}")
+    assert error.startswith(
+        "verl key actor_rollout_ref.model.override_config={'attn_implementation': 'eager'}: "
+    )
