@@ -82,6 +82,8 @@ class Trainer(ValidationMixin):
         self.cfg = cfg = resolve_config(config)
         validate_config(cfg)
         require_rollout_engine(cfg)
+        if cfg.trainer.rollout_data_dir and not self.spec.generation:
+            raise ConfigError([f"trainer.rollout_data_dir: {self.name} samples no rollouts; remove it"])
         self.placement = placement or Placement.from_config(cfg)
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code

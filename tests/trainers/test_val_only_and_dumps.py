@@ -80,3 +80,15 @@ def test_val_only_and_the_generation_dumps(ray_cluster, tiny_model_dir, tmp_path
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints  # nothing saved
     last = _jsonl(run / "metrics.jsonl")[-1]
     assert last["step"] == 2 and last[ACC] == rows[2][ACC] and not any(k.startswith("actor/") for k in last)
+
+
+def test_rollout_data_dir_without_rollouts_is_refused_before_anything_starts(make_config, tmp_path):
+    from hybridflow.config import ConfigError
+    from hybridflow.trainers import build_trainer
+
+    cfg = make_config(
+        "sft", "data.dataset=synthetic:arithmetic_sft", f"trainer.rollout_data_dir={tmp_path}/r"
+    )
+    with pytest.raises(ConfigError, match="trainer.rollout_data_dir: sft samples no rollouts; remove it"):
+        build_trainer(cfg)
+    assert not (tmp_path / "runs").exists()
