@@ -232,6 +232,7 @@ NOTED: dict[str, str] = {
     "reward_model.launch_reward_fn_async": "rule rewards run beside the other phases (trainer.overlap_phases)",
     "reward_model.use_reward_loop": "rule rewards run in the reward executor",
     "reward_model.ulysses_sequence_parallel_size": "no sequence parallelism",
+    "reward_model.overlong_buffer.log": "logging",
     "data.return_raw_chat": "prompts are rendered with the chat template when loaded",
     "data.return_raw_input_ids": "prompts are rendered with the chat template when loaded",
     "data.return_full_prompt": "prompts are rendered with the chat template when loaded",
@@ -277,6 +278,8 @@ NOTED_TREES: dict[str, str] = {
     "data.datagen.*": "read only with data.datagen.path (refused)",
     "reward_manager.module.*": "read only with reward_manager.module.path (refused)",
     "reward_model.sandbox_fusion.*": "read only with sandbox_fusion.url (refused)",
+    "reward_model.reward_kwargs.*": "verl's dapo reward manager's copies: overlong_buffer_cfg maps as "
+    "reward_model.overlong_buffer (Read together), max_resp_len is data.max_response_length",
     "reward_model.rollout.*": "generative reward models' engine (reward_model.enable runs a classifier here)",
     "algorithm.pf_ppo.*": "read only with use_pf_ppo (refused)",
     "ray_kwargs.ray_init.*": "the embedded Ray cluster follows resources.ray_*",

@@ -154,7 +154,8 @@ def rollout_correction(flat: dict, out: dict, errors: list[str]) -> None:
     cap = flat.pop(ACTOR + "tis_imp_ratio_cap", None)
     setting = _rc_new(new, errors) or _rc_old(old, errors) or _rc_cap(cap)
     if setting is None:
-        if "actor.rollout_correction.mode" in OUR_KEYS:
+        ours_given = any(k.startswith("actor.rollout_correction.") for k in flat)  # our keys, mixed in
+        if "actor.rollout_correction.mode" in OUR_KEYS and not ours_given:
             out["actor.rollout_correction.mode"] = "none"
         return
     if not _missing("actor.rollout_correction.mode", "algorithm.rollout_correction", setting, errors):
