@@ -9,7 +9,8 @@ reward_model, custom_reward_function, algorithm, data, trainer); `from_verl` rew
   DAPO, rollout correction) are read together by config/verl_rules.py;
 - without an equivalent here (config/verl_keys.py): noted when it cannot change the results, refused
   in one line when its value would make verl do something other than what runs here (lora_rank=8,
-  strategy=megatron, trainer.critic_warmup=5, ...). Nothing is dropped silently.
+  strategy=megatron, trainer.critic_warmup=5, ...). A key in none of the tables is refused, as verl's
+  struct config refuses it. Nothing is dropped silently.
 docs/verl.md is the table for users (tests/config/test_verl_keys.py checks it against these tables);
 tests/config/test_verl.py runs verl's GSM8K PPO and GRPO quick-start command lines through it.
 """
@@ -140,6 +141,7 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "trainer.max_actor_ckpt_to_keep": _keep,
     "trainer.log_val_generations": "trainer.val_generations_to_log",
     "ray_kwargs.ray_init.num_cpus": "resources.ray_num_cpus",
+    "ray_init.num_cpus": "resources.ray_num_cpus",
     "trainer.resume_mode": _resume_mode,
     "trainer.resume_from_path": "trainer.resume",
     "trainer.default_local_dir": "trainer.output_dir",
@@ -213,8 +215,8 @@ def _map_key(key: str, value: Any, mapped: dict, notes: list, errors: list[str],
             errors.extend(e.errors)
     elif ours is not None:
         mapped[ours] = value
-    elif (kind := classify(key, value)) is None:
-        notes.append(f"verl key {key}={value!r} is not known here and is ignored (see docs/verl.md)")
+    elif (kind := classify(key, value)) is None:  # as verl's struct config does with a key it lacks
+        errors.append(f"verl key {key}={value!r} is not known here; remove it (docs/verl.md lists them)")
     elif kind[0] == "tree":
         trees.setdefault(kind[1], []).append(key)
     else:

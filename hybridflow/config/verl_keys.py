@@ -8,8 +8,9 @@ applies these tables; docs/verl.md lists every entry, checked by tests/config/te
   does what runs here; any other value is refused in one line naming the key and why (exit 2 before
   Ray starts). LoRA, multi-turn and agent loops, Megatron, sandboxed code execution and custom dataset
   classes are here until their features land.
-Keys of a verl config that are in none of the tables nor mapped (config/verl.py's RENAMES and
-PREFIXES) are named in a note as unknown.
+A key in none of the tables nor mapped (config/verl.py's RENAMES and PREFIXES) is refused, as verl's
+own (struct) config refuses a key it does not know: every key of verl's full PPO configs of 0.4.1,
+0.5, 0.6 and 0.7 is in one of them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "actor_rollout_ref.model.hf_config_path": ("the model config is read from model.path", OFF),
     "actor_rollout_ref.model.mtp.enable": ("multi-token prediction is not supported", (False,)),
     "actor_rollout_ref.hybrid_engine": ("the actor always generates (the HybridEngine)", (True,)),
+    "actor_rollout_ref.ref.model": ("the reference is the policy's initial weights (model.path)", OFF),
     # engines
     "actor_rollout_ref.actor.strategy": (MEGATRON, FSDP),
     "actor_rollout_ref.ref.strategy": (MEGATRON, FSDP),
@@ -86,6 +88,10 @@ REFUSED: dict[str, tuple[str, tuple]] = {
         (True,),
     ),
     "actor_rollout_ref.rollout.ignore_eos": ("responses end at EOS", (False,)),
+    "actor_rollout_ref.rollout.use_fire_sampling": (
+        "no FIRE sampling: every token at the temperature",
+        (False,),
+    ),
     "actor_rollout_ref.rollout.over_sample_rate": ("every response is awaited", (0, 0.0)),
     "actor_rollout_ref.rollout.skip_rollout": ("every step generates", (False,)),
     "actor_rollout_ref.rollout.quantization": ("no quantized rollouts", OFF),
@@ -181,6 +187,7 @@ NOTED: dict[str, str] = {
     "actor_rollout_ref.rollout.scheduling_policy": "vllm engine setting, chosen by the engine",
     "actor_rollout_ref.rollout.multi_stage_wake_up": "memory setting",
     "actor_rollout_ref.rollout.layered_summon": "memory setting",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": "weights sync in memory (rollout.reshard)",
     "actor_rollout_ref.rollout.data_parallel_size": "generation is data-parallel over the actor's devices",
     "actor_rollout_ref.rollout.expert_parallel_size": "no expert parallelism (dense models)",
     "actor_rollout_ref.rollout.pipeline_model_parallel_size": "see rollout.pg",
@@ -251,6 +258,8 @@ NOTED: dict[str, str] = {
     "trainer.max_critic_ckpt_to_keep": "trainer.keep_last covers every model",
     "trainer.ray_wait_register_center_timeout": "Ray start-up waits are the launcher's own",
     "trainer.use_legacy_worker_impl": "one worker implementation",
+    "trainer.profile_steps": "profiling",
+    "ray_init.timeline_json_file": "no Ray timeline",
     "ray_kwargs.timeline_json_file": "no Ray timeline",
 }
 
@@ -258,6 +267,9 @@ NOTED: dict[str, str] = {
 NOTED_TREES: dict[str, str] = {
     "*.profiler.*": "profiling",
     "global_profiler.*": "profiling",
+    "trainer.npu_profile.*": "profiling",
+    "trainer.controller_nsight_options.*": "profiling",
+    "trainer.worker_nsight_options.*": "profiling",
     "*.checkpoint.*": "checkpoints hold every part (docs/checkpoints.md)",
     "actor_rollout_ref.model.fused_kernel_options.*": "no fused kernels",
     "actor_rollout_ref.model.tiled_mlp.*": "memory setting",

@@ -50,6 +50,9 @@ REFUSALS = [
     ("reward_model.sandbox_fusion.url=http://127.0.0.1:8080/run_code", "sandboxed code execution is not supported yet; remove it or set None"),
     ("data.custom_cls.path=my_dataset.py", "custom dataset classes are not supported yet (data.dataset registers one); remove it or set None"),
     (R + "do_sample=False", "for greedy training rollouts set actor_rollout_ref.rollout.temperature=0; remove it or set True"),
+    (R + "use_fire_sampling=True", "no FIRE sampling: every token at the temperature; remove it or set False"),
+    ("actor_rollout_ref.ref.model=other_model", "the reference is the policy's initial weights (model.path); remove it or set None"),
+    (A + "clip_ratio_hgih=0.3", "is not known here; remove it (docs/verl.md lists them)"),  # verl refuses it too
 ]  # fmt: skip
 
 
