@@ -1,11 +1,12 @@
-"""verl settings whose meaning depends on other keys, mapped as verl reads them (config/verl.py runs
-these after the one-key mappings; docs/verl.md, "Keys read together").
+"""verl settings whose meaning depends on other keys, mapped as verl reads them (config/verl.py;
+docs/verl.md, "Read together").
 
 Each rule runs before the one-key mappings: it pops the verl keys it alone reads from `flat` (verl's
-dotted keys -> values; keys other mappings also read stay) and writes ours into `out` (applied after the
-one-key mappings, so it wins over them), or appends one line to `errors` naming the key and why it cannot run here. Some targets are
-settings that land with other features (the policy losses, DAPO, rollout correction): while a target
-key is absent from our schema, a value that would need it is refused and verl's default is accepted.
+dotted keys -> values; keys that other mappings read too stay there) and writes ours into `out`, which
+is applied after the one-key mappings and so wins over them; or it appends one line to `errors` naming
+the key and why it cannot run here. Some targets are settings that land with other features (the
+policy losses, DAPO, rollout correction): while a target key is absent from our schema, a value that
+needs it is refused and verl's default is accepted.
 """
 
 from __future__ import annotations
