@@ -17,11 +17,12 @@ tests/config/test_verl.py runs verl's GSM8K PPO and GRPO quick-start command lin
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
 from hybridflow.config.loader import ConfigError, apply_overrides
-from hybridflow.config.verl_keys import NOTED_TREES, REFUSED, classify
+from hybridflow.config.verl_keys import NOTED, NOTED_TREES, REFUSED, classify
 from hybridflow.config.verl_rules import OUR_KEYS, OUR_MAPPINGS, RULES
 
 # sections only verl has: any of them (in the YAML or the overrides) means "this is a verl config"
@@ -216,11 +217,22 @@ def _map_key(key: str, value: Any, mapped: dict, notes: list, errors: list[str],
     elif ours is not None:
         mapped[ours] = value
     elif (kind := classify(key, value)) is None:  # as verl's struct config does with a key it lacks
-        errors.append(f"verl key {key}={value!r} is not known here; remove it (docs/verl.md lists them)")
+        errors.append(
+            f"verl key {key}={value!r} is not known here{_near(key)}; remove it (docs/verl.md lists them)"
+        )
     elif kind[0] == "tree":
         trees.setdefault(kind[1], []).append(key)
     else:
         (errors if kind[0] == "error" else notes).append(kind[1])
+
+
+def _near(key: str) -> str:
+    """' (did you mean ...?)' for a misspelt key: the closest verl key of the tables, or of ours."""
+    moved = [
+        theirs + k[len(mine) :] for theirs, mine in PREFIXES.items() for k in OUR_KEYS if k.startswith(mine)
+    ]
+    near = difflib.get_close_matches(key, [*RENAMES, *REFUSED, *NOTED, *moved], n=1, cutoff=0.85)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:

@@ -52,7 +52,7 @@ REFUSALS = [
     (R + "do_sample=False", "for greedy training rollouts set actor_rollout_ref.rollout.temperature=0; remove it or set True"),
     (R + "use_fire_sampling=True", "no FIRE sampling: every token at the temperature; remove it or set False"),
     ("actor_rollout_ref.ref.model=other_model", "the reference is the policy's initial weights (model.path); remove it or set None"),
-    (A + "clip_ratio_hgih=0.3", "is not known here; remove it (docs/verl.md lists them)"),  # verl refuses it too
+    (A + "clip_ratio_hgih=0.3", f"is not known here (did you mean {A}clip_ratio_high?); remove it (docs/verl.md lists them)"),
 ]  # fmt: skip
 
 
