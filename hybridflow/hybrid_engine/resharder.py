@@ -199,7 +199,7 @@ class Resharder:
     def _to_generation(self) -> tuple[dict[str, torch.Tensor], _Sizes]:
         hf = self.engine.hf_model
         out: dict[str, torch.Tensor] = {}
-        sizes = _Sizes()
+        sizes = _Sizes(self.tp_size, self.dp_size)
         params = None
         for unit, names in self.units:
             keep = self._keeps_unit(names)
@@ -210,7 +210,7 @@ class Resharder:
             transient, bucket = 0, []
             for name in names:
                 local, dim = _local(params[name])
-                transient += sizes.add(local, dim, name in self.vocab, unit is not None, self)
+                transient += sizes.add(local, dim, name in self.vocab, unit is not None)
                 if keep:  # the unit stays unsharded: its own tensors are the generation weights
                     out[name] = self.ledger.hold(local)
                 elif (direct := self._direct(name, local, dim)) is not None:
@@ -297,22 +297,24 @@ class Resharder:
 class _Sizes:
     """Bytes of the weights one switch saw, the inputs of cost.fsdp_switch_cost."""
 
+    tp_size: int
+    dp_size: int
     split: int = 0  # TP-split weights, whole (local bytes x tp)
     whole: int = 0  # weights every TP rank holds whole
     vocab: int = 0  # of those, the embeddings split over the vocabulary
     fsdp: int = 0  # received by FSDP2's unit all-gathers
 
-    def add(self, local: torch.Tensor, dim: int | None, vocab: bool, fsdp_unit: bool, rs: Resharder) -> int:
+    def add(self, local: torch.Tensor, dim: int | None, vocab: bool, fsdp_unit: bool) -> int:
         """Count one weight; returns its local bytes."""
         nbytes = tensor_bytes(local)
         if dim is None:
             self.whole += nbytes
             self.vocab += nbytes if vocab else 0
         else:
-            self.split += nbytes * rs.tp_size
+            self.split += nbytes * self.tp_size
         if fsdp_unit:  # FSDP2 all-gathers a dim-0 shard (padded to dp equal rows) per rank
-            rows = -(-local.shape[0] // rs.dp_size)
-            self.fsdp += (rs.dp_size - 1) * rows * (nbytes // max(local.shape[0], 1))
+            rows = -(-local.shape[0] // self.dp_size)
+            self.fsdp += (self.dp_size - 1) * rows * (nbytes // max(local.shape[0], 1))
         return nbytes
 
 
