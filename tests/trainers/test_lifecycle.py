@@ -167,6 +167,7 @@ def _stop_hung_run(proc, log: Path, signals: int, limit_s: float) -> tuple[float
     tree = descendants(proc.pid) | {proc.pid}
     ports = listening(tree)
     os.kill(worker, signal.SIGSTOP)
+    time.sleep(3)  # the driver reaches a call on the stopped worker (every step needs it) and waits there
     try:
         start = time.monotonic()
         for _ in range(signals):
@@ -177,6 +178,7 @@ def _stop_hung_run(proc, log: Path, signals: int, limit_s: float) -> tuple[float
     finally:
         for p in alive(tree):
             os.kill(p, signal.SIGKILL)
+    print(f"{log.name}: exit {rc} {elapsed:.1f} s after the first SIGTERM")
     assert rc == 143 and "Traceback" not in log.read_text()
     _assert_gone(tree, ports)
     return elapsed, _lines(log)[-1]
