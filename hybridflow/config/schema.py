@@ -318,6 +318,11 @@ class TrainerConfig:
     stop_grace_s: float = _f(
         120.0, "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them"
     )
+    hang_timeout_s: float = _f(
+        0.0,
+        "a worker call during which no rank finishes for this long is a hung worker: its group is killed "
+        "and restarted like a dead one (trainer.max_restarts); 0 = off. Set above the longest call",
+    )
     keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)")
     resume: str = _f(
         "auto", "auto = continue from the latest checkpoint, never, a step number (12), or a checkpoint path"

@@ -300,7 +300,8 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         errors.append(
             f"trainer.experiment_name: {name!r} must be a relative name inside trainer.output_dir (no '..', not absolute)"
         )
-    for key in ("max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s", "min_devices"):
+    for key in ("max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s", "min_devices",
+                "hang_timeout_s"):  # fmt: skip
         if getattr(t, key) < 0:
             errors.append(f"trainer.{key}: must be >= 0, got {getattr(t, key)}")
     if t.min_devices > cfg.resources.num_devices:
