@@ -30,6 +30,7 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
     SafeRLHFConfig,  # noqa: F401
     SFTConfig,  # noqa: F401
 )
+from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.engines.config import OptimConfig, ParallelConfig
 from hybridflow.fields import section, setting
 
@@ -131,6 +132,11 @@ class ActorConfig:
         "this cap), correcting for the rollout's one-step-older policy (verl's name; <= 0 = no correction)",
     )
     loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    mask_truncated: bool = _f(
+        False,
+        "DAPO's overlong filtering: responses that reached rollout.response_length take no part in the loss "
+        "(algorithm.name=dapo)",
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
     parallel: ParallelConfig = _sub(ParallelConfig, "actor training parallelism")
@@ -201,6 +207,11 @@ class CriticConfig:
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
     cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value")
     loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    mask_truncated: bool = _f(
+        False,
+        "DAPO's overlong filtering: responses that reached rollout.response_length take no part in the loss "
+        "(algorithm.name=dapo)",
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
     parallel: ParallelConfig = _sub(ParallelConfig, "critic training parallelism")
@@ -252,6 +263,9 @@ class RewardConfig:
     )
     micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
+    overlong_buffer: OverlongBufferConfig = _sub(
+        OverlongBufferConfig, "DAPO's overlong reward shaping of training scores (algorithm.name=dapo)"
+    )
 
 
 # ---- cluster and run ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import re
 
 from hybridflow.config.algorithms import ALGORITHM_SPECS
+from hybridflow.config.dapo import dapo_errors
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.model_checks import data_and_model_errors
 from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices, with_frozen_on_rollout
@@ -251,6 +252,7 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
             errors.append(f"{key}: must be in (0, 1], got {v}")
     errors += rollout_engine_errors(cfg)
     errors += rollout_ahead_errors(cfg, spec)
+    errors += dapo_errors(cfg)
 
     errors += data_and_model_errors(cfg, spec, check_model)
 
