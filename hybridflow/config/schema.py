@@ -207,11 +207,6 @@ class CriticConfig:
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
     cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value")
     loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
-    mask_truncated: bool = _f(
-        False,
-        "DAPO's overlong filtering: responses that reached rollout.response_length take no part in the loss "
-        "(algorithm.name=dapo)",
-    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
     parallel: ParallelConfig = _sub(ParallelConfig, "critic training parallelism")
