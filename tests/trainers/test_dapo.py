@@ -96,6 +96,17 @@ def test_resumed_dapo_run_repeats_the_uninterrupted_run(ray_cluster, make_config
         assert comparable(a) == comparable(b), a["step"]
 
 
+def test_dapo_with_its_additions_off_is_grpo_number_for_number(ray_cluster, make_config):
+    """Scoring moved into the generation phase changes nothing: same samples, scores, losses."""
+    runs = {}
+    for name in ("grpo", "dapo"):
+        with build_trainer(make_config(name, DIGITS, "trainer.val_every=0")) as trainer:
+            runs[name] = [comparable(h) for h in trainer.fit()]
+    dapo = [{k: v for k, v in row.items() if not k.startswith("dapo/")} for row in runs["dapo"]]
+    assert dapo == runs["grpo"]
+    assert [row["dapo/num_gen_batches"] for row in runs["dapo"] if row["step"]] == [1.0, 1.0]
+
+
 def test_a_step_that_cannot_fill_its_batch_stops_the_run_in_one_line(ray_cluster, make_config):
     # exact match: the untrained model never answers, so every group is all zeros
     cfg = make_config(
