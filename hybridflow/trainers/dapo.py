@@ -34,12 +34,11 @@ from hybridflow.algorithms.dynamic_sampling import (
 )
 from hybridflow.batch import Batch
 from hybridflow.config.algorithms import ALGORITHM_SPECS
-from hybridflow.controller.process import INFO_KEY
 from hybridflow.errors import RunStopped
 from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.grpo import GRPOTrainer
 
-# meta["global_step"] of generation batch k > 0: the actor's sampling-seed key, apart from every step's
+# meta.global_step of generation batch k > 0: the actor's sampling-seed key, apart from every step's
 # own (k = 0) and from validation's (1_000_000 + calls)
 _REFILL_KEY = 1_000_000_000
 # fields whose columns start with the prompt's (left-padded) ones: padded further left to concatenate
@@ -54,12 +53,13 @@ class DAPOTrainer(GRPOTrainer):
         """Generate, score and keep varied groups until the batch is full (filter_groups), or once."""
         fg, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
         acc = GroupAccumulator(len(prompts), n, concat=self._concat)
-        step_meta, all_scores, batch = dict(prompts.meta), [], prompts
+        all_scores, batch = [], prompts
         while True:
             if acc.num_gen_batches:
                 batch = self.train_loader.next_batch()
-                batch.meta.update(step_meta, global_step=_REFILL_KEY * acc.num_gen_batches + self.global_step)
+                batch.meta.global_step = _REFILL_KEY * acc.num_gen_batches + self.global_step
             rollout = super().generate(batch)
+            rollout.meta.global_step = self.global_step  # a refill's rows belong to this step
             rollout["scores"] = self._shaped_scores(rollout)
             all_scores.append(rollout["scores"])
             keep = keep_groups(self._filter_metric(rollout), rollout["uid"]) if fg.enable else None
@@ -74,7 +74,6 @@ class DAPOTrainer(GRPOTrainer):
                     "the policy; raise max_num_gen_batches (0 = unlimited) or change the data"
                 )
         out = acc.take()
-        out.meta.update(step_meta)
         self.metrics.update(self._sampling_metrics(acc, out, torch.cat(all_scores)))
         return out
 
@@ -150,7 +149,7 @@ def left_pad_prompts(batch: Batch, width: int, pad_id: int) -> Batch:
     extra = width - batch["prompts"].shape[1]
     if extra == 0:
         return batch
-    out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
+    out = Batch(dict(batch.tensors), dict(batch.non_tensors), batch.meta.copy())
     for key, fill in _PROMPT_LEFT.items():
         t = batch[key]
         pad = torch.full(
@@ -168,5 +167,5 @@ def make_dapo_experience(cap: int, advantage_fn, algo, kl_coef: float, state: di
     if cap:
         rows = truncated_rows(batch["response_mask"], cap)
         batch["response_mask"] = batch["response_mask"] * (~rows).to(batch["response_mask"].dtype)[:, None]
-        batch.meta[INFO_KEY]["dapo/masked_truncated"] = float(rows.float().mean())
+        batch.meta.call_info["dapo/masked_truncated"] = float(rows.float().mean())
     return batch

@@ -24,7 +24,7 @@ DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 def _step(trainer):
     batch = trainer.train_loader.next_batch()
     trainer.global_step += 1
-    batch.meta["global_step"] = trainer.global_step
+    batch.meta.global_step = trainer.global_step
     out, metrics = trainer.train_step(batch)
     trainer.timers.pop()
     return out, metrics
