@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from hybridflow.algorithms.dynamic_sampling import overlong_penalty
+from hybridflow.controller import strict_device
 from hybridflow.errors import RunStopped, UserError
+from hybridflow.models import load_reward_model, save_hf_model
 from hybridflow.trainers import build_trainer
 from tests.trainers.lifecycle_helpers import comparable
+from tests.trainers.test_strict_device import forbid_cuda_in_driver
 
 REWARDS = Path(__file__).with_name("dapo_rewards.py")
 HALF = f"reward.fn={REWARDS}:half_constant"
@@ -150,3 +153,25 @@ def test_the_acc_metric_keeps_groups_by_the_reward_functions_acc(ray_cluster, ma
 def test_refused_before_any_worker_starts(make_config, overrides, message):
     with pytest.raises(UserError, match=message):
         make_config("dapo", *overrides)
+
+
+def test_reward_model_path_on_two_ranks_under_device_strict_mode(
+    ray_cluster, make_config, tmp_path, monkeypatch
+):
+    """The GPU path (docs/operations.md, device-strict mode): scores from a reward model on 2 ranks, fetched
+    for the filter; refills concatenated; truncated rows masked on the actor's rank 0; no CUDA call in
+    the driver. Reward-model scores are continuous, so groups vary and the filter keeps them."""
+    torch.manual_seed(3)
+    rm = save_hf_model(load_reward_model(make_config("dapo").model.path), tmp_path / "rm")
+    monkeypatch.setenv(strict_device.ENV, "1")
+    forbid_cuda_in_driver(monkeypatch)
+    args = ("reward.kind=model", f"model.reward_model_path={rm}", "algorithm.filter_groups.enable=true",
+            "rollout.response_length=16", "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8",
+            "actor.mask_truncated=true", "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false")  # fmt: skip
+    with build_trainer(make_config("dapo", *args, devices=2)) as trainer:
+        history = trainer.fit()
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["dapo/num_gen_batches"] >= 1 and h["dapo/groups_kept"] >= 4
+        assert np.isfinite([h["actor/pg_loss"], h["reward/mean"], h["dapo/overlong_penalty_mean"]]).all()
+        assert h["dapo/masked_truncated"] == h["response_length/clip_ratio"]
