@@ -62,7 +62,9 @@ class Batch:
     def from_dict(
         cls, tensors: dict | None = None, non_tensors: dict | None = None, meta: BatchMeta | None = None
     ) -> Batch:
-        return cls(dict(tensors or {}), dict(non_tensors or {}), meta.copy() if meta is not None else BatchMeta())
+        return cls(
+            dict(tensors or {}), dict(non_tensors or {}), meta.copy() if meta is not None else BatchMeta()
+        )
 
     def _check(self) -> None:
         sizes = {k: v.shape[0] for k, v in self.tensors.items()}
