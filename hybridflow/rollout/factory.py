@@ -33,9 +33,7 @@ def build_generation_engine(
     if r.engine == "builtin":
         from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
 
-        return BuiltinEngine(
-            model, BuiltinEngineConfig(cpu_threads=r.cpu_threads, cpu_streams=r.cpu_streams, dtype=dtype)
-        )
+        return BuiltinEngine(model, BuiltinEngineConfig(cpu_threads=r.cpu_threads, dtype=dtype))
     if r.engine == "vllm":
         from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -88,13 +86,6 @@ def require_rollout_engine(cfg) -> None:
 def rollout_engine_errors(cfg) -> list[str]:
     """One line per rollout setting the chosen engine would not use (see docs/rollout.md)."""
     r, errors = cfg.rollout, []
-    if r.cpu_streams < 0:
-        errors.append(f"rollout.cpu_streams: must be >= 0 (0 = auto, 1 = off), got {r.cpu_streams}")
-    elif r.engine == "vllm" and r.cpu_streams != 1:
-        errors.append(
-            f"rollout.cpu_streams: {r.cpu_streams} is a builtin-engine setting; vLLM schedules its own "
-            "batch (remove it, or set rollout.engine=builtin)"
-        )
     if r.engine == "builtin" and r.gpu_memory_utilization:
         errors.append(
             f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} is a vLLM setting; the builtin engine "
