@@ -251,8 +251,7 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
         if not 0.0 < v <= 1.0:
             errors.append(f"{key}: must be in (0, 1], got {v}")
     errors += rollout_engine_errors(cfg)
-    errors += rollout_ahead_errors(cfg, spec)
-    errors += dapo_errors(cfg)
+    errors += rollout_ahead_errors(cfg, spec) + dapo_errors(cfg)
 
     errors += data_and_model_errors(cfg, spec, check_model)
 
