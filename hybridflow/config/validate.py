@@ -13,10 +13,10 @@ import os
 import re
 
 from hybridflow.config.algorithms import ALGORITHM_SPECS
-from hybridflow.config.loader import ConfigError
 from hybridflow.config.model_checks import data_and_model_errors
 from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices, with_frozen_on_rollout
 from hybridflow.config.schema import LOGGERS, HybridFlowConfig, ParallelConfig
+from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.layout import generation_layout_errors
 from hybridflow.rollout.factory import rollout_engine_errors
 

@@ -77,7 +77,7 @@ def require_rollout_engine(cfg) -> None:
     run starts, not in validate_config: `hybridflow config show` must work on any machine."""
     import importlib.util
 
-    from hybridflow.config.loader import ConfigError
+    from hybridflow.errors import ConfigError
 
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
