@@ -13,7 +13,9 @@ Aliases are tracked per module, flow-insensitively: generous, but never by field
 `.tg` of an unrelated object does not count as reading `rollout.tg`.
 
 Not counted: config/schema.py, config/algorithm_config.py, engines/config.py (they define the fields),
-the loader and the CLI (they handle every field alike) and the checks of validate.py and model_checks.py.
+the loader and the CLI (they handle every field alike), the checks of validate.py and model_checks.py, and
+config/roles.py, which copies fields into the role workers' configs: a worker's read of its copy
+(`self.config.seed`, typed ActorWorkerConfig) counts for the field copied (`trainer.seed`).
 resolve_config and its helpers count: deriving values from a field acts on it (filling in a field's own
 default, `if x.f == 0: x.f = ...`, does not), and so do the config classes' own properties.
 
@@ -36,7 +38,7 @@ from hybridflow.config.validate import NOT_YET
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hybridflow"
 SKIP = {"engines/config.py", "fields.py", "config/loader.py", "config/cli.py", "config/algorithm_config.py",
-        "config/model_checks.py"}  # fmt: skip
+        "config/model_checks.py", "config/roles.py"}  # fmt: skip
 # Modules where only some top-level functions or classes count: validate.py's derivations (the rest
 # only checks values), and schema.py's classes for their properties (num_devices, run_dir); its field
 # definitions are not reads.
@@ -197,8 +199,24 @@ def package_reads() -> set[tuple[str, str]]:
     return reads
 
 
+def role_copies() -> dict[str, set[tuple[str, str]]]:
+    """Tree fields config/roles.py copies into a worker config's own field (`seed=cfg.trainer.seed`):
+    dotted path -> {('<ActorWorkerConfig>', 'seed'), ...}. Copying is not acting; the worker's read is."""
+    out: dict[str, set[tuple[str, str]]] = {}
+    for node in ast.walk(ast.parse((PACKAGE / "config" / "roles.py").read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            for kw in node.keywords:
+                chain = _chain(kw.value)
+                if chain and chain.count(".") >= 2:  # a field (cfg.trainer.seed), not a section
+                    out.setdefault(chain.removeprefix("cfg."), set()).add((f"<{node.func.id}>", kw.arg))
+    return out
+
+
 def unread_fields() -> list[str]:
     reads = package_reads()
+    for path, copies in role_copies().items():  # a worker reading its copy reads the tree's field
+        if copies & reads:
+            reads.add((path.split(".")[-2], path.split(".")[-1]))
     exempt = set(NOT_YET) | set(CHECKED_ONLY)
     return [
         path
