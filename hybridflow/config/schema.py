@@ -20,6 +20,8 @@ Conventions:
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,8 +32,8 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
     SafeRLHFConfig,  # noqa: F401
     SFTConfig,  # noqa: F401
 )
-from hybridflow.engines.config import OptimConfig, ParallelConfig
-from hybridflow.fields import section, setting
+from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors
+from hybridflow.fields import at_least, section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
 
@@ -363,3 +365,104 @@ class HybridFlowConfig:
         import os
 
         return os.path.join(self.trainer.output_dir, self.trainer.experiment_name)
+
+
+# ---- each section's own checks, one line per problem naming its key (config/validate.collect_errors runs
+# them; a check that needs another section lives there). Choices are checked from the field metadata.
+def model_errors(m: ModelConfig) -> list[str]:
+    if m.share_prompt is True and m.remove_padding is False:
+        return [
+            "model.share_prompt: true needs padding removal (shared prompts live in packed rows), but "
+            "model.remove_padding is false; set share_prompt to null or false, or remove_padding to null or true"
+        ]
+    return []
+
+
+def data_errors(d: DataConfig) -> list[str]:
+    sizes = {"data.train_batch_size": d.train_batch_size, "data.max_prompt_length": d.max_prompt_length}
+    return at_least(1, sizes) + at_least(0, {"data.val_batch_size": d.val_batch_size})
+
+
+def actor_errors(a: ActorConfig) -> list[str]:
+    errors = at_least(1, {"actor.ppo_mini_batch_size": a.ppo_mini_batch_size, "actor.ppo_epochs": a.ppo_epochs,
+                          "actor.micro_batch_size_per_device": a.micro_batch_size_per_device})  # fmt: skip
+    errors += at_least(0, {"actor.max_tokens_per_micro_batch": a.max_tokens_per_micro_batch})
+    if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
+        errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
+    if a.clip_ratio_c <= 1.0:
+        errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {a.clip_ratio_c}")
+    return errors + optim_errors(a.optim, "actor.optim")
+
+
+def rollout_errors(r: RolloutConfig) -> list[str]:
+    errors = at_least(1, {"rollout.n": r.n, "rollout.val.n": r.val.n, "rollout.response_length": r.response_length,
+                          "rollout.tg": r.tg, "rollout.pg": r.pg})  # fmt: skip
+    for key, sampling in {"rollout": r, "rollout.val": r.val}.items():
+        if sampling.temperature < 0:
+            errors.append(f"{key}.temperature: must be >= 0, got {sampling.temperature}")
+        if not 0.0 < sampling.top_p <= 1.0:
+            errors.append(f"{key}.top_p: must be in (0, 1], got {sampling.top_p}")
+    return errors  # what each engine uses: rollout/factory.rollout_engine_errors
+
+
+def critic_errors(c: CriticConfig) -> list[str]:
+    errors = at_least(1, {"critic.micro_batch_size_per_device": c.micro_batch_size_per_device})
+    errors += at_least(0, {"critic.max_tokens_per_micro_batch": c.max_tokens_per_micro_batch})
+    return errors + optim_errors(c.optim, "critic.optim")
+
+
+def ref_errors(r: RefConfig) -> list[str]:
+    return at_least(1, {"ref.micro_batch_size_per_device": r.micro_batch_size_per_device}) + at_least(
+        0, {"ref.max_tokens_per_micro_batch": r.max_tokens_per_micro_batch}
+    )
+
+
+def reward_errors(r: RewardConfig) -> list[str]:
+    errors = at_least(0, {"reward.num_workers": r.num_workers, "reward.chunk_size": r.chunk_size})
+    if not 0.0 <= r.max_error_fraction <= 1.0:
+        errors.append(f"reward.max_error_fraction: must be in [0, 1], got {r.max_error_fraction}")
+    for key, v in {
+        "reward.max_abs_score": r.max_abs_score,
+        "reward.startup_timeout_s": r.startup_timeout_s,
+    }.items():
+        if not v > 0:
+            errors.append(f"{key}: must be > 0, got {v}")
+    return errors
+
+
+def resources_errors(r: ResourcesConfig) -> list[str]:
+    errors = at_least(1, {"resources.n_gpus_per_node": r.n_gpus_per_node, "resources.nnodes": r.nnodes})
+    if r.placement not in ("colocate", "split", "auto") and not os.path.isfile(r.placement):
+        errors.append(
+            f"resources.placement: {r.placement!r} is not colocate|split|auto or an existing plan file"
+        )
+    return errors
+
+
+def trainer_errors(t: TrainerConfig) -> list[str]:
+    errors = at_least(1, {"trainer.keep_last": t.keep_last, "trainer.max_skipped_steps": t.max_skipped_steps})
+    errors += at_least(0, {f"trainer.{k}": getattr(t, k) for k in ("total_steps", "total_epochs", "val_every",
+                       "save_every", "max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s",
+                       "min_devices")})  # fmt: skip
+    if t.total_steps == 0 and t.total_epochs == 0:
+        errors.append("trainer.total_steps: both total_steps and total_epochs are 0; set one of them")
+    errors += [
+        f"trainer.loggers: unknown logger {n!r}; choose from {list(LOGGERS)}"
+        for n in t.loggers
+        if n not in LOGGERS
+    ]
+    resume = str(t.resume).strip()
+    if (
+        resume not in ("auto", "never")
+        and not re.fullmatch(r"(step_)?\d+", resume)
+        and not os.path.exists(resume)
+    ):
+        errors.append(
+            f"trainer.resume: {t.resume!r} is neither 'auto', 'never', a step number nor an existing checkpoint path"
+        )
+    name = t.experiment_name
+    if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        errors.append(
+            f"trainer.experiment_name: {name!r} must be a relative name inside trainer.output_dir (no '..', not absolute)"
+        )
+    return errors
