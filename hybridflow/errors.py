@@ -42,3 +42,20 @@ class ModelFileError(UserError, ValueError):
 
 class RewardSpecError(UserError, ValueError):
     """reward.fn (or a cost_fn) names no usable function: a bad spec, a missing file, an import that fails."""
+
+
+class RewardFunctionError(RunStopped, RuntimeError):
+    """A sample's reward failed under reward.on_error=raise; `errors` lists every failed sample
+    (rewards/executor.py's RewardError records)."""
+
+    def __init__(self, message: str, errors: list):
+        self.errors = errors
+        super().__init__(message)
+
+
+class RewardFailureError(RunStopped):
+    """More than reward.max_error_fraction of a batch's rewards failed; `errors` lists every failed sample."""
+
+    def __init__(self, message: str, errors: list):
+        self.errors = errors
+        super().__init__(message)
