@@ -214,7 +214,7 @@ class Trainer(ValidationMixin):
                 raise lifecycle.Preempted(signum, self.global_step, self.latest_checkpoint())
             self.global_step += 1
             batch = self.next_prompts()
-            batch.meta["global_step"] = self.global_step
+            batch.meta.global_step = self.global_step
             start = time.perf_counter()
             with self.timers("step"), _at_step(self.global_step):
                 batch, metrics = self.train_step(batch)

@@ -27,11 +27,6 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
     from hybridflow.workers.gap_meter import GapMeter
 
 
-# batch.meta key: where the step's old log-probs come from, "rollout" | "update" | "actor" (set by the
-# driver, trainers/rl.py old_log_prob_source; "update": from the update's own forward)
-OLD_SOURCE = "old_log_probs_source"
-
-
 def actor_loss_fn(
     actor_cfg: ActorConfig,
     algo_cfg: AlgorithmConfig,
