@@ -271,3 +271,19 @@ def test_checked_only_fields_are_rejected(key):
     for overrides in CHECKED_ONLY[key]:
         cfg = load_config(None, [*BASE, *overrides], validate=False)
         assert [e for e in collect_errors(cfg, check_model=False) if e.startswith(key)], overrides
+
+
+def test_every_worker_config_field_is_read_by_its_worker():
+    """What config/roles.py sends a worker, the worker reads: a field nothing reads is one it was sent and
+    ignores. A read: `self.config.x` in a worker whose `config` parameter is typed with the class, or
+    `config.x` where the class cannot be named (rollout/factory.py, a layer below config/)."""
+    from hybridflow.config.roles import ActorWorkerConfig, CriticWorkerConfig, RewardWorkerConfig
+
+    reads = package_reads()
+    unread = [
+        f"{cls.__name__}.{f.name}"
+        for cls in (ActorWorkerConfig, CriticWorkerConfig, RewardWorkerConfig)
+        for f in dataclasses.fields(cls)
+        if (f"<{cls.__name__}>", f.name) not in reads and ("config", f.name) not in reads
+    ]
+    assert unread == []
