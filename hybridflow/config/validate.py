@@ -4,7 +4,7 @@
 numbers. `validate_config` collects every inconsistency (each naming its key and a fix) and raises
 one ConfigError: failing at step 0 with a clear message beats failing at step 1 inside a worker.
 Each section's own checks live beside its definition (config/schema.py, config/algorithm_config.py,
-engines/config.py; SECTION_CHECKS); those here relate sections to each other (batch arithmetic, the
+config/run_config.py, engines/config.py; SECTION_CHECKS); those here relate sections to each other (batch arithmetic, the
 algorithm's needs, pools and layouts).
 """
 
@@ -18,6 +18,7 @@ from hybridflow.config.algorithm_config import algorithm_errors
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.model_checks import data_and_model_errors
 from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices, with_frozen_on_rollout
+from hybridflow.config.run_config import resources_errors, trainer_errors
 from hybridflow.config.schema import (
     HybridFlowConfig,
     ParallelConfig,
@@ -26,10 +27,8 @@ from hybridflow.config.schema import (
     data_errors,
     model_errors,
     ref_errors,
-    resources_errors,
     reward_errors,
     rollout_errors,
-    trainer_errors,
 )
 from hybridflow.engines.config import parallel_errors
 from hybridflow.errors import ConfigError

@@ -40,11 +40,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hybridflow"
 SKIP = {"engines/config.py", "fields.py", "config/loader.py", "config/cli.py", "config/algorithm_config.py",
         "config/model_checks.py", "config/roles.py"}  # fmt: skip
 # Modules where only some top-level functions or classes count: validate.py's derivations (the rest
-# only checks values), and schema.py's classes for their properties (num_devices, run_dir); its field
-# definitions are not reads.
+# only checks values), and the config classes' properties (ResourcesConfig.num_devices, run_dir); their field
+# definitions and each section's checks are not reads.
 ONLY = {
     "config/validate.py": {"resolve_config", "section_devices", "split_sizes", "_dp"},
-    "config/schema.py": {"ResourcesConfig", "HybridFlowConfig"},
+    "config/schema.py": {"HybridFlowConfig"},
+    "config/run_config.py": {"ResourcesConfig"},
 }
 BASE = ["model.path=m", "data.dataset=synthetic:arithmetic"]
 

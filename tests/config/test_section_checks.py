@@ -7,14 +7,13 @@ import dataclasses
 
 from hybridflow.config import HybridFlowConfig, load_config
 from hybridflow.config.algorithm_config import AlgorithmConfig, DPOConfig, algorithm_errors
+from hybridflow.config.run_config import TrainerConfig, trainer_errors
 from hybridflow.config.schema import (
     ActorConfig,
     RolloutConfig,
     RolloutValConfig,
-    TrainerConfig,
     actor_errors,
     rollout_errors,
-    trainer_errors,
 )
 from hybridflow.config.validate import SECTION_CHECKS, collect_errors
 from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors, parallel_errors
