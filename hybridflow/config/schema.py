@@ -56,8 +56,8 @@ class ModelConfig:
     dtype: str = _f(
         "auto",
         "compute dtype of the actor (fp32 master weights under mixed precision), generation and the frozen "
-        "models (auto = bfloat16 on GPU, float32 on CPU; bfloat16 is faster on CPUs with AVX512-BF16 for "
-        "models from ~10M params; docs/rollout.md)",
+        "models (auto = bfloat16 on GPU, float32 on CPU; docs/rollout.md, 'Compute dtype', says when "
+        "bfloat16 pays on CPU)",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     remove_padding: Optional[bool] = _f(
@@ -173,13 +173,6 @@ class RolloutConfig:
     micro_batch_size_per_device: int = _f(0, "prompts per generate() call on one device (0 = all at once)")
     cpu_threads: int = _f(
         0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
-    )
-    cpu_streams: int = _f(
-        1,
-        "builtin engine on CPU with >= 2 threads: decode the rows as this many parallel streams, one "
-        "thread each, same bits as 1 thread (1 = off, the default: at 25M, 0.7-0.8x the speed of 2 "
-        "OpenMP threads under load, 0.8-1.1x when lighter, docs/bench/generation.md; 0 = auto: one per thread "
-        "from 5M params)",
     )
     gpu_memory_utilization: float = _f(
         0.0,

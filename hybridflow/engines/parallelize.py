@@ -42,6 +42,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__} (looked for .layers / .h)")
 
 
+def _distribute_conv1d(style, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """A Conv1D under `style`: the style's own partition (Conv1D's weight is stored (in, out)) and
+    input/output hooks, wired as torch's ColwiseParallel/RowwiseParallel wire them for an nn.Linear."""
+    return distribute_module(
+        module,
+        device_mesh,
+        style._partition,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
 class _Conv1DColwise(ColwiseParallel):
     """ColwiseParallel for HF's Conv1D (weight stored (in, out): shard dim 1, bias dim 0).
     `permute` reorders output columns before sharding (GPT-2's fused qkv)."""
@@ -60,14 +72,7 @@ class _Conv1DColwise(ColwiseParallel):
             module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
     def _apply(self, module, device_mesh):
-
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_conv1d(self, module, device_mesh)
 
 
 class _Conv1DRowwise(RowwiseParallel):
@@ -80,15 +85,8 @@ class _Conv1DRowwise(RowwiseParallel):
             module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
     def _apply(self, module, device_mesh):
-
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_conv1d(self, module, device_mesh)
 
 
 def _check_divisible(config, tp: int, names: tuple[str, ...]) -> None:

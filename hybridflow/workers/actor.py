@@ -38,7 +38,7 @@ from hybridflow.config.roles import ActorWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.engines.train_engine import cast_parameters
-from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
+from hybridflow.hybrid_engine.resharder import build_resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
@@ -96,11 +96,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         """Generation replicas of the 3D-HybridEngine's layout (hybrid_engine/layout.py GenLayout)."""
         r = self.config.rollout
         if "actor" in self.roles:
-            t, d, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
+            tp, dp, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
         else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py,
             tg = r.tg  # or vLLM's own over the pool's ranks: the same consecutive ones)
-            t, d = tg, self.world_size // tg
-        gen = generation_layout(r.reshard, t, d, tg)
+            tp, dp = tg, self.world_size // tg
+        gen = generation_layout(r.reshard, tp, dp, tg)
         g_tp = gen.coords(self.rank)[2]
         self.set_layout(
             "rollout", dp_rank=gen.replica(self.rank), dp_size=gen.num_replicas, tp_rank=g_tp, tp_size=gen.tg
@@ -135,7 +135,9 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             if self.actor is not None:
                 r = self.config.rollout
                 # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md)
-                self.resharder = Resharder(self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin")
+                self.resharder = build_resharder(
+                    self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin"
+                )
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())

@@ -15,7 +15,7 @@ so actor rank 0 returns as soon as they are issued and starts the next update wh
 backend's own threads push the bytes (gloo's worker threads; NCCL's stream). Only the rollout pool, which
 needs the weights before it generates, waits for them. The next sync (or a new sync group) first waits
 for the previous one's broadcasts; at most SEND_INFLIGHT_BYTES of buckets are held at once, so a large
-model's sync overlaps its last SEND_INFLIGHT_BYTES with the update and waits for the rest as before.
+model's sync overlaps its last SEND_INFLIGHT_BYTES with the update and waits for the rest.
 
 Both sides walk the same list of (name, shape, dtype), the rollout model's state dict without tied
 duplicates, so they cut the same buckets without sending any layout information per sync. A tensor-parallel

@@ -29,18 +29,12 @@ def errors(overrides, check_model=False) -> list[str]:
 
 
 def test_builtin_engine_from_config():
-    cfg = load_config(None, [*BASE, "rollout.cpu_threads=3", "rollout.cpu_streams=2"], check_model=False)
+    cfg = load_config(None, [*BASE, "rollout.cpu_threads=3"], check_model=False)
     eng = build_generation_engine(worker_config(cfg, "actor_rollout"), build_tiny_model("tiny", "llama"))
     assert isinstance(eng, BuiltinEngine) and eng.config.cpu_threads == 3
-    assert eng._row_streams(3).n == 2, "rollout.cpu_streams reaches the engine"
 
 
 def test_settings_an_engine_does_not_use_are_rejected():
-    (e,) = errors(["rollout.cpu_streams=-1"])
-    assert e.startswith("rollout.cpu_streams:") and "\n" not in e
-    for streams in (0, 2):  # 1 (off) is the default
-        (e,) = errors(["rollout.engine=vllm", f"rollout.cpu_streams={streams}"])
-        assert e.startswith("rollout.cpu_streams:") and "builtin" in e
     (e,) = errors(["rollout.gpu_memory_utilization=0.4"])
     assert e.startswith("rollout.gpu_memory_utilization:") and "builtin" in e and "\n" not in e
     assert any("sglang" in x and "rollout.engine" in x for x in errors(["rollout.engine=sglang"]))
