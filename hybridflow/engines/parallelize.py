@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hybridflow.compat.hf import enable_activation_checkpointing
+from hybridflow.models.fused_qkv import fused_qkv_permutation
 
 # Attribute set on the HF model: {param name: (dim, permutation)} applied to HF-layout tensors.
 _LAYOUT_ATTR = "_hybridflow_layout_permutations"
@@ -96,11 +97,6 @@ def _check_divisible(config, tp: int, names: tuple[str, ...]) -> None:
                 f"tensor parallel size tp={tp} must divide {config.model_type} config.{name}={value}; "
                 "choose a tp that divides the head counts and hidden sizes"
             )
-
-
-def fused_qkv_permutation(embed_dim: int, tp: int) -> torch.Tensor:
-    """Column order that makes a Shard over tp give each rank [q_r, k_r, v_r] of a fused (.., 3E) qkv."""
-    return torch.arange(3 * embed_dim).view(3, tp, embed_dim // tp).transpose(0, 1).reshape(-1)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from hybridflow.hybrid_engine.sync_budget import SEND_INFLIGHT_BYTES
 from hybridflow.planner import memory as mem
 from hybridflow.planner import simulate as sim
 from hybridflow.planner.ahead_both import best_both_split
@@ -67,8 +68,6 @@ def sender_wait_fraction(task: ModelTask, cluster: ClusterSpec) -> float:
     """The share of a sync actor rank 0 waits for: it issues the broadcasts and trains on while at most
     SEND_INFLIGHT_BYTES of its packed buckets are in flight (workers/weight_sync.py); the rest it waits
     for as they are sent."""
-    from hybridflow.workers.weight_sync import SEND_INFLIGHT_BYTES
-
     total = task.spec.num_params * cluster.device.bytes_per_param
     return max(0.0, 1.0 - SEND_INFLIGHT_BYTES / total) if total else 0.0
 

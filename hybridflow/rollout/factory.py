@@ -24,8 +24,9 @@ _VLLM = None  # this process's vLLM engine, once built
 def build_generation_engine(
     config, model: torch.nn.Module, world_size: int = 1, own_weights: bool = False, dtype=None
 ) -> GenerationEngine:
-    """config: the whole HybridFlowConfig; model: the HF causal LM to generate with (the actor's own,
-    whose parameters are full tensors while generating); world_size: ranks of the rollout group;
+    """config: the actor worker's config (config/roles.ActorWorkerConfig); model: the HF causal LM to
+    generate with (the actor's own, whose parameters are full tensors while generating); world_size: ranks
+    of the rollout group;
     own_weights: a rollout pool's engine, whose weights change only by load_weights (vLLM then keeps
     its own copy: rollout/vllm_engine.py; the built-in engine reads `model` either way); dtype: the
     compute dtype to generate in (the actor's: workers/common.model_compute_dtype; None = the model's)."""
@@ -46,11 +47,11 @@ def build_generation_engine(
         _VLLM = VLLMEngine(
             model,
             VLLMEngineConfig(
-                max_model_len=config.data.max_prompt_length + r.response_length,
+                max_model_len=config.max_prompt_length + r.response_length,
                 max_num_seqs=max_sequences_per_call(config, max(1, world_size // r.tg)),  # per replica
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tg,
-                seed=config.trainer.seed,
+                seed=config.seed,
                 cpu_threads=r.cpu_threads,
                 own_weights=own_weights,
                 dtype=dtype,
@@ -62,11 +63,9 @@ def build_generation_engine(
 
 def max_sequences_per_call(config, world_size: int) -> int:
     """Most sequences one rank's generate call holds: its prompts per call times the larger n
-    (training or validation sampling)."""
-    r, d = config.rollout, config.data
-    prompts = r.micro_batch_size_per_device or -(
-        -max(d.train_batch_size, d.val_batch_size or 0) // world_size
-    )
+    (training or validation sampling). config: as for build_generation_engine."""
+    r = config.rollout
+    prompts = r.micro_batch_size_per_device or -(-config.prompts_per_step // world_size)
     return max(1, prompts) * max(r.n, r.val.n)
 
 
@@ -75,7 +74,7 @@ def require_rollout_engine(cfg) -> None:
     run starts, not in validate_config: `hybridflow config show` must work on any machine."""
     import importlib.util
 
-    from hybridflow.config.loader import ConfigError
+    from hybridflow.errors import ConfigError
 
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(

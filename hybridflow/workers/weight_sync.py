@@ -33,10 +33,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import Protocol, register
+from hybridflow.hybrid_engine.sync_budget import BUCKET_BYTES, SEND_INFLIGHT_BYTES
 from hybridflow.workers.shard_sync import build_subgroups, send_shards
-
-BUCKET_BYTES = 64 << 20  # one broadcast per bucket: few calls, bounded extra memory on both sides
-SEND_INFLIGHT_BYTES = 1 << 30  # buckets actor rank 0 may hold while their broadcasts run behind its update
 
 
 def plan_buckets(spec: list, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
