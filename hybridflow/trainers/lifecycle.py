@@ -307,6 +307,12 @@ def check_run_dir(trainer) -> Path | None:
     if path is None:
         return None
     manifest = json.loads((path / "manifest.json").read_text())
+    written_by = manifest.get("meta", {}).get("algorithm", trainer.name)
+    if written_by != trainer.name:
+        raise CheckpointError(
+            f"cannot resume: {path} was written by algorithm.name={written_by}, this run is {trainer.name}; "
+            "set trainer.resume=never or another trainer.output_dir / experiment_name"
+        )
     check_resume_compatible(path, manifest, trainer.cfg)
     if manifest["step"] >= trainer.total_steps and not trainer.cfg.trainer.val_only:
         raise RunFinished(
