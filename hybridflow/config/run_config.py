@@ -121,19 +121,25 @@ class TrainerConfig:
 
 def resources_errors(r: ResourcesConfig) -> list[str]:
     errors = at_least(1, {"resources.n_gpus_per_node": r.n_gpus_per_node, "resources.nnodes": r.nnodes})
-    if r.device == "cuda" and not r.ray_address:  # the embedded cluster runs on this machine's devices
-        import torch
-
-        if not torch.cuda.is_available():
-            errors.append(
-                "resources.device: cuda, but torch finds no CUDA device on this machine; use auto or cpu, "
-                "or resources.ray_address to join a cluster that has GPUs"
-            )
     if r.placement not in ("colocate", "split", "auto") and not os.path.isfile(r.placement):
         errors.append(
             f"resources.placement: {r.placement!r} is not colocate|split|auto or an existing plan file"
         )
     return errors
+
+
+def machine_errors(r: ResourcesConfig) -> list[str]:
+    """What this machine must have for the section (run with the disk checks: a config may be written
+    or shown on a machine other than the one it runs on)."""
+    if r.device == "cuda" and not r.ray_address:  # the embedded cluster runs on this machine's devices
+        import torch
+
+        if not torch.cuda.is_available():
+            return [
+                "resources.device: cuda, but torch finds no CUDA device on this machine; use auto or cpu, "
+                "or resources.ray_address to join a cluster that has GPUs"
+            ]
+    return []
 
 
 def trainer_errors(t: TrainerConfig) -> list[str]:
