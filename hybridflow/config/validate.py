@@ -12,6 +12,7 @@ import difflib
 import os
 import re
 
+from hybridflow.config.actor_loss import actor_loss_errors
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.model_checks import data_and_model_errors
@@ -224,10 +225,6 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     for key, v in {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items():
         if not 0.0 <= v <= 1.0:
             errors.append(f"{key}: must be in [0, 1], got {v}")
-    if act.clip_ratio_low < 0 or act.clip_ratio_high < 0:
-        errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
-    if act.clip_ratio_c <= 1.0:
-        errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {act.clip_ratio_c}")
     if not 0.0 <= a.dpo.label_smoothing < 0.5:
         errors.append(f"algorithm.dpo.label_smoothing: must be in [0, 0.5), got {a.dpo.label_smoothing}")
     for key, optim in {"actor.optim": act.optim, "critic.optim": cfg.critic.optim}.items():
@@ -251,6 +248,7 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
             errors.append(f"{key}: must be in (0, 1], got {v}")
     errors += rollout_engine_errors(cfg)
     errors += rollout_ahead_errors(cfg, spec)
+    errors += actor_loss_errors(cfg.actor)
 
     errors += data_and_model_errors(cfg, spec, check_model)
 

@@ -1,0 +1,32 @@
+"""Checks of the actor's loss settings (`actor.policy_loss`, its clip ranges, `actor.rollout_correction`),
+one line each, before any worker starts. Pure config, no torch (the functions: algorithms/policy_losses.py,
+algorithms/rollout_correction.py)."""
+
+from __future__ import annotations
+
+
+def actor_loss_errors(actor) -> list[str]:
+    """Problems of `actor` (an ActorConfig)'s loss settings."""
+    errors = []
+    if actor.clip_ratio_low < 0 or actor.clip_ratio_high < 0:
+        errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
+    if actor.clip_ratio_c <= 1.0:
+        errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {actor.clip_ratio_c}")
+    return errors + rollout_correction_errors(actor.rollout_correction)
+
+
+def rollout_correction_errors(rc) -> list[str]:
+    """Problems of a RolloutCorrectionConfig: bounds a mode would not use, or an impossible range."""
+    key = "actor.rollout_correction"
+    if rc.mode == "none":
+        return []
+    if rc.upper <= 0 or not 0 <= rc.lower < rc.upper:
+        return [f"{key}: needs 0 <= lower < upper, got lower={rc.lower}, upper={rc.upper}"]
+    if rc.mode == "tis" and rc.lower:
+        return [f"{key}.lower: tis truncates from above only (min(rho, upper)); use mode mis or icepop "
+                "for a lower bound, or remove it"]  # fmt: skip
+    if rc.mode == "icepop" and rc.level != "token":
+        return [f"{key}.level: icepop is per token; use mode mis for a sequence-level mask"]
+    if rc.mode == "icepop" and not rc.lower:
+        return [f"{key}.lower: icepop masks both sides of rho; set lower > 0 (IcePop: 0.5), or use mis"]
+    return []
