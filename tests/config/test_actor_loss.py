@@ -59,7 +59,11 @@ def test_bad_loss_settings_are_one_line(overrides, message):
 
 
 def test_masks_with_bounds_load():
-    for mode, level, lower in [("mis", "sequence", 0.0), ("icepop", "token", 0.5), ("geo_mask", "token", 0.999)]:
+    for mode, level, lower in [
+        ("mis", "sequence", 0.0),
+        ("icepop", "token", 0.5),
+        ("geo_mask", "token", 0.999),
+    ]:
         rc = load_config(None, [*BASE, f"actor.rollout_correction.mode={mode}", f"actor.rollout_correction.level={level}",
                                 f"actor.rollout_correction.lower={lower}"], check_model=False).actor.rollout_correction  # fmt: skip
         assert (rc.mode, rc.lower) == (mode, lower)

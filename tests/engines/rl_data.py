@@ -39,7 +39,9 @@ def actor_agg_loss(mode: str, norm_length: int = 8):
     from hybridflow.workers.losses import actor_loss_fn, split_aggregation
 
     actor = ActorConfig(loss_agg_mode=mode)
-    return actor_loss_fn(actor, AlgorithmConfig(), norm_length, old_from_forward=True), split_aggregation(mode)[1]
+    return actor_loss_fn(actor, AlgorithmConfig(), norm_length, old_from_forward=True), split_aggregation(
+        mode
+    )[1]
 
 
 def reference_log_probs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

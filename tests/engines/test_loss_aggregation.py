@@ -59,7 +59,9 @@ def test_whole_batch_gradient_is_the_mode_by_hand(model_dir):
     grads = {mode: _grads(engine, batch, mode, micro_batch_size=8)[1] for mode in AGG_MODES}
     tokens = float(batch["response_mask"].sum())
     name = "lm_head.weight" if "lm_head.weight" in grads["token-mean"] else next(iter(grads["token-mean"]))
-    torch.testing.assert_close(grads["token-sum"][name], grads["token-mean"][name] * tokens, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        grads["token-sum"][name], grads["token-mean"][name] * tokens, rtol=1e-4, atol=1e-6
+    )
     torch.testing.assert_close(grads["seq-mean-token-sum-norm"][name], grads["seq-mean-token-sum"][name] / 8,
                                rtol=1e-4, atol=1e-7)  # fmt: skip
     per_token = -batch["advantages"]
@@ -78,4 +80,6 @@ def test_two_dp_ranks_equal_one_process_for_every_mode(model_dir, tmp_path):
         batch = make_rl_batch(engine.hf_model.config.vocab_size, **BATCH)
         _, want = _grads(engine, batch, mode, micro_batch_size=8)
         for name, grad in want.items():
-            torch.testing.assert_close(got[mode]["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=f"{mode} {name}")
+            torch.testing.assert_close(
+                got[mode]["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=f"{mode} {name}"
+            )

@@ -17,7 +17,11 @@ from hybridflow.trainers import build_trainer
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 RUNS = {
     "vanilla": ("actor.loss_agg_mode=token-sum",),
-    "gspo": ("actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4", "actor.loss_agg_mode=seq-mean-token-mean"),
+    "gspo": (
+        "actor.clip_ratio_low=3e-4",
+        "actor.clip_ratio_high=4e-4",
+        "actor.loss_agg_mode=seq-mean-token-mean",
+    ),
     "cispo": ("actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=seq-mean-token-sum-norm"),
     "geo_mean": ("actor.rollout_correction.mode=geo_mask", "actor.rollout_correction.lower=0.5"),
 }
@@ -41,9 +45,14 @@ def test_every_policy_loss_trains_two_steps(histories):
         steps = [h for h in history if "actor/pg_loss" in h]
         assert len(steps) == 2, name
         for h in steps:
-            assert all(math.isfinite(h[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac")), name
+            assert all(
+                math.isfinite(h[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac")
+            ), name
             assert 0 <= h["actor/pg_clipfrac"] <= 1 and h["actor/step_skipped"] == 0, name
-    losses = {name: tuple(h["actor/pg_loss"] for h in history if "actor/pg_loss" in h) for name, history in histories.items()}
+    losses = {
+        name: tuple(h["actor/pg_loss"] for h in history if "actor/pg_loss" in h)
+        for name, history in histories.items()
+    }
     assert len(set(losses.values())) == len(losses), losses
 
 

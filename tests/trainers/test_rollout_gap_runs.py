@@ -61,7 +61,9 @@ def test_fp32_gap_is_rounding_only(ray_cluster, tiny_model_dir, gpt2_model_dir, 
     assert 0.0 <= metrics[MEAN] <= metrics[MAX] < 1e-4  # bound: module docstring
     assert metrics["rollout/probs_diff_max"] < 1e-4
     assert 0.0 <= metrics["rollout_corr/k3_kl"] < 5e-9 and abs(metrics["rollout_corr/kl"]) < 1e-4
-    assert abs(metrics["rollout_corr/ppl_ratio"] - 1) < 1e-4 and abs(metrics["rollout_corr/chi2_token"]) < 3e-4
+    assert (
+        abs(metrics["rollout_corr/ppl_ratio"] - 1) < 1e-4 and abs(metrics["rollout_corr/chi2_token"]) < 3e-4
+    )
     assert 1 - 1e-7 < metrics["rollout_corr/rollout_is_eff_sample_size"] <= 1 + 1e-12
     assert abs(metrics["actor/is_weight_mean"] - 1) < 1e-4 and metrics["actor/is_weight_clipfrac"] == 0.0
 
