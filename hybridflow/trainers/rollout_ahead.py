@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.checkpoint import atomic_write_text
 from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.controller import Future
@@ -85,7 +86,7 @@ class RolloutAhead:
     # ---- the generate phase -------------------------------------------------------------------------
     def generate(self, prompts: Batch) -> Batch:
         t = self.trainer
-        step = int(prompts.meta["global_step"])
+        step = prompts.meta.global_step
         actor_version = step - 1
         if self._pending_for(step):
             p, self.pending = self.pending, None
@@ -113,7 +114,7 @@ class RolloutAhead:
         if self.enabled and step < t.total_steps:
             self.sync(actor_version)
             ahead = t.train_loader.next_batch()
-            ahead.meta["global_step"] = step + 1
+            ahead.meta.global_step = step + 1
             self.pending = {"step": step + 1, "version": self.rollout_version, **self._issue(ahead)}
         return batch
 
@@ -306,7 +307,10 @@ def _save_batch(batch: Batch, stem: Path) -> None:
     from hybridflow.checkpoint.trainer_state import _to_json
 
     save_file({k: v.contiguous() for k, v in batch.tensors.items()}, f"{stem}.safetensors")
-    fields = {"non_tensors": {k: v.tolist() for k, v in batch.non_tensors.items()}, "meta": batch.meta}
+    fields = {
+        "non_tensors": {k: v.tolist() for k, v in batch.non_tensors.items()},
+        "meta": batch.meta.to_dict(),
+    }
     atomic_write_text(Path(f"{stem}.json"), json.dumps(fields, default=_to_json))
 
 
@@ -314,4 +318,4 @@ def _load_batch(stem: Path) -> Batch:
     from safetensors.torch import load_file
 
     fields = json.loads(Path(f"{stem}.json").read_text())
-    return Batch(load_file(f"{stem}.safetensors"), fields["non_tensors"], fields["meta"])
+    return Batch(load_file(f"{stem}.safetensors"), fields["non_tensors"], BatchMeta.from_dict(fields["meta"]))

@@ -27,11 +27,6 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
     from hybridflow.workers.gap_meter import GapMeter
 
 
-# batch.meta key: where the step's old log-probs come from, "rollout" | "update" | "actor" (set by the
-# driver, trainers/rl.py old_log_prob_source; "update": from the update's own forward)
-OLD_SOURCE = "old_log_probs_source"
-
-
 def split_aggregation(loss_agg_mode: str) -> tuple[str, str]:
     """loss_agg_mode -> (the micro-batch's aggregation, the engine's loss_weighting) that together give the
     mode over the whole global mini-batch whatever its split into micro-batches and dp ranks: a mean over
