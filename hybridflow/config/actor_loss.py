@@ -4,6 +4,13 @@ algorithms/rollout_correction.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
+
+_DUAL_CLIP = next(f.default for f in dataclasses.fields(ActorConfig) if f.name == "clip_ratio_c")
+_RC_DEFAULTS = RolloutCorrectionConfig()
+
 
 def actor_loss_errors(actor) -> list[str]:
     """Problems of `actor` (an ActorConfig)'s loss settings."""
@@ -12,6 +19,9 @@ def actor_loss_errors(actor) -> list[str]:
         errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
     if actor.clip_ratio_c <= 1.0:
         errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {actor.clip_ratio_c}")
+    elif actor.policy_loss != "vanilla" and actor.clip_ratio_c != _DUAL_CLIP:
+        errors.append(f"actor.clip_ratio_c: the dual clip is policy_loss vanilla's; {actor.policy_loss} "
+                      "does not use it, remove it")  # fmt: skip
     return errors + rollout_correction_errors(actor.rollout_correction)
 
 
@@ -19,7 +29,8 @@ def rollout_correction_errors(rc) -> list[str]:
     """Problems of a RolloutCorrectionConfig: bounds a mode would not use, or an impossible range."""
     key = "actor.rollout_correction"
     if rc.mode == "none":
-        return []
+        unused = [k for k in ("level", "lower", "upper") if getattr(rc, k) != getattr(_RC_DEFAULTS, k)]
+        return [f"{key}.{k}: mode none corrects nothing, so it is not used; remove it" for k in unused]
     if rc.upper <= 0 or not 0 <= rc.lower < rc.upper:
         return [f"{key}: needs 0 <= lower < upper, got lower={rc.lower}, upper={rc.upper}"]
     if rc.mode == "tis" and rc.lower:

@@ -49,6 +49,9 @@ def test_default_correction_is_token_tis_at_two():
         (("actor.rollout_correction.mode=mis", "actor.rollout_correction.lower=3"),
          "actor.rollout_correction: needs 0 <= lower < upper"),
         (("actor.clip_ratio_c=1",), "actor.clip_ratio_c: the dual-clip constant must be > 1"),
+        (("actor.policy_loss=gspo", "actor.clip_ratio_c=10"), "actor.clip_ratio_c: the dual clip is policy_loss vanilla's"),
+        (("actor.rollout_correction.mode=none", "actor.rollout_correction.upper=5"),
+         "actor.rollout_correction.upper: mode none corrects nothing"),
         (("actor.tis_imp_ratio_cap=3",), "unknown key 'actor.tis_imp_ratio_cap' (did you mean "
                                          "'actor.rollout_correction.upper'?"),
     ],
