@@ -14,12 +14,8 @@ _RC_DEFAULTS = RolloutCorrectionConfig()
 
 def actor_loss_errors(actor) -> list[str]:
     """Problems of `actor` (an ActorConfig)'s loss settings."""
-    errors = []
-    if actor.clip_ratio_low < 0 or actor.clip_ratio_high < 0:
-        errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
-    if actor.clip_ratio_c <= 1.0:
-        errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {actor.clip_ratio_c}")
-    elif actor.policy_loss != "vanilla" and actor.clip_ratio_c != _DUAL_CLIP:
+    errors = []  # the ranges of the clip ratios themselves: schema.actor_errors
+    if actor.policy_loss != "vanilla" and actor.clip_ratio_c != _DUAL_CLIP:
         errors.append(f"actor.clip_ratio_c: the dual clip is policy_loss vanilla's; {actor.policy_loss} "
                       "does not use it, remove it")  # fmt: skip
     return errors + rollout_correction_errors(actor.rollout_correction)

@@ -86,3 +86,12 @@ class AlgorithmConfig:
     safe_rlhf: SafeRLHFConfig = _sub(SafeRLHFConfig, "Safe-RLHF settings")
     dpo: DPOConfig = _sub(DPOConfig, "DPO settings")
     sft: SFTConfig = _sub(SFTConfig, "SFT settings")
+
+
+def algorithm_errors(a: AlgorithmConfig) -> list[str]:
+    """The `algorithm` section's own checks (what it needs of other sections: config/validate.py)."""
+    errors = [f"{key}: must be in [0, 1], got {v}" for key, v in
+              {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items() if not 0.0 <= v <= 1.0]  # fmt: skip
+    if not 0.0 <= a.dpo.label_smoothing < 0.5:
+        errors.append(f"algorithm.dpo.label_smoothing: must be in [0, 0.5), got {a.dpo.label_smoothing}")
+    return errors

@@ -90,7 +90,7 @@ class RLTrainer(Trainer):
             batch = self.ahead.generate(prompts)
         else:
             batch = self.actor.generate_sequences(prompts)
-        self.metrics.update(batch.meta.pop_metrics())  # reshard/*, the engine's own (rollout/cpu_streams)
+        self.metrics.update(batch.meta.pop_metrics())  # reshard/*, and any figures the engine adds
         batch.meta = batch.meta.union(prompts.meta)
         return batch
 
