@@ -30,6 +30,7 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
     SafeRLHFConfig,  # noqa: F401
     SFTConfig,  # noqa: F401
 )
+from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
 from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors
 from hybridflow.fields import at_least, section, setting
@@ -180,6 +181,11 @@ class ActorConfig:
         RolloutCorrectionConfig, "rollout-vs-training log-prob correction"
     )
     loss_agg_mode: str = _f("token-mean", _AGG_HELP, choices=LOSS_AGG_MODES)
+    mask_truncated: bool = _f(
+        False,
+        "DAPO's overlong filtering: responses that reached rollout.response_length take no part in the loss "
+        "(algorithm.name=dapo)",
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
     parallel: ParallelConfig = _sub(ParallelConfig, "actor training parallelism")
@@ -294,6 +300,9 @@ class RewardConfig:
     )
     micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
+    overlong_buffer: OverlongBufferConfig = _sub(
+        OverlongBufferConfig, "DAPO's overlong reward shaping of training scores (algorithm.name=dapo)"
+    )
 
 
 # ---- cluster and run ---------------------------------------------------------------------------
