@@ -32,6 +32,7 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
 )
 from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
+from hybridflow.config.sandbox import SandboxConfig, sandbox_errors
 from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors
 from hybridflow.fields import at_least, finite_at_least, section, setting
 
@@ -303,6 +304,7 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = _sub(
         OverlongBufferConfig, "DAPO's overlong reward shaping of training scores (algorithm.name=dapo)"
     )
+    sandbox: SandboxConfig = _sub(SandboxConfig, "limits and process containment of rule reward code")
 
 
 # ---- cluster and run ---------------------------------------------------------------------------
@@ -391,4 +393,4 @@ def reward_errors(r: RewardConfig) -> list[str]:
     }.items():
         if not v > 0:
             errors.append(f"{key}: must be > 0, got {v}")
-    return errors
+    return errors + sandbox_errors(r.sandbox)

@@ -9,6 +9,7 @@ Files:
   executor.py     RewardExecutor: scores a batch; checks every score; reported failures, max_error_fraction
   pool.py         the worker processes: per-sample timeouts, concurrent once a sample of a batch is slow
   _worker.py      one worker process: imports the user's reward code, dies with its parent
+  sandbox.py      reward code's limits, temp dir and process containment (PID namespace or subreaper)
 
 Kept free of torch imports so reward worker processes start in a fraction of a second.
 """

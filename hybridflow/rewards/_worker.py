@@ -10,7 +10,7 @@ trainer's main thread).
 Protocol on the duplex connection FD:
   parent -> worker: (spec, fn_kwargs) once; then per chunk ("seq", items, timeout_s) |
                     ("fork", items, timeout_s) | ("batch", items); None to stop.
-  worker -> parent: ("ready", pid, declared_batched) | ("init_error", one_line, traceback); then per sample
+  worker -> parent: ("ready", pid, declared_batched, containment) | ("init_error", one_line, traceback); then per sample
                     ("ok", i, score) | ("err", i, traceback) | ("timeout", i, message, started) |
                     ("died", i, message); ("spill", i) when sample i is slow enough that it may hang;
                     per batched chunk ("batch", [i...], [scores] | None, traceback | None).
@@ -24,6 +24,7 @@ An item is (index, data_source, solution_str, ground_truth, extra_info).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ import time
 
 # children of one "fork" chunk alive at once (more wait for a free slot)
 MAX_FORKS = 64
+SWEEP_S = 0.5  # how often orphans of reward code are looked for and killed (rewards/sandbox.py)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -49,7 +51,8 @@ def die_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
         threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+    if os.getppid() not in (parent_pid, 0):  # the parent died before the signal was armed (0: the
+        # parent is outside this process's PID namespace, rewards/sandbox.py)
         os._exit(1)
 
 
@@ -75,24 +78,36 @@ def serve(conn, parent_pid: int) -> None:
     import traceback
 
     from hybridflow.rewards.registry import load_reward_fn
+    from hybridflow.rewards.sandbox import Sandbox
 
+    spec, fn_kwargs, sandbox_cfg, workdir = conn.recv()
+    sandbox = Sandbox(sandbox_cfg, workdir)
     try:
-        spec, fn_kwargs = conn.recv()
+        sandbox.enter()
         fn, declared_batched = load_reward_fn(spec)
+        sandbox.after_import()
     except BaseException as e:  # SystemExit / KeyboardInterrupt at import too: reported, not a silent exit
         conn.send(("init_error", summary(e), traceback.format_exc()))
+        sandbox.close(set())
         return
-    conn.send(("ready", os.getpid(), declared_batched))
-    Scheduler(conn, fn, fn_kwargs).serve()
+    conn.send(("ready", os.getpid(), declared_batched, sandbox.mode))
+    scheduler = Scheduler(conn, fn, fn_kwargs, sandbox)
+    try:
+        scheduler.serve()
+    finally:
+        scheduler.close()
 
 
-def score_one(run_per_sample, fn, item, fn_kwargs) -> tuple:
+def score_one(run_per_sample, fn, item, fn_kwargs, sandbox) -> tuple:
     import traceback
 
+    from hybridflow.rewards.sandbox import limit_message
+
     try:
+        sandbox.before_sample()
         return ("ok", item[0], run_per_sample(fn, item, fn_kwargs))
-    except BaseException:  # sys.exit() inside the function is this sample's error, not the worker's end
-        return ("err", item[0], traceback.format_exc())
+    except BaseException as e:  # sys.exit() inside the function is this sample's error, not the worker's end
+        return ("err", item[0], limit_message(e, sandbox.cfg) or traceback.format_exc())
 
 
 def _write_framed(fd: int, data: bytes) -> None:
@@ -125,7 +140,7 @@ class _Child:
     (items=None) takes chunk after chunk from its input pipe, so what the reward function caches or
     imports on its first call stays for the next chunks; otherwise the child scores `items` and exits."""
 
-    def __init__(self, fn, fn_kwargs: dict, items: list | None = None):
+    def __init__(self, fn, fn_kwargs: dict, sandbox, items: list | None = None):
         import pickle
 
         from hybridflow.rewards.registry import run_per_sample
@@ -141,10 +156,13 @@ class _Child:
                     os.close(cmd_w)
                 os.setpgid(0, 0)  # its own group: a kill takes what it started too
                 die_with_parent(me)
+                sandbox.in_child()
                 chunks = [items] if items is not None else iter(lambda: _next_chunk(cmd_r), None)
                 for chunk in chunks:
                     for item in chunk:
-                        _write_framed(w, pickle.dumps(score_one(run_per_sample, fn, item, fn_kwargs)))
+                        _write_framed(
+                            w, pickle.dumps(score_one(run_per_sample, fn, item, fn_kwargs, sandbox))
+                        )
             finally:
                 os._exit(0)
         os.close(w)
@@ -201,10 +219,11 @@ class Scheduler:
     "fork" chunks too: every sample of a batch that hangs starts within about spill_after() of the
     first, so the batch costs about timeout_s. A child whose sample passes timeout_s is killed."""
 
-    def __init__(self, conn, fn, fn_kwargs: dict):
+    def __init__(self, conn, fn, fn_kwargs: dict, sandbox):
         from collections import deque
 
-        self.conn, self.fn, self.fn_kwargs = conn, fn, fn_kwargs
+        self.conn, self.fn, self.fn_kwargs, self.sandbox = conn, fn, fn_kwargs, sandbox
+        self.swept = 0.0  # when orphans were last looked for (rewards/sandbox.py)
         self.children: dict[int, _Child] = {}  # read fd -> child
         self.runner: _Child | None = None  # the child that takes "seq" chunks
         self.queue: deque = deque()  # samples waiting for a child of their own (at most MAX_FORKS run)
@@ -221,7 +240,7 @@ class Scheduler:
 
         while True:
             fds = [self.conn.fileno(), *self.children]
-            readable, _, _ = select.select(fds, [], [], self._next_event())
+            readable, _, _ = select.select(fds, [], [], min(self._next_event(), SWEEP_S))
             for fd in readable:
                 if fd != self.conn.fileno():
                     self._read(self.children[fd])
@@ -229,6 +248,15 @@ class Scheduler:
                     return
             self._check_clocks()
             self._start_queued()
+            if time.monotonic() - self.swept >= SWEEP_S:
+                self.sandbox.sweep({c.pid for c in self.children.values()})
+                self.swept = time.monotonic()
+
+    def close(self) -> None:
+        """Kill the sample processes, then everything they left behind."""
+        for child in list(self.children.values()):
+            self._drop(child, kill=True)
+        self.sandbox.close(set())
 
     def _accept(self) -> bool:
         """One message of the parent; False when it says stop or is gone."""
@@ -259,17 +287,19 @@ class Scheduler:
 
     def _run_seq(self, items: list) -> None:
         if self.runner is None:
-            self.runner = _Child(self.fn, self.fn_kwargs)
+            self.runner = _Child(self.fn, self.fn_kwargs, self.sandbox)
             self.children[self.runner.fd] = self.runner
         self.runner.assign(items)
 
     def _start_queued(self) -> None:
         while self.queue and len(self.children) < MAX_FORKS:
-            child = _Child(self.fn, self.fn_kwargs, [self.queue.popleft()])
+            child = _Child(self.fn, self.fn_kwargs, self.sandbox, [self.queue.popleft()])
             self.children[child.fd] = child
 
     def _read(self, child: _Child) -> None:
         data = os.read(child.fd, 1 << 16)
+        from hybridflow.rewards.sandbox import death_message
+
         for result in child.results(data):
             now = time.monotonic()
             if child.last is None or child.pos <= child.last:
@@ -282,7 +312,7 @@ class Scheduler:
             code = self._drop(child, kill=False)
             if child.busy:  # no result: it died on that sample (os._exit, a signal)
                 i = child.items[child.pos][0]
-                self.conn.send(("died", i, f"the sample's process died (exit code {code})"))
+                self.conn.send(("died", i, death_message(code, self.sandbox.cfg)))
                 rest = child.items[child.pos + 1 :] if child.last is None else []
                 if rest:  # the chunk goes on in a new runner
                     self._run_seq(rest) if child.seq else self.queue.extend(rest)
@@ -293,9 +323,9 @@ class Scheduler:
             self.runner = None
         return child.close(kill)
 
-    def _next_event(self) -> float | None:
+    def _next_event(self) -> float:
         deadlines = [self._deadline(c) for c in self.children.values() if c.busy]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else math.inf
 
     def _deadline(self, child: _Child) -> float:
         spills = child.seq and child.last is None

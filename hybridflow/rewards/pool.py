@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from collections import deque
@@ -39,10 +41,12 @@ from typing import TYPE_CHECKING
 
 from hybridflow.errors import RewardSpecError
 from hybridflow.rewards.registry import Item
+from hybridflow.rewards.sandbox import remove_cgroup
 
 BACKSTOP_S = 10.0  # beyond the worker's own timing: how long a worker may stay silent before it is killed
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
+    from hybridflow.config.sandbox import SandboxConfig
     from hybridflow.config.schema import RewardConfig
 
 
@@ -60,8 +64,9 @@ class RewardError:
 class _Worker:
     """One reward worker process and the chunk it is working on."""
 
-    def __init__(self, spec: str, fn_kwargs: dict):
+    def __init__(self, spec: str, fn_kwargs: dict, sandbox: SandboxConfig):
         parent, child = Pipe(duplex=True)
+        self.workdir = tempfile.mkdtemp(prefix="hybridflow-reward-")  # its working dir and TMPDIR
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = [pkg_root] + [p or os.getcwd() for p in sys.path]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
@@ -74,10 +79,13 @@ class _Worker:
         )
         child.close()
         self.conn = parent
-        self.conn.send((spec, fn_kwargs))
+        self.conn.send((spec, fn_kwargs, sandbox, self.workdir))
         self.started = time.monotonic()
         self.ready = False
         self.declared_batched: bool | None = None
+        self.containment = (
+            ""  # "pid_namespace" | "subreaper": how reward code's processes are kept (sandbox.py)
+        )
         self.mode = ""  # of the last chunk sent: "seq" | "fork" | "batch"
         self.outstanding: dict[int, Item] = {}  # sent and not yet reported (several fork chunks may add up)
         self.deadline = math.inf  # the backstop: the worker itself times its samples (rewards/_worker.py)
@@ -104,14 +112,20 @@ class _Worker:
             pass
         self.proc.wait()
         self.conn.close()
+        self._clean()
 
     def stop(self) -> None:
         try:
             self.conn.send(None)
             self.proc.wait(timeout=2)
             self.conn.close()
+            self._clean()
         except Exception:
             self.kill()
+
+    def _clean(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        remove_cgroup(self.proc.pid)
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -131,7 +145,7 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.cfg.fn, self.cfg.fn_kwargs)
+        return _Worker(self.cfg.fn, self.cfg.fn_kwargs, self.cfg.sandbox)
 
     def close(self) -> None:
         self._finalizer()
@@ -225,7 +239,7 @@ class WorkerPool:
     def _handle(self, w: _Worker, msg: tuple, scores: dict, errors: list) -> None:
         kind = msg[0]
         if kind == "ready":
-            w.ready, w.declared_batched = True, msg[2]
+            w.ready, w.declared_batched, w.containment = True, msg[2], msg[3]
         elif kind == "init_error":
             self.close()
             raise RewardSpecError(f"reward.fn={self.cfg.fn!r}: {msg[1]}")
