@@ -20,6 +20,7 @@ __getattr__ = lazy_exports(
         "read_engine_info": "engine_state",
         "save_engine_state": "engine_state",
         "export_hf": "export",
+        "CheckpointDiskFull": "manager",
         "CheckpointError": "manager",
         "CheckpointManager": "manager",
         "atomic_write_text": "manager",
@@ -36,6 +37,7 @@ __getattr__ = lazy_exports(
 
 __all__ = [
     "TRAINER_STATE",
+    "CheckpointDiskFull",
     "CheckpointError",
     "CheckpointManager",
     "atomic_write_text",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -57,6 +58,23 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or does not hold what the caller needs."""
+
+
+class CheckpointDiskFull(CheckpointError):
+    """A save that ran out of disk space: discarded, the checkpoints before it intact (one line)."""
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT here or in a worker (Ray wraps a worker's exception and keeps it as `cause`)."""
+    for _ in range(8):
+        if error is None:
+            return False
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(error):  # a worker's error as Ray renders it
+            return True
+        error = getattr(error, "cause", None) or error.__cause__
+    return False
 
 
 # ---- filesystem helpers (the rest in fsutil.py) -----------------------------------------------------
@@ -249,13 +267,26 @@ class CheckpointManager:
     def writing(self, step: int, meta: dict | None = None) -> Iterator[Path]:
         """`with manager.writing(step) as tmp:` write parts into tmp; committed on exit, discarded
         (previous checkpoints and `latest` untouched) if the block raises."""
-        tmp = self.begin(step)
+        tmp = None
         try:
+            tmp = self.begin(step)
             yield tmp
-        except BaseException:
-            self.abort(tmp)
+            self.commit(step, tmp, meta)
+        except BaseException as e:
+            if tmp is not None:
+                self.abort(tmp)
+            if _is_disk_full(e):
+                raise CheckpointDiskFull(self._disk_full_line(step)) from None
             raise
-        self.commit(step, tmp, meta)
+
+    def _disk_full_line(self, step: int) -> str:
+        free = shutil.disk_usage(self.dir).free if self.dir.exists() else 0
+        kept = self.latest()
+        return (
+            f"checkpoint of step {step} not saved: no space left on device in {self.dir} ({free / 2**20:.0f} MiB "
+            f"free); it was discarded and {f'{kept.name} and `latest` are' if kept else 'no earlier checkpoint is'} "
+            "intact; free space (or lower trainer.keep_last) and resume"
+        )
 
     def prune(self) -> list[int]:
         """Delete all but the newest `keep_last` complete checkpoints (never the one `latest` names)."""

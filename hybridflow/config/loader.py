@@ -239,6 +239,19 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     return out
 
 
+def yaml_error_line(path: str | os.PathLike, error: yaml.YAMLError) -> str:
+    """PyYAML's several-line message as one line: `file:LINE:COL: not valid YAML: problem (context)`,
+    lines and columns counted from 1 as editors do."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    problem = getattr(error, "problem", None) or str(error)
+    context, cmark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and cmark:
+        context += f" at line {cmark.line + 1}, column {cmark.column + 1}"
+    line = f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+    return " ".join(line.split())
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     try:
         with open(path) as f:
@@ -246,7 +259,7 @@ def load_yaml(path: str | os.PathLike) -> dict:
     except FileNotFoundError:
         raise ConfigError([f"config file {str(path)!r} does not exist"]) from None
     except yaml.YAMLError as e:
-        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+        raise ConfigError([yaml_error_line(path, e)]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

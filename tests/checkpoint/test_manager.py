@@ -3,6 +3,7 @@ resolution and manifest validation; trainer state and RNG round trips. No model 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from hybridflow.checkpoint import (
+    CheckpointDiskFull,
     CheckpointError,
     CheckpointManager,
     capture_rng_state,
@@ -225,3 +227,71 @@ def test_checkpoint_without_manifest_is_invalid_and_auto_never_starts_over(tmp_p
     with pytest.raises(CheckpointError, match="latest names 'step_4', not a complete checkpoint"):
         manager.resolve("auto")
     assert manager.resolve("never") is None
+
+
+def _assert_disk_full_kept_step_1(manager: CheckpointManager, info) -> None:
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(
+        f"checkpoint of step 2 not saved: no space left on device in {manager.dir} ("
+    )
+    assert line.endswith("MiB free); it was discarded and step_1 and `latest` are intact; free space (or "
+                         "lower trainer.keep_last) and resume")  # fmt: skip
+    assert _visible(manager) == ["latest", "step_1"]  # no temp directory left behind
+    assert manager.resolve("auto") == manager.step_dir(1)
+    assert (manager.step_dir(1) / "actor" / "weights.bin").read_text() == "x"
+
+
+def test_disk_full_while_a_part_is_written_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt")
+    _save(manager, 1)
+    with pytest.raises(CheckpointDiskFull) as info:
+        with manager.writing(2) as tmp:
+            (tmp / "actor").mkdir()
+            (tmp / "actor" / "weights.bin").write_text("partial")
+            raise OSError(errno.ENOSPC, "No space left on device")  # what a full disk's write raises
+    _assert_disk_full_kept_step_1(manager, info)
+
+
+def test_disk_full_while_the_manifest_is_written_is_one_line_too(tmp_path, monkeypatch):
+    import hybridflow.checkpoint.manager as manager_module
+
+    manager = CheckpointManager(tmp_path / "ckpt")
+    _save(manager, 1)
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(manager_module, "atomic_write_text", full)
+    with pytest.raises(CheckpointDiskFull) as info:
+        _save(manager, 2)
+    monkeypatch.undo()
+    _assert_disk_full_kept_step_1(manager, info)
+
+
+def test_a_worker_s_disk_full_error_as_ray_renders_it_is_recognised(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt")
+    _save(manager, 1)
+    with pytest.raises(CheckpointDiskFull) as info:
+        with manager.writing(2):
+            raise RuntimeError(
+                "ray::Worker.save_checkpoint() ...\nOSError: [Errno 28] No space left on device"
+            )
+    _assert_disk_full_kept_step_1(manager, info)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_disk_full_on_a_real_1_mib_tmpfs(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("tmpfs cannot be mounted here")
+    try:
+        manager = CheckpointManager(disk / "ckpt")
+        _save(manager, 1)
+        with pytest.raises(CheckpointDiskFull) as info:
+            with manager.writing(2) as tmp:
+                (tmp / "actor").mkdir()
+                (tmp / "actor" / "weights.bin").write_bytes(b"\0" * (2 << 20))  # 2 MiB > the 1 MiB disk
+        _assert_disk_full_kept_step_1(manager, info)
+    finally:
+        subprocess.run(["umount", str(disk)])

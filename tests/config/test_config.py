@@ -178,3 +178,27 @@ def test_reward_section_is_what_the_reward_executor_reads():
         assert (ex.batched, ex.fallback, ex.cfg.timeout_s, ex.cfg.fn) == (True, None, 2.0, "gsm8k")
     assert cfg.reward.fn == ""  # the executor's overrides do not write into the config
     assert load_config(None, [*BASE, "reward.batched=null"], check_model=False).reward.batched is None
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "actor:\n  optim: {lr: 1e-5\n",
+            "{path}:3:1: not valid YAML: expected ',' or '}}', but got '<stream end>' "
+            "(while parsing a flow mapping at line 2, column 10)",
+        ),
+        ("a: b: c\n", "{path}:1:5: not valid YAML: mapping values are not allowed here"),
+        (
+            "trainer:\n\tx: 1\n",
+            "{path}:2:1: not valid YAML: found character '\\t' that cannot start any token "
+            "(while scanning for the next token)",
+        ),
+    ],
+)
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert info.value.errors == [expected.format(path=path)]
