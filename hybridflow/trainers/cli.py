@@ -14,6 +14,7 @@ second signal abandons them; every process the run started is stopped either way
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -59,9 +60,16 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.compat.versions import log_and_check_versions
     from hybridflow.config import load_config
     from hybridflow.controller import WorkerDiedError
-    from hybridflow.trainers import build_trainer
+    from hybridflow.trainers import build_trainer, cluster_loss
     from hybridflow.trainers.elastic import DevicesLost
-    from hybridflow.trainers.lifecycle import Abandoned, Preempted, RunFinished, StopSignals, stop_reaper
+    from hybridflow.trainers.lifecycle import (
+        Abandoned,
+        Preempted,
+        RunFinished,
+        StopSignals,
+        reaper_pid,
+        stop_reaper,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -72,39 +80,52 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2
     embedded = not cfg.resources.ray_address and not ray.is_initialized()
-    trainer = None
+    trainer, rc, trained = (
+        None,
+        1,
+        False,
+    )  # the outcome is printed before the shutdown, which a lost GCS cuts short
     with StopSignals(cfg.trainer.stop_grace_s) as signals:
         try:
             trainer = build_trainer(cfg)
             history = trainer.fit()
+            val = {
+                k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")
+            }
+            print(f"hybridflow train: done, {trainer.global_step} steps; final {val}; run dir {cfg.run_dir}")
+            rc, trained = 0, True
         except RunFinished as e:
             print(f"hybridflow train: {one_line(e)}")
-            return 0
+            rc = 0
         except user_errors() as e:
             print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
-            return 2
+            rc = 2
         except Preempted as e:
             print(f"hybridflow train: {e}", file=sys.stderr)
-            return 128 + e.signum
+            rc = 128 + e.signum
         except Abandoned as e:
             latest = trainer.latest_checkpoint() if trainer is not None else None
             print(f"hybridflow train: {e}; latest checkpoint: {latest}", file=sys.stderr)
-            return 128 + e.signum
+            rc = 128 + e.signum
         except (WorkerDiedError, DevicesLost) as e:
             restarts = trainer.restarts if trainer is not None else 0
             print(f"hybridflow train: failed after {restarts} restarts: {one_line(e)}", file=sys.stderr)
-            return 1
+            rc = 1
         finally:
             signals.shield()  # a further Ctrl-C must not interrupt the shutdown below
-            if trainer is not None:
-                trainer.close()
-            if embedded and ray.is_initialized():
-                ray.shutdown()
+            sys.stdout.flush()
+            # a lost GCS or raylet: kill by pid and leave with rc instead (trainers/cluster_loss.py)
+            with (
+                cluster_loss.watch(lambda: rc, keep={reaper_pid()}) if embedded else contextlib.nullcontext()
+            ):
+                if trainer is not None:
+                    trainer.close()
+                if embedded and ray.is_initialized():
+                    ray.shutdown()
             stop_reaper()
-    val = {k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")}
-    print(f"hybridflow train: done, {trainer.global_step} steps; final {val}; run dir {cfg.run_dir}")
-    write_report_if_logged(cfg)
-    return 0
+    if trained:
+        write_report_if_logged(cfg)
+    return rc
 
 
 def write_report_if_logged(cfg) -> None:

@@ -124,6 +124,10 @@ def start_reaper() -> None:
         _REAPER = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
 
 
+def reaper_pid() -> int | None:
+    return _REAPER.pid if _REAPER is not None else None
+
+
 def stop_reaper() -> None:
     """Normal exit, after shutting Ray down: the reaper kills stragglers (Ray's agents exit late) and ends."""
     global _REAPER
