@@ -109,7 +109,7 @@ def step_resource_metrics(trainer, batch) -> dict[str, float]:
     out, device_name = memory_metrics(trainer.groups)
     a, c = trainer.cfg.actor, trainer.cfg.critic
     tokens = float(batch["attention_mask"].sum())
-    # old log-probs cost a forward only when the actor ran one for them (trainers/rl.py old_log_prob_source)
+    # old log-probs cost a forward only when the actor ran one for them (trainers/sources/base.py old_log_prob_source)
     from hybridflow.workers.losses import OLD_SOURCE
 
     recompute = batch.meta.get(OLD_SOURCE) == "actor"

@@ -20,7 +20,7 @@ and tg under auto / a plan file. Its workers generate rollout.tg-way (rollout/po
 resources.frozen_pool rollout (auto under colocate / split, or a plan that says so) the frozen models
 (ref, reward, cost) go on that pool too, the ref joining the rollout worker instance; with
 resources.frozen_pool=both the ref also joins the actor's worker instance (groups["ref_training"]), and
-the driver splits each batch's rows between the two (rollout_ahead.RefSplit).
+the driver splits each batch's rows between the two (ref_split.RefSplit).
 `write_placement` records what was built in run_dir/placement.json.
 """
 

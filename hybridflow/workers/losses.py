@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
 
 
 # batch.meta key: where the step's old log-probs come from, "rollout" | "update" | "actor" (set by the
-# driver, trainers/rl.py old_log_prob_source; "update": from the update's own forward)
+# driver, trainers/sources/base.py old_log_prob_source; "update": from the update's own forward)
 OLD_SOURCE = "old_log_probs_source"
 
 
