@@ -19,9 +19,9 @@ from hybridflow.trainers.auto_placement import (
     build_planner_cluster,
     build_planner_dataflow,
     build_planner_workload,
-    placement_for_config,
     plan_for_config,
 )
+from hybridflow.trainers.placement import placement_for_config
 from hybridflow.trainers.plan_schedule import planner_old_log_probs
 from hybridflow.trainers.sources import old_log_prob_source
 from tests.trainers.configs import tiny_config
