@@ -1,6 +1,7 @@
 """Rollout sources: where the RL driver's batches come from (base.py says what a source is).
 
-synchronous.py   generate on the actor's own ranks each step (trainer.rollout_ahead=0)
+base.py          the interface, its typed state, and the synchronous source: generate on the actor's own
+                 ranks each step (trainer.rollout_ahead=0)
 ahead.py         step k+1 generated on a rollout pool of its own during step k (trainer.rollout_ahead=1)
 """
 
@@ -12,9 +13,9 @@ from hybridflow.trainers.sources.base import (
     OldLogProbs,
     RolloutSource,
     StepBatch,
+    SynchronousSource,
     old_log_prob_source,
 )
-from hybridflow.trainers.sources.synchronous import SynchronousSource
 
 # trainer.rollout_ahead -> the source that runs that schedule
 SOURCES: dict[int, type[RolloutSource]] = {0: SynchronousSource, 1: OneStepAheadSource}

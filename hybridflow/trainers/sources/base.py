@@ -1,5 +1,5 @@
-"""The rollout source interface: what the RL driver asks for each step's batch (docs/design.md, "Rollout
-sources").
+"""The rollout source interface, what the RL driver asks for each step's batch, and the synchronous source
+(docs/design.md, "Rollout sources").
 
 The driver (trainers/rl.py) draws a step's prompts with `prompts(step)` and takes its rollouts with
 `batch(prompts)`; everything about *when and where* they were generated stays behind these calls: the
@@ -7,8 +7,8 @@ pools, the weight sync, the policy lag and the batch in flight across steps (and
 `save` / `load`). The answer is a `StepBatch`: the rollout Batch, the frozen models' outputs the source
 already issued for it (scored on the rollout pool), where the update takes old log-probs, and the lag.
 
-Sources: synchronous.py (the paper's schedule: generate on the actor's own 3D-HybridEngine) and
-ahead.py (trainer.rollout_ahead=1: step k+1 generated on a pool of its own during step k). A partial
+Sources: `SynchronousSource` below (the paper's schedule: generate on the actor's own 3D-HybridEngine)
+and ahead.py (trainer.rollout_ahead=1: step k+1 generated on a pool of its own during step k). A partial
 or fully asynchronous source is another subclass: it keeps more than one `InFlight`, sets
 `on_policy = False` and reports its lag; a "generate until the batch is filled" loop calls its
 `batch` more than once for one step.
@@ -204,6 +204,20 @@ class RolloutSource:
         exact = rollout.meta.get("rollout_log_probs_exact", True)
         old = old_log_prob_source(self.trainer.cfg, exact, self.on_policy)
         return StepBatch(rollout, frozen, old, policy_lag, metrics)
+
+
+class SynchronousSource(RolloutSource):
+    """The paper's schedule. Each step's batch is generated from the current weights on the actor's own
+    ranks (the 3D-HybridEngine switches them from training to generation and back, workers/actor.py),
+    so it is on policy (lag 0) and no other pool or weight sync exists."""
+
+    def batch(self, prompts: Batch) -> StepBatch:
+        step = int(prompts.meta["global_step"])
+        restored = self.take_in_flight(step)  # a one-step-ahead run's checkpoint, resumed synchronously
+        if restored is not None:
+            frozen = {r: [b] for r, b in restored.frozen.items()}
+            return self.step_batch(restored.rollouts, prompts, frozen, step - 1 - restored.version, {})
+        return self.step_batch(self.trainer.actor.generate_sequences(prompts), prompts, {}, 0, {})
 
 
 def _result(x: Future | Batch) -> Batch:
