@@ -83,7 +83,7 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
 
     try:
         prompts = trainer.train_loader.next_batch()
-        prompts.meta["global_step"] = 1
+        prompts.meta.global_step = 1
         trainer.train_step(prompts)  # warm-up of the whole step
         rows = {}
         rows["generate"] = timed(lambda: trainer.generate(prompts), args.repeats, cpu)
@@ -102,7 +102,7 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
 
         def train_step():
             p = trainer.train_loader.next_batch()
-            p.meta["global_step"] = next(step)
+            p.meta.global_step = next(step)
             return trainer.train_step(p)
 
         rows["step"] = timed(train_step, args.repeats, cpu)

@@ -295,6 +295,15 @@ class TrainerConfig:
     val_every: int = _f(0, "validate every N steps (0 = only before training and at the end)")
     val_before_train: bool = _f(True, "validate once before the first step")
     val_generations_to_log: int = _f(4, "validation samples shown in the generations table")
+    val_only: bool = _f(
+        False, "validate the initial (or resumed) weights once, log the val/ metrics and exit: no training"
+    )
+    rollout_data_dir: str = _f(
+        "", "write each step's rollouts to <dir>/<step>.jsonl: input, output, gts, score, step ('' = off)"
+    )
+    validation_data_dir: str = _f(
+        "", "write each validation's generations to <dir>/<step>.jsonl, as rollout_data_dir ('' = off)"
+    )
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     save_every_minutes: float = _f(
         30.0, "also checkpoint after a step when this many minutes passed since the last save (0 = off)"

@@ -231,7 +231,6 @@ class PromptDataset:
                 "extra_info": [s.extra_info for s in samples],
                 "index": [s.index for s in samples],
             },
-            {"epoch": epoch},
         )
 
 

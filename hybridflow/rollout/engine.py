@@ -13,7 +13,7 @@ On CPU with >= 2 threads the rows can run as parallel streams of one intra-op th
 per step (row_streams.py; `cpu_streams`, off by default): bit-identical to one thread, and no per-op
 barrier that stalls when the cores are shared, but slower than 2 OpenMP threads where measured
 (docs/bench/generation.md, "Row streams"). Each CPU call's output carries
-`rollout/cpu_streams` in meta[ROLLOUT_METRICS]: the most streams a prefill or decode step ran as (1: none).
+`rollout/cpu_streams` in meta.rollout_metrics: the most streams a prefill or decode step ran as (1: none).
 
 Finished rows stop costing compute: when the finished rows still in the decode batch exceed
 `compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
@@ -30,7 +30,6 @@ import torch
 
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.base import (
-    ROLLOUT_METRICS,
     GenerationEngine,
     build_rollout_batch,
     check_prompt_batch,
@@ -180,7 +179,7 @@ class BuiltinEngine(GenerationEngine):
             if next(self.model.parameters()).device.type == "cpu":
                 # observable proof that the streams ran (a batch under 2 x 4 rows never splits)
                 widest = streams.widest if streams is not None else 0
-                out.meta[ROLLOUT_METRICS] = {"rollout/cpu_streams": float(max(1, widest))}
+                out.meta.rollout_metrics = {"rollout/cpu_streams": float(max(1, widest))}
             return out
         finally:
             decoder.release()

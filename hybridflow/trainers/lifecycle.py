@@ -285,14 +285,15 @@ def cfg_value(cfg, dotted: str):
 
 def check_run_dir(trainer) -> Path | None:
     """Before any worker starts (the run directory is locked): the checkpoint trainer.resume names,
-    verified, checked to fit this run; RunFinished when it is the final one. -> its path or None."""
+    verified, checked to fit this run; RunFinished when it is the final one (unless trainer.val_only,
+    which validates it). -> its path or None."""
     require = [*trainer.checkpoint_parts(), "trainer_state.json"]
     path = trainer.ckpt.resolve(trainer.cfg.trainer.resume, require=require)
     if path is None:
         return None
     manifest = json.loads((path / "manifest.json").read_text())
     check_resume_compatible(path, manifest, trainer.cfg)
-    if manifest["step"] >= trainer.total_steps:
+    if manifest["step"] >= trainer.total_steps and not trainer.cfg.trainer.val_only:
         raise RunFinished(
             f"{trainer.cfg.run_dir} is finished: its checkpoint {path.name} reached trainer.total_steps="
             f"{trainer.total_steps}; nothing to train (raise total_steps to continue, or use another "

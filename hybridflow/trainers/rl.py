@@ -30,7 +30,6 @@ from hybridflow.batch import Batch
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.sources import OldLogProbs, source_class
-from hybridflow.workers.losses import OLD_SOURCE
 
 # phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
 OVERLAP_SECTIONS = {
@@ -89,10 +88,10 @@ class RLTrainer(Trainer):
         return Pending(step)
 
     def old_log_probs(self, batch: Pending) -> Pending:
-        """Old log-probs from where the source said; the choice rides in meta[OLD_SOURCE] to the update
-        (workers/actor.py), which with "update" takes them from its own forward, detached."""
+        """Old log-probs from where the source said; the choice rides in meta.old_log_probs_source to the
+        update (workers/actor.py), which with "update" takes them from its own forward, detached."""
         source = OldLogProbs(batch.step.old_log_probs)
-        batch.meta[OLD_SOURCE] = source.value
+        batch.meta.old_log_probs_source = source.value
         if source is OldLogProbs.ROLLOUT:
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif source is OldLogProbs.ACTOR:

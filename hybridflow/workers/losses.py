@@ -27,11 +27,6 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
     from hybridflow.workers.gap_meter import GapMeter
 
 
-# batch.meta key: where the step's old log-probs come from, "rollout" | "update" | "actor" (set by the
-# driver, trainers/sources/base.py old_log_prob_source; "update": from the update's own forward)
-OLD_SOURCE = "old_log_probs_source"
-
-
 def actor_loss_fn(
     actor_cfg: ActorConfig,
     algo_cfg: AlgorithmConfig,
@@ -42,8 +37,8 @@ def actor_loss_fn(
     """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference when use_kl_loss). is_cap > 0:
     each token's policy loss weighted by min(exp(old - rollout log-prob), is_cap) (a rollout one step
     behind: algorithms/off_policy.py), logged as is_weight_mean / is_weight_clipfrac. old_from_forward:
-    the old log-probs are this forward's own, detached (an update of one optimizer step: trainers/rl.py
-    old_log_prob_source), so the ratio is exactly 1 where the gradient is taken. gap: given the
+    the old log-probs are this forward's own, detached (an update of one optimizer step: trainers/sources/
+    base.py old_log_prob_source), so the ratio is exactly 1 where the gradient is taken. gap: given the
     forward's log-probs against the rollout's, until closed (workers/gap_meter.py)."""
     agg = actor_cfg.loss_agg_mode
 

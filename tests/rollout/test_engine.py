@@ -149,7 +149,7 @@ def test_output_fields_and_eos(models, tokenizer):
         if n < lr:
             assert bool(torch.isin(row[n - 1], stop)), "stopped early without a stop token"
         assert (row[n:] == 0).all() and (out["rollout_log_probs"][i, n:] == 0).all()
-    assert list(out["uid"]) == list(range(b)) and out.meta["temperature"] == 1.0
+    assert list(out["uid"]) == list(range(b)) and out.meta.temperature == 1.0
 
 
 def test_n_samples_interleaved_and_seeded(models, tokenizer):
@@ -179,7 +179,7 @@ def test_rollout_log_probs_match_hf_forward(models, tokenizer, arch, temperature
     )
     ref = hf_log_probs(model, out, temperature)
     mask = out["response_mask"].bool()
-    assert out.meta["temperature"] == temperature
+    assert out.meta.temperature == temperature
     torch.testing.assert_close(out["rollout_log_probs"][mask], ref[mask], atol=1e-4, rtol=1e-4)
 
 
@@ -187,7 +187,7 @@ def test_greedy_log_probs_at_temperature_one(models, tokenizer):
     out = BuiltinEngine(models["llama"]).generate(
         prompt_batch(tokenizer), SamplingParams(max_new_tokens=12, do_sample=False, temperature=0.5)
     )
-    assert out.meta["temperature"] == 1.0
+    assert out.meta.temperature == 1.0
     mask = out["response_mask"].bool()
     torch.testing.assert_close(
         out["rollout_log_probs"][mask], hf_log_probs(models["llama"], out, 1.0)[mask], atol=1e-4, rtol=1e-4

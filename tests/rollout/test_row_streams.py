@@ -8,7 +8,6 @@ import torch
 
 from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model
 from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
-from hybridflow.rollout.base import ROLLOUT_METRICS
 from hybridflow.rollout.row_streams import RowStreams
 from tests.rollout.gen_helpers import TEXTS, check_greedy_matches_hf, prompt_batch
 
@@ -75,8 +74,8 @@ def test_streams_equal_one_thread_bit_for_bit(tokenizer, arch):
         assert lengths.min() < lengths.max() or params.top_k, "rows finish at different steps"
         for key in ("responses", "response_mask", "rollout_log_probs"):
             assert torch.equal(a[key], b[key]), (key, params)
-        assert b.meta[ROLLOUT_METRICS] == {"rollout/cpu_streams": 2.0}, "the streams ran (and say so)"
-        assert a.meta[ROLLOUT_METRICS] == {"rollout/cpu_streams": 1.0}
+        assert b.meta.rollout_metrics == {"rollout/cpu_streams": 2.0}, "the streams ran (and say so)"
+        assert a.meta.rollout_metrics == {"rollout/cpu_streams": 1.0}
 
 
 def test_auto_streams_follow_threads_and_model_size(monkeypatch):

@@ -35,7 +35,7 @@ def _step(cfg):
     with build_trainer(cfg) as trainer:
         batch = trainer.train_loader.next_batch()
         trainer.global_step = 1
-        batch.meta["global_step"] = 1
+        batch.meta.global_step = 1
         out, metrics = trainer.train_step(batch)
         return out.fetch(), metrics
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.rollout.base import ROLLOUT_METRICS
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.trainers import build_trainer
 from hybridflow.trainers.sources import (
     InFlight,
@@ -38,7 +38,7 @@ def _batch(rows: int, offset: float = 0.0, **meta) -> Batch:
         "attention_mask": torch.ones(rows, 5, dtype=torch.long),
     }
     non_tensors = {"uid": np.array([f"p{i // 2}" for i in range(rows)], dtype=object)}
-    return Batch(tensors, non_tensors, dict(meta))
+    return Batch(tensors, non_tensors, BatchMeta(**meta))
 
 
 def _assert_same(a: Batch, b: Batch) -> None:
@@ -96,8 +96,8 @@ def test_a_restored_batch_is_served_for_its_step_only(make_config, tmp_path):
     already past those prompts), with the lag it was sampled at and the synchronous old-log-prob rule."""
     cfg = make_config("grpo")
     rollouts = _batch(8, global_step=3)
-    rollouts.meta["reshard_metrics"] = {"reshard/bytes": 10.0}
-    rollouts.meta[ROLLOUT_METRICS] = {"rollout/cpu_streams": 2.0}
+    rollouts.meta.reshard_metrics = {"reshard/bytes": 10.0}
+    rollouts.meta.rollout_metrics = {"rollout/cpu_streams": 2.0}
     reward = Batch({"rm_scores": torch.arange(8.0)})
     InFlight(3, 1, _batch(4, global_step=3), rollouts, {"reward": reward}).save(tmp_path)
     later = _batch(4, 9.0)
@@ -105,13 +105,13 @@ def test_a_restored_batch_is_served_for_its_step_only(make_config, tmp_path):
     source.load(tmp_path)
     prompts = source.prompts(3)
     _assert_same(prompts, source.in_flight.prompts)
-    prompts.meta["global_step"] = 3
+    prompts.meta.global_step = 3
     step = source.batch(prompts)
     assert source.in_flight is None and source.prompts(4) is later  # then the loader's, as before
     assert step.policy_lag == 3 - 1 - 1  # sampled by version 1, trained from version 2
     assert step.old_log_probs is OldLogProbs.ROLLOUT  # fp32, one optimizer step, on-policy source
     assert step.metrics == {"reshard/bytes": 10.0, "rollout/cpu_streams": 2.0}
-    assert "reshard_metrics" not in step.rollout.meta and step.rollout.meta["global_step"] == 3
+    assert step.rollout.meta.reshard_metrics == {} and step.rollout.meta.global_step == 3
     assert list(step.frozen) == ["reward"] and torch.equal(
         step.frozen["reward"][0]["rm_scores"], torch.arange(8.0)
     )
@@ -215,7 +215,7 @@ class RecordingSource(SynchronousSource):
         return super().prompts(step)
 
     def batch(self, prompts):
-        self.calls.append(("batch", int(prompts.meta["global_step"])))
+        self.calls.append(("batch", prompts.meta.global_step))
         return super().batch(prompts)
 
     def note_update(self, update):

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from hybridflow.batch import PAD_KEY, Batch
+from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.config import ParallelConfig, load_config
 from hybridflow.workers.common import engine_config, engine_parallel, iter_mini_batches, mask_padding
 from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn
@@ -90,9 +91,9 @@ def test_actor_loss_adds_entropy_bonus_and_kl_loss():
 
 def test_mask_padding_zeroes_the_trailing_padding_rows():
     batch = Batch(
-        {"response_mask": torch.ones(3, 2, dtype=torch.long)}, meta={PAD_KEY: 1, "temperature": 0.7}
+        {"response_mask": torch.ones(3, 2, dtype=torch.long)}, meta=BatchMeta(pad_rows=1, temperature=0.7)
     )
     out = mask_padding(batch)
     assert out["response_mask"].tolist() == [[1, 1], [1, 1], [0, 0]]
-    assert PAD_KEY not in out.meta and out.meta["temperature"] == 0.7  # mini-batches must not re-mask
+    assert out.meta.pad_rows == 0 and out.meta.temperature == 0.7  # mini-batches must not re-mask
     assert mask_padding(Batch({"response_mask": torch.ones(2, 2)}))["response_mask"].sum() == 4

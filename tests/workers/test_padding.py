@@ -47,7 +47,7 @@ def test_reference_log_probs_at_the_rollout_temperature(setup):
     """At step 0 the reference is the actor: at the same temperature their log-probs are equal (a
     reference at temperature 1 would put a spurious KL into the reward or the KL loss)."""
     groups, batch = setup
-    assert batch.meta["temperature"] == pytest.approx(0.7)
+    assert batch.meta.temperature == pytest.approx(0.7)
     old = groups[1]["actor"].compute_log_prob(batch)["old_log_probs"]
     for n in (1, 2):
         ref = groups[n]["actor"].compute_ref_log_prob(batch)["ref_log_probs"]

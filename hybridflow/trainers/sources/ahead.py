@@ -70,7 +70,7 @@ class OneStepAheadSource(RolloutSource):
         """Take the batch issued a step ago (the first step: generate it now), then issue the next
         step's; with the reference split, score this batch's other rows on the training pool."""
         t = self.trainer
-        step = int(prompts.meta["global_step"])
+        step = prompts.meta.global_step
         actor_version = step - 1
         p = self.take_in_flight(step)
         if p is not None:
@@ -86,7 +86,7 @@ class OneStepAheadSource(RolloutSource):
         if step < t.total_steps:
             self.sync(actor_version)
             ahead = t.train_loader.next_batch()
-            ahead.meta["global_step"] = step + 1
+            ahead.meta.global_step = step + 1
             self.in_flight = self._issue(ahead, step + 1)
         metrics, self.metrics = self.metrics, {}
         split = self.split is not None and p.ref_rows is not None

@@ -22,9 +22,9 @@ from enum import Enum
 from pathlib import Path
 
 from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.checkpoint import atomic_write_text
 from hybridflow.controller import Future
-from hybridflow.rollout.base import ROLLOUT_METRICS
 from hybridflow.workers.common import computes_in_fp32
 
 IN_FLIGHT_PART = "rollout_ahead"  # the checkpoint part holding the batch in flight (its name since v1)
@@ -163,7 +163,7 @@ class RolloutSource:
         return self.trainer.train_loader.next_batch()
 
     def batch(self, prompts: Batch) -> StepBatch:
-        """The step's rollouts for `prompts` (meta["global_step"] is the step)."""
+        """The step's rollouts for `prompts` (meta.global_step is the step)."""
         raise NotImplementedError
 
     def note_update(self, update: Future) -> None:
@@ -195,13 +195,9 @@ class RolloutSource:
         self, rollout: Batch, prompts: Batch, frozen: dict, policy_lag: int, metrics: dict
     ) -> StepBatch:
         """The StepBatch of `rollout`: the prompts' meta on it, the generation's metrics moved off it."""
-        metrics = {
-            **rollout.meta.pop("reshard_metrics", {}),
-            **rollout.meta.pop(ROLLOUT_METRICS, {}),
-            **metrics,
-        }
-        rollout.meta.update(prompts.meta)
-        exact = rollout.meta.get("rollout_log_probs_exact", True)
+        metrics = {**rollout.meta.pop_metrics(), **metrics}
+        rollout.meta = rollout.meta.union(prompts.meta)
+        exact = rollout.meta.rollout_log_probs_exact is not False
         old = old_log_prob_source(self.trainer.cfg, exact, self.on_policy)
         return StepBatch(rollout, frozen, old, policy_lag, metrics)
 
@@ -212,7 +208,7 @@ class SynchronousSource(RolloutSource):
     so it is on policy (lag 0) and no other pool or weight sync exists."""
 
     def batch(self, prompts: Batch) -> StepBatch:
-        step = int(prompts.meta["global_step"])
+        step = prompts.meta.global_step
         restored = self.take_in_flight(step)  # a one-step-ahead run's checkpoint, resumed synchronously
         if restored is not None:
             frozen = {r: [b] for r, b in restored.frozen.items()}
@@ -231,7 +227,10 @@ def save_batch(batch: Batch, stem: Path) -> None:
     from hybridflow.checkpoint.trainer_state import _to_json
 
     save_file({k: v.contiguous() for k, v in batch.tensors.items()}, f"{stem}.safetensors")
-    fields = {"non_tensors": {k: v.tolist() for k, v in batch.non_tensors.items()}, "meta": batch.meta}
+    fields = {
+        "non_tensors": {k: v.tolist() for k, v in batch.non_tensors.items()},
+        "meta": batch.meta.to_dict(),
+    }
     atomic_write_text(Path(f"{stem}.json"), json.dumps(fields, default=_to_json))
 
 
@@ -239,4 +238,4 @@ def load_batch(stem: Path) -> Batch:
     from safetensors.torch import load_file
 
     fields = json.loads(Path(f"{stem}.json").read_text())
-    return Batch(load_file(f"{stem}.safetensors"), fields["non_tensors"], fields["meta"])
+    return Batch(load_file(f"{stem}.safetensors"), fields["non_tensors"], BatchMeta.from_dict(fields["meta"]))
