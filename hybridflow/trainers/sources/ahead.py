@@ -47,6 +47,7 @@ class OneStepAheadSource(RolloutSource):
     reference on both pools, the split of each batch's rows and the busy seconds it is balanced on."""
 
     on_policy = False
+    times_generation = False  # the generate phase takes a batch generated during the last step
     roles = {"rollout": {}}  # a rollout-only worker group on a pool of its own
 
     def __init__(self, trainer):

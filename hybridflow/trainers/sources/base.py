@@ -150,6 +150,9 @@ class RolloutSource:
     served for its step whatever the source (a run resumed with another schedule trains on it first)."""
 
     on_policy = True  # every batch is sampled from the weights its update starts from
+    times_generation = (
+        True  # timing_s/gen is the generation itself (else the wait for a batch made elsewhere)
+    )
     roles: dict[str, dict] = {}  # worker groups the source needs besides the algorithm's (placement.ROLES)
 
     def __init__(self, trainer):
