@@ -69,7 +69,9 @@ class BatchMeta:
     )  # fmt: skip
     pairs: bool | None = _meta(Rule.SAME, "True: rows 2i and 2i+1 are one (chosen, rejected) preference pair")
     rollout_metrics: dict[str, float] = _meta(
-        Rule.PEAK, "the generation engine's own figures of the call, e.g. rollout/cpu_streams", default={}
+        Rule.PEAK,
+        "the generation engine's own figures of the call, logged with the step's metrics",
+        default={},
     )
     reshard_metrics: dict[str, float] = _meta(
         Rule.PEAK, "the actor's weight switch for the call: reshard/*, timing_s/reshard (max over ranks)",

@@ -27,3 +27,9 @@ def setting(default, help: str, choices: tuple | None = None, derived: bool = Fa
 def section(cls, help: str, **kwargs):
     """A nested component config, built with `kwargs` overriding its own defaults."""
     return field(default_factory=lambda: cls(**kwargs), metadata={"help": help})
+
+
+def at_least(minimum, values: dict) -> list[str]:
+    """'key: must be >= minimum, got v' for each value (key -> value) below `minimum`: the size checks
+    each section's validator runs."""
+    return [f"{key}: must be >= {minimum}, got {v}" for key, v in values.items() if v < minimum]

@@ -54,13 +54,13 @@ def test_an_unset_same_field_takes_the_other_sides_value():
 
 # ---- PEAK: per-call figures, merged by max -----------------------------------------------------
 def test_metrics_merge_by_max_per_name():
-    a = _rows(2, rollout_metrics={"rollout/cpu_streams": 1.0, "only_a": 5.0})
-    b = _rows(3, rollout_metrics={"rollout/cpu_streams": 2.0}, reshard_metrics={"reshard/bytes": 8.0})
+    a = _rows(2, rollout_metrics={"rollout/engine_figure": 1.0, "only_a": 5.0})
+    b = _rows(3, rollout_metrics={"rollout/engine_figure": 2.0}, reshard_metrics={"reshard/bytes": 8.0})
     out = Batch.concat([a, b])
-    assert out.meta.rollout_metrics == {"rollout/cpu_streams": 2.0, "only_a": 5.0}
+    assert out.meta.rollout_metrics == {"rollout/engine_figure": 2.0, "only_a": 5.0}
     assert out.meta.reshard_metrics == {"reshard/bytes": 8.0}
     assert a.union(_rows(2, rollout_metrics={"only_a": 3.0})).meta.rollout_metrics["only_a"] == 5.0
-    assert a.meta.rollout_metrics == {"rollout/cpu_streams": 1.0, "only_a": 5.0}  # inputs untouched
+    assert a.meta.rollout_metrics == {"rollout/engine_figure": 1.0, "only_a": 5.0}  # inputs untouched
 
 
 def test_parts_do_not_share_their_metrics():
@@ -70,8 +70,8 @@ def test_parts_do_not_share_their_metrics():
 
 
 def test_pop_metrics_takes_both_off():
-    m = BatchMeta(rollout_metrics={"rollout/cpu_streams": 2.0}, reshard_metrics={"reshard/bytes": 8.0})
-    assert m.pop_metrics() == {"rollout/cpu_streams": 2.0, "reshard/bytes": 8.0}
+    m = BatchMeta(rollout_metrics={"rollout/engine_figure": 2.0}, reshard_metrics={"reshard/bytes": 8.0})
+    assert m.pop_metrics() == {"rollout/engine_figure": 2.0, "reshard/bytes": 8.0}
     assert m.rollout_metrics == {} and m.reshard_metrics == {}
 
 
@@ -118,7 +118,7 @@ def test_call_info_is_kept_by_selection_and_refused_by_joins():
 # ---- serialisation -------------------------------------------------------------------------------
 _FULL = BatchMeta(
     global_step=7, temperature=0.7, rollout_log_probs_exact=False, old_log_probs_source="update", pairs=True,
-    rollout_metrics={"rollout/cpu_streams": 2.0}, reshard_metrics={"reshard/bytes": 8.0}, pad_rows=1,
+    rollout_metrics={"rollout/engine_figure": 2.0}, reshard_metrics={"reshard/bytes": 8.0}, pad_rows=1,
     call_info={"actor/kl": 0.5},
 )  # fmt: skip
 

@@ -5,6 +5,7 @@ No process groups, no configs, no models: drivers and workers call these on tens
   losses.py      PPO clipped policy loss (dual clip), clipped value loss, DPO loss, loss aggregation
   kl.py          KL estimators k1/k2/k3/abs, KL-in-reward, KL loss, fixed / adaptive KL controllers
   off_policy.py  truncated importance weights for a rollout one step behind the actor
+  dynamic_sampling.py  DAPO: groups to keep, overlong penalty, truncated rows, the kept-group accumulator
   rollout_gap.py the train-vs-rollout log-prob gap: per-rank statistics and their reduction over dp ranks
   safe_rlhf.py   reward & cost advantages, Lagrange multiplier update, combined advantage
   utils.py       masked mean / var / whiten, entropy and log-probs from logits, explained variance

@@ -25,16 +25,7 @@ from typing import Any
 import yaml
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """One or more configuration problems; `errors` lists them, each naming its key."""
-
-    def __init__(self, errors: list[str]):
-        self.errors = list(errors)
-        head = "invalid config" if len(errors) == 1 else f"invalid config ({len(errors)} problems)"
-        super().__init__(head + ":\n  - " + "\n  - ".join(self.errors))
+from hybridflow.errors import ConfigError
 
 
 # ---- schema introspection ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from hybridflow.config.loader import ConfigError
+from hybridflow.errors import ConfigError
 
 
 def model_max_positions(model_dir: str | os.PathLike) -> int | None:

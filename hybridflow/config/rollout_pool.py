@@ -57,11 +57,13 @@ _CAP_DEFAULT = next(f.default for f in dataclasses.fields(ActorConfig) if f.name
 
 def rollout_ahead_errors(cfg, spec) -> list[str]:
     """Problems of the rollout_ahead settings (`spec`: the algorithm's AlgorithmSpec, None if unknown)."""
-    t, res = cfg.trainer, cfg.resources
+    trainer_cfg, res = cfg.trainer, cfg.resources
     n, r = res.num_devices, res.rollout_devices
-    if t.rollout_ahead not in (0, 1):
-        return [f"trainer.rollout_ahead: {t.rollout_ahead!r} is not one of [0, 1] (steps generated ahead)"]
-    if not t.rollout_ahead:
+    if trainer_cfg.rollout_ahead not in (0, 1):
+        return [
+            f"trainer.rollout_ahead: {trainer_cfg.rollout_ahead!r} is not one of [0, 1] (steps generated ahead)"
+        ]
+    if not trainer_cfg.rollout_ahead:
         errors = []
         if r:
             errors.append(

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from hybridflow.batch import Batch
-from hybridflow.data.files import DatasetError
+from hybridflow.errors import DatasetError
 
 
 class StatefulDataLoader:

@@ -51,7 +51,7 @@ from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
 from hybridflow.trainers import lifecycle
 from hybridflow.trainers.dump import batch_scores, generation_rows, write_generations
-from hybridflow.trainers.lifecycle import start_ray  # noqa: F401 — its home before lifecycle.py
+from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import Timers, throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
 from hybridflow.trainers.validation import ValidationMixin
@@ -92,12 +92,12 @@ class Trainer(ValidationMixin):
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
         if cfg.trainer.val_only and self.val_dataset is None:
             raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
-        t = cfg.trainer
-        self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader or ())
+        trainer_cfg = cfg.trainer
+        self.total_steps = trainer_cfg.total_steps or trainer_cfg.total_epochs * len(self.train_loader or ())
         self.global_step = self.skipped_in_a_row = 0
         # absolute: worker processes write their parts there and need not share the driver's cwd
         self.ckpt = CheckpointManager(
-            os.path.abspath(cfg.run_dir), keep_last=t.keep_last, config=_hashed_config(cfg)
+            os.path.abspath(cfg.run_dir), keep_last=trainer_cfg.keep_last, config=_hashed_config(cfg)
         )
         self.timers = Timers()
         self.restarts, self.run_lock, self.resume_path = 0, None, None
@@ -209,13 +209,15 @@ class Trainer(ValidationMixin):
         lifecycle.restart(self, error, history)
 
     def _loop(self, history: list[dict], stop: int) -> None:
-        t = self.cfg.trainer
-        if t.val_only or (t.val_before_train and self.global_step == 0 and not history):
+        trainer_cfg = self.cfg.trainer
+        if trainer_cfg.val_only or (trainer_cfg.val_before_train and self.global_step == 0 and not history):
             with _at_step(self.global_step, "validation at "):
                 val = {**self.validate(), **self.timers.pop()}
             self.tracker.log(val, self.global_step)
             history.append({"step": self.global_step, **val})
-        if t.val_only:  # verl's trainer.val_only: the weights loaded (initial or resumed) are validated
+        if (
+            trainer_cfg.val_only
+        ):  # verl's trainer.val_only: the weights loaded (initial or resumed) are validated
             return
         while self.global_step < stop:
             if signum := lifecycle.stop_requested():  # after the step (and its checkpoint) in flight
@@ -228,17 +230,20 @@ class Trainer(ValidationMixin):
                 batch, metrics = self.train_step(batch)
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
             metrics.update(self.resource_metrics(batch))
-            if t.rollout_data_dir:
+            if trainer_cfg.rollout_data_dir:
                 rows = generation_rows(batch, batch_scores(batch))
-                write_generations(t.rollout_data_dir, self.global_step, rows)
+                write_generations(trainer_cfg.rollout_data_dir, self.global_step, rows)
             last = self.global_step == self.total_steps
-            if (t.val_every and self.global_step % t.val_every == 0) or last:
+            if (trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0) or last:
                 with _at_step(self.global_step, "validation at "):
                     metrics.update(self.validate())
-            by_time = t.save_every_minutes and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
+            by_time = (
+                trainer_cfg.save_every_minutes
+                and time.monotonic() - self._last_save >= 60 * trainer_cfg.save_every_minutes
+            )
             stopping = lifecycle.stop_requested()
             if (
-                (t.save_every and self.global_step % t.save_every == 0)
+                (trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0)
                 or last
                 or self.global_step == stop
                 or by_time
@@ -384,9 +389,9 @@ def _hashed_config(cfg) -> dict:
     """The config as hashed into checkpoint manifests: without run length and logging settings, which a
     resumed run may change freely (a mismatch elsewhere is logged as a warning on resume)."""
     d = config_to_dict(cfg)
-    t = d["trainer"]
+    trainer_keys = d["trainer"]
     for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers",
               "save_every_minutes", "max_restarts", "stop_grace_s", "restart_wait_s", "min_devices",
               "val_only", "rollout_data_dir", "validation_data_dir"):  # fmt: skip
-        t.pop(k, None)
+        trainer_keys.pop(k, None)
     return d

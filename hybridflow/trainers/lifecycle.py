@@ -260,7 +260,7 @@ def check_resume_compatible(checkpoint: Path, manifest: dict, cfg) -> None:
     """CheckpointError (one line) when the run would resume `checkpoint` with another batch or model."""
     saved = manifest.get("meta", {}).get("fingerprint")
     if not saved:
-        return  # written before fingerprints were recorded
+        return  # a checkpoint without a fingerprint: nothing to compare against
     now = resume_fingerprint(cfg)
     for key, then in saved.items():
         if key not in now or now[key] == then:

@@ -83,7 +83,7 @@ class RLTrainer(Trainer):
     # ---- phases ---------------------------------------------------------------------------------------
     def generate(self, prompts: Batch) -> Pending:
         step = self.source.batch(prompts)
-        self.metrics.update(step.metrics)  # reshard/*, the engine's own (rollout/cpu_streams), sync/*
+        self.metrics.update(step.metrics)  # reshard/*, any figures the engine adds, the source's (sync/*)
         self.metrics["rollout/policy_lag"] = float(step.policy_lag)
         return Pending(step)
 

@@ -34,10 +34,11 @@ import torch.distributed as dist
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
+from hybridflow.config.roles import ActorWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.engines.train_engine import cast_parameters
-from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
+from hybridflow.hybrid_engine.resharder import build_resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
@@ -63,10 +64,10 @@ _ACTOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "re
 
 
 class ActorRolloutRefWorker(WeightSyncMixin, Worker):
-    """config: the whole HybridFlowConfig; roles: a subset of ("actor", "rollout", "ref");
-    total_optim_steps: optimizer steps of the whole run (for warmup / cosine schedules)."""
+    """config: the policy's part of the config tree (config/roles.py); roles: a subset of ("actor",
+    "rollout", "ref"); total_optim_steps: optimizer steps of the whole run (for warmup / cosine schedules)."""
 
-    def __init__(self, config, roles=("actor", "rollout"), total_optim_steps: int = 0):
+    def __init__(self, config: ActorWorkerConfig, roles=("actor", "rollout"), total_optim_steps: int = 0):
         bad = [r for r in roles if r not in ROLES]
         if bad or not roles:
             raise ValueError(
@@ -75,7 +76,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
         self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = None
         self._gen_calls = 0
-        seed = config.trainer.seed
+        seed = config.seed
         pack = {"remove_padding": config.model.remove_padding, "share_prompt": config.model.share_prompt}
         # each role's engine config only where it runs: a role on another pool has that pool's dp
         # (the reference on the rollout pool of rollout_ahead=1 while the actor's pool is smaller)
@@ -95,11 +96,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         """Generation replicas of the 3D-HybridEngine's layout (hybrid_engine/layout.py GenLayout)."""
         r = self.config.rollout
         if "actor" in self.roles:
-            t, d, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
+            tp, dp, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
         else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py,
             tg = r.tg  # or vLLM's own over the pool's ranks: the same consecutive ones)
-            t, d = tg, self.world_size // tg
-        gen = generation_layout(r.reshard, t, d, tg)
+            tp, dp = tg, self.world_size // tg
+        gen = generation_layout(r.reshard, tp, dp, tg)
         g_tp = gen.coords(self.rank)[2]
         self.set_layout(
             "rollout", dp_rank=gen.replica(self.rank), dp_size=gen.num_replicas, tp_rank=g_tp, tp_size=gen.tg
@@ -110,7 +111,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     def init_model(self) -> dict:
         """Load the models of this worker's roles; returns parameter counts."""
         m = self.config.model
-        seed_everything(self.config.trainer.seed)
+        seed_everything(self.config.seed)
         self.tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code)
         remote = {"trust_remote_code": m.trust_remote_code}
         info = {}
@@ -134,11 +135,13 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             if self.actor is not None:
                 r = self.config.rollout
                 # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md)
-                self.resharder = Resharder(self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin")
+                self.resharder = build_resharder(
+                    self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin"
+                )
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
-            dtype = model_compute_dtype(m.dtype, self.config.resources.device)
+            dtype = model_compute_dtype(m.dtype, self.config.device)
             model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
             if own and self.config.rollout.engine == "vllm":
@@ -184,7 +187,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         call = step if step is not None else 1_000_000 + self._gen_calls
         # per generation replica, not per rank: every reshard method draws the same samples per replica
         replica = self.get_layout("rollout").dp_rank
-        seed = self.config.trainer.seed * 1_000_003 + call * 7919 + replica
+        seed = self.config.seed * 1_000_003 + call * 7919 + replica
         return SamplingParams(
             max_new_tokens=r.response_length, do_sample=kw["temperature"] > 0, seed=seed, **kw
         )
@@ -264,7 +267,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         its forward's own, trainers/rl.py), and ref_log_probs with use_kl_loss. Returns actor/* lists."""
         a, algo = self.config.actor, self.config.algorithm
         # trainer.rollout_ahead=1: the rollout's policy is a step older; weigh its tokens (algorithms/off_policy.py)
-        is_cap = a.tis_imp_ratio_cap if self.config.trainer.rollout_ahead else 0.0
+        is_cap = a.tis_imp_ratio_cap if self.config.rollout_ahead else 0.0
         num_mini = a.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         # old log-probs from this update's own forward: exact only while the weights cannot move under it
         from_forward = batch.meta.old_log_probs_source == "update"

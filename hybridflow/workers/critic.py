@@ -16,6 +16,7 @@ import os
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
+from hybridflow.config.roles import CriticWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import init_critic_from_causal_lm, load_critic
@@ -40,12 +41,12 @@ def _is_causal_lm_dir(path: str) -> bool:
 
 
 class CriticWorker(Worker):
-    """config: HybridFlowConfig; name: metric prefix ("critic", "cost_critic"); total_optim_steps as
-    for the actor."""
+    """config: the critic's part of the config tree (config/roles.py); name: metric prefix ("critic",
+    "cost_critic"); total_optim_steps as for the actor."""
 
     def __init__(
         self,
-        config,
+        config: CriticWorkerConfig,
         name: str = "critic",
         values_key: str = "values",
         returns_key: str = "returns",
@@ -57,7 +58,7 @@ class CriticWorker(Worker):
             config.critic,
             self.world_size,
             "critic",
-            config.trainer.seed,
+            config.seed,
             config.model.dtype,
             total_optim_steps,
             remove_padding=config.model.remove_padding,
@@ -68,13 +69,13 @@ class CriticWorker(Worker):
 
     @register(Protocol.ONE_TO_ALL)
     def init_model(self) -> dict:
-        seed_everything(self.config.trainer.seed)
+        seed_everything(self.config.seed)
         m = self.config.model
         path, remote = m.critic_path or m.path, m.trust_remote_code
         # Each rank reads only its shards; from a causal-LM directory the value head starts at zero.
         model = load_critic(path, device="meta", trust_remote_code=remote)
         if _is_causal_lm_dir(path) and not any(p.is_meta for p in model.parameters()):
-            seed = self.config.trainer.seed  # weights not sliceable: load them whole
+            seed = self.config.seed  # weights not sliceable: load them whole
             model = init_critic_from_causal_lm(path, seed=seed, trust_remote_code=remote)
         self.engine = TrainEngine(model, self.engine_cfg, trainable=True, device=self.device)
         return {f"{self.name}_params": self.engine.num_params()}

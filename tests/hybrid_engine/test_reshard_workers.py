@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow.config.roles import worker_config
 from hybridflow.controller import ResourcePool, create_colocated_groups
 from hybridflow.data import build_prompt_dataset
 from hybridflow.models import load_tokenizer
@@ -49,7 +50,10 @@ def setup(ray_cluster, tmp_path_factory):
         cfg = tiny_config(qwen2 if name.startswith("qwen2") else model, tmp / "runs", "grpo", f"actor.parallel.tp={tp}", f"rollout.tg={tg}",
                           f"rollout.reshard={method}", "rollout.response_length=6", "actor.optim.lr=5e-2",
                           "actor.micro_batch_size_per_device=64", devices=4)  # fmt: skip
-        roles[name] = (ActorRolloutRefWorker, {"config": cfg, "roles": ("actor", "rollout")})
+        roles[name] = (
+            ActorRolloutRefWorker,
+            {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout")},
+        )
     pool = ResourcePool(4, name="reshard4")
     groups = create_colocated_groups(pool, roles, group_name="reshard4")
     for g in groups.values():

@@ -274,8 +274,8 @@ def test_greedy_n_samples_equal_single_sample_repeated(models, tokenizer, arch):
 def test_mkl_packed_linear_equals_matmul_for_any_row_count():
     """Decode packs each weight once per generate call (MKL packed GEMM) and multiplies it with 1..B
     rows as rows finish; the pack must give x @ w.T at every row count, with and without bias."""
+    from hybridflow.rollout.cpu.mkl_packed import MklPacked, mkl_pack_works
     from hybridflow.rollout.llama_decoder import _mm, _mm_residual
-    from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
 
     if not mkl_pack_works():
         pytest.skip("this torch build has no MKL packed GEMM (the decoder uses transposed copies)")
@@ -291,8 +291,8 @@ def test_mkl_packed_linear_equals_matmul_for_any_row_count():
 
 
 def test_decoder_uses_mkl_packs_on_fp32_cpu(models):
+    from hybridflow.rollout.cpu.mkl_packed import MklPacked, mkl_pack_works
     from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder
-    from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
 
     decoder = LlamaFamilyDecoder(models["llama"], pack_weights=True)
     decoder.load()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow.config.roles import worker_config
 from hybridflow.controller import ResourcePool, create_colocated_groups
 from hybridflow.data import build_prompt_dataset
 from hybridflow.models import load_tokenizer
@@ -26,8 +27,11 @@ def setup(ray_cluster, tiny_model_dir, tmp_path_factory):
             "actor.micro_batch_size_per_device=1", devices=n,
         )  # fmt: skip
         roles = {
-            "actor": (ActorRolloutRefWorker, {"config": cfg, "roles": ("actor", "rollout", "ref")}),
-            "critic": (CriticWorker, {"config": cfg}),
+            "actor": (
+                ActorRolloutRefWorker,
+                {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout", "ref")},
+            ),
+            "critic": (CriticWorker, {"config": worker_config(cfg, "critic")}),
         }
         pools.append(ResourcePool(n, name=f"padding_dp{n}"))
         groups[n] = create_colocated_groups(pools[-1], roles, group_name=f"padding_dp{n}")

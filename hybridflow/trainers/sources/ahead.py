@@ -70,7 +70,7 @@ class OneStepAheadSource(RolloutSource):
     def batch(self, prompts: Batch) -> StepBatch:
         """Take the batch issued a step ago (the first step: generate it now), then issue the next
         step's; with the reference split, score this batch's other rows on the training pool."""
-        t = self.trainer
+        trainer = self.trainer
         step = prompts.meta.global_step
         actor_version = step - 1
         p = self.take_in_flight(step)
@@ -84,9 +84,9 @@ class OneStepAheadSource(RolloutSource):
             rollout = p.rollouts.get()
         self._tokens = float(rollout["attention_mask"].sum())
         self._tokens_per_row = self._tokens / max(len(rollout), 1)
-        if step < t.total_steps:
+        if step < trainer.total_steps:
             self.sync(actor_version)
-            ahead = t.train_loader.next_batch()
+            ahead = trainer.train_loader.next_batch()
             ahead.meta.global_step = step + 1
             self.in_flight = self._issue(ahead, step + 1)
         metrics, self.metrics = self.metrics, {}
@@ -102,20 +102,20 @@ class OneStepAheadSource(RolloutSource):
     def _issue(self, prompts: Batch, step: int) -> InFlight:
         """Generate `prompts` on the rollout pool and chain the frozen models there on its output (each
         rank fetches its rows of the generation itself), all as Futures."""
-        t = self.trainer
+        trainer = self.trainer
         future = self.group.generate_sequences.future(prompts)
         p = InFlight(step, self.rollout_version, prompts, future)
         for role in self.frozen_roles:
             method, phase = SCORING[role]
             rows = future
             if role == "ref" and self.split is not None:
-                rows_next = len(prompts) * t.cfg.rollout.n
+                rows_next = len(prompts) * trainer.cfg.rollout.n
                 p.ref_rows = self.split.rows_for(rows_next, self._tokens, self._tokens_per_row)
                 if p.ref_rows == 0:
                     continue  # the training pool scores them all
                 rows = future.rows(0, p.ref_rows)
-            with t.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
-                p.frozen[role] = getattr(t.groups[role], method).future(rows)
+            with trainer.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
+                p.frozen[role] = getattr(trainer.groups[role], method).future(rows)
         return p
 
     def _ref_parts(self, scored: list, ref_rows: int, rollout: Batch) -> list:
@@ -156,11 +156,11 @@ class OneStepAheadSource(RolloutSource):
     @property
     def frozen_roles(self) -> list[str]:
         """The frozen models this run has in the rollout pool's processes (resources.frozen_pool)."""
-        t = self.trainer
+        trainer = self.trainer
         return [
             r
             for r in FROZEN_ROLES
-            if r in t.groups and t.placement.pool_of(r) == t.placement.pool_of("rollout")
+            if r in trainer.groups and trainer.placement.pool_of(r) == trainer.placement.pool_of("rollout")
         ]
 
     # ---- weight sync --------------------------------------------------------------------------------
@@ -174,11 +174,11 @@ class OneStepAheadSource(RolloutSource):
         self._connect()
         if self.rollout_version == version:
             return
-        t = self.trainer
+        trainer = self.trainer
         self._check_sync()
-        with t.timers.phase("weight_sync"):  # the workers' busy time: in effect, the rollout's receive
+        with trainer.timers.phase("weight_sync"):  # the workers' busy time: in effect, the rollout's receive
             self._syncing = (
-                t.actor.send_weights.future(self._spec, self._dims),
+                trainer.actor.send_weights.future(self._spec, self._dims),
                 self.group.receive_weights.future(self._spec),
             )
         # sync/bytes: what each rollout rank receives (the spec's shapes: its shard when rollout.tg > 1);
@@ -203,17 +203,17 @@ class OneStepAheadSource(RolloutSource):
     def _connect(self) -> None:
         """Build the sync group (actor rank 0 + the rollout ranks) once per pair of groups; a new rollout
         pool (first use, or after a restart) holds model.path's weights, version 0."""
-        t = self.trainer
+        trainer = self.trainer
         if self._connected_to is self.group:
             return
-        addr, port = t.actor.weight_sync_address()
+        addr, port = trainer.actor.weight_sync_address()
         world, tg = 1 + self.group.world_size, self.group.weight_sync_tg()  # tg > 1: shard-only sync
         _get_both(
-            t.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S, tg),
+            trainer.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S, tg),
             self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S, tg),
         )
         spec = self.group.weight_spec()
-        self._dims = split_dims(spec, t.actor.weight_shapes(), tg)  # ValueError: the models differ
+        self._dims = split_dims(spec, trainer.actor.weight_shapes(), tg)  # ValueError: the models differ
         self._spec, self._tg, self._connected_to, self.rollout_version = spec, tg, self.group, 0
 
     # ---- checkpoints --------------------------------------------------------------------------------
