@@ -36,7 +36,6 @@ class ActorWorkerConfig:
     algorithm: AlgorithmConfig
     seed: int  # trainer.seed: model init, sampling seeds
     device: str  # resources.device: the compute dtype of generation ("auto" = by the device found)
-    rollout_ahead: bool  # trainer.rollout_ahead: the update weighs tokens from a one-step-older rollout
     max_prompt_length: int  # data.max_prompt_length: vLLM's context (+ rollout.response_length)
     prompts_per_step: int  # the larger of data.train_batch_size / val_batch_size: vLLM's sequences per call
 
@@ -48,6 +47,7 @@ class CriticWorkerConfig:
     model: ModelConfig
     critic: CriticConfig
     seed: int  # trainer.seed
+    response_length: int  # rollout.response_length: the constant of loss_agg_mode seq-mean-token-sum-norm
 
 
 @dataclass
@@ -79,12 +79,16 @@ def worker_config(cfg: HybridFlowConfig, role: str) -> WorkerConfig:
             algorithm=cfg.algorithm,
             seed=cfg.trainer.seed,
             device=cfg.resources.device,
-            rollout_ahead=bool(cfg.trainer.rollout_ahead),
             max_prompt_length=d.max_prompt_length,
             prompts_per_step=max(d.train_batch_size, d.val_batch_size),
         )
     if role in CRITIC_ROLES:
-        return CriticWorkerConfig(model=cfg.model, critic=cfg.critic, seed=cfg.trainer.seed)
+        return CriticWorkerConfig(
+            model=cfg.model,
+            critic=cfg.critic,
+            seed=cfg.trainer.seed,
+            response_length=cfg.rollout.response_length,
+        )
     if role in REWARD_ROLES:
         return RewardWorkerConfig(model=cfg.model, reward=cfg.reward, seed=cfg.trainer.seed)
     raise ValueError(

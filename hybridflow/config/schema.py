@@ -38,8 +38,23 @@ from hybridflow.fields import at_least, section, setting
 _f, _sub = setting, section  # short names keep the field lists readable
 
 
-# kept equal to hybridflow.algorithms (losses.AGG_MODES) without importing torch here
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# kept equal to hybridflow.algorithms (losses.AGG_MODES, policy_losses.POLICY_LOSSES,
+# rollout_correction.CORRECTION_MODES / _LEVELS) without importing torch here (tests/config checks)
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+POLICY_LOSS_NAMES = ("vanilla", "gspo", "cispo", "geo_mean")
+CORRECTION_MODES = ("none", "tis", "mis", "icepop", "geo_mask")
+CORRECTION_LEVELS = ("token", "sequence")
+_AGG_HELP = (
+    "how token losses become one number: token-mean, token-sum (no normaliser), seq-mean-token-sum, "
+    "seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO: each sequence's sum / "
+    "rollout.response_length)"
+)
 
 
 # ---- shared pieces: OptimConfig and ParallelConfig are the engine's (engines/config.py) -------
@@ -114,6 +129,28 @@ class DataConfig:
 
 # ---- workers -----------------------------------------------------------------------------------
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance weights for the gap between the rollout's log-probs and the training engine's (bf16,
+    vLLM, trainer.rollout_ahead=1), on each token's policy loss (algorithms/rollout_correction.py;
+    defaults: docs/metrics.md, "Rollout correction")."""
+
+    mode: str = _f(
+        "tis",
+        "none; tis: weight min(rho, upper); mis: weight rho, 0 outside [lower, upper]; icepop: mis per token "
+        "with lower > 0; geo_mask: drop sequences whose geometric-mean rho is outside [lower, upper]",
+        choices=CORRECTION_MODES,
+    )
+    level: str = _f(
+        "token",
+        "rho per token, or per sequence (the product of its token ratios); tis and mis only (icepop is "
+        "per token, geo_mask per sequence by definition)",
+        choices=CORRECTION_LEVELS,
+    )
+    upper: float = _f(2.0, "upper bound on rho (tis: the truncation cap, verl's tis_imp_ratio_cap)")
+    lower: float = _f(0.0, "lower bound on rho (mis, icepop, geo_mask; 0 = none)")
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = _sub(OptimConfig, "actor optimizer")
     ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n sequences)")
@@ -123,15 +160,27 @@ class ActorConfig:
     )
     micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
-    clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low")
-    clip_ratio_high: float = _f(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (raise for DAPO clip-higher)")
-    clip_ratio_c: float = _f(3.0, "dual-clip constant for negative advantages (> 1)")
-    tis_imp_ratio_cap: float = _f(
-        2.0,
-        "trainer.rollout_ahead=1: each token's policy loss is weighted by min(exp(old - rollout log-prob), "
-        "this cap), correcting for the rollout's one-step-older policy (verl's name; <= 0 = no correction)",
+    policy_loss: str = _f(
+        "vanilla",
+        "vanilla (PPO clip + dual clip), gspo (sequence ratio), cispo (clipped IS weight x log-prob), geo_mean "
+        "(GMPO); verl's names (algorithms/policy_losses.py)",
+        choices=POLICY_LOSS_NAMES,
     )
-    loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    clip_ratio_low: float = _f(
+        0.2,
+        "clip: ratio >= 1 - clip_ratio_low (gspo: of the sequence ratio, ~3e-4; geo_mean: log-ratio >= -it)",
+    )
+    clip_ratio_high: float = _f(
+        0.2,
+        "clip: ratio <= 1 + clip_ratio_high (raise for DAPO clip-higher; gspo: ~4e-4; geo_mean: log-ratio <= it)",
+    )
+    clip_ratio_c: float = _f(
+        3.0, "dual-clip constant for negative advantages (> 1; policy_loss vanilla only)"
+    )
+    rollout_correction: RolloutCorrectionConfig = _sub(
+        RolloutCorrectionConfig, "rollout-vs-training log-prob correction"
+    )
+    loss_agg_mode: str = _f("token-mean", _AGG_HELP, choices=LOSS_AGG_MODES)
     mask_truncated: bool = _f(
         False,
         "DAPO's overlong filtering: responses that reached rollout.response_length take no part in the loss "
@@ -199,7 +248,7 @@ class CriticConfig:
     micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
     cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value")
-    loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    loss_agg_mode: str = _f("token-mean", _AGG_HELP, choices=LOSS_AGG_MODES)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
     parallel: ParallelConfig = _sub(ParallelConfig, "critic training parallelism")

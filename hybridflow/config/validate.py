@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import os
 
+from hybridflow.config.actor_loss import actor_loss_errors
 from hybridflow.config.algorithm_config import algorithm_errors
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.dapo import dapo_errors
@@ -170,7 +171,7 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     errors += _mini_batch_errors(cfg, spec)
     errors += _algorithm_errors(cfg, spec)
     errors += rollout_engine_errors(cfg)
-    errors += rollout_ahead_errors(cfg, spec) + dapo_errors(cfg)
+    errors += rollout_ahead_errors(cfg, spec) + dapo_errors(cfg) + actor_loss_errors(cfg.actor)
     errors += data_and_model_errors(cfg, spec, check_model)
     errors += _parallel_errors(cfg, spec)
     errors += _devices_errors(cfg)

@@ -55,7 +55,7 @@ from hybridflow.workers.common import (
     set_train_layout,
 )
 from hybridflow.workers.gap_meter import GapMeter, gap_training_side
-from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn, sft_loss
+from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn, sft_loss, split_aggregation
 from hybridflow.workers.weight_sync import WeightSyncMixin
 
 ROLES = ("actor", "rollout", "ref")
@@ -266,8 +266,9 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         Needs advantages and old_log_probs, unless meta.old_log_probs_source is "update" (one optimizer step: they are
         its forward's own, trainers/rl.py), and ref_log_probs with use_kl_loss. Returns actor/* lists."""
         a, algo = self.config.actor, self.config.algorithm
-        # trainer.rollout_ahead=1: the rollout's policy is a step older; weigh its tokens (algorithms/off_policy.py)
-        is_cap = a.tis_imp_ratio_cap if self.config.rollout_ahead else 0.0
+        # the rollout's log-probs against the old ones: numerics (bf16, vLLM) or a policy a step older
+        # (trainer.rollout_ahead=1) apart (algorithms/rollout_correction.py)
+        correct = a.rollout_correction.mode != "none" and "rollout_log_probs" in batch.keys()
         num_mini = a.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         # old log-probs from this update's own forward: exact only while the weights cannot move under it
         from_forward = batch.meta.old_log_probs_source == "update"
@@ -280,11 +281,14 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             [*_ACTOR_FIELDS, "advantages"]
             + ([] if from_forward else ["old_log_probs"])
             + (["ref_log_probs"] if algo.use_kl_loss else [])
-            + (["rollout_log_probs"] if is_cap > 0 or gap_side else [])
+            + (["rollout_log_probs"] if correct or gap_side else [])
         )
         gap = GapMeter() if gap_side else None
-        loss_fn = actor_loss_fn(a, algo, is_cap, from_forward, gap if gap_side == "forward" else None)
-        weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
+        norm_length = self.config.rollout.response_length
+        loss_fn = actor_loss_fn(
+            a, algo, norm_length, correct, from_forward, gap if gap_side == "forward" else None
+        )
+        weighting = split_aggregation(a.loss_agg_mode)[1]
         temperature = _temperature(batch)
         metrics = MetricLists()
         eng = self._engine("actor")

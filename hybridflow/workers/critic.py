@@ -29,7 +29,7 @@ from hybridflow.workers.common import (
     seed_everything,
     set_train_layout,
 )
-from hybridflow.workers.losses import critic_loss_fn
+from hybridflow.workers.losses import critic_loss_fn, split_aggregation
 
 _FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
@@ -90,8 +90,8 @@ class CriticWorker(Worker):
         """Clipped value regression on `returns_key` over critic.ppo_epochs x mini-batches."""
         c = self.config.critic
         keys = [*_FIELDS, self.values_key, self.returns_key]
-        loss_fn = critic_loss_fn(c, self.values_key, self.returns_key)
-        weighting = "tokens" if c.loss_agg_mode == "token-mean" else "sequences"
+        loss_fn = critic_loss_fn(c, self.values_key, self.returns_key, self.config.response_length)
+        weighting = split_aggregation(c.loss_agg_mode)[1]
         num_mini = c.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         metrics = MetricLists()
         rows = mask_padding(batch).select(keys)

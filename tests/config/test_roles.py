@@ -86,8 +86,10 @@ def test_the_actor_reads_its_run_settings_from_the_tree():
                "data.train_batch_size=8", "data.val_batch_size=24", "data.max_prompt_length=40"),
         "rollout",
     )  # fmt: skip
-    assert (wc.rollout_ahead, wc.device, wc.max_prompt_length, wc.prompts_per_step) == (True, "cpu", 40, 24)
-    assert worker_config(config(), "actor_rollout").rollout_ahead is False
+    assert (wc.device, wc.max_prompt_length, wc.prompts_per_step) == ("cpu", 40, 24)
+    # the rollout correction weighs the tokens in every run (docs/metrics.md): no rollout_ahead switch
+    assert not hasattr(wc, "rollout_ahead")
+    assert worker_config(config("rollout.response_length=12"), "critic").response_length == 12
 
 
 def test_a_worker_config_is_a_copy():

@@ -82,7 +82,7 @@ def test_actor_loss_adds_entropy_bonus_and_kl_loss():
     mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": torch.ones(2, 2),
                 "ref_log_probs": lp - 0.2})  # fmt: skip
     entropy = torch.full((2, 2), 3.0)
-    loss, m = actor_loss_fn(cfg.actor, cfg.algorithm)({"log_probs": lp, "entropy": entropy}, mb)
+    loss, m = actor_loss_fn(cfg.actor, cfg.algorithm, 2)({"log_probs": lp, "entropy": entropy}, mb)
     # ratio 1 -> pg loss = -mean(A) = -1; minus 0.1 * entropy 3; plus 0.5 * k1 KL 0.2
     assert float(loss) == pytest.approx(-1.0 - 0.3 + 0.1)
     assert float(m["pg_loss"]) == pytest.approx(-1.0) and float(m["kl_loss"]) == pytest.approx(0.2)
