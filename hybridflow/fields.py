@@ -3,11 +3,12 @@
 Each component's config dataclass lives with the component (engines/config.py: ParallelConfig,
 OptimConfig; config/schema.py: the rest) and declares its fields with `setting` / `section`; the
 config tree (config/schema.py) composes them, and `hybridflow config --help` / `config show --comments`
-print the metadata. No imports beyond dataclasses, so every module may use it.
+print the metadata. No imports beyond the standard library, so every module may use it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import field
 
 
@@ -32,4 +33,15 @@ def section(cls, help: str, **kwargs):
 def at_least(minimum, values: dict) -> list[str]:
     """'key: must be >= minimum, got v' for each value (key -> value) below `minimum`: the size checks
     each section's validator runs."""
-    return [f"{key}: must be >= {minimum}, got {v}" for key, v in values.items() if v < minimum]
+    return [
+        f"{key}: must be >= {minimum}, got {v}" for key, v in values.items() if not v >= minimum
+    ]  # nan too
+
+
+def finite_at_least(minimum, values: dict) -> list[str]:
+    """As at_least, for values that must also be finite (a learning rate, a temperature)."""
+    return [
+        f"{key}: must be a finite number >= {minimum}, got {v}"
+        for key, v in values.items()
+        if not (math.isfinite(v) and v >= minimum)
+    ]

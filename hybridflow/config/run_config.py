@@ -87,6 +87,11 @@ class TrainerConfig:
     stop_grace_s: float = _f(
         120.0, "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them"
     )
+    hang_timeout_s: float = _f(
+        0.0,
+        "a worker call during which no rank finishes for this long is a hung worker: its group is killed "
+        "and restarted like a dead one (trainer.max_restarts); 0 = off. Set above the longest call",
+    )
     keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)")
     resume: str = _f(
         "auto", "auto = continue from the latest checkpoint, never, a step number (12), or a checkpoint path"
@@ -123,11 +128,25 @@ def resources_errors(r: ResourcesConfig) -> list[str]:
     return errors
 
 
+def machine_errors(r: ResourcesConfig) -> list[str]:
+    """What this machine must have for the section (run with the disk checks: a config may be written
+    or shown on a machine other than the one it runs on)."""
+    if r.device == "cuda" and not r.ray_address:  # the embedded cluster runs on this machine's devices
+        import torch
+
+        if not torch.cuda.is_available():
+            return [
+                "resources.device: cuda, but torch finds no CUDA device on this machine; use auto or cpu, "
+                "or resources.ray_address to join a cluster that has GPUs"
+            ]
+    return []
+
+
 def trainer_errors(t: TrainerConfig) -> list[str]:
     errors = at_least(1, {"trainer.keep_last": t.keep_last, "trainer.max_skipped_steps": t.max_skipped_steps})
     errors += at_least(0, {f"trainer.{k}": getattr(t, k) for k in ("total_steps", "total_epochs", "val_every",
                        "save_every", "max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s",
-                       "min_devices")})  # fmt: skip
+                       "min_devices", "hang_timeout_s")})  # fmt: skip
     if t.total_steps == 0 and t.total_epochs == 0:
         errors.append("trainer.total_steps: both total_steps and total_epochs are 0; set one of them")
     errors += [

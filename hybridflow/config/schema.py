@@ -33,7 +33,7 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
 from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
 from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors
-from hybridflow.fields import at_least, section, setting
+from hybridflow.fields import at_least, finite_at_least, section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
 
@@ -362,8 +362,7 @@ def rollout_errors(r: RolloutConfig) -> list[str]:
     errors = at_least(1, {"rollout.n": r.n, "rollout.val.n": r.val.n, "rollout.response_length": r.response_length,
                           "rollout.tg": r.tg, "rollout.pg": r.pg})  # fmt: skip
     for key, sampling in {"rollout": r, "rollout.val": r.val}.items():
-        if sampling.temperature < 0:
-            errors.append(f"{key}.temperature: must be >= 0, got {sampling.temperature}")
+        errors += finite_at_least(0, {f"{key}.temperature": sampling.temperature})
         if not 0.0 < sampling.top_p <= 1.0:
             errors.append(f"{key}.top_p: must be in (0, 1], got {sampling.top_p}")
     return errors  # what each engine uses: rollout/factory.rollout_engine_errors
@@ -388,6 +387,7 @@ def reward_errors(r: RewardConfig) -> list[str]:
     for key, v in {
         "reward.max_abs_score": r.max_abs_score,
         "reward.startup_timeout_s": r.startup_timeout_s,
+        "reward.timeout_s": r.timeout_s,
     }.items():
         if not v > 0:
             errors.append(f"{key}: must be > 0, got {v}")

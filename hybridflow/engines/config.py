@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridflow.fields import at_least, setting
+from hybridflow.fields import at_least, finite_at_least, setting
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -86,7 +86,7 @@ def parallel_errors(p: ParallelConfig, key: str) -> list[str]:
 
 def optim_errors(o: OptimConfig, key: str) -> list[str]:
     """The section at `key` (e.g. "actor.optim"), one line per bad value."""
-    errors = [] if o.lr >= 0 else [f"{key}.lr: must be >= 0, got {o.lr}"]  # 0 freezes the model
+    errors = finite_at_least(0, {f"{key}.lr": o.lr})  # 0 freezes the model
     errors += at_least(0, {f"{key}.warmup_steps": o.warmup_steps, f"{key}.total_steps": o.total_steps})
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         errors.append(f"{key}.betas: expected two numbers in [0, 1), got {o.betas}")

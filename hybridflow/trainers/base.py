@@ -45,6 +45,7 @@ from hybridflow.checkpoint.run_lock import RunLock
 from hybridflow.config import ConfigError, config_to_dict, resolve_config, validate_config
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
+from hybridflow.controller.future import hang_timeout
 from hybridflow.data import StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
@@ -187,7 +188,8 @@ class Trainer(ValidationMixin):
             step = self.global_step if self.global_step or self.restarts else None
             self.tracker = build_tracker(self.cfg, total_steps=self.total_steps, resume_step=step)
             try:
-                self._loop(history, min(stop_after or self.total_steps, self.total_steps))
+                with hang_timeout(self.cfg.trainer.hang_timeout_s if self.owns_groups else 0.0):
+                    self._loop(history, min(stop_after or self.total_steps, self.total_steps))
                 return history
             except Exception as e:
                 if not self._may_restart(e):
@@ -391,7 +393,7 @@ def _hashed_config(cfg) -> dict:
     d = config_to_dict(cfg)
     trainer_keys = d["trainer"]
     for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers",
-              "save_every_minutes", "max_restarts", "stop_grace_s", "restart_wait_s", "min_devices",
+              "save_every_minutes", "max_restarts", "stop_grace_s", "hang_timeout_s", "restart_wait_s", "min_devices",
               "val_only", "rollout_data_dir", "validation_data_dir"):  # fmt: skip
         trainer_keys.pop(k, None)
     return d

@@ -30,11 +30,22 @@ def test_a_section_check_reads_only_its_section():
     assert actor_errors(ActorConfig(clip_ratio_c=1.0, ppo_epochs=0, optim=OptimConfig(lr=-1.0))) == [
         "actor.ppo_epochs: must be >= 1, got 0",
         "actor.clip_ratio_c: the dual-clip constant must be > 1, got 1.0",
-        "actor.optim.lr: must be >= 0, got -1.0",
+        "actor.optim.lr: must be a finite number >= 0, got -1.0",
     ]
     assert rollout_errors(RolloutConfig(top_p=0.0, val=RolloutValConfig(temperature=-0.5))) == [
         "rollout.top_p: must be in (0, 1], got 0.0",
-        "rollout.val.temperature: must be >= 0, got -0.5",
+        "rollout.val.temperature: must be a finite number >= 0, got -0.5",
+    ]
+    nan, inf = float("nan"), float("inf")  # a comparison with NaN is False: each check must still refuse it
+    assert optim_errors(OptimConfig(lr=inf), "actor.optim") == [
+        "actor.optim.lr: must be a finite number >= 0, got inf"
+    ]
+    assert rollout_errors(RolloutConfig(temperature=nan)) == [
+        "rollout.temperature: must be a finite number >= 0, got nan"
+    ]
+    assert trainer_errors(TrainerConfig(save_every_minutes=nan, hang_timeout_s=-1)) == [
+        "trainer.save_every_minutes: must be >= 0, got nan",
+        "trainer.hang_timeout_s: must be >= 0, got -1",
     ]
     assert algorithm_errors(AlgorithmConfig(lam=1.5, dpo=DPOConfig(label_smoothing=0.5))) == [
         "algorithm.lam: must be in [0, 1], got 1.5",
