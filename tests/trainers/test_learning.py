@@ -94,11 +94,11 @@ def test_grpo_raises_held_out_accuracy_of_a_correct_format_warm_start(demo_sft_m
 
 
 def test_ppo_raises_held_out_accuracy(demo_sft_model, tmp_path):
-    """The PPO recipe (ppo_tiny.yaml: critic from the warm start, GAE), 200 steps, held to a 15-point floor.
-    Measured gains +30.7..+40.7 points (seeds 1-5), +39.3..+40.7 under the other kernels; 3 se 13.2..15.3;
-    smallest gain / 3 se 2.25, smallest gain / 15 points 2.05 (the recipe's values are those of the GRPO
-    recipe edited to PPO that these figures were measured on). At the demo's 100 steps: +22 and +19 points
-    (seeds 1, 2; docs/learning.md)."""
+    """The PPO recipe (ppo_tiny.yaml: critic from the warm start, GAE) for its 200 steps, held to a 15-point
+    floor. Measured gains +30.7..+40.7 points (seeds 1-5), +39.3..+40.7 under the other kernels; 3 se
+    13.2..15.3; smallest gain / 3 se 2.25, smallest gain / 15 points 2.05 (measured on the GRPO recipe edited
+    to PPO, whose values ppo_tiny.yaml has: it gives the same +39.3 and +40.7 for seeds 1 and 2).
+    Stopped at 100 steps it gained only 15-22 points (seeds 1-3, docs/learning.md)."""
     cfg, rewards = _run(demo_sft_model, tmp_path, 1, 200, config="ppo_tiny.yaml")
     _assert_learns("ppo (ppo_tiny.yaml)", cfg, rewards, floor=0.15)
 
