@@ -8,18 +8,11 @@ max_new_tokens) the same way for both engines. Tokens/s counts generated tokens 
 the stop token, over wall time of whole `generate` calls (prefill included), summed over runs.
 
     .venv/bin/python benchmarks/bench_generation.py [--sizes tiny medium] [--batches 16 64]
-        [--threads 1] [--no-stop-rows] [--natural-eos] [--one-stream]
-    .venv/bin/python benchmarks/bench_generation.py --cpu-streams --sizes medium --threads 2
+        [--threads 1] [--no-stop-rows] [--natural-eos]
     .venv/bin/python benchmarks/bench_generation.py --sizes medium --batches 32 --natural-eos --bf16
 
 --natural-eos runs rows that stop at the model's EOS only (instead of the stop set) (id 2: ~1 in 90 tokens, mean length ~70-90 of
-128, the natural-EOS workload of benchmarks/vs_trl.py). --one-stream (with --threads >= 2) runs the built-in
-engine with rollout row streams on (`cpu_streams=0`, auto) and also with them off (`cpu_streams=1`, the
-default: every op split over the threads), alternated with the others, to show what the streams
-(rollout/row_streams.py) give. --cpu-streams runs the built-in
-engine alone, `rollout.cpu_streams` auto (0) against off (1), one call each in turn (A B A B ...), on
-natural-EOS rows (random length, the users' workload) and on fixed-length rows (no stop), and prints the
-median of the per-pair time ratios beside the totals (a burst of load hits one pair, not the median).
+128, the natural-EOS workload of benchmarks/vs_trl.py).
     .venv-vllm/bin/python benchmarks/bench_generation.py --vllm   # + vLLM rows (docs/bench/generation.md)
 
 With --vllm every engine runs the tiny model with 2 attention heads (head_dim 32; vLLM's CPU attention has
@@ -32,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 from functools import partial
@@ -145,17 +137,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--vllm", action="store_true", help="add vLLM rows (needs .venv-vllm: `make vllm`)")
     ap.add_argument("--natural-eos", action="store_true", help="rows that stop at the model's EOS only")
-    ap.add_argument("--one-stream", action="store_true", help="also the built-in engine with cpu_streams=1")
     ap.add_argument(
         "--bf16", action="store_true", help="also the built-in engine generating in bf16 (model.dtype)"
     )
-    ap.add_argument(
-        "--cpu-streams", action="store_true", help="only the built-in engine: cpu_streams auto vs 1, A B A B"
-    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.cpu_streams:
-        return compare_streams(args)
     stops = {"random": STOP, "none": ()} if args.no_stop_rows else {"random": STOP}
     if args.natural_eos:
         stops = {"eos": EOS}
@@ -165,9 +151,7 @@ def main(argv=None) -> int:
     for size in args.sizes:
         model = build_tiny_model(size, "llama", seed=0, **(heads if size == "tiny" else {})).eval()
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
-        # with --one-stream the built-in engine runs with the streams on (auto), against them off
-        engine = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=0 if args.one_stream else 1))
-        one_stream = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=1)) if args.one_stream else None
+        engine = BuiltinEngine(model)
         # --bf16: the same engine generating in bf16 (BuiltinEngineConfig.dtype, as model.dtype=bfloat16 runs it)
         bf16 = BuiltinEngine(model, BuiltinEngineConfig(dtype=torch.bfloat16)) if args.bf16 else None
         for batch_size in args.batches:
@@ -181,15 +165,11 @@ def main(argv=None) -> int:
                 }
                 if vllm is not None:
                     fns["vllm"] = partial(run_vllm, vllm, batch, max_new, stop)
-                if one_stream is not None:
-                    fns["one_stream"] = partial(run_builtin, one_stream, batch, max_new, stop)
                 if bf16 is not None:
                     fns["bf16"] = partial(run_builtin, bf16, batch, max_new, stop)
                 with torch.inference_mode():
                     run_hf(model, batch, 8, stop, 0)  # warm-up
                     run_builtin(engine, batch, 8, stop, 0)
-                    if one_stream is not None:
-                        run_builtin(one_stream, batch, 8, stop, 0)
                     if bf16 is not None:
                         run_builtin(bf16, batch, 8, stop, 0)
                     if vllm is not None:
@@ -210,19 +190,17 @@ def main(argv=None) -> int:
         "tokens/s = all generated tokens / all seconds, "
         f"load average at the end {os.getloadavg()[0]:.1f}\n"
     )
-    print_table(rows, args.vllm, args.one_stream, args.bf16)
+    print_table(rows, args.vllm, args.bf16)
     return 0
 
 
-def print_table(rows, with_vllm: bool, with_one_stream: bool = False, with_bf16: bool = False) -> None:
+def print_table(rows, with_vllm: bool, with_bf16: bool = False) -> None:
     head = (
         "| model | params | batch | stop | mean len HF / built-in | HF tok/s | built-in tok/s | ratio (wall) "
     )
     head += "| HF tok/CPU-s | built-in tok/CPU-s | ratio (CPU time) |"
     if with_vllm:
         head += " vLLM mean len | vLLM tok/s | built-in / vLLM (wall) | vLLM tok/CPU-s | built-in / vLLM (CPU) | vLLM weight sync s |"
-    if with_one_stream:
-        head += " 1-stream mean len | 1-stream tok/s | streams / 1 stream (wall) | 1-stream tok/CPU-s | streams / 1 stream (CPU) |"
     if with_bf16:
         head += " bf16 mean len | built-in bf16 tok/s | bf16 / fp32 built-in (wall) | bf16 / HF fp32 (wall) |"
     print(head)
@@ -237,80 +215,10 @@ def print_table(rows, with_vllm: bool, with_one_stream: bool = False, with_bf16:
         if with_vllm:
             v, v_cpu, v_len = res["vllm"]
             line += f" {v_len / b:.1f} | {v:,.0f} | **{ours / v:.2f}x** | {v_cpu:,.0f} | **{ours_cpu / v_cpu:.2f}x** | {sync:.3f} |"
-        if with_one_stream:
-            o, o_cpu, o_len = res["one_stream"]
-            line += f" {o_len / b:.1f} | {o:,.0f} | **{ours / o:.2f}x** | {o_cpu:,.0f} | **{ours_cpu / o_cpu:.2f}x** |"
         if with_bf16:
             h, _, h_len = res["bf16"]
             line += f" {h_len / b:.1f} | {h:,.0f} | **{h / ours:.2f}x** | **{h / hf:.2f}x** |"
         print(line)
-
-
-def compare_streams(args) -> int:
-    """`rollout.cpu_streams` auto vs 1 on the built-in engine, calls alternated; both engines draw the
-    same tokens (row streams are bit-identical), which each pair checks."""
-    rows = []
-    for size in args.sizes:
-        model = build_tiny_model(size, "llama", seed=0).eval()
-        params_m = sum(p.numel() for p in model.parameters()) / 1e6
-        auto = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=0))
-        off = BuiltinEngine(model, BuiltinEngineConfig(cpu_streams=1))
-        streams = auto._row_streams(args.threads)
-        n_streams = streams.n if streams is not None else 1
-        for batch_size in args.batches:
-            batch = make_prompts(batch_size, model.config.vocab_size, seed=batch_size)
-            for stop_name, stop in (("eos", EOS), ("none", ())):
-                with torch.inference_mode():
-                    run_builtin(auto, batch, 8, stop, 0)  # warm-up: packing, the stream pool
-                    run_builtin(off, batch, 8, stop, 0)
-                    pairs, runs = [], 0
-                    while runs < args.repeats or sum(p[1] for p in pairs) < args.min_seconds:
-                        params = SamplingParams(
-                            max_new_tokens=args.max_new_tokens, temperature=1.0, top_k=50,
-                            eos_token_ids=stop, seed=runs,
-                        )  # fmt: skip
-                        a, b = _timed(auto, batch, params), _timed(off, batch, params)
-                        if not torch.equal(a[0]["responses"], b[0]["responses"]):
-                            raise AssertionError(
-                                f"{size}/{batch_size}/{stop_name}: streams changed the tokens"
-                            )
-                        pairs.append((int(a[0]["response_mask"].sum()), a[1], b[1], a[2], b[2]))
-                        runs += 1
-                rows.append((size, params_m, n_streams, batch_size, stop_name, pairs))
-                print(
-                    f"# {size} {batch_size} {stop_name}: {[p[1:3] for p in pairs]}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    print(
-        f"\nrollout.cpu_streams auto vs 1 (off), built-in engine, llama arch, fp32 CPU ({platform.machine()}, "
-        f"{args.threads} threads), torch {torch.__version__}, max_new_tokens={args.max_new_tokens}, temperature 1, "
-        f"top-k 50, prompts 8-32 tokens; 'eos': stop at the model's EOS {EOS} only (random length), 'none': "
-        f"every row to the cap; calls alternated auto, off, auto, off, ...; same tokens in each pair (checked); "
-        f"load average at the end {os.getloadavg()[0]:.1f}\n"
-    )
-    print(
-        "| model | params | streams (auto) | batch | stop | mean len | pairs | auto tok/s | off tok/s "
-        "| auto / off (wall, totals) | auto / off (wall, median pair) | auto / off (CPU time) |"
-    )
-    print("|---" * 12 + "|")
-    for size, params_m, n, b, stop_name, pairs in rows:
-        tokens = sum(p[0] for p in pairs)
-        wall_a, wall_b = sum(p[1] for p in pairs), sum(p[2] for p in pairs)
-        cpu_a, cpu_b = sum(p[3] for p in pairs), sum(p[4] for p in pairs)
-        median = statistics.median(p[2] / p[1] for p in pairs)
-        print(
-            f"| {size} | {params_m:.2f}M | {n} | {b} | {stop_name} | {tokens / len(pairs) / b:.1f} | {len(pairs)} "
-            f"| {tokens / wall_a:,.0f} | {tokens / wall_b:,.0f} | **{wall_b / wall_a:.2f}x** | **{median:.2f}x** "
-            f"| {cpu_b / cpu_a:.2f}x |"
-        )
-    return 0
-
-
-def _timed(engine, batch: Batch, params: SamplingParams) -> tuple[Batch, float, float]:
-    t, c = time.perf_counter(), time.process_time()
-    out = engine.generate(batch, params)
-    return out, time.perf_counter() - t, time.process_time() - c
 
 
 if __name__ == "__main__":

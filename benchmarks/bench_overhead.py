@@ -83,7 +83,7 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
 
     try:
         prompts = trainer.train_loader.next_batch()
-        prompts.meta["global_step"] = 1
+        prompts.meta.global_step = 1
         trainer.train_step(prompts)  # warm-up of the whole step
         rows = {}
         rows["generate"] = timed(lambda: trainer.generate(prompts), args.repeats, cpu)
@@ -102,7 +102,7 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
 
         def train_step():
             p = trainer.train_loader.next_batch()
-            p.meta["global_step"] = next(step)
+            p.meta.global_step = next(step)
             return trainer.train_step(p)
 
         rows["step"] = timed(train_step, args.repeats, cpu)
@@ -208,6 +208,7 @@ def plain_rows(model_dir: str, cfg, prompts, batch, repeats: int) -> dict:
 
 def engine_rows(model_dir: str, cfg, prompts, batch, repeats: int) -> dict:
     """hybridflow's engines, called directly (no worker, no Ray)."""
+    from hybridflow.config.roles import worker_config
     from hybridflow.engines import TrainEngine
     from hybridflow.models import load_causal_lm
     from hybridflow.rollout import SamplingParams
@@ -217,7 +218,7 @@ def engine_rows(model_dir: str, cfg, prompts, batch, repeats: int) -> dict:
 
     ecfg = engine_config(cfg.actor, 1, "actor", cfg.trainer.seed, cfg.model.dtype, 100)
     actor = TrainEngine(load_causal_lm(model_dir), ecfg)
-    rollout = build_generation_engine(cfg, actor.hf_model, 1)
+    rollout = build_generation_engine(worker_config(cfg, "actor_rollout"), actor.hf_model, 1)
     r = cfg.rollout
     params = SamplingParams(max_new_tokens=r.response_length, n=r.n, temperature=r.temperature, seed=1,
                             eos_token_ids=())  # fmt: skip
@@ -236,11 +237,14 @@ def engine_rows(model_dir: str, cfg, prompts, batch, repeats: int) -> dict:
 
 def worker_rows(cfg, prompts, batch, repeats: int, profile_update: bool) -> dict:
     """The role worker's methods, called directly in this process (a 1-rank gloo group, as in Ray)."""
+    from hybridflow.config.roles import worker_config
     from hybridflow.controller import local_worker_context
     from hybridflow.workers import ActorRolloutRefWorker
 
     local_worker_context()
-    w = ActorRolloutRefWorker(cfg, roles=("actor", "rollout", "ref"), total_optim_steps=100)
+    w = ActorRolloutRefWorker(
+        worker_config(cfg, "actor_rollout"), roles=("actor", "rollout", "ref"), total_optim_steps=100
+    )
     w.init_model()
     sampling = {"eos_token_ids": ()}
     fns = {

@@ -65,7 +65,7 @@ def cpu_seconds(pids: list[int]) -> float:
 def step(trainer, pids: list[int]) -> dict:
     trainer.global_step += 1
     batch = trainer.train_loader.next_batch()
-    batch.meta["global_step"] = trainer.global_step
+    batch.meta.global_step = trainer.global_step
     cpu, start = cpu_seconds(pids), time.perf_counter()
     _, metrics = trainer.train_step(batch)
     metrics["iteration"] = time.perf_counter() - start

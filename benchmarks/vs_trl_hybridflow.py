@@ -102,7 +102,7 @@ def fixed_length(trainer_cls):
     class FixedLength(trainer_cls):
         def generate(self, prompts):
             batch = self.actor.generate_sequences(prompts, sampling={"eos_token_ids": ()})
-            batch.meta.update(prompts.meta)
+            batch.meta = batch.meta.union(prompts.meta)
             return batch
 
     return FixedLength
@@ -120,7 +120,7 @@ def run(args) -> dict:
         for step in range(1, args.steps + 1):
             trainer.global_step = step
             batch = trainer.train_loader.next_batch()
-            batch.meta["global_step"] = step
+            batch.meta.global_step = step
             with trainer.timers("step"):
                 batch, metrics = trainer.train_step(batch)
             times = trainer.timers.pop()

@@ -1,5 +1,6 @@
 """The data object passed between stages (docs/design.md §3): named tensors sharing a first dimension,
-per-sample non-tensor fields, and a meta dict.
+per-sample non-tensor fields, and typed metadata about all the rows (batch_meta.py: its fields and
+what each operation does to them).
 
 Why not pickle tensors as-is: Ray serialises numpy arrays out-of-band (zero-copy from the object
 store), so a Batch reduces its tensors to numpy views when pickled and rebuilds tensors around them
@@ -8,17 +9,14 @@ on load. A 512 MB batch therefore costs one memcpy into the object store, not a 
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
-# meta key: how many trailing rows are padding copies of earlier rows (pad_to_divisor, or the
-# controller padding a batch that does not divide the dp size; workers mask them out of training)
-PAD_KEY = "__pad_size__"
+from hybridflow.batch_meta import BatchMeta
 
 
 def _tensor_to_numpy(t: torch.Tensor) -> tuple[str, np.ndarray]:
@@ -44,23 +42,29 @@ class Batch:
 
     tensors:     name -> tensor of shape (batch, ...), all with the same batch size.
     non_tensors: name -> numpy object/array of shape (batch,), e.g. ground truths, data sources.
-    meta:        free-form dict for the whole batch (e.g. temperature, global step).
+    meta:        BatchMeta, facts about every row (the step, the log-prob temperature, padding, ...).
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: BatchMeta = field(default_factory=BatchMeta)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.meta, BatchMeta):
+            raise TypeError(
+                f"Batch.meta must be a BatchMeta (hybridflow/batch_meta.py), got {type(self.meta).__name__}"
+            )
         self.non_tensors = {k: _as_object_array(v) for k, v in self.non_tensors.items()}
         self._check()
 
     # ---- construction / inspection ---------------------------------------------------------
     @classmethod
     def from_dict(
-        cls, tensors: dict | None = None, non_tensors: dict | None = None, meta: dict | None = None
+        cls, tensors: dict | None = None, non_tensors: dict | None = None, meta: BatchMeta | None = None
     ) -> Batch:
-        return cls(dict(tensors or {}), dict(non_tensors or {}), dict(meta or {}))
+        return cls(
+            dict(tensors or {}), dict(non_tensors or {}), meta.copy() if meta is not None else BatchMeta()
+        )
 
     def _check(self) -> None:
         sizes = {k: v.shape[0] for k, v in self.tensors.items()}
@@ -101,7 +105,7 @@ class Batch:
     def __repr__(self) -> str:
         fields = [f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.tensors.items()]
         fields += [f"{k}: ({len(v)},) object" for k, v in self.non_tensors.items()]
-        return f"Batch(len={len(self)}, " + ", ".join(fields) + f", meta={list(self.meta)})"
+        return f"Batch(len={len(self)}, " + ", ".join(fields) + f", meta={self.meta})"
 
     # ---- selection ---------------------------------------------------------------------------
     def select(self, keys: Iterable[str], meta: bool = True) -> Batch:
@@ -112,7 +116,7 @@ class Batch:
         return Batch(
             {k: v for k, v in self.tensors.items() if k in keys},
             {k: v for k, v in self.non_tensors.items() if k in keys},
-            dict(self.meta) if meta else {},
+            self.meta.copy() if meta else BatchMeta(),
         )
 
     def pop(self, keys: Iterable[str]) -> Batch:
@@ -134,7 +138,7 @@ class Batch:
         return Batch(
             {k: v[idx] for k, v in self.tensors.items()},
             {k: v[np_idx] for k, v in self.non_tensors.items()},
-            dict(self.meta),
+            self.meta.index(len(self), np_idx),
         )
 
     # ---- split / merge -----------------------------------------------------------------------
@@ -160,13 +164,10 @@ class Batch:
         for b in batches[1:]:
             if set(b.keys()) != set(first.keys()):
                 raise ValueError(f"concat: fields differ: {sorted(first.keys())} vs {sorted(b.keys())}")
-        meta = {}
-        for b in batches:
-            meta.update(b.meta)
         return Batch(
             {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
             {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors},
-            meta,
+            BatchMeta.concat([b.meta for b in batches], [len(b) for b in batches]),
         )
 
     def union(self, other: Batch) -> Batch:
@@ -183,7 +184,7 @@ class Batch:
             if k in non_tensors and not np.array_equal(non_tensors[k], v):
                 raise ValueError(f"union: conflicting values for field {k!r}")
             non_tensors[k] = v
-        return Batch(tensors, non_tensors, {**self.meta, **other.meta})
+        return Batch(tensors, non_tensors, self.meta.union(other.meta))
 
     def repeat(self, n: int, interleave: bool = True) -> Batch:
         """Repeat every sample n times: interleave gives a,a,b,b; otherwise a,b,a,b."""
@@ -193,23 +194,24 @@ class Batch:
         else:
             t = {k: v.repeat(n, *[1] * (v.dim() - 1)) for k, v in self.tensors.items()}
             nt = {k: np.concatenate([v] * n) for k, v in self.non_tensors.items()}
-        return Batch(t, nt, dict(self.meta))
+        return Batch(t, nt, self.meta.repeat(n, interleave))
 
     def pad_to_divisor(self, divisor: int) -> Batch:
-        """Pad by repeating leading rows so len % divisor == 0; meta[PAD_KEY] counts the padding rows."""
+        """Pad by repeating leading rows (row len + i is row i % len) so len % divisor == 0;
+        meta.pad_rows counts the padding rows."""
         pad = (-len(self)) % divisor
         if pad == 0:
             return self
         if len(self) == 0:
             raise ValueError("cannot pad an empty batch")
-        reps = math.ceil(pad / len(self))
-        filler = Batch.concat([self] * reps).index(slice(0, pad))
-        out = Batch.concat([self, filler])
-        out.meta[PAD_KEY] = out.meta.get(PAD_KEY, 0) + pad
-        return out
+        # copies of rows that may themselves be padding: all of the filler is padding either way
+        filler = Batch(self.tensors, self.non_tensors, dataclasses.replace(self.meta, pad_rows=0))
+        filler = filler.index(torch.arange(pad) % len(self))
+        filler.meta.pad_rows = pad
+        return Batch.concat([self, filler])
 
     def to(self, device) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors, self.meta)
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors, self.meta.copy())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())

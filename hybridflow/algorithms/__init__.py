@@ -3,8 +3,10 @@
 No process groups, no configs, no models: drivers and workers call these on tensors. Files:
   advantages.py  GAE (PPO), GRPO / Dr.GRPO, RLOO, ReMax, REINFORCE++
   losses.py      PPO clipped policy loss (dual clip), clipped value loss, DPO loss, loss aggregation
+  policy_losses.py  the policy losses by name (actor.policy_loss): vanilla, gspo, cispo, geo_mean
+  rollout_correction.py  importance weights / masks for the rollout-vs-training gap (TIS, MIS, IcePop)
   kl.py          KL estimators k1/k2/k3/abs, KL-in-reward, KL loss, fixed / adaptive KL controllers
-  off_policy.py  truncated importance weights for a rollout one step behind the actor
+  dynamic_sampling.py  DAPO: groups to keep, overlong penalty, truncated rows, the kept-group accumulator
   rollout_gap.py the train-vs-rollout log-prob gap: per-rank statistics and their reduction over dp ranks
   safe_rlhf.py   reward & cost advantages, Lagrange multiplier update, combined advantage
   utils.py       masked mean / var / whiten, entropy and log-probs from logits, explained variance
@@ -35,7 +37,8 @@ from hybridflow.algorithms.losses import (
     policy_loss,
     value_loss,
 )
-from hybridflow.algorithms.off_policy import truncated_is_weights
+from hybridflow.algorithms.policy_losses import POLICY_LOSSES
+from hybridflow.algorithms.rollout_correction import rollout_correction_weights
 from hybridflow.algorithms.safe_rlhf import (
     add_kl_to_costs,
     combine_reward_cost_advantages,
@@ -59,6 +62,7 @@ __all__ = [
     "AGG_MODES",
     "DPO_LOSS_TYPES",
     "KL_KINDS",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "aggregate_loss",
@@ -87,7 +91,7 @@ __all__ = [
     "place_score_on_last_token",
     "policy_loss",
     "sequence_scores",
-    "truncated_is_weights",
+    "rollout_correction_weights",
     "update_lagrange_multiplier",
     "value_loss",
 ]

@@ -63,9 +63,12 @@ def kl_loss(
     response_mask: torch.Tensor,
     kind: str = "low_var_kl",
     agg: str = "token-mean",
+    norm_length: int | None = None,
 ) -> torch.Tensor:
-    """KL as an actor loss term (GRPO): aggregate_loss(kl_penalty(...), mask, agg). Inputs (B, L) -> scalar."""
-    return aggregate_loss(kl_penalty(log_probs, ref_log_probs, kind), response_mask.to(log_probs.dtype), agg)
+    """KL as an actor loss term (GRPO): aggregate_loss(kl_penalty(...), mask, agg, norm_length). Inputs
+    (B, L) -> scalar."""
+    mask = response_mask.to(log_probs.dtype)
+    return aggregate_loss(kl_penalty(log_probs, ref_log_probs, kind), mask, agg, norm_length)
 
 
 def apply_kl_penalty(

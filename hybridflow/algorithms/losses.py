@@ -14,21 +14,35 @@ from hybridflow.algorithms.utils import masked_mean
 
 __all__ = ["AGG_MODES", "DPO_LOSS_TYPES", "aggregate_loss", "policy_loss", "value_loss", "dpo_loss"]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def aggregate_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_length: int | None = None
+) -> torch.Tensor:
     """Reduce a per-token loss (B, L) to a scalar over the valid tokens given by mask (B, L).
 
-    token-mean          : sum(loss * mask) / sum(mask)    every token weighs the same (long answers weigh more)
-    seq-mean-token-sum  : mean_b sum_t(loss * mask)       Dr. GRPO style, no length normalisation
-    seq-mean-token-mean : mean_b [sum_t(loss*mask) / n_b] original GRPO, every sequence weighs the same
-    Sequences with an empty mask are excluded from the seq-mean modes.
+    token-mean              : sum(loss * mask) / sum(mask)     every token weighs the same (DAPO)
+    token-sum               : sum(loss * mask)                 no normaliser at all (grows with the batch)
+    seq-mean-token-sum      : mean_b sum_t(loss * mask)        no length normalisation
+    seq-mean-token-mean     : mean_b [sum_t(loss*mask) / n_b]  original GRPO, every sequence weighs the same
+    seq-mean-token-sum-norm : mean_b [sum_t(loss*mask) / norm_length]  Dr. GRPO's constant normaliser
+    Sequences with an empty mask are excluded from the seq-mean modes. norm_length (the configured
+    maximum response length) is used by seq-mean-token-sum-norm only, and required there: not the
+    tensor's width, which the engine trims to each micro-batch's longest response.
     """
     mask = mask.to(per_token.dtype)
     if mode == "token-mean":
         return masked_mean(per_token, mask)
+    if mode == "token-sum":
+        return (per_token * mask).sum()
     seq_tokens = mask.sum(dim=-1)
     valid_seqs = (seq_tokens > 0).to(per_token.dtype)
     seq_sum = (per_token * mask).sum(dim=-1)
@@ -36,6 +50,10 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "tok
         per_seq = seq_sum
     elif mode == "seq-mean-token-mean":
         per_seq = seq_sum / seq_tokens.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError(f"seq-mean-token-sum-norm needs norm_length > 0, got {norm_length}")
+        per_seq = seq_sum / norm_length
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {AGG_MODES}")
     return (per_seq * valid_seqs).sum() / valid_seqs.sum().clamp(min=1)
@@ -51,6 +69,7 @@ def policy_loss(
     clip_ratio_c: float | None = None,
     agg: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip (DAPO) and optional dual clip.
 
@@ -59,8 +78,8 @@ def policy_loss(
         loss_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
     Dual clip (Ye et al. 2020), when clip_ratio_c (> 1) is given: for A < 0 the loss is also capped at
     -A * clip_ratio_c, so one very off-policy token cannot dominate.
-    is_weights (B, L), when given, multiply each token's loss after the clips (the truncated importance
-    weights of a rollout one step behind: off_policy.truncated_is_weights).
+    is_weights (B, L), when given, multiply each token's loss after the clips (the rollout correction's
+    weights: algorithms/rollout_correction.py). norm_length: aggregate_loss's.
     Returns (loss, metrics) with metrics: clipfrac (share of tokens where the clip is active),
     clipfrac_lower (dual clip active), approx_kl (mean of old_log_probs - log_probs, k1).
     """
@@ -89,7 +108,7 @@ def policy_loss(
         metrics["clipfrac_lower"] = torch.zeros((), device=log_probs.device)
     if is_weights is not None:
         per_token = per_token * is_weights
-    return aggregate_loss(per_token, mask, agg), metrics
+    return aggregate_loss(per_token, mask, agg, norm_length), metrics
 
 
 def value_loss(
@@ -99,11 +118,12 @@ def value_loss(
     response_mask: torch.Tensor,
     clip_range: float | None = 0.5,
     agg: str = "token-mean",
+    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
 
     values (B, L) current critic output (carries grad); old_values, returns, response_mask: (B, L).
-    clip_range=None disables clipping. Returns (loss, metrics) with metrics: vf_clipfrac (share of
+    clip_range=None disables clipping; norm_length: aggregate_loss's. Returns (loss, metrics) with metrics: vf_clipfrac (share of
     tokens where the clipped term is the larger one), vpred_mean.
     """
     mask = response_mask.to(values.dtype)
@@ -116,7 +136,7 @@ def value_loss(
         per_token = torch.maximum(loss_unclipped, loss_clipped)
         clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
     metrics = {"vf_clipfrac": clipfrac.detach(), "vpred_mean": masked_mean(values, mask).detach()}
-    return 0.5 * aggregate_loss(per_token, mask, agg), metrics
+    return 0.5 * aggregate_loss(per_token, mask, agg, norm_length), metrics
 
 
 def dpo_loss(

@@ -117,7 +117,7 @@ def _stream_weights(role_dir: Path, config_dir: Path, out: Path, max_file_bytes:
         del entries["lm_head.weight"]  # the same tensor as the input embedding; re-tied on load
     inverse = {}
     if info["model_class"].startswith("GPT2") and info["tp"] > 1:
-        from hybridflow.engines.parallelize import fused_qkv_permutation
+        from hybridflow.models.fused_qkv import fused_qkv_permutation
 
         inv = torch.argsort(fused_qkv_permutation(config["n_embd"], info["tp"]))
         inverse = {n: (1 if n.endswith("weight") else 0, inv) for n in entries if ".attn.c_attn." in n}

@@ -151,9 +151,32 @@ class CheckpointManager:
             raise CheckpointError(f"trainer.resume={text!r}: {e} ({self._available()})") from e
         return path
 
+    def incomplete(self) -> list[str]:
+        """Traces of checkpoints that cannot be loaded: `step_N` directories without a manifest (commit
+        renames a directory into place only after writing it, so one is damaged, not half-written) and
+        a `latest` pointer naming no complete checkpoint."""
+        if not self.dir.is_dir():
+            return []
+        found = [
+            f"{p.name} has no {MANIFEST}"
+            for p in sorted(self.dir.iterdir())
+            if _STEP_RE.match(p.name) and not (p / MANIFEST).is_file()
+        ]
+        pointer = self.dir / LATEST
+        if pointer.is_file():
+            text = pointer.read_bytes()[:200].decode("utf-8", errors="replace").strip()
+            if not (_STEP_RE.match(text) and (self.dir / text / MANIFEST).is_file()):
+                found.append(f"{LATEST} names {text[:40]!r}, not a complete checkpoint")
+        return found
+
     def _latest_valid(self, require: Sequence[str]) -> Path | None:
         latest = self.latest_step()
         if latest is None:
+            if damage := self.incomplete():  # a run was here: starting over would discard it silently
+                raise CheckpointError(
+                    f"trainer.resume=auto: no valid checkpoint in {self.dir} ({'; '.join(damage)}); "
+                    "resume from a checkpoint path, or start over with trainer.resume=never"
+                )
             return None
         candidates = [latest] + [s for s in reversed(self.steps()) if s < latest]
         for i, step in enumerate(candidates):

@@ -30,9 +30,16 @@ class RunLock:
     """RunLock(run_dir): held from construction until release() (or process exit)."""
 
     def __init__(self, run_dir: str | os.PathLike):
+        self.fd: int | None = None  # set before anything can fail: __del__ releases
         self.path = Path(run_dir) / LOCK_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # a file where a directory should be, read-only, no space...
+            raise CheckpointError(
+                f"trainer.output_dir: cannot create the run directory {self.path.parent} "
+                f"({e.strerror or e}{f': {e.filename}' if e.filename else ''})"
+            ) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

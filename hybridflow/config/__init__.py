@@ -6,7 +6,6 @@ cfg.actor.optim.lr, cfg.rollout.n, cfg.run_dir
 """
 
 from hybridflow.config.loader import (
-    ConfigError,
     apply_overrides,
     config_from_dict,
     config_to_dict,
@@ -15,6 +14,7 @@ from hybridflow.config.loader import (
     parse_override,
 )
 from hybridflow.config.model_checks import model_max_positions
+from hybridflow.config.roles import ActorWorkerConfig, CriticWorkerConfig, RewardWorkerConfig, worker_config
 from hybridflow.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -36,12 +36,15 @@ from hybridflow.config.schema import (
     TrainerConfig,
 )
 from hybridflow.config.validate import collect_errors, resolve_config, validate_config
+from hybridflow.errors import ConfigError
 
 __all__ = [
     "ActorConfig",
+    "ActorWorkerConfig",
     "AlgorithmConfig",
     "ConfigError",
     "CriticConfig",
+    "CriticWorkerConfig",
     "DPOConfig",
     "DataConfig",
     "HybridFlowConfig",
@@ -52,6 +55,7 @@ __all__ = [
     "RefConfig",
     "ResourcesConfig",
     "RewardConfig",
+    "RewardWorkerConfig",
     "RolloutConfig",
     "RolloutValConfig",
     "SFTConfig",
@@ -67,4 +71,5 @@ __all__ = [
     "parse_override",
     "resolve_config",
     "validate_config",
+    "worker_config",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.config.algorithms import ALGORITHM_SPECS, ALGORITHMS
+from hybridflow.config.dapo import FilterGroupsConfig
 from hybridflow.fields import section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
@@ -83,6 +84,18 @@ class AlgorithmConfig:
     kl_loss_coef: float = _f(0.001, "weight of the KL loss term")
     kl_loss_kind: str = _f("low_var_kl", "KL estimator of the KL loss", choices=KL_KINDS)
     entropy_coeff: float = _f(0.0, "entropy bonus weight in the actor loss")
+    filter_groups: FilterGroupsConfig = _sub(
+        FilterGroupsConfig, "DAPO's dynamic sampling (algorithm.name=dapo)"
+    )
     safe_rlhf: SafeRLHFConfig = _sub(SafeRLHFConfig, "Safe-RLHF settings")
     dpo: DPOConfig = _sub(DPOConfig, "DPO settings")
     sft: SFTConfig = _sub(SFTConfig, "SFT settings")
+
+
+def algorithm_errors(a: AlgorithmConfig) -> list[str]:
+    """The `algorithm` section's own checks (what it needs of other sections: config/validate.py)."""
+    errors = [f"{key}: must be in [0, 1], got {v}" for key, v in
+              {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items() if not 0.0 <= v <= 1.0]  # fmt: skip
+    if not 0.0 <= a.dpo.label_smoothing < 0.5:
+        errors.append(f"algorithm.dpo.label_smoothing: must be in [0, 0.5), got {a.dpo.label_smoothing}")
+    return errors

@@ -52,6 +52,7 @@ ALGORITHM_SPECS = {
     for s in (
         AlgorithmSpec("ppo", "gae", critic=True, planner="ppo"),
         AlgorithmSpec("grpo", "grpo", min_n=2, planner="grpo"),
+        AlgorithmSpec("dapo", "grpo", min_n=2, planner="grpo"),  # GRPO + dynamic sampling (trainers/dapo.py)
         AlgorithmSpec("remax", "remax", planner="remax"),
         AlgorithmSpec("rloo", "rloo", min_n=2, planner="grpo"),  # GRPO's models and stages
         AlgorithmSpec("reinforce_pp", "reinforce_pp", planner="grpo"),

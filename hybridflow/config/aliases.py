@@ -34,6 +34,7 @@ KEY_ALIASES: dict[str, str] = {
     "actor.kl_loss_type": "algorithm.kl_loss_kind",
     "actor.entropy_coeff": "algorithm.entropy_coeff",
     "actor.clip_ratio": "actor.clip_ratio_low",
+    "actor.tis_imp_ratio_cap": "actor.rollout_correction.upper",  # also ours until rollout_correction
     "actor.grad_clip": "actor.optim.grad_clip",
     "optim.lr_warmup_steps": "actor.optim.warmup_steps",
     "optim.warmup_style": "actor.optim.schedule",

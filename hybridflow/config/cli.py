@@ -14,8 +14,9 @@ import typing
 
 import yaml
 
-from hybridflow.config.loader import ConfigError, load_config
+from hybridflow.config.loader import load_config
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.errors import ConfigError
 
 
 def _scalar(value) -> str:

@@ -1,6 +1,7 @@
 """Load the config tree from YAML plus dotted overrides, with errors that name the key.
 
-A thin loader over dataclasses, without OmegaConf (not a dependency): the features needed -- merge,
+A thin loader over dataclasses, without OmegaConf's structured configs (OmegaConf only resolves the
+`${...}` of verl's YAMLs, config/verl.py): the features needed -- merge,
 dotted overrides, type checks -- take ~100 lines here, while OmegaConf's structured-config merge
 raises at the first bad key, so this module's error collection and nearest-key suggestions would
 still be needed on top. Errors
@@ -24,16 +25,7 @@ from typing import Any
 import yaml
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """One or more configuration problems; `errors` lists them, each naming its key."""
-
-    def __init__(self, errors: list[str]):
-        self.errors = list(errors)
-        head = "invalid config" if len(errors) == 1 else f"invalid config ({len(errors)} problems)"
-        super().__init__(head + ":\n  - " + "\n  - ".join(self.errors))
+from hybridflow.errors import ConfigError
 
 
 # ---- schema introspection ----------------------------------------------------------------------
@@ -51,6 +43,14 @@ def leaf_paths(cls=HybridFlowConfig, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(tp):
             out.extend(leaf_paths(tp, path + "."))
     return out
+
+
+def key_type(path: str, cls=HybridFlowConfig):
+    """The annotated type of a dotted key (`data.dataset_kwargs` -> dict[str, Any])."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        cls = _hints(cls)[part]
+    return _hints(cls)[leaf]
 
 
 def _suggest(key: str, path: str, candidates: list[str]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from hybridflow.config.loader import ConfigError
+from hybridflow.errors import ConfigError
 
 
 def model_max_positions(model_dir: str | os.PathLike) -> int | None:
@@ -80,7 +80,47 @@ def data_and_model_errors(cfg, spec, check_model: bool) -> list[str]:
             errors += [
                 e for e in model_dir_errors(getattr(cfg.model, key), f"model.{key}") if e not in errors
             ]
+        errors += tp_shape_errors(cfg)
     return errors
+
+
+# what tensor parallelism splits (engines/parallelize.py), per model family, and how a user calls it
+_TP_SPLIT = {
+    "gpt2": (("n_head", "attention heads"), ("n_embd", "hidden size")),
+    "": (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads"),
+         ("intermediate_size", "MLP width")),
+}  # fmt: skip
+
+
+def tp_shape_errors(cfg) -> list[str]:
+    """Each training section's tp must divide what it splits in its model (read from config.json), so
+    a mismatch is one line here instead of a ValueError inside a worker after Ray started."""
+    m = cfg.model
+    roles = {"actor": m.path, "ref": m.path, "critic": m.critic_path or m.path}
+    errors = []
+    for section, path in roles.items():
+        tp = getattr(cfg, section).parallel.tp
+        config = _read_json(os.path.join(path, "config.json")) if tp > 1 and path else None
+        if not isinstance(config, dict):
+            continue
+        for name, label in _TP_SPLIT.get(config.get("model_type"), _TP_SPLIT[""]):
+            value = config.get(name)
+            if isinstance(value, int) and value % tp:
+                fits = [k for k in range(1, value + 1) if value % k == 0]
+                errors.append(
+                    f"{section}.parallel.tp={tp} does not divide the model's {value} {label} ({name} in "
+                    f"{path}/config.json); choose tp in {fits}"
+                )
+                break
+    return errors
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None  # reported by model_dir_errors
 
 
 def _short(error: Exception) -> str:

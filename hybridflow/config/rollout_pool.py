@@ -5,10 +5,6 @@ schedule cannot serve yet (one line each). Pure config arithmetic, no torch: val
 
 from __future__ import annotations
 
-import dataclasses
-
-from hybridflow.config.schema import ActorConfig
-
 
 def rollout_devices(cfg) -> int:
     """Devices of the rollout pool: 0 without trainer.rollout_ahead, else resources.rollout_devices
@@ -52,16 +48,15 @@ def training_devices(cfg) -> int:
     return cfg.resources.num_devices - rollout_devices(cfg)
 
 
-_CAP_DEFAULT = next(f.default for f in dataclasses.fields(ActorConfig) if f.name == "tis_imp_ratio_cap")
-
-
 def rollout_ahead_errors(cfg, spec) -> list[str]:
     """Problems of the rollout_ahead settings (`spec`: the algorithm's AlgorithmSpec, None if unknown)."""
-    t, res = cfg.trainer, cfg.resources
+    trainer_cfg, res = cfg.trainer, cfg.resources
     n, r = res.num_devices, res.rollout_devices
-    if t.rollout_ahead not in (0, 1):
-        return [f"trainer.rollout_ahead: {t.rollout_ahead!r} is not one of [0, 1] (steps generated ahead)"]
-    if not t.rollout_ahead:
+    if trainer_cfg.rollout_ahead not in (0, 1):
+        return [
+            f"trainer.rollout_ahead: {trainer_cfg.rollout_ahead!r} is not one of [0, 1] (steps generated ahead)"
+        ]
+    if not trainer_cfg.rollout_ahead:
         errors = []
         if r:
             errors.append(
@@ -71,11 +66,6 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
             errors.append(
                 f"resources.frozen_pool: {res.frozen_pool!r} is only used with trainer.rollout_ahead=1 (the "
                 "frozen models share the training pools otherwise); remove it"
-            )
-        if cfg.actor.tis_imp_ratio_cap != _CAP_DEFAULT:
-            errors.append(
-                "actor.tis_imp_ratio_cap: only used with trainer.rollout_ahead=1 (a synchronous rollout "
-                "samples from the actor's current weights); remove it"
             )
         return errors
     if spec is not None and not spec.generation:

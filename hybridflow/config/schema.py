@@ -2,7 +2,7 @@
 
 Each component's dataclass is defined once, with its help text (hybridflow/fields.py; docs/design.md §7):
 the engine's OptimConfig / ParallelConfig in engines/config.py, the `algorithm` section's in
-config/algorithm_config.py, the rest here, all composed into
+config/algorithm_config.py, `resources` and `trainer` in config/run_config.py, the rest here, all composed into
 `HybridFlowConfig`. YAML files and dotted CLI overrides are checked against these classes,
 `hybridflow config show` prints them, and
 `hybridflow config --help` lists each field's help string. Names follow verl without its sprawl.
@@ -30,15 +30,31 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
     SafeRLHFConfig,  # noqa: F401
     SFTConfig,  # noqa: F401
 )
-from hybridflow.engines.config import OptimConfig, ParallelConfig
-from hybridflow.fields import section, setting
+from hybridflow.config.dapo import OverlongBufferConfig
+from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
+from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors
+from hybridflow.fields import at_least, finite_at_least, section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
 
 
-# kept equal to hybridflow.algorithms (losses.AGG_MODES) without importing torch here
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+# kept equal to hybridflow.algorithms (losses.AGG_MODES, policy_losses.POLICY_LOSSES,
+# rollout_correction.CORRECTION_MODES / _LEVELS) without importing torch here (tests/config checks)
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+POLICY_LOSS_NAMES = ("vanilla", "gspo", "cispo", "geo_mean")
+CORRECTION_MODES = ("none", "tis", "mis", "icepop", "geo_mask")
+CORRECTION_LEVELS = ("token", "sequence")
+_AGG_HELP = (
+    "how token losses become one number: token-mean, token-sum (no normaliser), seq-mean-token-sum, "
+    "seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO: each sequence's sum / "
+    "rollout.response_length)"
+)
 
 
 # ---- shared pieces: OptimConfig and ParallelConfig are the engine's (engines/config.py) -------
@@ -56,8 +72,8 @@ class ModelConfig:
     dtype: str = _f(
         "auto",
         "compute dtype of the actor (fp32 master weights under mixed precision), generation and the frozen "
-        "models (auto = bfloat16 on GPU, float32 on CPU; bfloat16 is faster on CPUs with AVX512-BF16 for "
-        "models from ~10M params; docs/rollout.md)",
+        "models (auto = bfloat16 on GPU, float32 on CPU; docs/rollout.md, 'Compute dtype', says when "
+        "bfloat16 pays on CPU)",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     remove_padding: Optional[bool] = _f(
@@ -113,6 +129,28 @@ class DataConfig:
 
 # ---- workers -----------------------------------------------------------------------------------
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance weights for the gap between the rollout's log-probs and the training engine's (bf16,
+    vLLM, trainer.rollout_ahead=1), on each token's policy loss (algorithms/rollout_correction.py;
+    defaults: docs/metrics.md, "Rollout correction")."""
+
+    mode: str = _f(
+        "tis",
+        "none; tis: weight min(rho, upper); mis: weight rho, 0 outside [lower, upper]; icepop: mis per token "
+        "with lower > 0; geo_mask: drop sequences whose geometric-mean rho is outside [lower, upper]",
+        choices=CORRECTION_MODES,
+    )
+    level: str = _f(
+        "token",
+        "rho per token, or per sequence (the product of its token ratios); tis and mis only (icepop is "
+        "per token, geo_mask per sequence by definition)",
+        choices=CORRECTION_LEVELS,
+    )
+    upper: float = _f(2.0, "upper bound on rho (tis: the truncation cap, verl's tis_imp_ratio_cap)")
+    lower: float = _f(0.0, "lower bound on rho (mis, icepop, geo_mask; 0 = none)")
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = _sub(OptimConfig, "actor optimizer")
     ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n sequences)")
@@ -122,15 +160,32 @@ class ActorConfig:
     )
     micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
-    clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low")
-    clip_ratio_high: float = _f(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (raise for DAPO clip-higher)")
-    clip_ratio_c: float = _f(3.0, "dual-clip constant for negative advantages (> 1)")
-    tis_imp_ratio_cap: float = _f(
-        2.0,
-        "trainer.rollout_ahead=1: each token's policy loss is weighted by min(exp(old - rollout log-prob), "
-        "this cap), correcting for the rollout's one-step-older policy (verl's name; <= 0 = no correction)",
+    policy_loss: str = _f(
+        "vanilla",
+        "vanilla (PPO clip + dual clip), gspo (sequence ratio), cispo (clipped IS weight x log-prob), geo_mean "
+        "(GMPO); verl's names (algorithms/policy_losses.py)",
+        choices=POLICY_LOSS_NAMES,
     )
-    loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    clip_ratio_low: float = _f(
+        0.2,
+        "clip: ratio >= 1 - clip_ratio_low (gspo: of the sequence ratio, ~3e-4; geo_mean: log-ratio >= -it)",
+    )
+    clip_ratio_high: float = _f(
+        0.2,
+        "clip: ratio <= 1 + clip_ratio_high (raise for DAPO clip-higher; gspo: ~4e-4; geo_mean: log-ratio <= it)",
+    )
+    clip_ratio_c: float = _f(
+        3.0, "dual-clip constant for negative advantages (> 1; policy_loss vanilla only)"
+    )
+    rollout_correction: RolloutCorrectionConfig = _sub(
+        RolloutCorrectionConfig, "rollout-vs-training log-prob correction"
+    )
+    loss_agg_mode: str = _f("token-mean", _AGG_HELP, choices=LOSS_AGG_MODES)
+    mask_truncated: bool = _f(
+        False,
+        "DAPO's overlong filtering: responses that reached rollout.response_length take no part in the loss "
+        "(algorithm.name=dapo)",
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
     parallel: ParallelConfig = _sub(ParallelConfig, "actor training parallelism")
@@ -174,13 +229,6 @@ class RolloutConfig:
     cpu_threads: int = _f(
         0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
     )
-    cpu_streams: int = _f(
-        1,
-        "builtin engine on CPU with >= 2 threads: decode the rows as this many parallel streams, one "
-        "thread each, same bits as 1 thread (1 = off, the default: at 25M, 0.7-0.8x the speed of 2 "
-        "OpenMP threads under load, 0.8-1.1x when lighter, docs/bench/generation.md; 0 = auto: one per thread "
-        "from 5M params)",
-    )
     gpu_memory_utilization: float = _f(
         0.0,
         "vllm only: fraction of device memory (CPU: of RAM) for weights + KV cache; 0 = KV cache sized "
@@ -200,7 +248,7 @@ class CriticConfig:
     micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
     max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
     cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value")
-    loss_agg_mode: str = _f("token-mean", "how token losses become one number", choices=LOSS_AGG_MODES)
+    loss_agg_mode: str = _f("token-mean", _AGG_HELP, choices=LOSS_AGG_MODES)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
     parallel: ParallelConfig = _sub(ParallelConfig, "critic training parallelism")
@@ -252,95 +300,13 @@ class RewardConfig:
     )
     micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
+    overlong_buffer: OverlongBufferConfig = _sub(
+        OverlongBufferConfig, "DAPO's overlong reward shaping of training scores (algorithm.name=dapo)"
+    )
 
 
 # ---- cluster and run ---------------------------------------------------------------------------
-@dataclass
-class ResourcesConfig:
-    placement: str = _f(
-        "colocate",
-        "colocate (all models share all devices), split (actor+ref | critic+reward), auto (planner), "
-        "or a plan file written by `hybridflow plan`",
-    )
-    device: str = _f("auto", "auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
-    n_gpus_per_node: int = _f(1, "devices per node (on CPU: worker processes per node)")
-    nnodes: int = _f(1, "number of nodes")
-    rollout_devices: int = _f(
-        0,
-        "trainer.rollout_ahead=1: devices of the rollout pool, taken from the n_gpus_per_node * nnodes "
-        "(the rest train; 0 = half of them, rounded down; with placement auto the planner sizes it)",
-    )
-    frozen_pool: str = _f(
-        "auto",
-        "trainer.rollout_ahead=1: the pool of the reference, reward and cost models: rollout = in the rollout "
-        "pool's processes, scoring step k+1's batch while the actor trains on step k; training; both = the "
-        "reference in both pools, each step's rows split between them to even the pools' busy time (reward "
-        "and cost models on the rollout pool); auto = rollout under colocate / split (docs/design.md), the "
-        "planner's choice under auto / a plan",
-        choices=("auto", "rollout", "training", "both"),
-    )
-    ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
-    ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
-    ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
-
-    @property
-    def num_devices(self) -> int:
-        return self.n_gpus_per_node * self.nnodes
-
-
-@dataclass
-class TrainerConfig:
-    total_steps: int = _f(0, "training steps (0 = derive from total_epochs)")
-    total_epochs: int = _f(1, "passes over the training set when total_steps = 0")
-    val_every: int = _f(0, "validate every N steps (0 = only before training and at the end)")
-    val_before_train: bool = _f(True, "validate once before the first step")
-    val_generations_to_log: int = _f(4, "validation samples shown in the generations table")
-    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
-    save_every_minutes: float = _f(
-        30.0, "also checkpoint after a step when this many minutes passed since the last save (0 = off)"
-    )
-    max_restarts: int = _f(
-        3,
-        "a dead worker or a collective timeout: tear down, restart the workers, reload the last checkpoint, continue (this many times)",
-    )
-    restart_wait_s: float = _f(
-        300.0,
-        "on a restart, how long to wait for the devices the placement needs (a lost node replaced), "
-        "printing progress; then fail, or shrink per trainer.min_devices",
-    )
-    min_devices: int = _f(
-        0,
-        "on a restart that still lacks devices after restart_wait_s: continue on fewer (dp shrinks, the "
-        "batch arithmetic re-checked) down to this many; 0 = never shrink",
-    )
-    stop_grace_s: float = _f(
-        120.0, "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them"
-    )
-    keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)")
-    resume: str = _f(
-        "auto", "auto = continue from the latest checkpoint, never, a step number (12), or a checkpoint path"
-    )
-    output_dir: str = _f("runs", "runs are written to output_dir/experiment_name")
-    experiment_name: str = _f("default", "name of this run's directory and of the tracking run")
-    project_name: str = _f("hybridflow", "wandb project / mlflow experiment")
-    loggers: list[str] = _f(["console", "jsonl"], f"metric sinks, any of {list(LOGGERS)}")
-    max_skipped_steps: int = _f(
-        3,
-        "stop the run (one line, exit 2) after this many consecutive steps whose update was skipped "
-        "(non-finite loss or gradient norm)",
-    )
-    seed: int = _f(1, "global seed (model init, sampling, dropout)")
-    overlap_phases: bool = _f(
-        True,
-        "issue an RL step's independent phases (values, reference, reward and cost models; the critic "
-        "and actor updates) together as futures, so groups on different pools run at once; false waits "
-        "for each phase before the next (the sequential baseline: same numbers, docs/metrics.md)",
-    )
-    rollout_ahead: int = _f(
-        0,
-        "1 = one-step off-policy: a rollout pool of its own (resources.rollout_devices) samples step k+1's "
-        "responses while the actor trains on step k; weights synced after each update (docs/design.md)",
-    )
+# ResourcesConfig and TrainerConfig, with their checks: config/run_config.py
 
 
 @dataclass
@@ -363,3 +329,66 @@ class HybridFlowConfig:
         import os
 
         return os.path.join(self.trainer.output_dir, self.trainer.experiment_name)
+
+
+# ---- each section's own checks, one line per problem naming its key (config/validate.collect_errors runs
+# them; a check that needs another section lives there). Choices are checked from the field metadata.
+def model_errors(m: ModelConfig) -> list[str]:
+    if m.share_prompt is True and m.remove_padding is False:
+        return [
+            "model.share_prompt: true needs padding removal (shared prompts live in packed rows), but "
+            "model.remove_padding is false; set share_prompt to null or false, or remove_padding to null or true"
+        ]
+    return []
+
+
+def data_errors(d: DataConfig) -> list[str]:
+    sizes = {"data.train_batch_size": d.train_batch_size, "data.max_prompt_length": d.max_prompt_length}
+    return at_least(1, sizes) + at_least(0, {"data.val_batch_size": d.val_batch_size})
+
+
+def actor_errors(a: ActorConfig) -> list[str]:
+    errors = at_least(1, {"actor.ppo_mini_batch_size": a.ppo_mini_batch_size, "actor.ppo_epochs": a.ppo_epochs,
+                          "actor.micro_batch_size_per_device": a.micro_batch_size_per_device})  # fmt: skip
+    errors += at_least(0, {"actor.max_tokens_per_micro_batch": a.max_tokens_per_micro_batch})
+    if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
+        errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
+    if a.clip_ratio_c <= 1.0:
+        errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {a.clip_ratio_c}")
+    return errors + optim_errors(a.optim, "actor.optim")
+
+
+def rollout_errors(r: RolloutConfig) -> list[str]:
+    errors = at_least(1, {"rollout.n": r.n, "rollout.val.n": r.val.n, "rollout.response_length": r.response_length,
+                          "rollout.tg": r.tg, "rollout.pg": r.pg})  # fmt: skip
+    for key, sampling in {"rollout": r, "rollout.val": r.val}.items():
+        errors += finite_at_least(0, {f"{key}.temperature": sampling.temperature})
+        if not 0.0 < sampling.top_p <= 1.0:
+            errors.append(f"{key}.top_p: must be in (0, 1], got {sampling.top_p}")
+    return errors  # what each engine uses: rollout/factory.rollout_engine_errors
+
+
+def critic_errors(c: CriticConfig) -> list[str]:
+    errors = at_least(1, {"critic.micro_batch_size_per_device": c.micro_batch_size_per_device})
+    errors += at_least(0, {"critic.max_tokens_per_micro_batch": c.max_tokens_per_micro_batch})
+    return errors + optim_errors(c.optim, "critic.optim")
+
+
+def ref_errors(r: RefConfig) -> list[str]:
+    return at_least(1, {"ref.micro_batch_size_per_device": r.micro_batch_size_per_device}) + at_least(
+        0, {"ref.max_tokens_per_micro_batch": r.max_tokens_per_micro_batch}
+    )
+
+
+def reward_errors(r: RewardConfig) -> list[str]:
+    errors = at_least(0, {"reward.num_workers": r.num_workers, "reward.chunk_size": r.chunk_size})
+    if not 0.0 <= r.max_error_fraction <= 1.0:
+        errors.append(f"reward.max_error_fraction: must be in [0, 1], got {r.max_error_fraction}")
+    for key, v in {
+        "reward.max_abs_score": r.max_abs_score,
+        "reward.startup_timeout_s": r.startup_timeout_s,
+        "reward.timeout_s": r.timeout_s,
+    }.items():
+        if not v > 0:
+            errors.append(f"{key}: must be > 0, got {v}")
+    return errors

@@ -3,6 +3,9 @@
 `resolve_config` fills the fields documented as "0 / '' = derive" so the trainer reads concrete
 numbers. `validate_config` collects every inconsistency (each naming its key and a fix) and raises
 one ConfigError: failing at step 0 with a clear message beats failing at step 1 inside a worker.
+Each section's own checks live beside its definition (config/schema.py, config/algorithm_config.py,
+config/run_config.py, engines/config.py; SECTION_CHECKS); those here relate sections to each other (batch arithmetic, the
+algorithm's needs, pools and layouts).
 """
 
 from __future__ import annotations
@@ -10,13 +13,27 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 
+from hybridflow.config.actor_loss import actor_loss_errors
+from hybridflow.config.algorithm_config import algorithm_errors
 from hybridflow.config.algorithms import ALGORITHM_SPECS
-from hybridflow.config.loader import ConfigError
+from hybridflow.config.dapo import dapo_errors
 from hybridflow.config.model_checks import data_and_model_errors
 from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices, with_frozen_on_rollout
-from hybridflow.config.schema import LOGGERS, HybridFlowConfig, ParallelConfig
+from hybridflow.config.run_config import machine_errors, resources_errors, trainer_errors
+from hybridflow.config.schema import (
+    HybridFlowConfig,
+    ParallelConfig,
+    actor_errors,
+    critic_errors,
+    data_errors,
+    model_errors,
+    ref_errors,
+    reward_errors,
+    rollout_errors,
+)
+from hybridflow.engines.config import parallel_errors
+from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.layout import generation_layout_errors
 from hybridflow.rollout.factory import rollout_engine_errors
 
@@ -128,137 +145,101 @@ def _check_choices(obj, prefix: str, errors: list[str]) -> None:
             errors.append(f"{path}: {value!r} is not one of {choices}{hint}")
 
 
+# each section's own checks, beside its definition; collect_errors adds those across sections
+SECTION_CHECKS = {
+    "algorithm": algorithm_errors,
+    "model": model_errors,
+    "data": data_errors,
+    "actor": actor_errors,
+    "rollout": rollout_errors,
+    "critic": critic_errors,
+    "ref": ref_errors,
+    "reward": reward_errors,
+    "resources": resources_errors,
+    "trainer": trainer_errors,
+}
+
+
 def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]:
     """All problems of a resolved config, as messages that start with the offending key."""
+    spec = ALGORITHM_SPECS.get(cfg.algorithm.name)  # None: an unknown name, already reported
     errors: list[str] = []
     _check_choices(cfg, "", errors)
+    errors += _not_yet_errors(cfg)
+    for name, check in SECTION_CHECKS.items():
+        errors += check(getattr(cfg, name))
+    errors += _mini_batch_errors(cfg, spec)
+    errors += _algorithm_errors(cfg, spec)
+    errors += rollout_engine_errors(cfg)
+    errors += rollout_ahead_errors(cfg, spec) + dapo_errors(cfg) + actor_loss_errors(cfg.actor)
+    errors += data_and_model_errors(cfg, spec, check_model)
+    errors += machine_errors(cfg.resources) if check_model else []
+    errors += _parallel_errors(cfg, spec)
+    errors += _devices_errors(cfg)
+    return errors
+
+
+def _not_yet_errors(cfg: HybridFlowConfig) -> list[str]:
+    errors = []
     for key, (works, why) in NOT_YET.items():
         value = _get(cfg, key)
         if value not in works:
             errors.append(f"{key}: {value!r} is not supported yet ({why}); use {works[0]!r}")
-    a, d, act, r, t = cfg.algorithm, cfg.data, cfg.actor, cfg.rollout, cfg.trainer
-    spec = ALGORITHM_SPECS.get(a.name)  # None: an unknown name, already reported
+    return errors
 
-    # sizes
-    for key, v in {
-        "data.train_batch_size": d.train_batch_size,
-        "data.max_prompt_length": d.max_prompt_length,
-        "actor.ppo_mini_batch_size": act.ppo_mini_batch_size,
-        "actor.ppo_epochs": act.ppo_epochs,
-        "actor.micro_batch_size_per_device": act.micro_batch_size_per_device,
-        "critic.micro_batch_size_per_device": cfg.critic.micro_batch_size_per_device,
-        "ref.micro_batch_size_per_device": cfg.ref.micro_batch_size_per_device,
-        "rollout.n": r.n,
-        "rollout.val.n": r.val.n,
-        "rollout.response_length": r.response_length,
-        "rollout.tg": r.tg,
-        "rollout.pg": r.pg,
-        "resources.n_gpus_per_node": cfg.resources.n_gpus_per_node,
-        "resources.nnodes": cfg.resources.nnodes,
-        "trainer.keep_last": t.keep_last,
-        "trainer.max_skipped_steps": t.max_skipped_steps,
-    }.items():
-        if v < 1:
-            errors.append(f"{key}: must be >= 1, got {v}")
-    for key, v in {
-        "data.val_batch_size": d.val_batch_size,
-        "trainer.total_steps": t.total_steps,
-        "trainer.total_epochs": t.total_epochs,
-        "trainer.val_every": t.val_every,
-        "trainer.save_every": t.save_every,
-        "actor.max_tokens_per_micro_batch": act.max_tokens_per_micro_batch,
-        "critic.max_tokens_per_micro_batch": cfg.critic.max_tokens_per_micro_batch,
-        "ref.max_tokens_per_micro_batch": cfg.ref.max_tokens_per_micro_batch,
-        "reward.num_workers": cfg.reward.num_workers,
-        "reward.chunk_size": cfg.reward.chunk_size,
-    }.items():
-        if v < 0:
-            errors.append(f"{key}: must be >= 0, got {v}")
-    if not 0.0 <= cfg.reward.max_error_fraction <= 1.0:
-        errors.append(f"reward.max_error_fraction: must be in [0, 1], got {cfg.reward.max_error_fraction}")
-    for key, v in {
-        "reward.max_abs_score": cfg.reward.max_abs_score,
-        "reward.startup_timeout_s": cfg.reward.startup_timeout_s,
-    }.items():
-        if not v > 0:
-            errors.append(f"{key}: must be > 0, got {v}")
-    if spec and not spec.generation and not t.overlap_phases:
-        errors.append(
-            f"trainer.overlap_phases: {a.name} has one phase per step, nothing to overlap; remove it"
-        )
-    if t.total_steps == 0 and t.total_epochs == 0:
-        errors.append("trainer.total_steps: both total_steps and total_epochs are 0; set one of them")
 
-    # mini-batches (prompts) must tile the batch exactly
+def _mini_batch_errors(cfg: HybridFlowConfig, spec) -> list[str]:
+    """Mini-batches (prompts) tile the batch exactly: the actor's, and the critic's where it runs."""
+    errors, batch, actor_mini = [], cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     for section in ("actor", "critic"):
-        if section == "critic" and (
-            not (spec and spec.critic) or cfg.critic.ppo_mini_batch_size == act.ppo_mini_batch_size
-        ):
-            continue  # no critic, or the same number already checked for the actor
         mini = getattr(cfg, section).ppo_mini_batch_size
-        if mini > d.train_batch_size:
+        if section == "critic" and (not (spec and spec.critic) or mini == actor_mini):
+            continue  # no critic, or the same number already checked for the actor
+        if mini > batch:
+            errors.append(f"{section}.ppo_mini_batch_size: {mini} is larger than data.train_batch_size "
+                          f"{batch}; lower it or raise the batch")  # fmt: skip
+        elif mini >= 1 and batch % mini:
             errors.append(
-                f"{section}.ppo_mini_batch_size: {mini} is larger than data.train_batch_size "
-                f"{d.train_batch_size}; lower it or raise the batch"
+                f"{section}.ppo_mini_batch_size: data.train_batch_size {batch} is not divisible "
+                f"by {mini}; choose a divisor (e.g. {_nearest_divisor(batch, mini)})"
             )
-        elif mini >= 1 and d.train_batch_size % mini:
-            errors.append(
-                f"{section}.ppo_mini_batch_size: data.train_batch_size {d.train_batch_size} is not divisible "
-                f"by {mini}; choose a divisor (e.g. {_nearest_divisor(d.train_batch_size, mini)})"
-            )
+    return errors
 
-    # algorithm: what it needs comes from its spec (config/algorithms.py)
-    if spec and r.n < spec.min_n:
-        errors.append(
-            f"rollout.n: {a.name} normalises rewards within a group of samples and needs n >= {spec.min_n}, "
-            f"got {r.n}"
-        )
-    if spec and a.adv_estimator != spec.adv_estimator:
+
+def _algorithm_errors(cfg: HybridFlowConfig, spec) -> list[str]:
+    """What the algorithm needs of the other sections, from its spec (config/algorithms.py)."""
+    if spec is None:
+        return []
+    a, errors = cfg.algorithm, []
+    if cfg.rollout.n < spec.min_n:
+        errors.append(f"rollout.n: {a.name} normalises rewards within a group of samples and needs "
+                      f"n >= {spec.min_n}, got {cfg.rollout.n}")  # fmt: skip
+    if a.adv_estimator != spec.adv_estimator:
         same = " or ".join(n for n, s in ALGORITHM_SPECS.items() if s.adv_estimator == a.adv_estimator)
         errors.append(
             f"algorithm.adv_estimator: {a.adv_estimator!r} is not {a.name}'s estimator ({spec.adv_estimator!r}); "
             f"each algorithm has its own, so set algorithm.name={same or '...'} instead"
         )
-    if spec and spec.cost and not a.safe_rlhf.cost_fn and not cfg.model.cost_model_path:
+    if spec.cost and not a.safe_rlhf.cost_fn and not cfg.model.cost_model_path:
         errors.append(f"algorithm.safe_rlhf.cost_fn: {a.name} needs a cost; set it or model.cost_model_path")
-    for key, v in {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items():
-        if not 0.0 <= v <= 1.0:
-            errors.append(f"{key}: must be in [0, 1], got {v}")
-    if act.clip_ratio_low < 0 or act.clip_ratio_high < 0:
-        errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
-    if act.clip_ratio_c <= 1.0:
-        errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {act.clip_ratio_c}")
-    if not 0.0 <= a.dpo.label_smoothing < 0.5:
-        errors.append(f"algorithm.dpo.label_smoothing: must be in [0, 0.5), got {a.dpo.label_smoothing}")
-    for key, optim in {"actor.optim": act.optim, "critic.optim": cfg.critic.optim}.items():
-        if optim.lr < 0:  # 0 freezes the model (e.g. to check that a pipeline changes nothing)
-            errors.append(f"{key}.lr: must be >= 0, got {optim.lr}")
-        for name in ("warmup_steps", "total_steps"):
-            if getattr(optim, name) < 0:
-                errors.append(f"{key}.{name}: must be >= 0, got {getattr(optim, name)}")
-        if len(optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in optim.betas):
-            errors.append(f"{key}.betas: expected two numbers in [0, 1), got {optim.betas}")
+    if not spec.generation and not cfg.trainer.overlap_phases:
+        errors.append(
+            f"trainer.overlap_phases: {a.name} has one phase per step, nothing to overlap; remove it"
+        )
+    if cfg.resources.placement not in ("colocate", "split") and not spec.planner:
+        errors.append(
+            f"resources.placement: the planner ('auto' or a plan file) has no dataflow for {a.name!r}, "
+            "which only trains the actor; use colocate"
+        )
+    return errors
 
-    # sampling
-    for key, v in {
-        "rollout.temperature": r.temperature,
-        "rollout.val.temperature": r.val.temperature,
-    }.items():
-        if v < 0:
-            errors.append(f"{key}: must be >= 0, got {v}")
-    for key, v in {"rollout.top_p": r.top_p, "rollout.val.top_p": r.val.top_p}.items():
-        if not 0.0 < v <= 1.0:
-            errors.append(f"{key}: must be in (0, 1], got {v}")
-    errors += rollout_engine_errors(cfg)
-    errors += rollout_ahead_errors(cfg, spec)
 
-    errors += data_and_model_errors(cfg, spec, check_model)
-
-    # parallelism: where pool sizes follow from the config, dp must be what they give
-    n, devices = cfg.resources.num_devices, section_devices(cfg)
+def _parallel_errors(cfg: HybridFlowConfig, spec) -> list[str]:
+    """Where pool sizes follow from the config, each dp must be what they give; the generation layout."""
+    errors, n, devices = [], cfg.resources.num_devices, section_devices(cfg)
     for key, p in _parallel_configs(cfg).items():
-        if p.tp < 1 or p.pp < 1 or p.dp < 0:
-            errors.append(f"{key}: tp and pp must be >= 1 and dp >= 0, got tp={p.tp} pp={p.pp} dp={p.dp}")
+        if parallel_errors(p, key):
+            errors += parallel_errors(p, key)
             continue
         pool = devices[key.partition(".")[0]] if devices else n
         if devices and pool % (p.tp * p.pp):
@@ -268,56 +249,22 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
                           f"{_dp(p, pool)} (or 0 to derive it), got {p.dp}")  # fmt: skip
         elif p.dp and p.tp * p.pp * p.dp > n:
             errors.append(f"{key}: tp*pp*dp = {p.tp * p.pp * p.dp} exceeds the {n} devices")
+    r, act, batch = cfg.rollout, cfg.actor, cfg.data.train_batch_size
     model_dir = cfg.model.path if os.path.isdir(cfg.model.path) else None
-    errors += generation_layout_errors(cfg.actor.parallel, r.tg, r.pg, model_dir, r.reshard)
-    if spec and spec.pairs and act.parallel.dp and d.train_batch_size % act.parallel.dp:
+    errors += generation_layout_errors(act.parallel, r.tg, r.pg, model_dir, r.reshard)
+    if spec and spec.pairs and act.parallel.dp and batch % act.parallel.dp:
         errors.append(
-            f"data.train_batch_size: {d.train_batch_size} pairs must divide evenly over the actor's "
+            f"data.train_batch_size: {batch} pairs must divide evenly over the actor's "
             f"dp={act.parallel.dp} ranks (both rows of a pair must land on the same rank)"
         )
-
-    if cfg.model.share_prompt is True and cfg.model.remove_padding is False:
-        errors.append(
-            "model.share_prompt: true needs padding removal (shared prompts live in packed rows), but "
-            "model.remove_padding is false; set share_prompt to null or false, or remove_padding to null or true"
-        )
-
-    # run
-    for name in t.loggers:
-        if name not in LOGGERS:
-            errors.append(f"trainer.loggers: unknown logger {name!r}; choose from {list(LOGGERS)}")
-    resume = str(t.resume).strip()
-    if (
-        resume not in ("auto", "never")
-        and not re.fullmatch(r"(step_)?\d+", resume)
-        and not os.path.exists(resume)
-    ):
-        errors.append(
-            f"trainer.resume: {t.resume!r} is neither 'auto', 'never', a step number nor an existing checkpoint path"
-        )
-    name = t.experiment_name
-    if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-        errors.append(
-            f"trainer.experiment_name: {name!r} must be a relative name inside trainer.output_dir (no '..', not absolute)"
-        )
-    for key in ("max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s", "min_devices"):
-        if getattr(t, key) < 0:
-            errors.append(f"trainer.{key}: must be >= 0, got {getattr(t, key)}")
-    if t.min_devices > cfg.resources.num_devices:
-        errors.append(
-            f"trainer.min_devices: {t.min_devices} exceeds the run's {cfg.resources.num_devices} devices"
-        )
-    placement = cfg.resources.placement
-    if placement not in ("colocate", "split", "auto") and not os.path.isfile(placement):
-        errors.append(
-            f"resources.placement: {placement!r} is not colocate|split|auto or an existing plan file"
-        )
-    if placement not in ("colocate", "split") and spec and not spec.planner:
-        errors.append(
-            f"resources.placement: the planner ('auto' or a plan file) has no dataflow for {a.name!r}, "
-            "which only trains the actor; use colocate"
-        )
     return errors
+
+
+def _devices_errors(cfg: HybridFlowConfig) -> list[str]:
+    t, n = cfg.trainer, cfg.resources.num_devices
+    if t.min_devices > n:
+        return [f"trainer.min_devices: {t.min_devices} exceeds the run's {n} devices"]
+    return []
 
 
 def _get(cfg, key: str):

@@ -5,18 +5,25 @@ reward_model, custom_reward_function, algorithm, data, trainer); `from_verl` rew
 (a YAML file merged with dotted overrides) into our tree. Each verl key is either
 - mapped: renamed and, where verl's meaning differs, converted (adv_estimator -> algorithm.name,
   save_freq=-1 -> save_every=0, custom_reward_function.{path,name} -> reward.fn 'path:name', ...);
-- without an equivalent here: reported in a printed note, never dropped silently; when its value
-  would change what verl does (e.g. trainer.critic_warmup=5), the config is rejected instead.
-docs/verl.md is the table for users; tests/config/test_verl.py runs verl's GSM8K PPO and GRPO
-quick-start command lines through it.
+  keys whose meaning depends on other keys (clip_ratio vs clip_ratio_low/high, val_kwargs.do_sample,
+  DAPO, rollout correction) are read together by config/verl_rules.py;
+- without an equivalent here (config/verl_keys.py): noted when it cannot change the results, refused
+  in one line when its value would make verl do something other than what runs here (lora_rank=8,
+  strategy=megatron, trainer.critic_warmup=5, ...). A key in none of the tables is refused, as verl's
+  struct config refuses it. Nothing is dropped silently.
+docs/verl.md is the table for users (tests/config/test_verl_keys.py checks it against these tables);
+tests/config/test_verl.py runs verl's GSM8K PPO and GRPO quick-start command lines through it.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.config.loader import ConfigError, apply_overrides, leaf_paths
+from hybridflow.config.loader import ConfigError, apply_overrides
+from hybridflow.config.verl_keys import NOTED, NOTED_TREES, REFUSED, classify
+from hybridflow.config.verl_rules import OUR_KEYS, OUR_MAPPINGS, RULES
 
 # sections only verl has: any of them (in the YAML or the overrides) means "this is a verl config"
 VERL_SECTIONS = ("actor_rollout_ref", "custom_reward_function", "reward_model")
@@ -74,26 +81,12 @@ def _engine(v, out):
     return {"rollout.engine": {"hf": "builtin"}.get(v, v)}
 
 
-def _remove_padding(v, out):
-    # one setting here for every model (actor, reference, critic): verl's two keys must agree
-    if out.get("model.remove_padding", bool(v)) != bool(v):
-        raise ConfigError(
-            ["verl keys actor_rollout_ref.model.use_remove_padding and critic.model.use_remove_padding differ; "
-             "here one setting (model.remove_padding) covers every model: give them the same value"]
-        )  # fmt: skip
-    return {"model.remove_padding": bool(v)}
-
-
-def _do_sample(v, out):
-    return {} if v else {"rollout.val.temperature": 0.0}
-
-
 def _resume_mode(v, out):
     return {"trainer.resume": {"disable": "never", "auto": "auto"}.get(v, v)}
 
 
-def _clip_ratio(v, out):
-    return {"actor.clip_ratio_low": float(v), "actor.clip_ratio_high": float(v)}
+def _keep(v, out):
+    return {"trainer.keep_last": 0 if v is None else int(v)}  # verl's null keeps every checkpoint
 
 
 # verl key -> our key (str) or a converter (value, mapped so far) -> {our key: value}
@@ -109,14 +102,14 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.tokenizer_path": "model.tokenizer_path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "actor.gradient_checkpointing",
-    "actor_rollout_ref.model.use_remove_padding": _remove_padding,
+    "actor_rollout_ref.model.use_remove_padding": "model.remove_padding",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size_per_device",
     "actor_rollout_ref.actor.use_kl_loss": "algorithm.use_kl_loss",
     "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_loss_coef",
     "actor_rollout_ref.actor.kl_loss_type": "algorithm.kl_loss_kind",
     "actor_rollout_ref.actor.entropy_coeff": "algorithm.entropy_coeff",
-    "actor_rollout_ref.actor.clip_ratio": _clip_ratio,
     "actor_rollout_ref.actor.grad_clip": "actor.optim.grad_clip",
+    "actor_rollout_ref.actor.optim.clip_grad": "actor.optim.grad_clip",
     "actor_rollout_ref.actor.optim.lr_warmup_steps": _freq("actor.optim.warmup_steps"),
     "actor_rollout_ref.actor.optim.warmup_style": "actor.optim.schedule",
     "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor.optim.schedule",
@@ -124,18 +117,18 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": _offload("actor"),
     "actor_rollout_ref.rollout.name": _engine,
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout.tg",
-    "actor_rollout_ref.rollout.val_kwargs.do_sample": _do_sample,
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "ref.micro_batch_size_per_device",
     "actor_rollout_ref.ref.fsdp_config.param_offload": _offload("ref"),
     "critic.model.path": "model.critic_path",
     "critic.model.enable_gradient_checkpointing": "critic.gradient_checkpointing",
-    "critic.model.use_remove_padding": _remove_padding,
     "critic.model.fsdp_config.param_offload": _offload("critic"),
     "critic.model.fsdp_config.optimizer_offload": _offload("critic"),
     "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size_per_device",
     "critic.grad_clip": "critic.optim.grad_clip",
+    "critic.optim.clip_grad": "critic.optim.grad_clip",
     "critic.optim.lr_warmup_steps": _freq("critic.optim.warmup_steps"),
     "critic.optim.warmup_style": "critic.optim.schedule",
+    "critic.optim.lr_scheduler_type": "critic.optim.schedule",
     "reward_model.enable": _reward_enable,
     "reward_model.model.path": "model.reward_model_path",
     "reward_model.micro_batch_size_per_gpu": "reward.micro_batch_size_per_device",
@@ -146,63 +139,13 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "trainer.n_gpus_per_node": "resources.n_gpus_per_node",
     "trainer.nnodes": "resources.nnodes",
     "trainer.total_training_steps": "trainer.total_steps",
-    "trainer.max_actor_ckpt_to_keep": "trainer.keep_last",
+    "trainer.max_actor_ckpt_to_keep": _keep,
+    "trainer.log_val_generations": "trainer.val_generations_to_log",
+    "ray_kwargs.ray_init.num_cpus": "resources.ray_num_cpus",
+    "ray_init.num_cpus": "resources.ray_num_cpus",
     "trainer.resume_mode": _resume_mode,
     "trainer.resume_from_path": "trainer.resume",
     "trainer.default_local_dir": "trainer.output_dir",
-}
-
-# verl keys with no equivalent here -> (why, the values that keep verl's behaviour or None = any).
-# A value outside that set is rejected: accepting it and then doing something else would be a defect.
-NO_EQUIVALENT: dict[str, tuple[str, tuple | None]] = {
-    "actor_rollout_ref.model.use_liger": ("no Liger kernels; the HF model's own ops run", None),
-    "actor_rollout_ref.model.use_fused_kernels": ("no fused kernels", None),
-    "actor_rollout_ref.model.fused_kernel_options.impl_backend": ("no fused kernels", None),
-    "actor_rollout_ref.model.external_lib": ("import it in a reward or model module", (None, "")),
-    "actor_rollout_ref.actor.ppo_micro_batch_size": (
-        "deprecated in verl; set ppo_micro_batch_size_per_gpu",
-        None,
-    ),
-    "actor_rollout_ref.actor.fsdp_config.grad_offload": (
-        "deprecated in verl; gradients stay on device",
-        None,
-    ),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ("no sequence parallelism", (1,)),
-    "actor_rollout_ref.actor.shuffle": ("mini-batches keep the rollout order", (False,)),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": ("set actor.optim.warmup_steps", (0, 0.0)),
-    "actor_rollout_ref.rollout.micro_batch_size": ("deprecated in verl", None),
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size": ("deprecated in verl", None),
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": (
-        "old log-probs use actor.micro_batch_size_per_device",
-        None,
-    ),
-    "actor_rollout_ref.rollout.enforce_eager": ("vllm engine setting, chosen by the engine", None),
-    "actor_rollout_ref.rollout.free_cache_engine": ("the KV cache is freed after each generate", None),
-    "actor_rollout_ref.rollout.load_format": ("weights come from the actor in memory", None),
-    "actor_rollout_ref.rollout.dtype": ("generation uses model.dtype", None),
-    "actor_rollout_ref.rollout.max_num_batched_tokens": ("vllm engine setting, chosen by the engine", None),
-    "actor_rollout_ref.rollout.enable_chunked_prefill": ("vllm engine setting, chosen by the engine", None),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size": ("deprecated in verl", None),
-    "actor_rollout_ref.ref.fsdp_config.optimizer_offload": ("the reference has no optimizer", None),
-    "critic.ppo_micro_batch_size": ("deprecated in verl; set ppo_micro_batch_size_per_gpu", None),
-    "critic.model.tokenizer_path": ("the critic uses the policy's tokenizer", None),
-    "critic.model.fsdp_config.grad_offload": ("deprecated in verl", None),
-    "reward_model.reward_manager": (
-        "rule rewards run in the reward executor (reward.num_workers)",
-        ("naive", "prime"),
-    ),
-    "reward_model.model.input_tokenizer": ("the reward model reads the decoded text re-tokenized", None),
-    "data.val_batch_size": ("kept: prompts per validation batch", None),
-    "data.return_raw_chat": ("prompts are rendered with the chat template when loaded", None),
-    "data.return_raw_input_ids": ("prompts are rendered with the chat template when loaded", None),
-    "data.reward_fn_key": ("rewards dispatch on data_source", ("data_source",)),
-    "data.tokenizer": ("set actor_rollout_ref.model.tokenizer_path", (None, "")),
-    "trainer.critic_warmup": ("no critic-only warm-up steps", (0,)),
-    "trainer.default_hdfs_dir": ("no HDFS copy; checkpoints go to trainer.output_dir", (None, "")),
-    "trainer.del_local_ckpt_after_load": ("checkpoints are kept per trainer.keep_last", (False,)),
-    "trainer.balance_batch": ("rollouts are split in order", None),
-    "trainer.log_val_generations": ("see trainer.val_generations_to_log", None),
-    "trainer.device": ("see resources.device", None),
 }
 
 
@@ -213,10 +156,13 @@ def is_verl_config(data: dict, overrides=()) -> bool:
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """verl's dotted keys -> values; a mapping that is one setting (ours, or refused unless empty) whole."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
+        path = f"{prefix}{k}"
+        whole = _ours(path) in OUR_MAPPINGS or ({} in REFUSED.get(path, ((), ()))[1])
+        if isinstance(v, dict) and v and not whole:
+            out.update(_flatten(v, f"{path}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -226,39 +172,23 @@ def _ours(path: str) -> str | None:
     for theirs, mine in PREFIXES.items():
         if path.startswith(theirs):
             candidate = mine + path[len(theirs) :]
-            return candidate if candidate in _OUR_KEYS else None
-    return path if path in _OUR_KEYS else None
+            return candidate if candidate in OUR_KEYS else None
+    return path if path in OUR_KEYS else None
 
 
-_OUR_KEYS = set(leaf_paths())
+MISSING = "???"  # OmegaConf's mandatory value, not given
 
 
-def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
-    """(verl mapping, verl dotted overrides) -> (our nested mapping, notes for keys without an
-    equivalent). Raises ConfigError for values that cannot be honoured here."""
-    flat = _flatten(apply_overrides(data, overrides))
-    mapped: dict[str, Any] = {"algorithm.name": "ppo"}  # verl's default estimator is gae (PPO)
-    notes, errors = [], []
-    fn_path, fn_name = (
-        flat.pop("custom_reward_function.path", None),
-        flat.pop("custom_reward_function.name", None),
-    )
-    if fn_path:
-        mapped["reward.fn"] = f"{fn_path}:{fn_name or 'compute_score'}"
-    # verl packs micro-batches by tokens only under use_dynamic_bsz; here the token budget is the switch
-    for role, dynamic_key, budget_key in (
-        (
-            "actor",
-            "actor_rollout_ref.actor.use_dynamic_bsz",
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        ),
-        ("critic", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu"),
-        (
-            "ref",
-            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        ),
-    ):
+# verl packs micro-batches by tokens only under use_dynamic_bsz; here the token budget is the switch
+TOKEN_BUDGETS = (
+    ("actor", "actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    ("critic", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu"),
+    ("ref", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+)  # fmt: skip
+
+
+def _token_budgets(flat: dict, mapped: dict, notes: list[str]) -> None:
+    for role, dynamic_key, budget_key in TOKEN_BUDGETS:
         dynamic, budget = flat.pop(dynamic_key, False), flat.pop(budget_key, None)
         if dynamic and budget:
             mapped[f"{role}.max_tokens_per_micro_batch"] = int(budget)
@@ -266,29 +196,69 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
             notes.append(
                 f"verl key {budget_key} is ignored, as in verl, without {dynamic_key.rpartition('.')[2]}"
             )
+
+
+def _map_key(key: str, value: Any, mapped: dict, notes: list, errors: list[str], trees: dict) -> None:
+    """One verl key: renamed or converted, moved by prefix, noted, or refused (config/verl_keys.py)."""
+    rule = RENAMES.get(key)
+    ours = None if rule is not None else _ours(key)
+    if value is None and (isinstance(rule, str) or ours is not None):
+        return  # verl's null means "not set": our default (or derived value) stands
+    if value == MISSING and (rule is not None or ours is not None):
+        errors.append(f"verl key {key} is ??? (a value verl requires): set it")
+        return
+    if isinstance(rule, str):
+        mapped[rule] = value
+    elif rule is not None:
+        try:
+            mapped.update(rule(value, mapped))
+        except ConfigError as e:
+            errors.extend(e.errors)
+    elif ours is not None:
+        mapped[ours] = value
+    elif (kind := classify(key, value)) is None:  # as verl's struct config does with a key it lacks
+        errors.append(
+            f"verl key {key}={value!r} is not known here{_near(key)}; remove it (docs/verl.md lists them)"
+        )
+    elif kind[0] == "tree":
+        trees.setdefault(kind[1], []).append(key)
+    else:
+        (errors if kind[0] == "error" else notes).append(kind[1])
+
+
+def _near(key: str) -> str:
+    """' (did you mean ...?)' for a misspelt key: the closest verl key of the tables, or of ours."""
+    moved = [
+        theirs + k[len(mine) :] for theirs, mine in PREFIXES.items() for k in OUR_KEYS if k.startswith(mine)
+    ]
+    near = difflib.get_close_matches(key, [*RENAMES, *REFUSED, *NOTED, *moved], n=1, cutoff=0.85)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
+    """(verl mapping, verl dotted overrides) -> (our nested mapping, notes for keys without an
+    equivalent). `${...}` interpolations are resolved as verl's OmegaConf does, after the overrides.
+    Raises ConfigError (one line per key) for values that cannot be honoured here."""
+    flat = _flatten(resolve_interpolations(apply_overrides(data, overrides)))
+    mapped: dict[str, Any] = {"algorithm.name": "ppo"}  # verl's default estimator is gae (PPO)
+    notes, errors, late, trees = [], [], {}, {}
+    fn_path, fn_name = (
+        flat.pop("custom_reward_function.path", None),
+        flat.pop("custom_reward_function.name", None),
+    )
+    if fn_path:
+        mapped["reward.fn"] = f"{fn_path}:{fn_name or 'compute_score'}"
+    _token_budgets(flat, mapped, notes)
+    for rule in RULES:  # keys read together (verl_rules.py); what they map wins over the loop's
+        rule(flat, late, errors)
+    filter_overlong = flat.pop("data.filter_overlong_prompts", None)
     for key, value in flat.items():
-        rule = RENAMES.get(key)
-        if key == "data.filter_overlong_prompts":
-            continue  # applied after the loop
-        if isinstance(rule, str):
-            mapped[rule] = value
-        elif rule is not None:
-            try:
-                mapped.update(rule(value, mapped))
-            except ConfigError as e:
-                errors.extend(e.errors)
-        elif (ours := _ours(key)) is not None:
-            mapped[ours] = value
-        elif key in NO_EQUIVALENT:
-            why, keeps = NO_EQUIVALENT[key]
-            if keeps is not None and value not in keeps:
-                errors.append(
-                    f"verl key {key}={value!r} has no equivalent here ({why}); remove it or use {keeps[0]!r}"
-                )
-            else:
-                notes.append(f"verl key {key}={value!r} has no equivalent here and is ignored: {why}")
-        else:
-            notes.append(f"verl key {key}={value!r} is not known here and is ignored (see docs/verl.md)")
+        if not key.endswith("._target_"):  # verl's dataclass names, not settings
+            _map_key(key, value, mapped, notes, errors, trees)
+    mapped.update(late)
+    for pattern, keys in trees.items():
+        notes.append(f"verl keys {pattern} ({len(keys)}) have no effect on results here and are ignored: "
+                     f"{NOTED_TREES[pattern]}")  # fmt: skip
     if mapped.get("rollout.engine", "builtin") != "vllm" and "rollout.gpu_memory_utilization" in mapped:
         # a vLLM setting; validation rejects it for the builtin engine (docs/rollout.md)
         value = mapped.pop("rollout.gpu_memory_utilization")
@@ -296,12 +266,16 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
             f"verl key actor_rollout_ref.rollout.gpu_memory_utilization={value!r} is a vLLM setting and is "
             "dropped: rollout.engine is builtin here (set actor_rollout_ref.rollout.name=vllm for vLLM)"
         )
-    if flat.get("data.filter_overlong_prompts"):  # verl filters at load, before truncation could apply
+    if filter_overlong:  # verl filters at load, before truncation could apply
         mapped["data.truncation"] = "filter"
     if "trainer.logger" in flat and "jsonl" not in str(flat["trainer.logger"]):
         notes.append("trainer.logger: 'jsonl' added (metrics.jsonl feeds `hybridflow report`)")
     if errors:
         raise ConfigError(errors)
+    return _nest(mapped), notes
+
+
+def _nest(mapped: dict) -> dict:
     out: dict = {}
     for k, v in mapped.items():
         *parents, leaf = k.split(".")
@@ -309,4 +283,32 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = v
-    return out, notes
+    return out
+
+
+def resolve_interpolations(data: dict) -> dict:
+    """verl's YAMLs are OmegaConf configs: `${a.b}`, `${oc.select:a.b,default}` and `???` (a value verl
+    requires) resolve against the whole tree after the overrides, as in verl. A Hydra defaults list
+    cannot be composed here: verl's composed config (`--cfg job`) can."""
+    if "defaults" in data:
+        raise ConfigError(["verl config: a Hydra `defaults` list is not composed here; pass the composed "
+                           "config (verl's `python -m verl.trainer.main_ppo --cfg job` prints it)"])  # fmt: skip
+    if not _has_interpolation(data):
+        return data
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        # a ??? stays: verl fails on one only where it reads it, and so does _map_key
+        return OmegaConf.to_container(OmegaConf.create(data), resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as e:
+        first = str(e.msg if hasattr(e, "msg") else e).splitlines()[0]
+        raise ConfigError([f"verl config: {getattr(e, 'full_key', '') or '?'}: {first}"]) from None
+
+
+def _has_interpolation(node) -> bool:
+    if isinstance(node, dict):
+        return any(_has_interpolation(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_interpolation(v) for v in node)
+    return isinstance(node, str) and "${" in node

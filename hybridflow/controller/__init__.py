@@ -8,7 +8,7 @@ Files, in the order data flows through them:
     worker_group.py   WorkerGroup / create_colocated_groups: processes, method binding, dispatch
     process.py        WorkerProcess: the Ray actor per rank; resolves shards and futures worker-side
     future.py         Future / get: non-blocking calls, passed between groups without the driver
-    errors.py         WorkerError / WorkerDiedError: failures named by group, rank and method
+    errors.py         WorkerError / WorkerDiedError / WorkerHungError: failures named by group, rank and method
     strict_device.py  device-strict mode: GPU-only placement bugs (host tensors on the device path) fail on CPU
 """
 

@@ -35,6 +35,18 @@ class WorkerDiedError(RuntimeError):
         )
 
 
+class WorkerHungError(WorkerDiedError):
+    """No rank finished a call for the hang timeout: treated as a dead process (its group is rebuilt)."""
+
+    def __init__(self, group: str, ranks: list[int], method: str, seconds: float):
+        RuntimeError.__init__(
+            self,
+            f"worker group {group!r}: rank {ranks[0]} (of waiting ranks {ranks}) made no progress in "
+            f"{method!r} for {seconds:g} s (trainer.hang_timeout_s); treated as dead",
+        )
+        self.group, self.rank, self.method = group, ranks[0], method
+
+
 def raise_worker_error(e: Exception, group: str, rank: int, method: str):
     """Re-raise a Ray failure from one rank as WorkerError / WorkerDiedError."""
     if isinstance(e, ray.exceptions.RayTaskError):

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from hybridflow.controller.errors import WorkerDiedError, WorkerError, raise_worker_error
+from hybridflow.controller.errors import WorkerDiedError, WorkerError, WorkerHungError, raise_worker_error
 from hybridflow.controller.protocols import GroupView, ProtocolSpec
 
 
@@ -114,12 +115,71 @@ class Future:
         return f"Future({self.group_name}.{self.method}, {state})"
 
 
+# Bounded waits: Python runs a signal handler only between bytecodes, so the driver's main thread
+# never blocks inside Ray for longer than this (a hung worker must not make the run unstoppable).
+POLL_S = 0.5
+
+_waiting: list[str] = []  # what the driver waits for, innermost last (named when a stop abandons it)
+# Ray's wait runs Python signal handlers from C; an exception raised there surfaces as a SystemError.
+# So a handler only notes an abandonment while in_ray_wait(), and a check run after each slice raises it.
+_depth = 0
+_checks: list[Callable[[], None]] = []
+
+
+def in_ray_wait() -> bool:
+    return _depth > 0
+
+
+def add_wait_check(check: Callable[[], None]) -> None:
+    """Run `check` after every wait slice from now on (it may raise, e.g. to abandon the step)."""
+    _checks.append(check)
+
+
+def remove_wait_check(check: Callable[[], None]) -> None:
+    if check in _checks:
+        _checks.remove(check)
+
+
+_hang_timeout_s = 0.0
+
+
+@contextlib.contextmanager
+def hang_timeout(seconds: float):
+    """Inside the block a wait in which no rank finishes for `seconds` raises WorkerHungError (0 = off)."""
+    global _hang_timeout_s
+    previous, _hang_timeout_s = _hang_timeout_s, seconds
+    try:
+        yield
+    finally:
+        _hang_timeout_s = previous
+
+
+def waiting_for() -> str:
+    """'group.method (ranks [..])' the driver is waiting for now, or ''."""
+    return _waiting[-1] if _waiting else ""
+
+
 def wait_all(refs: list, ranks: list[int], group: str, method: str) -> list:
     """ray.get(refs), but the first rank to fail is reported at once (others may be stuck in a
-    collective waiting for it), as WorkerError / WorkerDiedError naming group, rank and method."""
+    collective waiting for it), as WorkerError / WorkerDiedError naming group, rank and method. Waits
+    in slices of POLL_S so that stop signals are handled whatever the workers do."""
     pending = dict(zip(refs, ranks))
+    progress = time.monotonic()
+    global _depth
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        _waiting.append(f"{group}.{method} (ranks {sorted(pending.values())})")
+        _depth += 1
+        try:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        finally:
+            _depth -= 1
+            _waiting.pop()
+        for check in _checks:
+            check()
+        if ready:
+            progress = time.monotonic()
+        elif _hang_timeout_s and time.monotonic() - progress >= _hang_timeout_s:
+            raise WorkerHungError(group, sorted(pending.values()), method, _hang_timeout_s)
         for ref in ready:
             rank = pending.pop(ref)
             try:

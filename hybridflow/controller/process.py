@@ -9,10 +9,10 @@ colocated roles share the process, the device and the process group. Every group
    the driver;
 2. calls the method;
 3. drops the rows produced by padding (the driver padded the batch to a multiple of the dp size; the
-   method itself sees the count in `batch.meta[PAD_KEY]`, so training can mask those rows out);
+   method itself sees the count in `batch.meta.pad_rows`, so training can mask those rows out);
 4. returns (CallInfo, output) as two objects (num_returns=2), so the driver learns the output's
    size, the method's start/end wall-clock stamps (docs/metrics.md: each phase's busy time) and
-   the small values a Batch output publishes in meta[INFO_KEY], all without fetching the output.
+   the small values a Batch output publishes in meta.call_info, all without fetching the output.
 """
 
 from __future__ import annotations
@@ -26,12 +26,10 @@ import numpy as np
 import ray
 import torch
 
-from hybridflow.batch import PAD_KEY, Batch
+from hybridflow.batch import Batch
 from hybridflow.controller import strict_device
 from hybridflow.controller.layout import shard_indices
 from hybridflow.controller.worker import WorkerContext, set_worker_context
-
-INFO_KEY = "_call_info"  # Batch.meta entry a method publishes to the driver beside the output
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,7 @@ class CallInfo:
     rows: the output's row count (Batch outputs; None otherwise), for consumers cutting shards.
     start / end: wall-clock seconds (time.time()) around the method itself, after its arguments
     were resolved: the rank's busy interval, comparable across processes of one machine.
-    info: what the method put in its output Batch's meta[INFO_KEY] (small: metrics), or None.
+    info: what the method put in its output Batch's meta.call_info (small: metrics), or None.
     """
 
     rows: int | None
@@ -121,7 +119,7 @@ def drop_padding(output, n_in: int, pad: int, method: str):
     if not pad or n_in == 0:
         return output
     if isinstance(output, Batch):
-        output.meta.pop(PAD_KEY, None)  # an output's meta may be copied from its input's
+        output.meta.pad_rows = 0  # an output's meta may be copied from its input's
     if isinstance(output, (Batch, torch.Tensor, list)):
         n_out = len(output)
         if (n_out * pad) % n_in:
@@ -226,7 +224,8 @@ class WorkerProcess:
         end = time.time()
         out = drop_padding(out, n_in, pads[0] if pads else 0, method)
         if isinstance(out, Batch):
-            return CallInfo(len(out), start, end, out.meta.pop(INFO_KEY, None)), out
+            info, out.meta.call_info = out.meta.call_info, None
+            return CallInfo(len(out), start, end, info), out
         return CallInfo(None, start, end), out
 
 
@@ -235,5 +234,5 @@ def _take(resolved, pads: list):
     if isinstance(value, Batch):
         pads.append(pad)
         if pad:  # the method sees which rows are padding (training masks them out of every loss)
-            value.meta[PAD_KEY] = pad
+            value.meta.pad_rows = pad
     return value

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridflow.data.files import DatasetError
+from hybridflow.errors import DatasetError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,13 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridflow.errors import UserError
+from hybridflow.errors import DatasetError
 
 SUFFIXES = (".parquet", ".jsonl", ".json")
-
-
-class DatasetError(UserError, ValueError):
-    """A dataset problem, naming the file and row (a user error: one line, CLI exit 2)."""
 
 
 def where(path: str | os.PathLike, row: int) -> str:

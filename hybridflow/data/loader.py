@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from hybridflow.batch import Batch
-from hybridflow.data.files import DatasetError
+from hybridflow.errors import DatasetError
 
 
 class StatefulDataLoader:
@@ -57,9 +57,7 @@ class StatefulDataLoader:
             self.epoch, self.position = self.epoch + 1, 0
         idx = self.order(self.epoch)[self.position : self.position + self.batch_size]
         self.position += len(idx)
-        batch = self.dataset.collate([self.dataset[int(i)] for i in idx], epoch=self.epoch)
-        batch.meta["batch_in_epoch"] = (self.position - 1) // self.batch_size
-        return batch
+        return self.dataset.collate([self.dataset[int(i)] for i in idx], epoch=self.epoch)
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of the current epoch (all of it when starting fresh); then the epoch advances."""

@@ -3,7 +3,7 @@
 Batches use the rollout layout (`collate_prompt_response`: prompts left-padded, responses
 right-padded, response_mask) so the actor computes their log-probs with the same code as for
 rollouts. A DPO batch of B pairs holds 2B rows: chosen at even rows, rejected at odd rows
-(meta["pairs"] = "interleaved"), both rows of a pair sharing a uid. Responses end with EOS.
+(meta.pairs = True), both rows of a pair sharing a uid. Responses end with EOS.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.data.collate import collate_prompt_response
 from hybridflow.data.files import where
 from hybridflow.data.prompts import (
@@ -117,7 +118,6 @@ class PairDataset:
         per = len(samples[0].responses)
         prompts = [s.prompt_ids for s in samples for _ in range(per)]
         responses = [r for s in samples for r in s.responses]
-        meta = {"epoch": epoch, "pairs": "interleaved"} if per == 2 else {"epoch": epoch}
         return Batch(
             collate_prompt_response(prompts, responses, self.pad_token_id),
             {
@@ -125,7 +125,7 @@ class PairDataset:
                 "data_source": [s.data_source for s in samples for _ in range(per)],
                 "prompt_text": [s.prompt_text for s in samples for _ in range(per)],
             },
-            meta,
+            BatchMeta(pairs=True if per == 2 else None),
         )
 
 

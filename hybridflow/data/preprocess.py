@@ -16,7 +16,8 @@ import os
 import re
 from pathlib import Path
 
-from hybridflow.data.files import SUFFIXES, DatasetError, read_rows, where, write_parquet
+from hybridflow.data.files import SUFFIXES, read_rows, where, write_parquet
+from hybridflow.errors import DatasetError
 
 GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"

@@ -21,7 +21,8 @@ import numpy as np
 
 from hybridflow.batch import Batch
 from hybridflow.data.collate import left_pad, position_ids_from_mask
-from hybridflow.data.files import DatasetError, read_rows, where
+from hybridflow.data.files import read_rows, where
+from hybridflow.errors import DatasetError
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import DataConfig
@@ -231,7 +232,6 @@ class PromptDataset:
                 "extra_info": [s.extra_info for s in samples],
                 "index": [s.index for s in samples],
             },
-            {"epoch": epoch},
         )
 
 

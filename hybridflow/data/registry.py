@@ -10,7 +10,7 @@ import difflib
 import inspect
 from collections.abc import Callable
 
-from hybridflow.data.files import DatasetError
+from hybridflow.errors import DatasetError
 
 _REGISTRY: dict[str, Callable[..., list[dict]]] = {}
 

@@ -4,7 +4,8 @@ ParallelConfig and OptimConfig are defined here once, with their help text: the 
 (config/schema.py) composes them as `actor.parallel`, `actor.optim`, ... and the engine reads the
 same objects (docs/design.md §7). Fields hold what the user wrote, so they are not
 checked at construction: `validate_config` reports bad values with the key path before any worker
-starts, and the engine re-checks what it needs (`ParallelConfig.check`, `OptimConfig.check`).
+starts (`parallel_errors`, `optim_errors` below), and the engine re-checks what it needs
+(`ParallelConfig.check`, `OptimConfig.check`).
 
 Sizes are global unless suffixed `_per_device`. The layout stays 3-D (pp, tp, dp) as in the paper
 even though pipeline parallelism is not implemented yet, so plans and protocols that reason about
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridflow.fields import setting
+from hybridflow.fields import at_least, finite_at_least, setting
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -74,6 +75,22 @@ class OptimConfig:
             raise ValueError(
                 f"OptimConfig.schedule={self.schedule!r} needs total_steps > 0 (the decay length)"
             )
+
+
+def parallel_errors(p: ParallelConfig, key: str) -> list[str]:
+    """The section at `key` (e.g. "actor.parallel") as the user wrote it: dp may still be 0 (derive)."""
+    if p.tp < 1 or p.pp < 1 or p.dp < 0:
+        return [f"{key}: tp and pp must be >= 1 and dp >= 0, got tp={p.tp} pp={p.pp} dp={p.dp}"]
+    return []
+
+
+def optim_errors(o: OptimConfig, key: str) -> list[str]:
+    """The section at `key` (e.g. "actor.optim"), one line per bad value."""
+    errors = finite_at_least(0, {f"{key}.lr": o.lr})  # 0 freezes the model
+    errors += at_least(0, {f"{key}.warmup_steps": o.warmup_steps, f"{key}.total_steps": o.total_steps})
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        errors.append(f"{key}.betas: expected two numbers in [0, 1), got {o.betas}")
+    return errors
 
 
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")

@@ -64,7 +64,7 @@ def trim_padding(mb: Batch) -> Batch:
             tensors[k] = v[:, :keep_r]
         else:
             tensors[k] = v
-    return Batch(tensors, mb.non_tensors, dict(mb.meta))
+    return Batch(tensors, mb.non_tensors, mb.meta.copy())
 
 
 def _group_cost(

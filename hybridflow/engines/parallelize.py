@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hybridflow.compat.hf import enable_activation_checkpointing
+from hybridflow.models.fused_qkv import fused_qkv_permutation
 
 # Attribute set on the HF model: {param name: (dim, permutation)} applied to HF-layout tensors.
 _LAYOUT_ATTR = "_hybridflow_layout_permutations"
@@ -39,6 +40,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(getattr(base, name, None), nn.ModuleList):
             return getattr(base, name)
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__} (looked for .layers / .h)")
+
+
+def _distribute_conv1d(style, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """A Conv1D under `style`: the style's own partition (Conv1D's weight is stored (in, out)) and
+    input/output hooks, wired as torch's ColwiseParallel/RowwiseParallel wire them for an nn.Linear."""
+    return distribute_module(
+        module,
+        device_mesh,
+        style._partition,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
 
 
 class _Conv1DColwise(ColwiseParallel):
@@ -59,14 +72,7 @@ class _Conv1DColwise(ColwiseParallel):
             module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
     def _apply(self, module, device_mesh):
-
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_conv1d(self, module, device_mesh)
 
 
 class _Conv1DRowwise(RowwiseParallel):
@@ -79,15 +85,8 @@ class _Conv1DRowwise(RowwiseParallel):
             module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
     def _apply(self, module, device_mesh):
-
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_conv1d(self, module, device_mesh)
 
 
 def _check_divisible(config, tp: int, names: tuple[str, ...]) -> None:
@@ -98,11 +97,6 @@ def _check_divisible(config, tp: int, names: tuple[str, ...]) -> None:
                 f"tensor parallel size tp={tp} must divide {config.model_type} config.{name}={value}; "
                 "choose a tp that divides the head counts and hidden sizes"
             )
-
-
-def fused_qkv_permutation(embed_dim: int, tp: int) -> torch.Tensor:
-    """Column order that makes a Shard over tp give each rank [q_r, k_r, v_r] of a fused (.., 3E) qkv."""
-    return torch.arange(3 * embed_dim).view(3, tp, embed_dim // tp).transpose(0, 1).reshape(-1)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -16,7 +16,8 @@ Loss scaling under gradient accumulation: loss_fn returns the *mean* loss of its
 (token-mean over response_mask, or sequence-mean); the engine weights micro-batch i by
 n_i * dp / N, where n_i is its token (or sequence) count and N the count over the whole global
 batch (all dp ranks). FSDP averages gradients over dp, so the result is the global mean whatever the
-micro-batch split or the dp size: 1x8 == 8x1 == 2 ranks x 4.
+micro-batch split or the dp size: 1x8 == 8x1 == 2 ranks x 4. loss_weighting "token-sum" weights by
+n_i * dp instead: the global sum over tokens of a token-mean loss (loss_agg_mode token-sum).
 """
 
 from __future__ import annotations
@@ -251,8 +252,8 @@ class TrainEngine:
 
         loss_fn(outputs, micro_batch) -> (loss, metrics): outputs holds "log_probs" (b, lr) [+ "entropy"]
         for a causal LM or "values" (b, lr) for a critic, aligned with micro_batch's (trimmed) response
-        fields; loss is the micro-batch mean (per token if loss_weighting="tokens", per sequence if
-        "sequences"). Returns the token/sequence-weighted local mean of loss and of each metric; with
+        fields; loss is the micro-batch mean (per token if loss_weighting is "tokens" or "token-sum", per
+        sequence if "sequences"). Returns the token/sequence-weighted local mean of loss and of each metric; with
         global_metrics, each rank's share of the global mean times dp instead, so the mean over the dp
         ranks (what DP_METRICS reports) is the global token/sequence mean however unevenly the
         counted tokens fall on the ranks (e.g. masked padding rows).
@@ -262,8 +263,8 @@ class TrainEngine:
             raise RuntimeError(
                 "training call on an engine built with trainable=False (reference / reward model)"
             )
-        if loss_weighting not in ("tokens", "sequences"):
-            raise ValueError(f"loss_weighting must be 'tokens' or 'sequences', got {loss_weighting!r}")
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
         with self.phase():
             self.module.train()
             groups = self._plan(batch, micro_batch_size, max_tokens)
@@ -279,7 +280,9 @@ class TrainEngine:
                 mb = mb.to(self.device)
                 out = self._forward(mb, temperature, with_entropy)
                 loss, metrics = loss_fn(out, mb)
-                (loss * (n * self.dp_size / max(global_total, 1e-8))).backward()
+                # token-sum: the global sum, the token-mean times the global token count
+                normaliser = 1.0 if loss_weighting == "token-sum" else max(global_total, 1e-8)
+                (loss * (n * self.dp_size / normaliser)).backward()
                 share = n * (
                     self.dp_size / max(global_total, 1e-8) if global_metrics else 1 / max(local_total, 1e-8)
                 )
@@ -367,6 +370,9 @@ class TrainEngine:
 
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.hf_model.parameters())
+
+
+LOSS_WEIGHTINGS = ("tokens", "sequences", "token-sum")
 
 
 def _weighted(v, share: float, device) -> torch.Tensor:

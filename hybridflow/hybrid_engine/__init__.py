@@ -3,8 +3,11 @@
 
 layout.py     training (p, t, d) and generation (pg, tg, dg) layouts, replicas and groups (pure)
 cost.py       Table 2 of the paper and the formula of the layout that runs (pure; planner and worker)
+sync_budget.py  the rollout_ahead weight sync's bucket and in-flight sizes (pure; planner and worker)
 comm.py       counted collectives and a buffer ledger (the measured cost)
-resharder.py  Resharder: the switch inside the actor worker, four methods, from the engine's DTensors
+resharder.py  Resharder: the switch inside the actor worker, from the engine's DTensors
+baselines.py  the paper's baseline methods (allgather, vanilla, two_copy) as Resharder subclasses, for the
+              comparison benchmarks only; nothing in the core imports it
 """
 
 from hybridflow.hybrid_engine.cost import METHODS, SwitchCost, fsdp_switch_cost, paper_table, switch_cost

@@ -49,7 +49,7 @@ class CountedComm:
         if n > 1:
             all_gather_single(output, slot, group=group)
         self.stats.seconds += time.perf_counter() - start
-        moved = (n - 1) * _nbytes(slot)
+        moved = (n - 1) * tensor_bytes(slot)
         self._count(moved, moved)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None) -> None:
@@ -59,9 +59,9 @@ class CountedComm:
             dist.broadcast(tensor, src=src, group=group)
         self.stats.seconds += time.perf_counter() - start
         if dist.get_rank() == src:
-            self._count(sent=(n - 1) * _nbytes(tensor), received=0)
+            self._count(sent=(n - 1) * tensor_bytes(tensor), received=0)
         else:
-            self._count(sent=0, received=_nbytes(tensor))
+            self._count(sent=0, received=tensor_bytes(tensor))
 
     def gather(self, slot: torch.Tensor, output: torch.Tensor | None, dst: int, group) -> None:
         """Gather every member's `slot` into `output` (cat order = group order) on global rank `dst`."""
@@ -72,10 +72,10 @@ class CountedComm:
                 dist.gather(slot, parts, dst=dst, group=group)
             elif parts[0].data_ptr() != slot.data_ptr():
                 parts[0].copy_(slot)
-            self._count(sent=0, received=(n - 1) * _nbytes(slot))
+            self._count(sent=0, received=(n - 1) * tensor_bytes(slot))
         else:
             dist.gather(slot, None, dst=dst, group=group)
-            self._count(sent=_nbytes(slot), received=0)
+            self._count(sent=tensor_bytes(slot), received=0)
         self.stats.seconds += time.perf_counter() - start
 
     def _count(self, sent: int, received: int) -> None:
@@ -90,16 +90,16 @@ class MemoryLedger:
     def __init__(self, resident: int = 0):
         self.current = self.peak = resident
 
-    def hold(self, t: torch.Tensor) -> torch.Tensor:
-        """Count `t` as held from now on (until the ledger is replaced); returns it."""
-        self.current += _nbytes(t)
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count `tensor` as held from now on (until the ledger is replaced); returns it."""
+        self.current += tensor_bytes(tensor)
         self.peak = max(self.peak, self.current)
-        return t
+        return tensor
 
     def transient(self, nbytes: int) -> None:
         """Count `nbytes` held on top of the current bytes for a moment (a unit being switched)."""
         self.peak = max(self.peak, self.current + nbytes)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,29 +1,23 @@
 """The actor's train <-> generate switch inside the actor worker: the 3D-HybridEngine on FSDP2 + TP.
 
-Training layout (engines/): t-way tensor parallel x d-way FSDP2 data parallel, p = 1, rank = dp_i * t + t_i.
-Generation layout (layout.GenLayout): tg-way tensor parallel; the t ranks of a training TP group form
-t/tg micro-DP replicas, so there are d * t/tg generation replicas. Per FSDP unit (one decoder layer, then
-the root's embeddings / final norm / lm_head), every method first unshards the unit over dp (FSDP2's own
-all-gather), then:
+Training layout (engines/): tp-way tensor parallel x dp-way FSDP2 data parallel, p = 1, rank =
+dp_i * tp + tp_i. Generation layout (layout.GenLayout): tg-way tensor parallel; the tp ranks of a training
+TP group form tp/tg micro-DP replicas, so there are dp * tp/tg generation replicas. Per FSDP unit (one
+decoder layer, then the root's embeddings / final norm / lm_head), the switch first unshards the unit over
+dp (FSDP2's own all-gather), then all-gathers the TP-split weights inside the micro-DP group (consecutive
+ranks, size tp/tg), one collective per unit (a flat bucket of the unit's pieces, then copied out per
+weight): the result is exactly this rank's generation shard. With tg == tp nothing moves and the unit
+simply stays unsharded while generating (no copy).
 
-  hybridflow  all-gather the TP-split weights inside the micro-DP group (consecutive ranks, size t/tg),
-              one collective per unit (a flat bucket of the unit's pieces, then copied out per weight):
-              the result is exactly this rank's generation shard. With tg == t nothing moves and the
-              unit simply stays unsharded while generating (no copy).
-  allgather   all-gather the TP-split weights over the whole training TP group (one bucket per unit, as
-              DeepSpeed-Chat gathers a module's parameters together): each rank then holds
-              the full model (DeepSpeed-Chat) and generates on its tg-shard views of it.
-  vanilla     HybridFlow-V: generation groups of consecutive ranks, so a rank owns none of its generation
-              shard in general; it gathers the whole model inside the TP group, as allgather does.
-  two_copy    OpenRLHF: a resident second copy of the generation shard, refreshed every step by a full
-              weight transfer (rank 0 gathers each weight from its TP group and broadcasts it to all).
+The paper's baselines (allgather, vanilla, two_copy) are subclasses in baselines.py, built only when
+`rollout.reshard` names one (`build_resharder`); they override the hooks marked below.
 
 How each weight is split comes from the training engine's own DTensor placements: a weight sharded on
 the "tp" mesh axis (Shard(k)) is TP-split along k; anything else is whole on every TP rank (embeddings,
 norms, lm_head: engines/parallelize.py keeps them so). The generation shard of a TP-split weight is
-pieces g*t/tg .. (g+1)*t/tg - 1 concatenated along k, since pieces are contiguous.
+pieces g*tp/tg .. (g+1)*tp/tg - 1 concatenated along k, since pieces are contiguous.
 
-Bytes are counted at the collectives (FSDP's all-gather: (d-1) padded shards; ours: (n-1) input slots);
+Bytes are counted at the collectives (FSDP's all-gather: (dp-1) padded shards; ours: (n-1) input slots);
 the formula they must equal is hybrid_engine/cost.fsdp_switch_cost (docs/hybrid_engine.md derives it).
 Generation-weight bytes are the peak of what the switch holds for generation: kept unsharded units,
 gathered shards or full copies, plus the one unit being processed.
@@ -43,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from hybridflow.engines.parallelize import decoder_layers
-from hybridflow.hybrid_engine.comm import CountedComm, MemoryLedger
+from hybridflow.hybrid_engine.comm import CountedComm, MemoryLedger, tensor_bytes
 from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost
 from hybridflow.hybrid_engine.layout import GenLayout, TrainLayout
 from hybridflow.rollout.tp_group import TPGroup
@@ -60,7 +54,7 @@ class ReshardStats:
     gen_weight_bytes: int = 0  # peak bytes of generation weights held
     formula_gen_weight_bytes: int = 0
     seconds: float = 0.0  # both directions
-    collectives: int = 0  # collectives this rank called: FSDP's unit all-gathers (d > 1) and ours
+    collectives: int = 0  # collectives this rank called: FSDP's unit all-gathers (dp > 1) and ours
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -73,54 +67,72 @@ class ReshardStats:
         }
 
 
-def generation_layout(method: str, t: int, d: int, tg: int) -> GenLayout:
+def generation_layout(method: str, tp: int, dp: int, tg: int) -> GenLayout:
     """The generation layout a method runs: consecutive groups for "vanilla", strided otherwise."""
     if method not in METHODS:
         raise ValueError(f"rollout.reshard: unknown method {method!r}; choose one of {METHODS}")
     return GenLayout(
-        TrainLayout(1, t, d), pg=1, tg=tg, style="vanilla" if method == "vanilla" else "hybridflow"
+        TrainLayout(1, tp, dp), pg=1, tg=tg, style="vanilla" if method == "vanilla" else "hybridflow"
     )
 
 
-class Resharder:
-    """Owns the actor's generation weights. `with r.generation() as (weights, tp): ...` gives this rank's
-    generation shard (HF name -> tensor) and its TPGroup (None when tg == 1); `r.stats` then holds the
-    round's counters. engine: the actor's TrainEngine, whose ("dp", "tp") mesh spans all ranks."""
+def build_resharder(engine, method: str = "hybridflow", tg: int = 1, split_vocab: bool = False) -> Resharder:
+    """The Resharder `rollout.reshard` names. The baselines are imported only when asked for, so the
+    core never depends on them (they depend on it)."""
+    if method == "hybridflow":
+        return Resharder(engine, tg, split_vocab)
+    from hybridflow.hybrid_engine.baselines import BASELINES
 
-    def __init__(self, engine, method: str = "hybridflow", tg: int = 1, split_vocab: bool = False):
-        self.engine, self.method = engine, method
+    if method not in BASELINES:
+        raise ValueError(f"rollout.reshard: unknown method {method!r}; choose one of {METHODS}")
+    return BASELINES[method](engine, tg, split_vocab)
+
+
+class Resharder:
+    """Owns the actor's generation weights. `with r.generation() as (weights, gen_group): ...` gives this
+    rank's generation shard (HF name -> tensor) and its TPGroup (None when tg == 1); `r.stats` then holds
+    the round's counters. engine: the actor's TrainEngine, whose ("dp", "tp") mesh spans all ranks."""
+
+    method = "hybridflow"
+
+    def __init__(self, engine, tg: int = 1, split_vocab: bool = False):
+        self.engine = engine
         mesh = engine.mesh
-        self.t = mesh["tp"].size() if mesh is not None else 1
-        self.d = mesh["dp"].size() if mesh is not None else 1
-        self.layout = generation_layout(method, self.t, self.d, tg)
-        self.tg, self.st = tg, self.t // tg
+        self.tp_size = mesh["tp"].size() if mesh is not None else 1
+        self.dp_size = mesh["dp"].size() if mesh is not None else 1
+        self.layout = generation_layout(self.method, self.tp_size, self.dp_size, tg)
+        self.tg, self.micro_size = tg, self.tp_size // tg
         self.rank = dist.get_rank() if mesh is not None else 0
         _, _, self.g_tp, _ = self.layout.coords(self.rank)
-        self.tp, self.micro = None, None
-        if mesh is not None and self.t > 1:
-            hybrid = self.layout.style == "hybridflow"
-            shape = (self.d, tg, self.st) if hybrid else (self.d, self.st, tg)
-            names = ("dp", "gen_tp", "micro_dp") if hybrid else ("dp", "micro_dp", "gen_tp")
-            gen_mesh = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
-            self.micro = gen_mesh["micro_dp"].get_group()
-            if tg > 1:
-                group = gen_mesh["gen_tp"].get_group()
-                self.tp = TPGroup(group, tg, dist.get_global_rank(group, 0))
-        self.tp_index = self.tp.rank() if self.tp is not None else 0
+        self.gen_group, self.micro = self._generation_groups(mesh, tg)
+        self.tp_index = self.gen_group.rank() if self.gen_group is not None else 0
         # split_vocab: the generation engine runs embeddings / lm_head vocab-parallel (V/tg rows each)
-        self.vocab = self._vocab_names() if split_vocab and self.tp is not None else frozenset()
-        self.train_tp = mesh["tp"].get_group() if mesh is not None and self.t > 1 else None
+        self.vocab = self._vocab_names() if split_vocab and self.gen_group is not None else frozenset()
+        self.train_tp = mesh["tp"].get_group() if mesh is not None and self.tp_size > 1 else None
         self.units = self._units()
         self.comm, self.ledger = CountedComm(), MemoryLedger()
         self.stats = ReshardStats()
-        self._copy: dict[str, torch.Tensor] | None = None  # two_copy's resident generation copy
         self._kept: list[FSDPModule] = []
+
+    def _generation_groups(self, mesh, tg: int):
+        """(generation TPGroup or None, micro-DP process group or None) of this rank."""
+        if mesh is None or self.tp_size == 1:
+            return None, None
+        strided = self.layout.style == "hybridflow"
+        shape = (self.dp_size, tg, self.micro_size) if strided else (self.dp_size, self.micro_size, tg)
+        names = ("dp", "gen_tp", "micro_dp") if strided else ("dp", "micro_dp", "gen_tp")
+        gen_mesh = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
+        gen_group = None
+        if tg > 1:
+            group = gen_mesh["gen_tp"].get_group()
+            gen_group = TPGroup(group, tg, dist.get_global_rank(group, 0))
+        return gen_group, gen_mesh["micro_dp"].get_group()
 
     @property
     def in_place(self) -> bool:
-        """Whether the generation weights are the model's own (FSDP-unsharded) parameters: hybridflow
-        with t = 1, so an engine reading the model needs no shard (the HF fallback decoder relies on it)."""
-        return self.method == "hybridflow" and self.t == 1
+        """Whether the generation weights are the model's own (FSDP-unsharded) parameters: tp = 1, so an
+        engine reading the model needs no shard (the HF fallback decoder relies on it)."""
+        return self.tp_size == 1
 
     def _units(self) -> list[tuple[torch.nn.Module | None, list[str]]]:
         """(FSDP unit or None, parameter names) in forward order: each decoder layer, then the root."""
@@ -152,14 +164,13 @@ class Resharder:
         """train -> generate on entry, generate -> train on exit; counters in self.stats. The engine's
         parameters stay on the device for the duration (with offload: moved in and out once)."""
         self.comm.reset()
-        # two_copy's resident copy counts all the time
-        self.ledger = MemoryLedger(sum(_nbytes(v) for v in (self._copy or {}).values()))
+        self.ledger = MemoryLedger(self._resident_bytes())
         with self.engine.phase():
             start = time.perf_counter()
-            weights, split_bytes, whole_bytes, fsdp_bytes, vocab_bytes = self._to_generation()
+            weights, sizes = self._to_generation()
             seconds = time.perf_counter() - start
             try:
-                yield weights, self.tp
+                yield weights, self.gen_group
             finally:
                 start = time.perf_counter()
                 for unit in self._kept:
@@ -167,12 +178,17 @@ class Resharder:
                 self._kept = []
                 del weights
                 seconds += time.perf_counter() - start
+        self.stats = self._round_stats(sizes, seconds)
+
+    def _round_stats(self, sizes: _Sizes, seconds: float) -> ReshardStats:
+        """The round's counters beside the formula's figures for the same weights."""
+        world = self.tp_size * self.dp_size
         received, held = fsdp_switch_cost(
-            self.method, split_bytes, whole_bytes, self.t, self.d, self.tg, self.t * self.d, vocab_bytes
+            self.method, sizes.split, sizes.whole, self.tp_size, self.dp_size, self.tg, world, sizes.vocab
         )
-        fsdp_calls = sum(u is not None for u, _ in self.units) if self.d > 1 else 0
-        self.stats = ReshardStats(
-            fsdp_bytes + self.comm.stats.bytes_received,
+        fsdp_calls = sum(u is not None for u, _ in self.units) if self.dp_size > 1 else 0
+        return ReshardStats(
+            sizes.fsdp + self.comm.stats.bytes_received,
             received,
             self.ledger.peak,
             held,
@@ -180,15 +196,13 @@ class Resharder:
             fsdp_calls + self.comm.stats.calls,
         )
 
-    def _to_generation(self):
+    def _to_generation(self) -> tuple[dict[str, torch.Tensor], _Sizes]:
         hf = self.engine.hf_model
         out: dict[str, torch.Tensor] = {}
-        split_bytes = whole_bytes = fsdp_bytes = vocab_bytes = 0
+        sizes = _Sizes(self.tp_size, self.dp_size)
         params = None
         for unit, names in self.units:
-            # hybridflow with tg == t: the unit stays unsharded and is its own generation weights, unless
-            # it holds embeddings to split over the vocabulary
-            keep = self.method == "hybridflow" and self.st == 1 and not self.vocab.intersection(names)
+            keep = self._keeps_unit(names)
             if unit is not None:
                 unit.unshard()
             if unit is not None or params is None:  # unshard swaps the unit's parameters; nothing else does
@@ -196,25 +210,14 @@ class Resharder:
             transient, bucket = 0, []
             for name in names:
                 local, dim = _local(params[name])
-                nbytes = _nbytes(local)
-                if dim is None:
-                    whole_bytes += nbytes
-                    vocab_bytes += nbytes if name in self.vocab else 0
-                else:
-                    split_bytes += nbytes * self.t
-                if unit is not None:  # FSDP2 all-gathers a dim-0 shard (padded to d equal rows) per rank
-                    rows = -(-local.shape[0] // self.d)
-                    fsdp_bytes += (self.d - 1) * rows * (nbytes // max(local.shape[0], 1))
-                transient += nbytes
+                transient += sizes.add(local, dim, name in self.vocab, unit is not None)
                 if keep:  # the unit stays unsharded: its own tensors are the generation weights
                     out[name] = self.ledger.hold(local)
-                elif self.method == "two_copy":
-                    out[name] = self._refresh_copy(name, local, dim)
-                elif dim is None:
-                    out[name] = self._whole(name, local)
+                elif (direct := self._direct(name, local, dim)) is not None:
+                    out[name] = direct
                 else:
                     bucket.append((name, local, dim))
-            if bucket:  # hybridflow / allgather / vanilla: one collective for the unit's TP-split weights
+            if bucket:  # one collective for the unit's TP-split weights
                 out.update(self._gather_unit(bucket, unit, transient))
             elif not keep:  # the unsharded unit was a transient: peak while this unit's tensors exist
                 self.ledger.transient(transient)
@@ -223,27 +226,46 @@ class Resharder:
                     self._kept.append(unit)
                 else:
                     unit.reshard()
-        return out, split_bytes, whole_bytes, fsdp_bytes, vocab_bytes
+        return out, sizes
+
+    # ---- hooks the baselines (baselines.py) override --------------------------------------------------
+    def _resident_bytes(self) -> int:
+        """Generation-weight bytes held between rounds (a resident copy): none here."""
+        return 0
+
+    def _keeps_unit(self, names: list[str]) -> bool:
+        """tg == tp: the unit stays unsharded and is its own generation weights, unless it holds
+        embeddings to split over the vocabulary."""
+        return self.micro_size == 1 and not self.vocab.intersection(names)
+
+    def _direct(self, name: str, local: torch.Tensor, dim: int | None) -> torch.Tensor | None:
+        """The generation tensor of a weight that needs no gather (whole on every TP rank), else None."""
+        return self._whole(name, local) if dim is None else None
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The generation tensor of a weight every TP rank holds whole: a copy, or for the embeddings under
-        split_vocab this generation TP rank's V/tg rows (hybridflow copies only those; allgather and
-        vanilla hold the whole model anyway)."""
-        vocab = name in self.vocab
-        if vocab and self.method == "hybridflow":
+        """A weight every TP rank holds whole: a copy, or for the embeddings under split_vocab only this
+        generation TP rank's V/tg rows."""
+        if name in self.vocab:
             return self.ledger.hold(local.chunk(self.tg, 0)[self.tp_index].clone())
-        full = self.ledger.hold(local.clone())
-        return full.chunk(self.tg, 0)[self.tp_index] if vocab else full
+        return self.ledger.hold(local.clone())
 
+    def _gather_scope(self) -> tuple[dist.ProcessGroup | None, int]:
+        """(group, size) the TP-split pieces are all-gathered over: the micro-DP group."""
+        return self.micro, self.micro_size
+
+    def _generation_piece(self, gathered: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's generation shard of a weight gathered over `_gather_scope`: all of it."""
+        return gathered
+
+    # ---- the gather -----------------------------------------------------------------------------------
     def _gather_unit(self, bucket, unit, unsharded: int) -> dict[str, torch.Tensor]:
         """This rank's generation tensors for one unit's TP-split weights [(name, local, dim)], with one
-        all-gather per dtype over the micro-DP group (hybridflow) or the training TP group (allgather,
-        vanilla): each member packs its pieces into its slot of a flat buffer, the all-gather fills the
-        others' slots in place, and every weight is copied out as the cat of its n pieces along its split
-        dim. The unit is resharded before the collective (its pieces are in the slot by then), so at the
-        peak a rank holds either the unsharded unit and its slot, or the gathered buffer."""
-        hybrid = self.method == "hybridflow"
-        group, n = (self.micro, self.st) if hybrid else (self.train_tp, self.t)
+        all-gather per dtype over `_gather_scope`: each member packs its pieces into its slot of a flat
+        buffer, the all-gather fills the others' slots in place, and every weight is copied out as the
+        cat of its n pieces along its split dim. The unit is resharded before the collective (its pieces
+        are in the slot by then), so at the peak a rank holds either the unsharded unit and its slot, or
+        the gathered buffer."""
+        group, n = self._gather_scope()
         me = dist.get_rank(group) if n > 1 else 0
         by_dtype: dict[torch.dtype, list] = {}
         for item in bucket:
@@ -254,7 +276,7 @@ class Resharder:
             buf = torch.empty((n, numel), dtype=dtype, device=items[0][1].device)
             torch.cat([local.reshape(-1) for _, local, _ in items], out=buf[me])
             bufs.append((buf, items))
-        slots = sum(_nbytes(buf[0]) for buf, _ in bufs)
+        slots = sum(tensor_bytes(buf[0]) for buf, _ in bufs)
         self.ledger.transient(unsharded + slots)
         if unit is not None:
             unit.reshard()  # its tensors are packed: free the unsharded unit before the gather
@@ -265,39 +287,35 @@ class Resharder:
             off = 0
             for name, local, dim in items:
                 pieces = [row[off : off + local.numel()].view(local.shape) for row in buf.unbind(0)]
-                full = self.ledger.hold(torch.cat(pieces, dim=dim))
-                out[name] = full if hybrid else full.chunk(self.tg, dim)[self.g_tp]  # allgather holds M
+                out[name] = self._generation_piece(self.ledger.hold(torch.cat(pieces, dim=dim)), dim)
                 off += local.numel()
-        self.ledger.transient(sum(_nbytes(buf) for buf, _ in bufs))
+        self.ledger.transient(sum(tensor_bytes(buf) for buf, _ in bufs))
         return out
 
-    def _refresh_copy(self, name: str, local: torch.Tensor, dim: int | None) -> torch.Tensor:
-        """two_copy: global rank 0 gathers the weight from its TP group and broadcasts it whole; every
-        rank copies its generation shard out of it into its resident copy."""
-        if dim is not None and self.t > 1:
-            in_src_group = self.rank < self.t  # rank 0's training TP group is ranks 0 .. t-1
-            full = torch.empty(_full_shape(local, dim, self.t), dtype=local.dtype, device=local.device)
-            if in_src_group:
-                slots = torch.empty((self.t, *local.shape), dtype=local.dtype, device=local.device)
-                flat = slots.view(-1) if self.rank == 0 else None
-                self.comm.gather(local.contiguous().view(-1), flat, 0, self.train_tp)
-                if self.rank == 0:
-                    full.copy_(torch.cat(slots.unbind(0), dim=dim))
-        else:
-            full = local.contiguous().clone() if self.rank == 0 else torch.empty_like(local)
-        self.ledger.transient(_nbytes(full))
-        self.comm.broadcast(full, src=0, group=None)
+
+@dataclass
+class _Sizes:
+    """Bytes of the weights one switch saw, the inputs of cost.fsdp_switch_cost."""
+
+    tp_size: int
+    dp_size: int
+    split: int = 0  # TP-split weights, whole (local bytes x tp)
+    whole: int = 0  # weights every TP rank holds whole
+    vocab: int = 0  # of those, the embeddings split over the vocabulary
+    fsdp: int = 0  # received by FSDP2's unit all-gathers
+
+    def add(self, local: torch.Tensor, dim: int | None, vocab: bool, fsdp_unit: bool) -> int:
+        """Count one weight; returns its local bytes."""
+        nbytes = tensor_bytes(local)
         if dim is None:
-            piece = full.chunk(self.tg, 0)[self.tp_index] if name in self.vocab else full
+            self.whole += nbytes
+            self.vocab += nbytes if vocab else 0
         else:
-            piece = full.chunk(self.tg, dim)[self.g_tp]
-        if self._copy is None:
-            self._copy = {}
-        if name not in self._copy:
-            self._copy[name] = self.ledger.hold(piece.clone())
-        else:
-            self._copy[name].copy_(piece)
-        return self._copy[name]
+            self.split += nbytes * self.tp_size
+        if fsdp_unit:  # FSDP2 all-gathers a dim-0 shard (padded to dp equal rows) per rank
+            rows = -(-local.shape[0] // self.dp_size)
+            self.fsdp += (self.dp_size - 1) * rows * (nbytes // max(local.shape[0], 1))
+        return nbytes
 
 
 def _local(p: torch.Tensor) -> tuple[torch.Tensor, int | None]:
@@ -314,13 +332,3 @@ def _local(p: torch.Tensor) -> tuple[torch.Tensor, int | None]:
                 )
             dim = placement.dim
     return p.to_local().detach(), dim
-
-
-def _full_shape(local: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
-    shape = list(local.shape)
-    shape[dim] *= n
-    return tuple(shape)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

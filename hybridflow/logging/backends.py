@@ -105,26 +105,30 @@ class ConsoleBackend:
 class JsonlBackend:
     """run_dir/metrics.jsonl ({"step": s, ...} per line) and run_dir/generations.jsonl.
 
-    On resume from step k, lines after k (written before a crash, after the last checkpoint) are
-    dropped, so the file reads as one uninterrupted run.
+    The files hold one history whose steps never go back: on resume from step k the lines after k
+    (written before a crash, after the last checkpoint) are dropped; a fresh run (resume_step None)
+    starts them empty; a step lower than one already logged is refused.
     """
 
     def __init__(self, run_dir: str | os.PathLike, resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.gen_path = Path(run_dir) / "generations.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            for p in (self.path, self.gen_path):
-                if p.exists():
-                    keep = [
-                        ln
-                        for ln in p.read_text().splitlines()
-                        if ln and json.loads(ln)["step"] <= resume_step
-                    ]
-                    p.write_text("".join(ln + "\n" for ln in keep))
+        self.last_step = -1
+        for p in (self.path, self.gen_path):
+            keep = [] if resume_step is None or not p.exists() else _lines_up_to(p, resume_step)
+            if p.exists() or p == self.path:
+                p.write_text("".join(ln + "\n" for ln in keep))
+            if p == self.path and keep:
+                self.last_step = json.loads(keep[-1])["step"]
         self.f = open(self.path, "a")
 
     def log(self, metrics: dict, step: int) -> None:
+        if step < self.last_step:
+            raise TrackerError(
+                f"{self.path}: step {step} after step {self.last_step}; a second history is never appended"
+            )
+        self.last_step = step
         self.f.write(json.dumps({"step": step, **metrics}) + "\n")
         self.f.flush()
 
@@ -135,6 +139,10 @@ class JsonlBackend:
 
     def close(self) -> None:
         self.f.close()
+
+
+def _lines_up_to(path: Path, step: int) -> list[str]:
+    return [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
 
 
 class TensorBoardBackend:

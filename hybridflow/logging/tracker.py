@@ -86,13 +86,13 @@ def build_tracker(
     """A Tracker for a HybridFlowConfig: run dir, loggers, project/experiment names, config as params."""
     from hybridflow.config import config_to_dict
 
-    t = cfg.trainer
+    trainer_cfg = cfg.trainer
     return Tracker(
         cfg.run_dir,
-        t.loggers,
+        trainer_cfg.loggers,
         config=config_to_dict(cfg),
-        project_name=t.project_name,
-        experiment_name=t.experiment_name,
+        project_name=trainer_cfg.project_name,
+        experiment_name=trainer_cfg.experiment_name,
         total_steps=total_steps,
         resume_step=resume_step,
         stream=stream,

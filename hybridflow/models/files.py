@@ -14,8 +14,6 @@ import json
 import os
 import struct
 
-from hybridflow.errors import UserError
-
 # the JSON files transformers reads from a model or tokenizer directory
 JSON_FILES = (
     "config.json",
@@ -28,10 +26,6 @@ JSON_FILES = (
     "model.safetensors.index.json",
 )
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the header size
-
-
-class ModelFileError(UserError, ValueError):
-    """A file of a model or tokenizer directory that cannot be read."""
 
 
 def _short(error: Exception) -> str:

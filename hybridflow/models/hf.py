@@ -68,7 +68,7 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(_check_dir(path), trust_remote_code=trust_remote_code)
     except Exception as e:  # the files parse (models/files.py checked them) but do not make a tokenizer
-        from hybridflow.models.files import ModelFileError
+        from hybridflow.errors import ModelFileError
 
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise ModelFileError(f"{path}: its tokenizer files do not load ({why})") from e

@@ -3,7 +3,7 @@ whose safetensors fill them later, shard by shard (engines/sharded_init.py, docs
 
 `load_*(path, device="meta")` in hf.py uses this when every parameter of the model is stored under its
 own name in the directory's safetensors; otherwise (a critic built from a causal LM, renamed keys,
-.bin weights) it loads the full model as before, and the engine shards it after loading.
+.bin weights) it loads the full model into memory, and the engine shards it after loading.
 """
 
 from __future__ import annotations

@@ -11,15 +11,11 @@ from __future__ import annotations
 import os
 import re
 
-from hybridflow.errors import UserError
+from hybridflow.errors import ModelNotFound
 
 # org/name as the Hub spells repository ids
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MODEL_KEYS = ("path", "tokenizer_path", "critic_path", "reward_model_path", "cost_model_path")
-
-
-class ModelNotFound(UserError, ValueError):
-    """A model name that is neither a local directory nor in the local Hugging Face cache."""
 
 
 def resolve_model_path(path: str) -> str:

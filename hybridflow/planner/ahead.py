@@ -13,7 +13,7 @@ are sent to the rollout pool. In steady state one iteration takes
 
 against the synchronous schedule's generation + preparation + training on all devices. Generation
 needs no hybrid-engine switch here (the rollout pool keeps its own copy of the weights), and its pool
-holds only the generation weights and the KV cache; the training side no longer holds a KV cache.
+holds only the generation weights and the KV cache; the training side holds no KV cache.
 By default each rollout device holds and is sent only its generation shard, 1/(pg*tg) of the weights,
 as the built-in trainer's rollout pool does (rollout/pool_tp.py, workers/shard_sync.py);
 EngineLimits.rollout_full_weights (`hybridflow plan --rollout-full-weights`) prices ranks that hold and
@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from hybridflow.hybrid_engine.sync_budget import SEND_INFLIGHT_BYTES
 from hybridflow.planner import memory as mem
 from hybridflow.planner import simulate as sim
 from hybridflow.planner.ahead_both import best_both_split
@@ -67,8 +68,6 @@ def sender_wait_fraction(task: ModelTask, cluster: ClusterSpec) -> float:
     """The share of a sync actor rank 0 waits for: it issues the broadcasts and trains on while at most
     SEND_INFLIGHT_BYTES of its packed buckets are in flight (workers/weight_sync.py); the rest it waits
     for as they are sent."""
-    from hybridflow.workers.weight_sync import SEND_INFLIGHT_BYTES
-
     total = task.spec.num_params * cluster.device.bytes_per_param
     return max(0.0, 1.0 - SEND_INFLIGHT_BYTES / total) if total else 0.0
 
@@ -233,13 +232,13 @@ def best_split(
     best = None
     for n in range(1, num_devices):
         s = sync(n)
-        t = training(num_devices - n, math.inf if best is None else best[0] - sender_waits * s)
-        if t is None or not math.isfinite(t):
+        train_s = training(num_devices - n, math.inf if best is None else best[0] - sender_waits * s)
+        if train_s is None or not math.isfinite(train_s):
             break  # fewer devices for the training side, more sync: no later n can do better
         g = generation(n)
         if g is None or not math.isfinite(g):
             continue
-        cost = ahead_iteration_seconds(g, t, s, sender_waits)
+        cost = ahead_iteration_seconds(g, train_s, s, sender_waits)
         if best is None or cost < best[0]:
             best = (cost, n)
     return best
@@ -262,66 +261,20 @@ def search_ahead(
     The training side's placements and allocations are searched exactly as the synchronous schedule's
     (search.py), for every device count the rollout pool leaves; candidates are computed once.
     """
-    has_ref = "reference" in dataflow.roles
     if frozen_pool == "auto":
-        found = [
-            search_ahead(dataflow, cluster, wl, limits, rollout_devices, f) for f in ("rollout", "training")
-        ]
-        best = min((r for r in found if r is not None), key=lambda r: r.iteration_time, default=None)
-        split = search_ahead(dataflow, cluster, wl, limits, rollout_devices, "both") if has_ref else None
-        # "both" holds the reference twice: only for a strictly shorter iteration (a tie is f = 0 or 1)
-        if split is not None and (best is None or split.iteration_time < best.iteration_time * (1 - 1e-9)):
-            return split
-        return best
+        return _search_ahead_auto(dataflow, cluster, wl, limits, rollout_devices)
     both = frozen_pool == "both"
-    if both and not has_ref:
-        raise ValueError(
-            f"frozen_pool both splits the reference's rows, and {dataflow.algorithm}'s dataflow {dataflow.roles} "
-            "has no reference; use rollout, training or auto"
-        )
+    if both and "reference" not in dataflow.roles:
+        raise ValueError(_NO_REFERENCE.format(dataflow.algorithm, dataflow.roles))
     n_total = cluster.num_devices
-    if n_total < 2:
-        return None
     actor = next((m for m in dataflow.models if m.generates), None)
-    if actor is None:
+    if n_total < 2 or actor is None:
         return None
-    side = training_side(dataflow, frozen_pool)
     frozen = frozen_tasks(dataflow, frozen_pool)
-    reserved = frozen_bytes(frozen, cluster)
-    placements = list(set_partitions(side.roles))
-    if both:  # the training side's reference joins the actor's workers (trainers/placement.py)
-        placements = [pl for pl in placements if any({"actor", "reference"} <= set(s) for s in pl)]
-    cache: dict = {}
-    for placement in placements:
-        for roles in placement:
-            if roles not in cache:
-                tasks = tuple(side.model(r) for r in roles)
-                cache[roles] = pool_candidates(tasks, cluster, wl, n_total - 1, limits=limits)
-    # a placement's cost on n_total - 1 devices bounds it from below on fewer: try the cheap ones first
-    floor = {pl: best_allocation([cache[r] for r in pl], n_total - 1) for pl in placements}
-    ranked = sorted((f[0], i, pl) for i, (pl, f) in enumerate(floor.items()) if f is not None)
-    found_at: dict[int, tuple[float, tuple, tuple]] = {}
-
-    def train_best(m: int, limit: float = math.inf):
-        """The training side's best (seconds, placement, allocation index) on m devices below `limit`."""
-        found = None
-        for lower, _, placement in ranked:
-            if lower >= limit:
-                break
-            r = best_allocation([cache[roles] for roles in placement], m)
-            if r is not None and r[0] < limit:
-                limit, found = r[0], (r[0], placement, r[1])
-        if found is not None:
-            found_at[m] = found
-        return found
-
-    sizes = (
-        range(1, n_total) if not rollout_devices else [rollout_devices] if rollout_devices < n_total else []
+    side = _TrainingSide(training_side(dataflow, frozen_pool), cluster, wl, limits, both)
+    rollout_memo = _rollout_options(
+        actor, cluster, wl, limits, frozen_bytes(frozen, cluster), rollout_devices
     )
-    rollout_memo = {
-        n: rollout_option(actor, cluster, wl, n, limits, reserved) if n in sizes else None
-        for n in range(1, n_total)
-    }
     others = tuple(m for m in frozen if not both or m.role != "reference")  # scored whole on the rollout pool
     refs = tuple(m for m in frozen if m.role == "reference") if both else ()
 
@@ -332,57 +285,122 @@ def search_ahead(
         r = rollout_memo[n]
         return r.generation_seconds + scoring_seconds(others, cluster, wl, n) if r else None
 
-    def ref_training(found) -> float:
-        """The reference's forward in the training side's placement `found` (train_best's)."""
-        _, placement, idx = found
-        picked = (cache[roles].choices[i] for roles, i in zip(placement, idx))
-        return sum(sum(o.stage_times) for choice in picked for o in choice if o.role == "reference")
-
+    waits = sender_wait_fraction(actor, cluster)
     if both:
         split = best_both_split(
             lambda n: (
                 None if rollout_side(n) is None else (rollout_side(n), scoring_seconds(refs, cluster, wl, n))
             ),
-            lambda m: None if (r := train_best(m)) is None else (r[0], ref_training(r)),
+            lambda m: None if (r := side.best(m)) is None else (r[0], side.ref_seconds(r)),
             sync_of,
             n_total,
-            sender_wait_fraction(actor, cluster),
+            waits,
         )
     else:
         split = best_split(
-            rollout_side,
-            lambda m, limit: (train_best(m, limit) or (None,))[0],
-            sync_of,
-            n_total,
-            sender_wait_fraction(actor, cluster),
+            rollout_side, lambda m, limit: (side.best(m, limit) or (None,))[0], sync_of, n_total, waits
         )
     if split is None:
         return None
     n_rollout = split[1]
     f = split[2] if both else 0.0
+    option, found = rollout_memo[n_rollout], side.found_at[n_total - n_rollout]
+    layout = _sync_layout(option, limits)
     r_roll = scoring_seconds(refs, cluster, wl, n_rollout)
-    option = rollout_memo[n_rollout]
-    cost, placement, idx = found_at[n_total - n_rollout]
-    cands = [cache[roles] for roles in placement]
-    choices = tuple(c.choices[i] for c, i in zip(cands, idx))
-    stage = [max(c.costs[i][s] for c, i in zip(cands, idx)) for s in range(cands[0].costs.shape[1])]
-    alloc = tuple(int(c.ns[i]) for c, i in zip(cands, idx))
-    train = PlacementResult(placement, cost, alloc, choices, tuple(float(x) for x in stage))
-    sync = _sync_layout(option, limits)
     return AheadResult(
         option,
-        train,
-        weight_sync_seconds(actor, cluster, n_rollout, *sync),
-        weight_sync_bytes(actor, cluster, *sync),
+        side.placement_result(found),
+        weight_sync_seconds(actor, cluster, n_rollout, *layout),
+        weight_sync_bytes(actor, cluster, *layout),
         frozen_pool,
         tuple(m.role for m in frozen),
         scoring_seconds(others, cluster, wl, n_rollout) + f * r_roll,
-        sender_wait_fraction(actor, cluster),
+        waits,
         dataflow.old_log_probs,
         f,
         r_roll,
-        ref_training(found_at[n_total - n_rollout]) if both else 0.0,
+        side.ref_seconds(found) if both else 0.0,
     )
+
+
+_NO_REFERENCE = (
+    "frozen_pool both splits the reference's rows, and {}'s dataflow {} has no reference; use rollout, "
+    "training or auto"
+)
+
+
+def _rollout_options(actor, cluster, wl, limits, reserved: float, rollout_devices: int | None) -> dict:
+    """Rollout pool size n -> its RolloutOption (None: does not fit, or not the size the user fixed)."""
+    n_total = cluster.num_devices
+    sizes = (
+        range(1, n_total) if not rollout_devices else [rollout_devices] if rollout_devices < n_total else []
+    )
+    return {
+        n: rollout_option(actor, cluster, wl, n, limits, reserved) if n in sizes else None
+        for n in range(1, n_total)
+    }
+
+
+def _search_ahead_auto(dataflow, cluster, wl, limits, rollout_devices) -> AheadResult | None:
+    """frozen_pool "auto": the fastest of "rollout" and "training", and "both" where it is strictly faster."""
+    found = [search_ahead(dataflow, cluster, wl, limits, rollout_devices, f) for f in ("rollout", "training")]
+    best = min((r for r in found if r is not None), key=lambda r: r.iteration_time, default=None)
+    has_ref = "reference" in dataflow.roles
+    split = search_ahead(dataflow, cluster, wl, limits, rollout_devices, "both") if has_ref else None
+    # "both" holds the reference twice: only for a strictly shorter iteration (a tie is f = 0 or 1)
+    if split is not None and (best is None or split.iteration_time < best.iteration_time * (1 - 1e-9)):
+        return split
+    return best
+
+
+class _TrainingSide:
+    """The training side's search: every placement of its roles, each pool's candidates computed once (for
+    the most devices it can get, N - 1); `best(m)` the fastest placement and allocation on m devices."""
+
+    def __init__(
+        self, side: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, limits: EngineLimits, both: bool
+    ):
+        n_most = cluster.num_devices - 1
+        placements = list(set_partitions(side.roles))
+        if both:  # the training side's reference joins the actor's workers (trainers/placement.py)
+            placements = [pl for pl in placements if any({"actor", "reference"} <= set(s) for s in pl)]
+        self.cache: dict = {}
+        for placement in placements:
+            for roles in placement:
+                if roles not in self.cache:
+                    tasks = tuple(side.model(r) for r in roles)
+                    self.cache[roles] = pool_candidates(tasks, cluster, wl, n_most, limits=limits)
+        # a placement's cost on N - 1 devices bounds it from below on fewer: try the cheap ones first
+        floor = {pl: best_allocation([self.cache[r] for r in pl], n_most) for pl in placements}
+        self.ranked = sorted((f[0], i, pl) for i, (pl, f) in enumerate(floor.items()) if f is not None)
+        self.found_at: dict[int, tuple[float, tuple, tuple]] = {}
+
+    def best(self, m: int, limit: float = math.inf) -> tuple[float, tuple, tuple] | None:
+        """The best (seconds, placement, allocation index) on m devices below `limit`, kept in found_at."""
+        found = None
+        for lower, _, placement in self.ranked:
+            if lower >= limit:
+                break
+            r = best_allocation([self.cache[roles] for roles in placement], m)
+            if r is not None and r[0] < limit:
+                limit, found = r[0], (r[0], placement, r[1])
+        if found is not None:
+            self.found_at[m] = found
+        return found
+
+    def ref_seconds(self, found) -> float:
+        """The reference's forward in the placement `found` (best's)."""
+        _, placement, idx = found
+        picked = (self.cache[roles].choices[i] for roles, i in zip(placement, idx))
+        return sum(sum(o.stage_times) for choice in picked for o in choice if o.role == "reference")
+
+    def placement_result(self, found) -> PlacementResult:
+        cost, placement, idx = found
+        cands = [self.cache[roles] for roles in placement]
+        choices = tuple(c.choices[i] for c, i in zip(cands, idx))
+        stage = [max(c.costs[i][s] for c, i in zip(cands, idx)) for s in range(cands[0].costs.shape[1])]
+        alloc = tuple(int(c.ns[i]) for c, i in zip(cands, idx))
+        return PlacementResult(placement, cost, alloc, choices, tuple(float(x) for x in stage))
 
 
 def _sync_layout(option: RolloutOption | None, limits: EngineLimits) -> tuple[int, int]:

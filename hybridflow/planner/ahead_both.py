@@ -42,14 +42,14 @@ def best_both_split(
     side no longer fits (fewer devices do not help it)."""
     best = None
     for n in range(1, num_devices):
-        t = training(num_devices - n)
-        if t is None or not math.isfinite(t[0]):
+        side = training(num_devices - n)
+        if side is None or not math.isfinite(side[0]):
             break
         g = rollout(n)
         if g is None or not math.isfinite(g[0]):
             continue
         s = sync(n)
-        f, roll, train = split_reference(g[0] + s, t[0] - t[1] + sender_waits * s, g[1], t[1])
+        f, roll, train = split_reference(g[0] + s, side[0] - side[1] + sender_waits * s, g[1], side[1])
         cost = max(roll, train)
         if best is None or cost < best[0]:
             best = (cost, n, f)
@@ -63,22 +63,22 @@ def explain_frozen_pools(planned: str, dataflow, cluster, wl, limits, console) -
 
     from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
 
-    t = Table(title="one step ahead: where the frozen models run (--frozen-pool)", title_justify="left")
+    table = Table(title="one step ahead: where the frozen models run (--frozen-pool)", title_justify="left")
     for col in ("frozen pool", "rollout devices", "rollout side s", "training side s", "ref rows on rollout",
                 "iteration s"):  # fmt: skip
-        t.add_column(col, justify="left" if col == "frozen pool" else "right")
+        table.add_column(col, justify="left" if col == "frozen pool" else "right")
     for place in FROZEN_POOLS:
         try:
             r = search_ahead(dataflow, cluster, wl, limits, None, place)
         except ValueError:  # "both" without a reference
             r = None
         if r is None:
-            t.add_row(place, "-", "-", "-", "-", "no plan")
+            table.add_row(place, "-", "-", "-", "-", "no plan")
             continue
         mark = " <- plan" if place == planned else ""
-        t.add_row(
+        table.add_row(
             place + mark, str(r.rollout.n_devices), f"{r.rollout_side_seconds + r.sync_seconds:.3f}",
             f"{r.training_side_seconds + r.sender_waits * r.sync_seconds:.3f}",
             f"{r.ref_rows_on_rollout:.0%}" if place == "both" else "-", f"{r.iteration_time:.3f}",
         )  # fmt: skip
-    console.print(t)
+    console.print(table)

@@ -134,7 +134,7 @@ def run(args) -> int:
     start = time.perf_counter()
     result = calibrate(args.size, args.device, args.batch, args.prompt_len, args.response_len, args.repeats)
     console = Console(width=120)
-    t = Table(
+    table = Table(
         title=(
             f"{result['model']} ({result['params']:,} params), batch {args.batch} x "
             f"({args.prompt_len} + {args.response_len}) tokens, {args.threads} thread(s), "
@@ -143,17 +143,17 @@ def run(args) -> int:
         title_justify="left",
     )
     for col in ("stage", "work", "predicted s", "measured s", "measured / predicted"):
-        t.add_column(col, justify="left" if col in ("stage", "work") else "right")
+        table.add_column(col, justify="left" if col in ("stage", "work") else "right")
     work = {
         "training": "forward + backward + AdamW step",
         "inference": "forward, no grad (log-probs)",
         "generation": f"HF generate, {args.response_len} new tokens, KV cache",
     }
     for stage, r in result["stages"].items():
-        t.add_row(
+        table.add_row(
             stage, work[stage], f"{r['predicted_s']:.4f}", f"{r['measured_s']:.4f}", f"{r['ratio']:.2f}x"
         )
-    console.print(t)
+    console.print(table)
     console.print(f"calibration took {time.perf_counter() - start:.1f} s")
     if args.output:
         with open(args.output, "w") as f:

@@ -182,40 +182,42 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
     )
     if plan.limits != EngineLimits():
         console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
-    t = Table(title="models", title_justify="left")
+    table = Table(title="models", title_justify="left")
     for col in ("role", "pool", "devices", "train (p,t,d)", "gen (pg,tg)", "ckpt", "offload"):
-        t.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold")
     for s in STAGES:
-        t.add_column(f"{s} s", justify="right")
-    t.add_column("switch s", justify="right")
-    t.add_column("GiB/device", justify="right")
+        table.add_column(f"{s} s", justify="right")
+    table.add_column("switch s", justify="right")
+    table.add_column("GiB/device", justify="right")
     for m in plan.models:
         gen = f"({m.pg},{m.tg})" if m.stage_seconds["generation"] > 0 else "-"
         gen += f" x{m.waves} waves" if m.waves > 1 else ""
-        t.add_row(
+        table.add_row(
             m.role, m.pool, str(m.n_devices), f"({m.p},{m.t},{m.d})", gen,
             "yes" if m.checkpoint else "no", "yes" if m.offload else "no",
             *(f"{m.stage_seconds[s]:.2f}" for s in STAGES),
             f"{m.switch_seconds:.2f}", f"{m.persistent_gib:.1f}+{m.transient_gib:.1f}",
         )  # fmt: skip
-    console.print(t)
-    t = Table(title="stages (pools run in parallel; models inside a pool take turns)", title_justify="left")
-    t.add_column("pool")
-    t.add_column("devices", justify="right")
+    console.print(table)
+    table = Table(
+        title="stages (pools run in parallel; models inside a pool take turns)", title_justify="left"
+    )
+    table.add_column("pool")
+    table.add_column("devices", justify="right")
     for s in STAGES:
-        t.add_column(f"{s} s", justify="right")
-    t.add_column("peak GiB/device", justify="right")
+        table.add_column(f"{s} s", justify="right")
+    table.add_column("peak GiB/device", justify="right")
     for p in plan.pools:
-        t.add_row(
+        table.add_row(
             p.name, str(p.n_devices), *(f"{p.stage_seconds[s]:.2f}" for s in STAGES), f"{p.peak_gib:.1f}"
         )
     if plan.rollout_ahead:
         r = plan.ahead
         gen, scoring = f"{r.generation_seconds:.2f}", f"{r.scoring_seconds:.2f}" if r.frozen else "-"
         pool = f"rollout (pg={r.pg}, tg={r.tg})" + (f" + {'+'.join(r.frozen)}" if r.frozen else "")
-        t.add_row(pool, str(r.n_devices), gen, scoring, "-", f"{r.weight_gib + r.kv_gib:.1f}")
-    t.add_row("[bold]iteration[/]", "", *(f"[bold]{plan.stage_seconds[s]:.2f}[/]" for s in STAGES), "")
-    console.print(t)
+        table.add_row(pool, str(r.n_devices), gen, scoring, "-", f"{r.weight_gib + r.kv_gib:.1f}")
+    table.add_row("[bold]iteration[/]", "", *(f"[bold]{plan.stage_seconds[s]:.2f}[/]" for s in STAGES), "")
+    console.print(table)
     if plan.rollout_ahead:
         r = plan.ahead
         scored = f" + {'+'.join(r.frozen)} {r.scoring_seconds:.2f} s" if r.frozen else ""
@@ -228,19 +230,19 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
             f"({r.sync_bytes / 2**30:.2f} GiB per rollout device; the training side waits for "
             f"{r.sender_waits:.0%} of it) = {r.iteration_seconds:.2f} s"
         )
-    t = Table(title=f"best {top} placements (each with its best allocation)", title_justify="left")
+    table = Table(title=f"best {top} placements (each with its best allocation)", title_justify="left")
     for col in ("rank", "strategy", "pools:devices", "iteration s", "vs best"):
-        t.add_column(col, justify="right" if col in ("rank", "iteration s", "vs best") else "left")
+        table.add_column(col, justify="right" if col in ("rank", "iteration s", "vs best") else "left")
     for i, a in enumerate(plan.alternatives[:top]):
         ratio = a.iteration_seconds / plan.iteration_seconds
-        t.add_row(
+        table.add_row(
             str(i + 1),
             a.strategy,
             _fmt_placement(a.placement, a.allocation),
             f"{a.iteration_seconds:.1f}",
             f"{ratio:.3f}x",
         )
-    console.print(t)
+    console.print(table)
 
 
 def old_log_probs_line(plan: Plan) -> str:
@@ -272,22 +274,22 @@ def explain(plan: Plan, console) -> None:
     fixed: dict = {}  # best result per strategy: alternatives are ranked, the first seen is the best
     for a in plan.alternatives:
         fixed.setdefault(a.strategy, a)
-    t = Table(
+    table = Table(
         title=f"why this {'placement' if plan.rollout_ahead else 'plan'}: the fixed strategies, each with its best allocation",
         title_justify="left",
     )
     for col in ("strategy", "pools:devices", *(f"{s} s" for s in STAGES), "iteration s", f"vs {head}"):
-        t.add_column(col, justify="left" if col in ("strategy", "pools:devices") else "right")
+        table.add_column(col, justify="left" if col in ("strategy", "pools:devices") else "right")
     rows = [(f"{head}: " + best.strategy, best)]
     rows += [
         (k, fixed[k]) for k in ("colocate", "split", "standalone") if k in fixed and fixed[k] is not best
     ]
     for name, a in rows:
-        t.add_row(
+        table.add_row(
             name, _fmt_placement(a.placement, a.allocation), *(f"{a.stage_seconds[s]:.2f}" for s in STAGES),
             f"{a.iteration_seconds:.1f}", f"{a.iteration_seconds / best.iteration_seconds:.3f}x",
         )  # fmt: skip
-    console.print(t)
+    console.print(table)
     for k in ("colocate", "split", "standalone"):
         if k not in fixed:
             console.print(f"- {k}: does not fit on this cluster")
@@ -316,7 +318,9 @@ def explain_schedules(plan: Plan, console) -> None:
     from rich.table import Table
 
     sync, ahead = plan.synchronous_seconds or None, plan.ahead
-    t = Table(title="schedules: synchronous vs one step ahead (trainer.rollout_ahead)", title_justify="left")
+    table = Table(
+        title="schedules: synchronous vs one step ahead (trainer.rollout_ahead)", title_justify="left"
+    )
     for col in (
         "schedule",
         "pools:devices",
@@ -326,11 +330,11 @@ def explain_schedules(plan: Plan, console) -> None:
         "iteration s",
         "vs plan",
     ):
-        t.add_column(col, justify="left" if col in ("schedule", "pools:devices") else "right")
+        table.add_column(col, justify="left" if col in ("schedule", "pools:devices") else "right")
     if sync:
         best = plan.alternatives[0]
         g = best.stage_seconds["generation"]
-        t.add_row(
+        table.add_row(
             "synchronous (rollout_ahead=0)" + (" <- plan" if not plan.rollout_ahead else ""),
             _fmt_placement(best.placement, best.allocation), f"{g:.2f}", f"{sync - g:.2f}", "-",
             f"{sync:.2f}", f"{sync / plan.iteration_seconds:.3f}x",
@@ -339,12 +343,12 @@ def explain_schedules(plan: Plan, console) -> None:
         frozen = "+".join(["rollout", *ahead.frozen])
         pools = _fmt_placement(ahead.placement, ahead.allocation) + f" | {frozen}:{ahead.n_devices}"
         gen = f"{ahead.generation_seconds:.2f}" + (f"+{ahead.scoring_seconds:.2f}" if ahead.frozen else "")
-        t.add_row(
+        table.add_row(
             "one step ahead (rollout_ahead=1)" + (" <- plan" if plan.rollout_ahead else ""), pools,
             gen, f"{ahead.training_side_seconds:.2f}", f"{ahead.sync_seconds:.3f}",
             f"{ahead.iteration_seconds:.2f}", f"{ahead.iteration_seconds / plan.iteration_seconds:.3f}x",
         )  # fmt: skip
-    console.print(t)
+    console.print(table)
     if not ahead:
         console.print(
             "- one step ahead: no plan (--schedule sync, or a rollout pool of its own needs >= 2 devices "

@@ -12,7 +12,7 @@ stages one after another) or one step ahead (`rollout_ahead: 1`, ahead.py: gener
 `rollout`, overlapping the other models' work). Either way it records the best plan of the other
 schedule (`synchronous_seconds`, `ahead`) so `hybridflow plan --explain` can set them side by side,
 and for each schedule whether it priced the actor's old-log-prob forward (`old_log_probs`: "actor" or
-"free", dataflow.py; plans written before the choice load as "actor", which they priced).
+"free", dataflow.py; a plan file without the field loads as "actor", the forward such plans priced).
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ class RolloutPlan:
     allocation: list[int]
     weight_gib: float  # per rollout device
     kv_gib: float
-    # where the frozen models (reference, reward, cost) run; "training" in plans written before the choice
+    # where the frozen models (reference, reward, cost) run; "training" for a plan file without the field
     frozen_pool: str = "training"
     frozen: list[str] = field(default_factory=list)  # those on the rollout pool ("rollout", "both")
     scoring_seconds: float = 0.0  # their forwards on the rollout pool, after generation ("both": its share)
     # frozen_pool "both" (ahead_both.py): the share of the rows the rollout pool's reference scores, and the
-    # reference's forward over the whole batch on each side (0 in plans written before "both")
+    # reference's forward over the whole batch on each side (0 for a plan file without the field)
     ref_rows_on_rollout: float = 0.0
     ref_rollout_seconds: float = 0.0
     ref_training_seconds: float = 0.0
@@ -117,7 +117,7 @@ class Plan:
     iteration_seconds: float
     throughput_tokens_per_s: float  # (prompt + response tokens of the batch) / iteration time
     alternatives: list[Alternative] = field(default_factory=list)  # ranked, the winner first
-    # EngineLimits fields the search ran under; {} (plans written before limits existed) = none
+    # EngineLimits fields the search ran under; {} (also a plan file without the field) = none
     engine_limits: dict = field(default_factory=dict)
     rollout_ahead: int = 0  # the schedule this plan runs: 0 synchronous, 1 one step ahead (`ahead`)
     ahead: RolloutPlan | None = None  # the best one-step-ahead plan (None: not searched or no fit)

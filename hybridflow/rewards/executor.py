@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybridflow.config.schema import RewardConfig  # the config tree's `reward` section, read as is
-from hybridflow.errors import RunStopped
+from hybridflow.errors import RewardFailureError, RewardFunctionError
 from hybridflow.rewards.pool import RewardError, WorkerPool
 from hybridflow.rewards.registry import (
     Item,
@@ -68,25 +68,6 @@ def _describe(errors: list[RewardError], n: int) -> str:
         f"the reward function failed on {len(errors)} of {n} samples ({timeouts} timeouts); first: sample "
         f"{first.sample_id} ({first.kind}): {_last_line(first.message)}"
     )
-
-
-class RewardFunctionError(RunStopped, RuntimeError):
-    """Raised with on_error='raise'; `.errors` lists every failed sample."""
-
-    def __init__(self, errors: list[RewardError], n: int | None = None):
-        self.errors = errors
-        super().__init__(_describe(errors, n or len(errors)) + " (reward.on_error=raise)")
-
-
-class RewardFailureError(RunStopped):
-    """More than reward.max_error_fraction of a batch failed; `.errors` lists every failed sample."""
-
-    def __init__(self, errors: list[RewardError], n: int, limit: float):
-        self.errors = errors
-        super().__init__(
-            f"{_describe(errors, n)}: more than reward.max_error_fraction={limit:g}; fix the reward function "
-            "(the log shows the first tracebacks) or raise reward.max_error_fraction"
-        )
 
 
 @dataclass
@@ -205,9 +186,14 @@ class RewardExecutor:
         errors.sort(key=lambda e: e.index)
         self._report(errors, n)
         if errors and self.fallback is None:
-            raise RewardFunctionError(errors, n)
+            raise RewardFunctionError(_describe(errors, n) + " (reward.on_error=raise)", errors)
         if len(errors) > self.cfg.max_error_fraction * n:
-            raise RewardFailureError(errors, n, self.cfg.max_error_fraction)
+            limit = self.cfg.max_error_fraction
+            raise RewardFailureError(
+                f"{_describe(errors, n)}: more than reward.max_error_fraction={limit:g}; fix the reward "
+                "function (the log shows the first tracebacks) or raise reward.max_error_fraction",
+                errors,
+            )
         scores = np.full(n, np.nan if self.fallback is None else self.fallback, dtype=np.float32)
         for i, s in scores_by_idx.items():
             scores[i] = s

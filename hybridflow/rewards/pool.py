@@ -37,7 +37,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
-from hybridflow.rewards.registry import Item, RewardSpecError
+from hybridflow.errors import RewardSpecError
+from hybridflow.rewards.registry import Item
 
 BACKSTOP_S = 10.0  # beyond the worker's own timing: how long a worker may stay silent before it is killed
 

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.errors import UserError
+from hybridflow.errors import RewardSpecError
 from hybridflow.rewards import arithmetic, gsm8k, math_answer
 from hybridflow.rewards.formats import format_reward
 
@@ -44,10 +44,6 @@ __all__ = [
 ]
 
 RewardFn = Callable[..., Any]
-
-
-class RewardSpecError(UserError, ValueError):
-    """reward.fn (or a cost_fn) names no usable function: a bad spec, a missing file, an import that fails."""
 
 
 # (index, data_source, solution_str, ground_truth, extra_info): one sample as the executor passes it.

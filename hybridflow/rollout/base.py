@@ -13,8 +13,8 @@ Output batch (B * n rows, samples of one prompt adjacent: a, a, b, b):
   position_ids (B*n, Lp + Lr)  cumsum of the prompt mask - 1, then +1 per response slot (verl)
   response_mask (B*n, Lr)      1 up to and including the stop token, 0 after
   rollout_log_probs (B*n, Lr)  float32 log-prob of each sampled token (see sampling.py), 0 on padding
-plus every other input field repeated n times, and meta["temperature"] = the log-prob temperature;
-an engine may add meta[ROLLOUT_METRICS], {name: float} that the trainer logs with the step's metrics.
+plus every other input field repeated n times, and meta.temperature = the log-prob temperature;
+an engine may add meta.rollout_metrics, {name: float} that the trainer logs with the step's metrics.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.params import SamplingParams
 
 PROMPT_FIELDS = ("input_ids", "attention_mask", "position_ids")
-ROLLOUT_METRICS = "rollout_metrics"
-"""Output meta key: the engine's own figures for the call (e.g. `rollout/cpu_streams`), logged per step."""
 
 
 class GenerationEngine(ABC):
@@ -98,7 +96,7 @@ def build_rollout_batch(
     rest = Batch(
         {k: v for k, v in batch.tensors.items() if k not in PROMPT_FIELDS},
         dict(batch.non_tensors),
-        dict(batch.meta),
+        batch.meta,
     ).repeat(n, interleave=True)
     tensors = dict(rest.tensors)
     tensors.update(
@@ -110,9 +108,8 @@ def build_rollout_batch(
         response_mask=response_mask,
         rollout_log_probs=rollout_log_probs,
     )
-    meta = dict(rest.meta)
-    meta["temperature"] = params.logprob_temperature
-    return Batch(tensors, rest.non_tensors, meta)
+    rest.meta.temperature = params.logprob_temperature
+    return Batch(tensors, rest.non_tensors, rest.meta)
 
 
 def load_named_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.rollout.cpu.mkl_packed import MklPacked
 from hybridflow.rollout.decoder_ops import _functional_act
-from hybridflow.rollout.mkl_packed import MklPacked
 
 
 def _norm_eps(mod) -> float:
@@ -67,7 +67,7 @@ def pack_layer(weights: Mapping[str, torch.Tensor], layer, prefix: str, pack: bo
     HF module, read only for the norms' eps and the activation.
 
     pack=True copies: q/k/v and gate/up concatenated (one matmul each instead of three and two); each
-    matrix then stored either in MKL's packed GEMM format (mkl=True; see mkl_packed.py) or transposed and
+    matrix then stored either in MKL's packed GEMM format (mkl=True; see cpu/mkl_packed.py) or transposed and
     contiguous, the (in, out) layout that single-threaded MKL multiplies ~1.3-1.6x faster than the
     (out, in) one at decode shapes. Costs one extra copy of the decoder layers' weights while a
     `generate` call runs. pack=False: transposed views of the given tensors."""

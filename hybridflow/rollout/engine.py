@@ -9,12 +9,6 @@ a group); other architectures fall back to the HF forward on the model's own who
 (`hf_decoder.py`), run on a hook-free replica bound to them for the call, so no FSDP hook runs while
 decoding.
 
-On CPU with >= 2 threads the rows can run as parallel streams of one intra-op thread each, meeting once
-per step (row_streams.py; `cpu_streams`, off by default): bit-identical to one thread, and no per-op
-barrier that stalls when the cores are shared, but slower than 2 OpenMP threads where measured
-(docs/bench/generation.md, "Row streams"). Each CPU call's output carries
-`rollout/cpu_streams` in meta[ROLLOUT_METRICS]: the most streams a prefill or decode step ran as (1: none).
-
 Finished rows stop costing compute: when the finished rows still in the decode batch exceed
 `compact_fraction` of it, they are dropped. Compaction fills each hole left by a finished row with a
 live row from the end of the batch, so it copies one cache row per finished row (not the whole cache)
@@ -30,7 +24,6 @@ import torch
 
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.base import (
-    ROLLOUT_METRICS,
     GenerationEngine,
     build_rollout_batch,
     check_prompt_batch,
@@ -39,7 +32,6 @@ from hybridflow.rollout.base import (
 from hybridflow.rollout.hf_decoder import HFDecoder, PlainReplica
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
 from hybridflow.rollout.params import SamplingParams
-from hybridflow.rollout.row_streams import RowStreams
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.rollout.tp_group import TPGroup
 
@@ -57,31 +49,22 @@ class BuiltinEngineConfig:
     pack_weights: bool = True
     """Functional backend: run on a packed copy of the decoder layers' weights and lm_head (fused
     q/k/v and gate/up, in MKL's packed GEMM format on fp32 CPU, else stored transposed; see
-    decoder_weights.pack_layer), rebuilt at every `generate` call and freed at its end. Costs one extra
-    copy of those weights (4 bytes/param in fp32: ~100 MB for the 25M model) during generation, for
-    ~1.2-1.6x faster decode matmuls on CPU. False: views of the model's weights, no copy."""
+    decoder_weights.pack_layer), rebuilt at every `generate` call and freed at its end: one extra copy
+    of those weights while generating, for faster decode matmuls (docs/bench/generation.md, "Settings
+    of the built-in engine"). False: views of the model's weights, no copy."""
     pad_token_id: int | None = None
     """Pad id for responses; None: the model config's pad_token_id, else its eos, else 0."""
     cpu_threads: int = 0
     """Torch intra-op threads while generating on CPU; 0 = auto: 1 thread for models under
     SMALL_MODEL_PARAMS parameters (their decode matmuls are too small to split: the threads' wake-ups
-    cost more than they save), else the process's setting. Measured at 32 rows x 128 tokens on 2 cores:
-    0.8M params 0.33 s (1 thread) vs 0.60 s (2); 3.2M 0.72 vs 0.79 s; 10.7M 1.90 vs 1.72 s; 25M 4.1 vs 3.3 s."""
-    cpu_streams: int = 1
-    """CPU decode with >= 2 threads: decode the rows as this many parallel streams (row_streams.py), each
-    on its own thread with max(1, threads // streams) intra-op threads, meeting once per step; 1 = off
-    (every op split over the threads), the default: on the 25M model at 2 threads the streams ran at
-    0.7-0.8x the speed of 2 OpenMP threads on the shared machine and 0.8-1.1x in its lightest load,
-    using more CPU time (OMP_WAIT_POLICY=PASSIVE, as the workers run; docs/bench/generation.md,
-    "Row streams: the default"). 0 = auto: one stream per generation thread for
-    models from SMALL_MODEL_PARAMS parameters, off below (their steps are Python-bound, and the threads
-    share the GIL). Outputs are bit-identical to 1 thread with streams (each stream keeps >= 4 rows)."""
+    cost more than they save; docs/bench/generation.md, "Settings of the built-in engine"), else the
+    process's setting."""
     dtype: torch.dtype | None = None
     """The dtype generation computes in; None = the weights' own. Given (the actor's compute dtype:
     model.dtype bfloat16, or "auto" on GPU; workers/common.model_compute_dtype), the functional decoder
     runs on a copy of the weights cast to it at each call (none when they are stored in it: a rollout
-    pool's) with its KV cache in it, and the HF fallback runs under autocast. bf16 decode took 1.5 s
-    against 3.7 s in fp32 for 32 rows x 128 tokens of the 25M model on one CPU core (bf16 GEMMs)."""
+    pool's) with its KV cache in it, and the HF fallback runs under autocast (docs/rollout.md, "Compute
+    dtype", says when bf16 pays on CPU)."""
     max_num_seqs: int = 0
     """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
@@ -105,7 +88,6 @@ class BuiltinEngine(GenerationEngine):
         self.shard: Mapping[str, torch.Tensor] | None = None
         self._num_params: int | None = None
         self.tp: TPGroup | None = None
-        self._streams: RowStreams | None = None
         self._replica: PlainReplica | None = None  # the HF fallback's module tree, built at its first call
 
     def set_shard(self, weights: Mapping[str, torch.Tensor] | None, tp: TPGroup | None = None) -> None:
@@ -114,7 +96,7 @@ class BuiltinEngine(GenerationEngine):
         (hybrid_engine/resharder.py) around each generate call."""
         self.shard, self.tp = weights, tp
 
-    def _decoder(self, max_len: int, threads: int = 1):
+    def _decoder(self, max_len: int):
         backend = self.config.backend
         reason = unsupported_reason(self.model, max_len)
         if self.shard is not None and reason is not None:
@@ -131,27 +113,8 @@ class BuiltinEngine(GenerationEngine):
             replica = self._replica.bind(self.model)
             return HFDecoder(replica, self.config.dtype, release=self._replica.release)
         return LlamaFamilyDecoder(
-            self.model,
-            self.config.pack_weights,
-            self.shard,
-            self.tp,
-            self._row_streams(threads),
-            self.config.dtype,
+            self.model, self.config.pack_weights, self.shard, self.tp, dtype=self.config.dtype
         )
-
-    def _row_streams(self, threads: int) -> RowStreams | None:
-        """The row streams for a call on `threads` threads (kept across calls: their threads), or None."""
-        n = self.config.cpu_streams
-        if n == 0:
-            n = threads if self._count_params() >= SMALL_MODEL_PARAMS else 1
-        if n < 2 or self.tp is not None or next(self.model.parameters()).device.type != "cpu":
-            return None
-        per = max(1, threads // n)
-        if self._streams is None or (self._streams.n, self._streams.threads) != (n, per):
-            if self._streams is not None:
-                self._streams.close()
-            self._streams = RowStreams(n, per)
-        return self._streams
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self.model, weights)
@@ -159,14 +122,10 @@ class BuiltinEngine(GenerationEngine):
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         ids, _ = check_prompt_batch(batch)
         threads = torch.get_num_threads()
-        gen_threads = self._threads(threads)
         # One decoder (and one weight packing) for all chunks of this call.
-        decoder = self._decoder(ids.shape[1] + params.max_new_tokens, gen_threads)
-        streams = getattr(decoder, "streams", None)
-        if streams is not None:
-            streams.widest = 0
+        decoder = self._decoder(ids.shape[1] + params.max_new_tokens)
         try:
-            torch.set_num_threads(gen_threads)
+            torch.set_num_threads(self._threads(threads))
             # no_grad, not inference_mode: inference tensors in the output would break the trainer's
             # backward (embedding saves its indices). Neither decoder has dropout on: the functional one
             # has none, the HF fallback's replica is in eval mode.
@@ -174,14 +133,8 @@ class BuiltinEngine(GenerationEngine):
                 limit = self.config.max_num_seqs
                 if limit and len(batch) * params.n > limit:
                     chunks = batch.split(max(1, limit // params.n))
-                    out = Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
-                else:
-                    out = self._generate_batch(batch, params, decoder)
-            if next(self.model.parameters()).device.type == "cpu":
-                # observable proof that the streams ran (a batch under 2 x 4 rows never splits)
-                widest = streams.widest if streams is not None else 0
-                out.meta[ROLLOUT_METRICS] = {"rollout/cpu_streams": float(max(1, widest))}
-            return out
+                    return Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
+                return self._generate_batch(batch, params, decoder)
         finally:
             decoder.release()
             torch.set_num_threads(threads)
@@ -226,15 +179,8 @@ class BuiltinEngine(GenerationEngine):
         next_pos = (pos[:, -1] + 1).repeat_interleave(n)  # (B*n,)
 
         decoder.start(total, lp + lr, int(next_pos.max()) + lr)
-        streams = getattr(decoder, "streams", None)
-        threads = torch.get_num_threads()
-        if streams is not None:  # the threads run parts of the rows, not parts of each op
-            torch.set_num_threads(streams.threads)
-        try:
-            logits = decoder.prefill(ids, mask, pos, repeat=n).repeat_interleave(n, 0)
-            return self._decode_loop(decoder, logits, next_pos, stop, gen, params)
-        finally:
-            torch.set_num_threads(threads)
+        logits = decoder.prefill(ids, mask, pos, repeat=n).repeat_interleave(n, 0)
+        return self._decode_loop(decoder, logits, next_pos, stop, gen, params)
 
     def _decode_loop(self, decoder, logits, next_pos, stop, gen, params: SamplingParams):
         total, lr, device = logits.shape[0], params.max_new_tokens, logits.device

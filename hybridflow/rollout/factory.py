@@ -24,8 +24,9 @@ _VLLM = None  # this process's vLLM engine, once built
 def build_generation_engine(
     config, model: torch.nn.Module, world_size: int = 1, own_weights: bool = False, dtype=None
 ) -> GenerationEngine:
-    """config: the whole HybridFlowConfig; model: the HF causal LM to generate with (the actor's own,
-    whose parameters are full tensors while generating); world_size: ranks of the rollout group;
+    """config: the actor worker's config (config/roles.ActorWorkerConfig); model: the HF causal LM to
+    generate with (the actor's own, whose parameters are full tensors while generating); world_size: ranks
+    of the rollout group;
     own_weights: a rollout pool's engine, whose weights change only by load_weights (vLLM then keeps
     its own copy: rollout/vllm_engine.py; the built-in engine reads `model` either way); dtype: the
     compute dtype to generate in (the actor's: workers/common.model_compute_dtype; None = the model's)."""
@@ -33,9 +34,7 @@ def build_generation_engine(
     if r.engine == "builtin":
         from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
 
-        return BuiltinEngine(
-            model, BuiltinEngineConfig(cpu_threads=r.cpu_threads, cpu_streams=r.cpu_streams, dtype=dtype)
-        )
+        return BuiltinEngine(model, BuiltinEngineConfig(cpu_threads=r.cpu_threads, dtype=dtype))
     if r.engine == "vllm":
         from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -48,11 +47,11 @@ def build_generation_engine(
         _VLLM = VLLMEngine(
             model,
             VLLMEngineConfig(
-                max_model_len=config.data.max_prompt_length + r.response_length,
+                max_model_len=config.max_prompt_length + r.response_length,
                 max_num_seqs=max_sequences_per_call(config, max(1, world_size // r.tg)),  # per replica
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tg,
-                seed=config.trainer.seed,
+                seed=config.seed,
                 cpu_threads=r.cpu_threads,
                 own_weights=own_weights,
                 dtype=dtype,
@@ -64,11 +63,9 @@ def build_generation_engine(
 
 def max_sequences_per_call(config, world_size: int) -> int:
     """Most sequences one rank's generate call holds: its prompts per call times the larger n
-    (training or validation sampling)."""
-    r, d = config.rollout, config.data
-    prompts = r.micro_batch_size_per_device or -(
-        -max(d.train_batch_size, d.val_batch_size or 0) // world_size
-    )
+    (training or validation sampling). config: as for build_generation_engine."""
+    r = config.rollout
+    prompts = r.micro_batch_size_per_device or -(-config.prompts_per_step // world_size)
     return max(1, prompts) * max(r.n, r.val.n)
 
 
@@ -77,7 +74,7 @@ def require_rollout_engine(cfg) -> None:
     run starts, not in validate_config: `hybridflow config show` must work on any machine."""
     import importlib.util
 
-    from hybridflow.config.loader import ConfigError
+    from hybridflow.errors import ConfigError
 
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
@@ -88,13 +85,6 @@ def require_rollout_engine(cfg) -> None:
 def rollout_engine_errors(cfg) -> list[str]:
     """One line per rollout setting the chosen engine would not use (see docs/rollout.md)."""
     r, errors = cfg.rollout, []
-    if r.cpu_streams < 0:
-        errors.append(f"rollout.cpu_streams: must be >= 0 (0 = auto, 1 = off), got {r.cpu_streams}")
-    elif r.engine == "vllm" and r.cpu_streams != 1:
-        errors.append(
-            f"rollout.cpu_streams: {r.cpu_streams} is a builtin-engine setting; vLLM schedules its own "
-            "batch (remove it, or set rollout.engine=builtin)"
-        )
     if r.engine == "builtin" and r.gpu_memory_utilization:
         errors.append(
             f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} is a vLLM setting; the builtin engine "

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from hybridflow.rollout.cpu.mkl_packed import MklPacked, mkl_pack_works
 from hybridflow.rollout.decoder_ops import _rms_norm, _rope, _scalar, signed_sin
 from hybridflow.rollout.decoder_weights import (
     RAW_WEIGHTS_FROM_ROWS,
@@ -46,8 +47,6 @@ from hybridflow.rollout.decoder_weights import (
     model_weights,
     pack_layer,
 )
-from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
-from hybridflow.rollout.row_streams import RowStreams
 from hybridflow.rollout.tp_group import TPGroup
 
 FAMILY = ("llama", "qwen2", "mistral")
@@ -127,16 +126,12 @@ class LlamaFamilyDecoder:
         pack_weights: bool = True,
         weights: Mapping[str, torch.Tensor] | None = None,
         tp: TPGroup | None = None,
-        streams: RowStreams | None = None,
         dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.dtype = dtype  # compute dtype; None = the weights' own (see load)
         self.pack_weights = pack_weights
         self.weights, self.tp = weights, tp
-        # Row streams run each part's layers on its own thread: not under TP (its collectives would
-        # interleave between threads).
-        self.streams = streams if tp is None else None
         cfg = model.config
         tg = tp.size if tp is not None else 1
         if cfg.num_attention_heads % tg or cfg.num_key_value_heads % tg:
@@ -190,10 +185,10 @@ class LlamaFamilyDecoder:
         # 16-bit on CPU: torch's bf16/fp16 bmm copies a strided operand whole, so decode attention runs over
         # the full cache rows (contiguous) once that is cheaper (see _attend_full); the slots not written yet
         # must then hold finite numbers (masked, but 0 * NaN would not be 0)
-        self.full_attention = dtype != torch.float32 and device.type == "cpu"
+        self.full_attention = _full_rows(dtype, device)
         self.kv = (torch.zeros if self.full_attention else torch.empty)(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
-        self._rows_views: dict[tuple[int, int], list] = {}  # (lo, hi) -> per layer (k, v) of those rows
+        self._rows_views: dict[int, list] = {}  # rows -> per layer (k, v) views of the first `rows` rows
         # Additive attention bias: 0 on real keys, -inf on prompt padding (decode's attention is a
         # plain matmul/softmax, ~1.4x cheaper than SDPA's CPU kernel for one query per row).
         # (-inf past what is written: the full-row attention reads those slots; decode opens each slot)
@@ -272,29 +267,14 @@ class LlamaFamilyDecoder:
 
         Only attention sees the padded (B, Lp) layout: norms, projections and the MLP run on the N real
         tokens packed as (N, hidden), so prompt padding costs no matmul work; the last layer runs past
-        its k/v projection for the last token of each row only. With row streams the prompts are
-        prefilled in parts on parallel threads (on the weights the whole batch would use)."""
+        its k/v projection for the last token of each row only."""
         b, s = ids.shape
-        layers = self._weights_for(int(mask.sum()))
-        parts = self.streams.parts(b) if self.streams is not None else None
-        if parts is None:
-            logits = self._prefill_rows(0, ids, mask, pos, repeat, layers)
-        else:
-            logits = self.streams.run(
-                lambda lo, hi: self._prefill_rows(lo, ids[lo:hi], mask[lo:hi], pos[lo:hi], repeat, layers),
-                parts,
-            )
         self.rows, self.length = b * repeat, s
-        return logits
-
-    def _prefill_rows(self, lo: int, ids, mask, pos, repeat: int, layers: list[PackedLayer]) -> torch.Tensor:
-        """Prefill prompts lo.. (ids/mask/pos (b, Lp)) into cache rows [lo*repeat, (lo+b)*repeat)."""
-        b, s = ids.shape
+        layers = self._weights_for(int(mask.sum()))
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         key_ok = mask.bool()
         real = key_ok.reshape(-1).nonzero().squeeze(1)  # (N,) flat index of each real token
-        r0, r1 = lo * repeat, (lo + b) * repeat
-        self.key_bias[r0:r1, :s] = torch.where(key_ok, 0.0, float("-inf")).repeat_interleave(repeat, 0)
+        self.key_bias[: b * repeat, :s] = torch.where(key_ok, 0.0, float("-inf")).repeat_interleave(repeat, 0)
         causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
         # Padding queries may attend to themselves: a fully masked row would give NaN (discarded, but
         # SDPA's kernels need not like it).
@@ -314,8 +294,8 @@ class LlamaFamilyDecoder:
             q_pad[real], k_pad[real], v_pad[real] = q, k, v
             qq, kk, vv = (t.view(b, s, -1, hd).transpose(1, 2) for t in (q_pad, k_pad, v_pad))
             # Prefill once per prompt, cache `repeat` copies (n samples per prompt).
-            self.k_cache[i][r0:r1, :, :s] = kk.repeat_interleave(repeat, 0) if repeat > 1 else kk
-            self.v_cache[i][r0:r1, :, :s] = vv.repeat_interleave(repeat, 0) if repeat > 1 else vv
+            self.k_cache[i][: b * repeat, :, :s] = kk.repeat_interleave(repeat, 0) if repeat > 1 else kk
+            self.v_cache[i][: b * repeat, :, :s] = vv.repeat_interleave(repeat, 0) if repeat > 1 else vv
             if i == len(layers) - 1:
                 # Only the last position's output reaches anything (the logits): the last layer runs
                 # attention, o_proj and the MLP for that one query per row (~10% of prefill's matmuls
@@ -333,25 +313,11 @@ class LlamaFamilyDecoder:
         return self._logits(x)
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tokens, pos: (b,) with b = current rows. Appends one token per row; returns (b, vocab). With
-        row streams (row_streams.py) the rows are decoded in parts on parallel threads."""
+        """tokens, pos: (b,) with b = current rows. Appends one token per row at cache slot `length`;
+        returns (b, vocab)."""
         b, slot = self.rows, self.length
         self.key_bias[:b, slot] = 0.0  # every row writes its token at this slot
-        parts = self.streams.parts(b) if self.streams is not None else None
-        if parts is None:
-            logits = self._decode_rows(0, b, tokens, pos, slot)
-        else:
-            logits = self.streams.run(
-                lambda lo, hi: self._decode_rows(lo, hi, tokens[lo:hi], pos[lo:hi], slot), parts
-            )
         self.length = slot + 1
-        return logits
-
-    def _decode_rows(
-        self, lo: int, hi: int, tokens: torch.Tensor, pos: torch.Tensor, slot: int
-    ) -> torch.Tensor:
-        """Decode rows [lo, hi) of the batch: their tokens, pos (hi - lo,) go to cache slot `slot`."""
-        b = hi - lo
         nkv, hd = self.num_kv_heads, self.head_dim
         group = self.num_heads // nkv
         cs = self.rope[pos]
@@ -359,13 +325,11 @@ class LlamaFamilyDecoder:
         length = slot + 1
         if self.full_attention and _attend_full(length, self.key_bias.shape[1]):
             length = self.key_bias.shape[1]  # the whole rows: contiguous; unwritten slots masked by key_bias
-        bias = self.key_bias[lo:hi, None, None, :length]  # (b, 1, 1, L)
+        bias = self.key_bias[:b, None, None, :length]  # (b, 1, 1, L)
         x = self._embed(tokens)  # (b, hidden)
-        views = self._rows_views.get((lo, hi))
+        views = self._rows_views.get(b)
         if views is None:  # views of these rows, rebuilt only when compaction changed the row count
-            views = self._rows_views[lo, hi] = [
-                (kc[lo:hi], vc[lo:hi]) for kc, vc in zip(self.k_cache, self.v_cache)
-            ]
+            views = self._rows_views[b] = [(kc[:b], vc[:b]) for kc, vc in zip(self.k_cache, self.v_cache)]
         for layer, (kc, vc) in zip(self._weights_for(b), views):
             q, k, v = self._qkv(x, layer, cos, sin)
             kc[:, :, slot] = k

@@ -58,7 +58,7 @@ class SamplingParams:
         """Temperature the returned log-probs are computed at: the sampling one (1.0 when greedy).
 
         This is what the training side must divide its logits by to compute matching `old_log_probs`
-        (verl convention), so it is also written to the output batch's meta as "temperature".
+        (verl convention), so it is also written to the output batch's meta.temperature.
         """
         return 1.0 if self.greedy else self.temperature
 

@@ -10,7 +10,7 @@ Output: the same Batch as the built-in engine (`build_rollout_batch`), so nothin
 engine ran. `rollout_log_probs` come from vLLM's "processed_logprobs" mode: log_softmax(logits / T)
 over the full vocabulary, the built-in engine's convention (rollout/sampling.py), when top-k/top-p do
 not truncate. When they do, vLLM's values are of the truncated distribution; the batch then says so in
-meta["rollout_log_probs_exact"] = False and the trainer recomputes old_log_probs with the actor.
+meta.rollout_log_probs_exact = False and the trainer recomputes old_log_probs with the actor.
 
 The rollout pool of trainer.rollout_ahead=1 (`own_weights`): vLLM holds the weights itself; each weight
 sync streams the received buckets straight into `load_weights` (workers/weight_sync.py), and generate
@@ -272,7 +272,7 @@ class VLLMEngine(GenerationEngine):
             "rollout/prompt_tokens": float(mask.sum()) * params.n,
         }
         out = build_rollout_batch(batch, responses, lengths, logps, params, self.pad_token_id)
-        out.meta["rollout_log_probs_exact"] = params.greedy or not truncates(params)
+        out.meta.rollout_log_probs_exact = params.greedy or not truncates(params)
         return out
 
     @property

@@ -7,6 +7,7 @@ rl.py            RLTrainer: the phases of online RL (generate, old/ref log-probs
 experience.py    Pending (a step's batch in flight) and make_experience (advantages on the actor's rank 0)
 ppo.py           PPO: the paper's eight-line loop, each phase in a named timer
 grpo.py rloo.py reinforce_pp.py remax.py safe_rlhf.py   small edits of PPO
+dapo.py          DAPO: GRPO + dynamic sampling (more prompts until the batch is full), overlong shaping
 offline.py       SFT (warm start) and DPO (preference pairs)
 metrics.py       per-step data metrics, timers, throughput
 cli.py           `hybridflow train CONFIG [overrides]`
@@ -18,6 +19,7 @@ from hybridflow._lazy import lazy_exports
 # name -> submodule, loaded on first use (PEP 562) so `hybridflow train --help` does not import torch/Ray
 _LAZY = {
     "Trainer": "base",
+    "DAPOTrainer": "dapo",
     "GRPOTrainer": "grpo",
     "DPOTrainer": "offline",
     "SFTTrainer": "offline",
@@ -39,8 +41,8 @@ def __getattr__(name: str):
 
 def _trainers() -> dict:
     """algorithm name -> trainer class, keyed by the spec each class carries (config/algorithms.py)."""
-    names = ("PPOTrainer", "GRPOTrainer", "ReMaxTrainer", "RLOOTrainer", "ReinforcePPTrainer", "SafeRLHFTrainer",
-             "DPOTrainer", "SFTTrainer")  # fmt: skip
+    names = ("PPOTrainer", "GRPOTrainer", "DAPOTrainer", "ReMaxTrainer", "RLOOTrainer", "ReinforcePPTrainer",
+             "SafeRLHFTrainer", "DPOTrainer", "SFTTrainer")  # fmt: skip
     return {cls.spec.name: cls for cls in map(_lazy, names)}
 
 
@@ -54,6 +56,7 @@ def build_trainer(config, placement=None, groups: dict | None = None):
 
 
 __all__ = [
+    "DAPOTrainer",
     "DPOTrainer",
     "GRPOTrainer",
     "PPOTrainer",

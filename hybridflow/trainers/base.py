@@ -42,15 +42,17 @@ from hybridflow.checkpoint import (
     save_trainer_state,
 )
 from hybridflow.checkpoint.run_lock import RunLock
-from hybridflow.config import config_to_dict, resolve_config, validate_config
+from hybridflow.config import ConfigError, config_to_dict, resolve_config, validate_config
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
+from hybridflow.controller.future import hang_timeout
 from hybridflow.data import StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
 from hybridflow.trainers import lifecycle
-from hybridflow.trainers.lifecycle import start_ray  # noqa: F401 — its home before lifecycle.py
+from hybridflow.trainers.dump import batch_scores, generation_rows, write_generations
+from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import Timers, throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
 from hybridflow.trainers.validation import ValidationMixin
@@ -81,18 +83,22 @@ class Trainer(ValidationMixin):
         self.cfg = cfg = resolve_config(config)
         validate_config(cfg)
         require_rollout_engine(cfg)
+        if cfg.trainer.rollout_data_dir and not self.spec.generation:
+            raise ConfigError([f"trainer.rollout_data_dir: {self.name} samples no rollouts; remove it"])
         self.placement = placement or Placement.from_config(cfg)
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
         )
         self.train_loader = self.build_train_loader()
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
-        t = cfg.trainer
-        self.total_steps = t.total_steps or t.total_epochs * len(self.train_loader or ())
+        if cfg.trainer.val_only and self.val_dataset is None:
+            raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
+        trainer_cfg = cfg.trainer
+        self.total_steps = trainer_cfg.total_steps or trainer_cfg.total_epochs * len(self.train_loader or ())
         self.global_step = self.skipped_in_a_row = 0
         # absolute: worker processes write their parts there and need not share the driver's cwd
         self.ckpt = CheckpointManager(
-            os.path.abspath(cfg.run_dir), keep_last=t.keep_last, config=_hashed_config(cfg)
+            os.path.abspath(cfg.run_dir), keep_last=trainer_cfg.keep_last, config=_hashed_config(cfg)
         )
         self.timers = Timers()
         self.restarts, self.run_lock, self.resume_path = 0, None, None
@@ -165,7 +171,8 @@ class Trainer(ValidationMixin):
         per-step metrics of this call (validation metrics are merged into the step they follow).
         stop_after: end this call after that step, with a checkpoint there, as a preempted run would;
         the next fit (or a new run with resume=auto) continues from it. A dead worker or a failed
-        collective restarts the groups from the last checkpoint, up to trainer.max_restarts times."""
+        collective restarts the groups from the last checkpoint, up to trainer.max_restarts times.
+        trainer.val_only: validate the loaded weights once (logged at their step) and return."""
         from hybridflow.logging import build_tracker
 
         self._restore_point = self.maybe_resume()
@@ -181,7 +188,8 @@ class Trainer(ValidationMixin):
             step = self.global_step if self.global_step or self.restarts else None
             self.tracker = build_tracker(self.cfg, total_steps=self.total_steps, resume_step=step)
             try:
-                self._loop(history, min(stop_after or self.total_steps, self.total_steps))
+                with hang_timeout(self.cfg.trainer.hang_timeout_s if self.owns_groups else 0.0):
+                    self._loop(history, min(stop_after or self.total_steps, self.total_steps))
                 return history
             except Exception as e:
                 if not self._may_restart(e):
@@ -203,31 +211,41 @@ class Trainer(ValidationMixin):
         lifecycle.restart(self, error, history)
 
     def _loop(self, history: list[dict], stop: int) -> None:
-        t = self.cfg.trainer
-        if t.val_before_train and self.global_step == 0 and not history:
-            with _at_step(0, "validation at "):
+        trainer_cfg = self.cfg.trainer
+        if trainer_cfg.val_only or (trainer_cfg.val_before_train and self.global_step == 0 and not history):
+            with _at_step(self.global_step, "validation at "):
                 val = {**self.validate(), **self.timers.pop()}
-            self.tracker.log(val, 0)
-            history.append({"step": 0, **val})
+            self.tracker.log(val, self.global_step)
+            history.append({"step": self.global_step, **val})
+        if (
+            trainer_cfg.val_only
+        ):  # verl's trainer.val_only: the weights loaded (initial or resumed) are validated
+            return
         while self.global_step < stop:
             if signum := lifecycle.stop_requested():  # after the step (and its checkpoint) in flight
                 raise lifecycle.Preempted(signum, self.global_step, self.latest_checkpoint())
             self.global_step += 1
             batch = self.next_prompts()
-            batch.meta["global_step"] = self.global_step
+            batch.meta.global_step = self.global_step
             start = time.perf_counter()
             with self.timers("step"), _at_step(self.global_step):
                 batch, metrics = self.train_step(batch)
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
             metrics.update(self.resource_metrics(batch))
+            if trainer_cfg.rollout_data_dir:
+                rows = generation_rows(batch, batch_scores(batch))
+                write_generations(trainer_cfg.rollout_data_dir, self.global_step, rows)
             last = self.global_step == self.total_steps
-            if (t.val_every and self.global_step % t.val_every == 0) or last:
+            if (trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0) or last:
                 with _at_step(self.global_step, "validation at "):
                     metrics.update(self.validate())
-            by_time = t.save_every_minutes and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
+            by_time = (
+                trainer_cfg.save_every_minutes
+                and time.monotonic() - self._last_save >= 60 * trainer_cfg.save_every_minutes
+            )
             stopping = lifecycle.stop_requested()
             if (
-                (t.save_every and self.global_step % t.save_every == 0)
+                (trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0)
                 or last
                 or self.global_step == stop
                 or by_time
@@ -373,8 +391,9 @@ def _hashed_config(cfg) -> dict:
     """The config as hashed into checkpoint manifests: without run length and logging settings, which a
     resumed run may change freely (a mismatch elsewhere is logged as a warning on resume)."""
     d = config_to_dict(cfg)
-    t = d["trainer"]
+    trainer_keys = d["trainer"]
     for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers",
-              "save_every_minutes", "max_restarts", "stop_grace_s", "restart_wait_s", "min_devices"):  # fmt: skip
-        t.pop(k, None)
+              "save_every_minutes", "max_restarts", "stop_grace_s", "hang_timeout_s", "restart_wait_s", "min_devices",
+              "val_only", "rollout_data_dir", "validation_data_dir"):  # fmt: skip
+        trainer_keys.pop(k, None)
     return d

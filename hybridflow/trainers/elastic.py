@@ -81,31 +81,33 @@ def fit_devices(trainer) -> None:
     """Before a restart rebuilds the groups: wait for the placement's devices, or shrink (module doc)."""
     from hybridflow.trainers.placement import Placement, _use_gpu
 
-    cfg, t = trainer.cfg, trainer.cfg.trainer
+    cfg, trainer_cfg = trainer.cfg, trainer.cfg.trainer
     need, use_gpu = trainer.placement.num_devices, _use_gpu(trainer.cfg)
-    have = wait_for_devices(need, t.restart_wait_s, use_gpu)
+    have = wait_for_devices(need, trainer_cfg.restart_wait_s, use_gpu)
     if have >= need:
         return
     lost = f"the cluster has {have} of the {need} devices this run was placed on"
-    if not t.min_devices:
+    if not trainer_cfg.min_devices:
         raise DevicesLost(
-            f"{lost}, after waiting trainer.restart_wait_s={t.restart_wait_s:g}; add devices and resume, or set "
+            f"{lost}, after waiting trainer.restart_wait_s={trainer_cfg.restart_wait_s:g}; add devices and resume, or set "
             "trainer.min_devices to continue on fewer (dp shrinks)"
         )
-    if have < t.min_devices:
-        raise DevicesLost(f"{lost}, fewer than trainer.min_devices={t.min_devices}; add devices and resume")
+    if have < trainer_cfg.min_devices:
+        raise DevicesLost(
+            f"{lost}, fewer than trainer.min_devices={trainer_cfg.min_devices}; add devices and resume"
+        )
     first = None
-    for n in range(have, t.min_devices - 1, -1):
+    for n in range(have, trainer_cfg.min_devices - 1, -1):
         new, problems = shrunk_config(cfg, n)
         if not problems:
             break
         first = first or f"on {n}: {problems[0]}"
     else:
         raise DevicesLost(
-            f"{lost}; no device count from {have} down to trainer.min_devices={t.min_devices} fits the "
+            f"{lost}; no device count from {have} down to trainer.min_devices={trainer_cfg.min_devices} fits the "
             f"config ({first}); add devices and resume, or change the batch"
         )
     trainer.cfg, trainer.placement = new, Placement.from_config(new)
     _say(
-        f"continuing on {n} devices instead of {need}: {lost}; actor dp={new.actor.parallel.dp} (trainer.min_devices={t.min_devices})"
+        f"continuing on {n} devices instead of {need}: {lost}; actor dp={new.actor.parallel.dp} (trainer.min_devices={trainer_cfg.min_devices})"
     )

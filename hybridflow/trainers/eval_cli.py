@@ -57,7 +57,8 @@ def resolve_source(source: str, step: int | None, scratch: str | None = None) ->
 
     path = Path(source)
     if not path.exists():  # a Hub id such as Qwen/Qwen2.5-0.5B-Instruct: its local cache snapshot
-        from hybridflow.models.resolve import ModelNotFound, resolve_model_path
+        from hybridflow.errors import ModelNotFound
+        from hybridflow.models.resolve import resolve_model_path
 
         try:
             path = Path(resolve_model_path(source))

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from hybridflow.algorithms import apply_kl_penalty
 from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.controller import Future, get
-from hybridflow.controller.process import INFO_KEY
 from hybridflow.trainers.metrics import data_metrics
 from hybridflow.workers import token_level
 
@@ -48,7 +48,7 @@ class Pending:
         return self
 
     @property
-    def meta(self) -> dict:
+    def meta(self) -> BatchMeta:
         return self.local.meta
 
     def fetch(self) -> Batch:
@@ -105,7 +105,7 @@ def make_experience(advantage_fn, algo: AlgorithmConfig, kl_coef: float, state: 
     response's last token, less beta * KL when algorithm.kl.in_reward; then `advantage_fn(batch,
     algo, state)` (the algorithm's pure estimator, e.g. ppo.gae_advantages) adds advantages and
     returns and may return metrics. Returns the finished batch; its metrics (with data_metrics) go
-    to the driver in meta[INFO_KEY]."""
+    to the driver in meta.call_info."""
     batch = join(*parts)
     if "scores" not in batch:
         batch["scores"] = batch["rm_scores"]
@@ -121,5 +121,5 @@ def make_experience(advantage_fn, algo: AlgorithmConfig, kl_coef: float, state: 
         batch["token_level_rewards"] = batch["token_level_scores"]
     metrics.update(advantage_fn(batch, algo, state) or {})
     metrics.update(data_metrics(batch))
-    batch.meta[INFO_KEY] = metrics
+    batch.meta.call_info = metrics
     return batch

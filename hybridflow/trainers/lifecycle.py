@@ -6,8 +6,9 @@ How these behave for a user is in docs/operations.md. In short:
   token per run) and no dashboard unless resources.ray_dashboard; resources.ray_address joins a real
   cluster instead (its own network and auth settings apply).
 - `StopSignals`: the first SIGTERM/SIGINT asks the loop to stop after the step in flight and its
-  checkpoint; a second one (or trainer.stop_grace_s passing) abandons them. Either way the CLI shuts
-  everything down and exits 128 + signal.
+  checkpoint; a second one (or trainer.stop_grace_s passing) abandons them, naming the call the driver
+  was waiting for. Either way the CLI shuts everything down and exits 128 + signal. The driver never
+  blocks in Ray for long (controller/future.py waits in slices), so a hung worker cannot delay this.
 - `is_recoverable`: which worker failures the trainer answers by restarting its worker groups from the
   last checkpoint (trainer.max_restarts): a dead process or a failed/timed-out collective; `restart`
   first waits for lost devices or shrinks dp (elastic.py).
@@ -27,7 +28,7 @@ from pathlib import Path
 import ray
 
 from hybridflow.checkpoint import CheckpointError
-from hybridflow.controller import WorkerDiedError, WorkerError, ensure_ray
+from hybridflow.controller import WorkerDiedError, WorkerError, ensure_ray, future
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ class Preempted(Exception):
 class Abandoned(BaseException):
     """A second stop signal (or the grace period ran out): unwind now, like KeyboardInterrupt."""
 
-    def __init__(self, signum: int, why: str = ""):
+    def __init__(self, signum: int, why: str = "", waiting: str = ""):
         self.signum = signum
         why = why or f"{signal.Signals(signum).name} again"
-        super().__init__(f"{why}: the step and its checkpoint were abandoned")
+        where = f" while waiting for {waiting}" if waiting else ""
+        super().__init__(f"{why}: the step and its checkpoint were abandoned{where}")
 
 
 # ---- the embedded cluster ----------------------------------------------------------------------------
@@ -155,6 +157,7 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             self._previous = {}
         self.install()
+        future.add_wait_check(self.check)
         ACTIVE = self
         return self
 
@@ -182,7 +185,18 @@ class StopSignals:
                 self._timer.start()
             return
         self.abandoned = True
-        raise Abandoned(signum, self._why)
+        abandoned = Abandoned(signum, self._why, future.waiting_for())
+        if not future.in_ray_wait():
+            raise abandoned
+        self._pending = abandoned  # raised by check() once Ray's wait has returned
+
+    _pending: Abandoned | None = None
+
+    def check(self) -> None:
+        """Raise the abandonment a signal noted while the driver was inside Ray (future.py's waits)."""
+        if self._pending is not None:
+            abandoned, self._pending = self._pending, None
+            raise abandoned
 
     _why = ""
 
@@ -199,6 +213,7 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         global ACTIVE
         self.shield()
+        future.remove_wait_check(self.check)
         ACTIVE = None
         for s, h in self._previous.items():
             signal.signal(s, h)
@@ -260,7 +275,7 @@ def check_resume_compatible(checkpoint: Path, manifest: dict, cfg) -> None:
     """CheckpointError (one line) when the run would resume `checkpoint` with another batch or model."""
     saved = manifest.get("meta", {}).get("fingerprint")
     if not saved:
-        return  # written before fingerprints were recorded
+        return  # a checkpoint without a fingerprint: nothing to compare against
     now = resume_fingerprint(cfg)
     for key, then in saved.items():
         if key not in now or now[key] == then:
@@ -285,14 +300,21 @@ def cfg_value(cfg, dotted: str):
 
 def check_run_dir(trainer) -> Path | None:
     """Before any worker starts (the run directory is locked): the checkpoint trainer.resume names,
-    verified, checked to fit this run; RunFinished when it is the final one. -> its path or None."""
+    verified, checked to fit this run; RunFinished when it is the final one (unless trainer.val_only,
+    which validates it). -> its path or None."""
     require = [*trainer.checkpoint_parts(), "trainer_state.json"]
     path = trainer.ckpt.resolve(trainer.cfg.trainer.resume, require=require)
     if path is None:
         return None
     manifest = json.loads((path / "manifest.json").read_text())
+    written_by = manifest.get("meta", {}).get("algorithm", trainer.name)
+    if written_by != trainer.name:
+        raise CheckpointError(
+            f"cannot resume: {path} was written by algorithm.name={written_by}, this run is {trainer.name}; "
+            "set trainer.resume=never or another trainer.output_dir / experiment_name"
+        )
     check_resume_compatible(path, manifest, trainer.cfg)
-    if manifest["step"] >= trainer.total_steps:
+    if manifest["step"] >= trainer.total_steps and not trainer.cfg.trainer.val_only:
         raise RunFinished(
             f"{trainer.cfg.run_dir} is finished: its checkpoint {path.name} reached trainer.total_steps="
             f"{trainer.total_steps}; nothing to train (raise total_steps to continue, or use another "

@@ -110,9 +110,7 @@ def step_resource_metrics(trainer, batch) -> dict[str, float]:
     a, c = trainer.cfg.actor, trainer.cfg.critic
     tokens = float(batch["attention_mask"].sum())
     # old log-probs cost a forward only when the actor ran one for them (trainers/rl.py old_log_prob_source)
-    from hybridflow.workers.losses import OLD_SOURCE
-
-    recompute = batch.meta.get(OLD_SOURCE) == "actor"
+    recompute = batch.meta.old_log_probs_source == "actor"
     flops = phase_flops(*trainer._n_params, tokens, a.ppo_epochs, c.ppo_epochs, recompute_old=recompute)
     if trainer.cfg.trainer.rollout_ahead:  # timing_s/gen is the wait for a batch made a step ahead
         flops.pop("gen")

@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass, field
 
 from hybridflow.checkpoint import atomic_write_text
+from hybridflow.config.roles import worker_config
 from hybridflow.config.rollout_pool import (
     FROZEN_ROLES,
     frozen_on_rollout,
@@ -211,7 +212,9 @@ def build_worker_groups(
     return groups, pools
 
 
-def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
+def _spec(tree, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
+    """The worker class of `role` and its init kwargs: its part of the config tree (config/roles.py) only."""
+    cfg = worker_config(tree, role)
     if role == "rollout":  # generation (+ the reference), on its own pool (rollout_pool_config), no actor
         return ActorRolloutRefWorker, {
             "config": cfg,
@@ -229,10 +232,10 @@ def _spec(cfg, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
         return CriticWorker, {"config": cfg, "name": "cost_critic", "values_key": "cost_values",
                               "returns_key": "cost_returns", **kwargs}  # fmt: skip
     if role == "reward":
-        return RewardModelWorker, {"config": cfg, "model_path": cfg.model.reward_model_path, **kwargs}
+        return RewardModelWorker, {"config": cfg, "model_path": tree.model.reward_model_path, **kwargs}
     return RewardModelWorker, {
         "config": cfg,
-        "model_path": cfg.model.cost_model_path,
+        "model_path": tree.model.cost_model_path,
         "score_key": "cost_scores",
         **kwargs,
     }

@@ -95,7 +95,7 @@ def check_schedule(p: Plan, cfg, source: str) -> list[str]:
 
 def _frozen_pool_errors(where: str, r, cfg) -> list[str]:
     """The plan's place of the frozen models (reference, reward, cost) against resources.frozen_pool,
-    when this run has any (plans written before the choice priced them in the training pool)."""
+    when this run has any (a plan file without the field priced them in the training pool)."""
     from hybridflow.config.algorithms import algorithm_spec
     from hybridflow.config.rollout_pool import FROZEN_ROLES
 

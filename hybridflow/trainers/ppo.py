@@ -34,23 +34,23 @@ class PPOTrainer(RLTrainer):
     advantage_fn = staticmethod(gae_advantages)
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
-        t = self.timers.phase
-        with t("gen"):
+        phase = self.timers.phase
+        with phase("gen"):
             batch = self.generate(batch)
-        with t("old_log_prob"):
+        with phase("old_log_prob"):
             batch = self.old_log_probs(batch)
         if self.spec.critic:
-            with t("values"):
+            with phase("values"):
                 batch = self.values(batch)
-        with t("ref"):
+        with phase("ref"):
             batch = self.ref_log_probs(batch)
-        with t("reward"):
+        with phase("reward"):
             batch = self.reward(batch)
-        with t("adv"):
+        with phase("adv"):
             batch = self.compute_advantages(batch)
         if self.spec.critic:
-            with t("update_critic"):
+            with phase("update_critic"):
                 self.update_critic(batch)
-        with t("update_actor"):
+        with phase("update_actor"):
             self.update_actor(batch)
         return self.finish(batch)

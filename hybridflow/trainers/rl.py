@@ -27,12 +27,10 @@ from __future__ import annotations
 
 from hybridflow.algorithms import build_kl_controller
 from hybridflow.batch import Batch
-from hybridflow.rollout.base import ROLLOUT_METRICS
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.rollout_ahead import RolloutAhead
 from hybridflow.workers.common import computes_in_fp32
-from hybridflow.workers.losses import OLD_SOURCE
 
 # phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
 OVERLAP_SECTIONS = {
@@ -92,17 +90,16 @@ class RLTrainer(Trainer):
             batch = self.ahead.generate(prompts)
         else:
             batch = self.actor.generate_sequences(prompts)
-        self.metrics.update(batch.meta.pop("reshard_metrics", {}))  # reshard/*, timing_s/reshard
-        self.metrics.update(batch.meta.pop(ROLLOUT_METRICS, {}))  # the engine's own, e.g. rollout/cpu_streams
-        batch.meta.update(prompts.meta)
+        self.metrics.update(batch.meta.pop_metrics())  # reshard/*, and any figures the engine adds
+        batch.meta = batch.meta.union(prompts.meta)
         return batch
 
     def old_log_probs(self, batch: Batch | Pending) -> Pending:
-        """Old log-probs by `old_log_prob_source`; the choice rides in meta[OLD_SOURCE] to the update
+        """Old log-probs by `old_log_prob_source`; the choice rides in meta.old_log_probs_source to the update
         (workers/actor.py), which with "update" takes them from its own forward, detached."""
         batch = _pending(batch)
-        source = old_log_prob_source(self.cfg, batch.meta.get("rollout_log_probs_exact", True))
-        batch.meta[OLD_SOURCE] = source
+        source = old_log_prob_source(self.cfg, batch.meta.rollout_log_probs_exact is not False)
+        batch.meta.old_log_probs_source = source
         if source == "rollout":
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif source == "actor":

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.checkpoint import atomic_write_text
 from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.controller import Future
@@ -84,8 +85,8 @@ class RolloutAhead:
 
     # ---- the generate phase -------------------------------------------------------------------------
     def generate(self, prompts: Batch) -> Batch:
-        t = self.trainer
-        step = int(prompts.meta["global_step"])
+        trainer = self.trainer
+        step = prompts.meta.global_step
         actor_version = step - 1
         if self._pending_for(step):
             p, self.pending = self.pending, None
@@ -107,13 +108,13 @@ class RolloutAhead:
         self._tokens_per_row = self._tokens / max(len(batch), 1)
         # tokens of the rows the training pool scores (frozen_pool=both)
         self._rest_tokens = float(batch["attention_mask"][self.ref_rows or 0 :].sum())
-        t.metrics["rollout/policy_lag"] = float(actor_version - version)
+        trainer.metrics["rollout/policy_lag"] = float(actor_version - version)
         if self.ref_rows is not None:
-            t.metrics["rollout/ref_rows_on_rollout_pool"] = float(self.ref_rows)
-        if self.enabled and step < t.total_steps:
+            trainer.metrics["rollout/ref_rows_on_rollout_pool"] = float(self.ref_rows)
+        if self.enabled and step < trainer.total_steps:
             self.sync(actor_version)
-            ahead = t.train_loader.next_batch()
-            ahead.meta["global_step"] = step + 1
+            ahead = trainer.train_loader.next_batch()
+            ahead.meta.global_step = step + 1
             self.pending = {"step": step + 1, "version": self.rollout_version, **self._issue(ahead)}
         return batch
 
@@ -121,20 +122,20 @@ class RolloutAhead:
         """Generate `prompts` on the rollout pool and chain the frozen models there on its output (each
         rank fetches its rows of the generation itself); -> {prompts, result: the generation, scores:
         {role: scoring}, ref_rows (frozen_pool=both: the rows the reference scores here)} as Futures."""
-        t = self.trainer
+        trainer = self.trainer
         future, scores = self.group.generate_sequences.future(prompts), {}
         out = {"prompts": prompts, "result": future, "scores": scores}
         for role in self.frozen_roles:
             method, phase = SCORING[role]
             rows = future
             if role == "ref" and self.split is not None:
-                rows_next = len(prompts) * t.cfg.rollout.n
+                rows_next = len(prompts) * trainer.cfg.rollout.n
                 out["ref_rows"] = self.split.rows_for(rows_next, self._tokens, self._tokens_per_row)
                 if out["ref_rows"] == 0:
                     continue  # the training pool scores them all
                 rows = future.rows(0, out["ref_rows"])
-            with t.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
-                scores[role] = getattr(t.groups[role], method).future(rows)
+            with trainer.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
+                scores[role] = getattr(trainer.groups[role], method).future(rows)
         return out
 
     def ref_parts(self, local: Batch) -> list | None:
@@ -177,11 +178,11 @@ class RolloutAhead:
     @property
     def frozen_roles(self) -> list[str]:
         """The frozen models this run has in the rollout pool's processes (resources.frozen_pool)."""
-        t = self.trainer
+        trainer = self.trainer
         return [
             r
             for r in FROZEN_ROLES
-            if r in t.groups and t.placement.pool_of(r) == t.placement.pool_of("rollout")
+            if r in trainer.groups and trainer.placement.pool_of(r) == trainer.placement.pool_of("rollout")
         ]
 
     def scored(self, role: str) -> Future | Batch | None:
@@ -200,17 +201,17 @@ class RolloutAhead:
         self._connect()
         if self.rollout_version == version:
             return
-        t = self.trainer
+        trainer = self.trainer
         self._check_sync()
-        with t.timers.phase("weight_sync"):  # the workers' busy time: in effect, the rollout's receive
+        with trainer.timers.phase("weight_sync"):  # the workers' busy time: in effect, the rollout's receive
             self._syncing = (
-                t.actor.send_weights.future(self._spec, self._dims),
+                trainer.actor.send_weights.future(self._spec, self._dims),
                 self.group.receive_weights.future(self._spec),
             )
         # sync/bytes: what each rollout rank receives (the spec's shapes: its shard when rollout.tg > 1);
         # sync/bytes_sent: what actor rank 0 broadcasts in all (one equal payload per TP index)
-        t.metrics["sync/bytes"] = float(sum(tensor_bytes(shape, dt) for _, shape, dt in self._spec))
-        t.metrics["sync/bytes_sent"] = self._tg * t.metrics["sync/bytes"]
+        trainer.metrics["sync/bytes"] = float(sum(tensor_bytes(shape, dt) for _, shape, dt in self._spec))
+        trainer.metrics["sync/bytes_sent"] = self._tg * trainer.metrics["sync/bytes"]
         self.rollout_version = version
 
     def _check_sync(self) -> None:
@@ -229,17 +230,17 @@ class RolloutAhead:
     def _connect(self) -> None:
         """Build the sync group (actor rank 0 + the rollout ranks) once per pair of groups; a new rollout
         pool (first use, or after a restart) holds model.path's weights, version 0."""
-        t = self.trainer
+        trainer = self.trainer
         if self._connected_to is self.group:
             return
-        addr, port = t.actor.weight_sync_address()
+        addr, port = trainer.actor.weight_sync_address()
         world, tg = 1 + self.group.world_size, self.group.weight_sync_tg()  # tg > 1: shard-only sync
         _get_both(
-            t.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S, tg),
+            trainer.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S, tg),
             self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S, tg),
         )
         spec = self.group.weight_spec()
-        self._dims = split_dims(spec, t.actor.weight_shapes(), tg)  # ValueError: the models differ
+        self._dims = split_dims(spec, trainer.actor.weight_shapes(), tg)  # ValueError: the models differ
         self._spec, self._tg, self._connected_to, self.rollout_version = spec, tg, self.group, 0
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -306,7 +307,10 @@ def _save_batch(batch: Batch, stem: Path) -> None:
     from hybridflow.checkpoint.trainer_state import _to_json
 
     save_file({k: v.contiguous() for k, v in batch.tensors.items()}, f"{stem}.safetensors")
-    fields = {"non_tensors": {k: v.tolist() for k, v in batch.non_tensors.items()}, "meta": batch.meta}
+    fields = {
+        "non_tensors": {k: v.tolist() for k, v in batch.non_tensors.items()},
+        "meta": batch.meta.to_dict(),
+    }
     atomic_write_text(Path(f"{stem}.json"), json.dumps(fields, default=_to_json))
 
 
@@ -314,4 +318,4 @@ def _load_batch(stem: Path) -> Batch:
     from safetensors.torch import load_file
 
     fields = json.loads(Path(f"{stem}.json").read_text())
-    return Batch(load_file(f"{stem}.safetensors"), fields["non_tensors"], fields["meta"])
+    return Batch(load_file(f"{stem}.safetensors"), fields["non_tensors"], BatchMeta.from_dict(fields["meta"]))

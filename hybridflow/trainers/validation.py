@@ -11,6 +11,7 @@ import numpy as np
 
 from hybridflow.algorithms.eval_metrics import vote_metrics
 from hybridflow.batch import Batch
+from hybridflow.trainers.dump import generation_rows, write_generations
 
 
 class ValidationMixin:
@@ -19,13 +20,14 @@ class ValidationMixin:
         val/{data_source}/acc@1 (the first sample of each prompt) and, when rollout.val.n > 1,
         mean@n (all samples), best@n (any sample right), maj@n (the majority answer right) and the
         unbiased pass@k for k = 2, 4, ... < n (algorithms/eval_metrics.py); with a reward model
-        val/{data_source}/reward. Also val/reward/mean, and a table of sample generations."""
+        val/{data_source}/reward. Also val/reward/mean, a table of sample generations, and with
+        trainer.validation_data_dir every generation in <dir>/<step>.jsonl (trainers/dump.py)."""
         if self.val_dataset is None:
             return {}
         v = self.cfg.rollout.val
         sampling = {"n": v.n, "temperature": v.temperature, "top_k": v.top_k, "top_p": v.top_p}
         size = self.cfg.data.val_batch_size or len(self.val_dataset)
-        per_source, rows = defaultdict(list), []  # source -> [(n,) scores of one prompt]
+        per_source, rows, dumped = defaultdict(list), [], []  # source -> [(n,) scores of one prompt]
         votes = defaultdict(list)  # source -> [(answers, correct) of one prompt], for maj@n / pass@k
         with self.timers("validate"):
             for start in range(0, len(self.val_dataset), size):
@@ -42,6 +44,10 @@ class ValidationMixin:
                 rows += self._generation_rows(
                     gen, scores, self.cfg.trainer.val_generations_to_log - len(rows), extras
                 )
+                if self.cfg.trainer.validation_data_dir:
+                    dumped += generation_rows(gen, scores, extras)
+        if dumped:
+            write_generations(self.cfg.trainer.validation_data_dir, self.global_step, dumped)
         if self.tracker is not None and rows:
             self.tracker.log_generations(rows, self.global_step)
         out = {}

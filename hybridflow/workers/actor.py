@@ -9,7 +9,7 @@ layout (t-way TP x d-way FSDP2) and a Resharder (hybrid_engine/resharder.py) swi
 generation layout (rollout.tg-way TP, d * t/tg replicas) and back around every generate call, by the
 method `rollout.reshard` names. The rollout engine then decodes tensor-parallel on this rank's generation
 shard. Prompts are split over the generation replicas (the "rollout" layout, 3D_ALL_MICRO_DP); the
-switch's counters come back in the output's meta["reshard_metrics"] (max over ranks).
+switch's counters come back in the output's meta.reshard_metrics (max over ranks).
 
 Methods and transfer protocols:
   init_model                     ONE_TO_ALL       build engines (call once, before anything else)
@@ -32,16 +32,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from hybridflow.batch import PAD_KEY, Batch
+from hybridflow.batch import Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
+from hybridflow.config.roles import ActorWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.engines.train_engine import cast_parameters
-from hybridflow.hybrid_engine.resharder import Resharder, generation_layout
+from hybridflow.hybrid_engine.resharder import build_resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
-from hybridflow.rollout.base import ROLLOUT_METRICS
 from hybridflow.rollout.factory import build_generation_engine
 from hybridflow.rollout.pool_tp import keep_shard, load_shard, param_bytes, pool_tp_group
 from hybridflow.workers.common import (
@@ -55,7 +55,7 @@ from hybridflow.workers.common import (
     set_train_layout,
 )
 from hybridflow.workers.gap_meter import GapMeter, gap_training_side
-from hybridflow.workers.losses import OLD_SOURCE, actor_loss_fn, dpo_loss_fn, sft_loss
+from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn, sft_loss, split_aggregation
 from hybridflow.workers.weight_sync import WeightSyncMixin
 
 ROLES = ("actor", "rollout", "ref")
@@ -64,10 +64,10 @@ _ACTOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "re
 
 
 class ActorRolloutRefWorker(WeightSyncMixin, Worker):
-    """config: the whole HybridFlowConfig; roles: a subset of ("actor", "rollout", "ref");
-    total_optim_steps: optimizer steps of the whole run (for warmup / cosine schedules)."""
+    """config: the policy's part of the config tree (config/roles.py); roles: a subset of ("actor",
+    "rollout", "ref"); total_optim_steps: optimizer steps of the whole run (for warmup / cosine schedules)."""
 
-    def __init__(self, config, roles=("actor", "rollout"), total_optim_steps: int = 0):
+    def __init__(self, config: ActorWorkerConfig, roles=("actor", "rollout"), total_optim_steps: int = 0):
         bad = [r for r in roles if r not in ROLES]
         if bad or not roles:
             raise ValueError(
@@ -76,7 +76,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
         self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = None
         self._gen_calls = 0
-        seed = config.trainer.seed
+        seed = config.seed
         pack = {"remove_padding": config.model.remove_padding, "share_prompt": config.model.share_prompt}
         # each role's engine config only where it runs: a role on another pool has that pool's dp
         # (the reference on the rollout pool of rollout_ahead=1 while the actor's pool is smaller)
@@ -96,11 +96,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         """Generation replicas of the 3D-HybridEngine's layout (hybrid_engine/layout.py GenLayout)."""
         r = self.config.rollout
         if "actor" in self.roles:
-            t, d, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
+            tp, dp, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
         else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py,
             tg = r.tg  # or vLLM's own over the pool's ranks: the same consecutive ones)
-            t, d = tg, self.world_size // tg
-        gen = generation_layout(r.reshard, t, d, tg)
+            tp, dp = tg, self.world_size // tg
+        gen = generation_layout(r.reshard, tp, dp, tg)
         g_tp = gen.coords(self.rank)[2]
         self.set_layout(
             "rollout", dp_rank=gen.replica(self.rank), dp_size=gen.num_replicas, tp_rank=g_tp, tp_size=gen.tg
@@ -111,7 +111,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     def init_model(self) -> dict:
         """Load the models of this worker's roles; returns parameter counts."""
         m = self.config.model
-        seed_everything(self.config.trainer.seed)
+        seed_everything(self.config.seed)
         self.tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code)
         remote = {"trust_remote_code": m.trust_remote_code}
         info = {}
@@ -135,11 +135,13 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             if self.actor is not None:
                 r = self.config.rollout
                 # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md)
-                self.resharder = Resharder(self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin")
+                self.resharder = build_resharder(
+                    self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin"
+                )
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
-            dtype = model_compute_dtype(m.dtype, self.config.resources.device)
+            dtype = model_compute_dtype(m.dtype, self.config.device)
             model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
             if own and self.config.rollout.engine == "vllm":
@@ -185,7 +187,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         call = step if step is not None else 1_000_000 + self._gen_calls
         # per generation replica, not per rank: every reshard method draws the same samples per replica
         replica = self.get_layout("rollout").dp_rank
-        seed = self.config.trainer.seed * 1_000_003 + call * 7919 + replica
+        seed = self.config.seed * 1_000_003 + call * 7919 + replica
         return SamplingParams(
             max_new_tokens=r.response_length, do_sample=kw["temperature"] > 0, seed=seed, **kw
         )
@@ -197,7 +199,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         top_k, top_p), e.g. greedy validation or ReMax's greedy baseline."""
         if self.rollout is None:
             raise RuntimeError(f"generate_sequences needs the 'rollout' role; this worker has {self.roles}")
-        params = self.sampling_params(sampling, prompts.meta.get("global_step"))
+        params = self.sampling_params(sampling, prompts.meta.global_step)
         self._gen_calls += 1
         per_call = self.config.rollout.micro_batch_size_per_device or max(len(prompts), 1)
         with self._generation_weights() as reshard_metrics:
@@ -206,13 +208,9 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 self.rollout.generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
                 for i, chunk in enumerate(prompts.split(per_call))
             ]
-        out = outs[0] if len(outs) == 1 else Batch.concat(outs)
-        if len(outs) > 1 and ROLLOUT_METRICS in out.meta:  # concat kept the last chunk's: take the max
-            stats = [o.meta.get(ROLLOUT_METRICS, {}) for o in outs]
-            out.meta[ROLLOUT_METRICS] = {k: max(s.get(k, 0.0) for s in stats) for k in stats[-1]}
+        out = outs[0] if len(outs) == 1 else Batch.concat(outs)  # rollout_metrics: the max over chunks
         out["response_text"] = self.decode(out["responses"], out["response_mask"])
-        if reshard_metrics:
-            out.meta["reshard_metrics"] = reshard_metrics
+        out.meta.reshard_metrics = reshard_metrics
         return out
 
     def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -251,43 +249,47 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     @register(Protocol.THREE_D, layout="train")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Log-probs of the responses under the current actor: Batch(old_log_probs (B, Lr))."""
-        lp, _ = self._engine("actor").compute_log_probs(batch, temperature=batch.meta.get("temperature", 1.0))
+        lp, _ = self._engine("actor").compute_log_probs(batch, temperature=_temperature(batch))
         return Batch({"old_log_probs": lp})
 
     @register(Protocol.THREE_D, layout="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Log-probs under the frozen reference: Batch(ref_log_probs (B, Lr)). At the rollout's
         temperature, like the old and new log-probs (as verl), so the KL compares like with like."""
-        lp, _ = self._engine("ref").compute_log_probs(batch, temperature=batch.meta.get("temperature", 1.0))
+        lp, _ = self._engine("ref").compute_log_probs(batch, temperature=_temperature(batch))
         return Batch({"ref_log_probs": lp})
 
     # ---- training ----------------------------------------------------------------------------------
     @register(Protocol.DP_METRICS, layout="train")
     def update_actor(self, batch: Batch) -> dict:
         """PPO update: `ppo_epochs` passes, `train_batch_size / ppo_mini_batch_size` optimizer steps each.
-        Needs advantages and old_log_probs, unless meta[OLD_SOURCE] is "update" (one optimizer step: they are
+        Needs advantages and old_log_probs, unless meta.old_log_probs_source is "update" (one optimizer step: they are
         its forward's own, trainers/rl.py), and ref_log_probs with use_kl_loss. Returns actor/* lists."""
         a, algo = self.config.actor, self.config.algorithm
-        # trainer.rollout_ahead=1: the rollout's policy is a step older; weigh its tokens (algorithms/off_policy.py)
-        is_cap = a.tis_imp_ratio_cap if self.config.trainer.rollout_ahead else 0.0
+        # the rollout's log-probs against the old ones: numerics (bf16, vLLM) or a policy a step older
+        # (trainer.rollout_ahead=1) apart (algorithms/rollout_correction.py)
+        correct = a.rollout_correction.mode != "none" and "rollout_log_probs" in batch.keys()
         num_mini = a.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         # old log-probs from this update's own forward: exact only while the weights cannot move under it
-        from_forward = batch.meta.get(OLD_SOURCE) == "update"
+        from_forward = batch.meta.old_log_probs_source == "update"
         if from_forward and (num_mini, a.ppo_epochs) != (1, 1):
             raise ValueError(f"update_actor: old log-probs from the update's forward need one optimizer "
                              f"step, not {a.ppo_epochs} epoch(s) x {num_mini} mini-batches")  # fmt: skip
         # the train-vs-rollout gap, from the log-probs before any optimizer step (workers/gap_meter.py)
-        gap_side = gap_training_side(batch.meta, batch.keys(), batch.meta.get(OLD_SOURCE))
+        gap_side = gap_training_side(batch.meta, batch.keys())
         keys = (
             [*_ACTOR_FIELDS, "advantages"]
             + ([] if from_forward else ["old_log_probs"])
             + (["ref_log_probs"] if algo.use_kl_loss else [])
-            + (["rollout_log_probs"] if is_cap > 0 or gap_side else [])
+            + (["rollout_log_probs"] if correct or gap_side else [])
         )
         gap = GapMeter() if gap_side else None
-        loss_fn = actor_loss_fn(a, algo, is_cap, from_forward, gap if gap_side == "forward" else None)
-        weighting = "tokens" if a.loss_agg_mode == "token-mean" else "sequences"
-        temperature = batch.meta.get("temperature", 1.0)
+        norm_length = self.config.rollout.response_length
+        loss_fn = actor_loss_fn(
+            a, algo, norm_length, correct, from_forward, gap if gap_side == "forward" else None
+        )
+        weighting = split_aggregation(a.loss_agg_mode)[1]
+        temperature = _temperature(batch)
         metrics = MetricLists()
         eng = self._engine("actor")
         # entropy is always logged; it needs grad only when it is part of the loss
@@ -322,10 +324,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         """One optimizer step of DPO on interleaved pairs (chosen even rows, rejected odd rows).
         Micro-batches are fixed and even-sized so a pair never straddles two of them."""
         dpo = self.config.algorithm.dpo
-        if len(batch) % 2 or batch.meta.get(PAD_KEY):
+        if not batch.meta.pairs or len(batch) % 2 or batch.meta.pad_rows:
             raise ValueError(
-                f"train_dpo: got {len(batch)} rows on rank {self.rank} ({batch.meta.get(PAD_KEY, 0)} of them "
-                "padding); pairs need an even count and a batch that divides dp"
+                f"train_dpo: got {len(batch)} rows on rank {self.rank} ({batch.meta.pad_rows} of them padding, "
+                f"meta.pairs={batch.meta.pairs}); pairs need interleaved rows, an even count and a batch that "
+                "divides dp"
             )
         keys = [*_ACTOR_FIELDS] + ([] if dpo.reference_free else ["ref_log_probs"])
         mbs = self.config.actor.micro_batch_size_per_device
@@ -374,3 +377,10 @@ def _max_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str
     t = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(metrics, t.tolist()))
+
+
+def _temperature(batch: Batch) -> float:
+    """The rollout's log-prob temperature, which every forward over its rows divides the logits by (verl);
+    1.0 for a batch no rollout made."""
+    t = batch.meta.temperature
+    return 1.0 if t is None else t

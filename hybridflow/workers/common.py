@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from hybridflow.batch import PAD_KEY, Batch
+from hybridflow.batch import Batch
 from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig
 from hybridflow.engines.config import compute_dtype
 
@@ -115,14 +115,14 @@ def seed_everything(seed: int) -> None:
 
 
 def mask_padding(batch: Batch) -> Batch:
-    """Zero `response_mask` on the trailing padding rows (`batch.meta[PAD_KEY]`, set by the transfer
+    """Zero `response_mask` on the trailing padding rows (`batch.meta.pad_rows`, set by the transfer
     protocol when it repeated rows to give every dp rank an equal shard) and drop the count.
 
     Every loss, the engine's token / sequence counts and every training metric are masked by
     response_mask, so the copies still run forward and backward (FSDP needs the same passes on every
     rank) but weigh nothing: without this, a repeated row would count twice.
     """
-    pad = int(batch.meta.pop(PAD_KEY, 0))
+    pad, batch.meta.pad_rows = batch.meta.pad_rows, 0
     if pad:
         mask = batch["response_mask"].clone()
         mask[len(batch) - pad :] = 0

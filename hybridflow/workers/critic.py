@@ -16,6 +16,7 @@ import os
 
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
+from hybridflow.config.roles import CriticWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import init_critic_from_causal_lm, load_critic
@@ -28,7 +29,7 @@ from hybridflow.workers.common import (
     seed_everything,
     set_train_layout,
 )
-from hybridflow.workers.losses import critic_loss_fn
+from hybridflow.workers.losses import critic_loss_fn, split_aggregation
 
 _FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
@@ -40,12 +41,12 @@ def _is_causal_lm_dir(path: str) -> bool:
 
 
 class CriticWorker(Worker):
-    """config: HybridFlowConfig; name: metric prefix ("critic", "cost_critic"); total_optim_steps as
-    for the actor."""
+    """config: the critic's part of the config tree (config/roles.py); name: metric prefix ("critic",
+    "cost_critic"); total_optim_steps as for the actor."""
 
     def __init__(
         self,
-        config,
+        config: CriticWorkerConfig,
         name: str = "critic",
         values_key: str = "values",
         returns_key: str = "returns",
@@ -57,7 +58,7 @@ class CriticWorker(Worker):
             config.critic,
             self.world_size,
             "critic",
-            config.trainer.seed,
+            config.seed,
             config.model.dtype,
             total_optim_steps,
             remove_padding=config.model.remove_padding,
@@ -68,13 +69,13 @@ class CriticWorker(Worker):
 
     @register(Protocol.ONE_TO_ALL)
     def init_model(self) -> dict:
-        seed_everything(self.config.trainer.seed)
+        seed_everything(self.config.seed)
         m = self.config.model
         path, remote = m.critic_path or m.path, m.trust_remote_code
         # Each rank reads only its shards; from a causal-LM directory the value head starts at zero.
         model = load_critic(path, device="meta", trust_remote_code=remote)
         if _is_causal_lm_dir(path) and not any(p.is_meta for p in model.parameters()):
-            seed = self.config.trainer.seed  # weights not sliceable: load them whole
+            seed = self.config.seed  # weights not sliceable: load them whole
             model = init_critic_from_causal_lm(path, seed=seed, trust_remote_code=remote)
         self.engine = TrainEngine(model, self.engine_cfg, trainable=True, device=self.device)
         return {f"{self.name}_params": self.engine.num_params()}
@@ -89,8 +90,8 @@ class CriticWorker(Worker):
         """Clipped value regression on `returns_key` over critic.ppo_epochs x mini-batches."""
         c = self.config.critic
         keys = [*_FIELDS, self.values_key, self.returns_key]
-        loss_fn = critic_loss_fn(c, self.values_key, self.returns_key)
-        weighting = "tokens" if c.loss_agg_mode == "token-mean" else "sequences"
+        loss_fn = critic_loss_fn(c, self.values_key, self.returns_key, self.config.response_length)
+        weighting = split_aggregation(c.loss_agg_mode)[1]
         num_mini = c.num_mini_batches  # resolve_config: train_batch_size / ppo_mini_batch_size
         metrics = MetricLists()
         rows = mask_padding(batch).select(keys)

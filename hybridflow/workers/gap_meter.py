@@ -14,19 +14,17 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.algorithms.rollout_gap import gap_metrics, log_prob_gap_stats, reduce_gap_stats
-
-# batch.meta key a generation engine sets to False when its log-probs follow another convention than the
-# training forward's (vLLM under top-k / top-p: of the truncated distribution, rollout/vllm_engine.py)
-EXACT_KEY = "rollout_log_probs_exact"
+from hybridflow.batch_meta import BatchMeta
 
 
-def gap_training_side(meta: dict, fields: list[str], old_source: str | None) -> str | None:
+def gap_training_side(meta: BatchMeta, fields: list[str]) -> str | None:
     """ "old" | "forward" (module docstring), or None when the gap is not measured: the batch holds no
-    rollout log-probs, or they follow another convention (EXACT_KEY), so that the gap would measure the
-    truncated probability mass rather than a numerical mismatch."""
-    if "rollout_log_probs" not in fields or not meta.get(EXACT_KEY, True):
+    rollout log-probs, or they follow another convention (meta.rollout_log_probs_exact False: vLLM under
+    top-k / top-p), so that the gap would measure the truncated probability mass rather than a numerical
+    mismatch."""
+    if "rollout_log_probs" not in fields or meta.rollout_log_probs_exact is False:
         return None
-    if old_source in ("update", "rollout") or "old_log_probs" not in fields:
+    if meta.old_log_probs_source in ("update", "rollout") or "old_log_probs" not in fields:
         return "forward"
     return "old"
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.algorithms import (
+    POLICY_LOSSES,
     aggregate_loss,
     dpo_loss,
     kl_loss,
     masked_mean,
-    policy_loss,
-    truncated_is_weights,
+    rollout_correction_weights,
     value_loss,
 )
 
@@ -27,25 +27,34 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
     from hybridflow.workers.gap_meter import GapMeter
 
 
-# batch.meta key: where the step's old log-probs come from, "rollout" | "update" | "actor" (set by the
-# driver, trainers/rl.py old_log_prob_source; "update": from the update's own forward)
-OLD_SOURCE = "old_log_probs_source"
+def split_aggregation(loss_agg_mode: str) -> tuple[str, str]:
+    """loss_agg_mode -> (the micro-batch's aggregation, the engine's loss_weighting) that together give the
+    mode over the whole global mini-batch whatever its split into micro-batches and dp ranks: a mean over
+    tokens or sequences is the micro-batches' means weighted by their counts; token-sum is the
+    token-mean times the global token count (the engine's "token-sum" weighting)."""
+    if loss_agg_mode == "token-sum":
+        return "token-mean", "token-sum"
+    return loss_agg_mode, "tokens" if loss_agg_mode == "token-mean" else "sequences"
 
 
 def actor_loss_fn(
     actor_cfg: ActorConfig,
     algo_cfg: AlgorithmConfig,
-    is_cap: float = 0.0,
+    norm_length: int,
+    correct: bool = False,
     old_from_forward: bool = False,
     gap: GapMeter | None = None,
 ):
-    """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference when use_kl_loss). is_cap > 0:
-    each token's policy loss weighted by min(exp(old - rollout log-prob), is_cap) (a rollout one step
-    behind: algorithms/off_policy.py), logged as is_weight_mean / is_weight_clipfrac. old_from_forward:
-    the old log-probs are this forward's own, detached (an update of one optimizer step: trainers/rl.py
-    old_log_prob_source), so the ratio is exactly 1 where the gradient is taken. gap: given the
-    forward's log-probs against the rollout's, until closed (workers/gap_meter.py)."""
-    agg = actor_cfg.loss_agg_mode
+    """actor.policy_loss (algorithms/policy_losses.py) + entropy bonus + KL loss to the reference when
+    use_kl_loss, aggregated by split_aggregation(actor.loss_agg_mode)[0]; norm_length: the constant of
+    seq-mean-token-sum-norm (rollout.response_length). correct: each token's policy loss weighted by
+    actor.rollout_correction's weights of the old log-probs against the rollout's (algorithms/
+    rollout_correction.py), logged as is_weight_mean / is_weight_clipfrac / is_masked_frac.
+    old_from_forward: the old log-probs are this forward's own, detached (an update of one optimizer
+    step: trainers/rl.py old_log_prob_source), so the ratio is exactly 1 where the gradient is taken.
+    gap: given the forward's log-probs against the rollout's, until closed (workers/gap_meter.py)."""
+    agg = split_aggregation(actor_cfg.loss_agg_mode)[0]
+    policy, rc = POLICY_LOSSES[actor_cfg.policy_loss], actor_cfg.rollout_correction
 
     def loss_fn(out: dict, mb) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
@@ -54,19 +63,14 @@ def actor_loss_fn(
             gap.add(log_probs, mb["rollout_log_probs"], mask)
         old = log_probs.detach() if old_from_forward else mb["old_log_probs"]
         is_weights, is_metrics = None, {}
-        if is_cap > 0:
-            is_weights, is_metrics = truncated_is_weights(old, mb["rollout_log_probs"], mask, is_cap)
-        loss, m = policy_loss(
-            log_probs,
-            old,
-            mb["advantages"],
-            mask,
-            actor_cfg.clip_ratio_low,
-            actor_cfg.clip_ratio_high,
-            actor_cfg.clip_ratio_c,
-            agg,
-            is_weights,
-        )
+        if correct:
+            is_weights, is_metrics = rollout_correction_weights(
+                old, mb["rollout_log_probs"], mask, rc.mode, rc.level, rc.lower, rc.upper
+            )
+        loss, m = policy(
+            log_probs, old, mb["advantages"], mask, actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high,
+            actor_cfg.clip_ratio_c, agg, is_weights, norm_length,
+        )  # fmt: skip
         metrics = {
             "pg_loss": loss.detach(),
             "pg_clipfrac": m["clipfrac"],
@@ -75,12 +79,12 @@ def actor_loss_fn(
             **is_metrics,
         }
         if "entropy" in out:
-            entropy = aggregate_loss(out["entropy"], mask, agg)
+            entropy = aggregate_loss(out["entropy"], mask, agg, norm_length)
             metrics["entropy"] = entropy.detach()
             if algo_cfg.entropy_coeff:
                 loss = loss - algo_cfg.entropy_coeff * entropy
         if algo_cfg.use_kl_loss:
-            kl = kl_loss(log_probs, mb["ref_log_probs"], mask, algo_cfg.kl_loss_kind, agg)
+            kl = kl_loss(log_probs, mb["ref_log_probs"], mask, algo_cfg.kl_loss_kind, agg, norm_length)
             loss = loss + algo_cfg.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss, metrics
@@ -88,8 +92,10 @@ def actor_loss_fn(
     return loss_fn
 
 
-def critic_loss_fn(critic_cfg: CriticConfig, values_key: str, returns_key: str):
-    """Clipped value loss against `returns_key`, clipping around the rollout-time `values_key`."""
+def critic_loss_fn(critic_cfg: CriticConfig, values_key: str, returns_key: str, norm_length: int):
+    """Clipped value loss against `returns_key`, clipping around the rollout-time `values_key`, aggregated
+    by split_aggregation(critic.loss_agg_mode)[0] (norm_length: as actor_loss_fn's)."""
+    agg = split_aggregation(critic_cfg.loss_agg_mode)[0]
 
     def loss_fn(out: dict, mb) -> tuple[torch.Tensor, dict]:
         loss, m = value_loss(
@@ -98,7 +104,8 @@ def critic_loss_fn(critic_cfg: CriticConfig, values_key: str, returns_key: str):
             mb[returns_key],
             mb["response_mask"],
             critic_cfg.cliprange_value,
-            critic_cfg.loss_agg_mode,
+            agg,
+            norm_length,
         )
         return loss, {
             "vf_loss": loss.detach(),

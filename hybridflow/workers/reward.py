@@ -16,6 +16,7 @@ import torch
 
 from hybridflow.algorithms import place_score_on_last_token
 from hybridflow.batch import Batch
+from hybridflow.config.roles import RewardWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import load_reward_model
@@ -24,13 +25,13 @@ from hybridflow.workers.common import engine_config, seed_everything, set_train_
 
 
 class RewardModelWorker(Worker):
-    """config: HybridFlowConfig; model_path: the HF sequence-classification directory;
-    score_key: output field ("rm_scores" for reward, "cost_scores" for cost)."""
+    """config: the reward model's part of the config tree (config/roles.py); model_path: the HF
+    sequence-classification directory; score_key: output field ("rm_scores" for reward, "cost_scores" for cost)."""
 
-    def __init__(self, config, model_path: str, score_key: str = "rm_scores"):
+    def __init__(self, config: RewardWorkerConfig, model_path: str, score_key: str = "rm_scores"):
         self.config, self.model_path, self.score_key = config, model_path, score_key
         self.engine_cfg = engine_config(
-            config.reward, self.world_size, "reward", config.trainer.seed, config.model.dtype,
+            config.reward, self.world_size, "reward", config.seed, config.model.dtype,
             remove_padding=config.model.remove_padding, share_prompt=config.model.share_prompt,
         )  # fmt: skip
         set_train_layout(self, "train", self.engine_cfg.parallel)
@@ -38,7 +39,7 @@ class RewardModelWorker(Worker):
 
     @register(Protocol.ONE_TO_ALL)
     def init_model(self) -> dict:
-        seed_everything(self.config.trainer.seed)
+        seed_everything(self.config.seed)
         remote = self.config.model.trust_remote_code
         model = load_reward_model(
             self.model_path, device="meta", trust_remote_code=remote

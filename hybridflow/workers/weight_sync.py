@@ -15,7 +15,7 @@ so actor rank 0 returns as soon as they are issued and starts the next update wh
 backend's own threads push the bytes (gloo's worker threads; NCCL's stream). Only the rollout pool, which
 needs the weights before it generates, waits for them. The next sync (or a new sync group) first waits
 for the previous one's broadcasts; at most SEND_INFLIGHT_BYTES of buckets are held at once, so a large
-model's sync overlaps its last SEND_INFLIGHT_BYTES with the update and waits for the rest as before.
+model's sync overlaps its last SEND_INFLIGHT_BYTES with the update and waits for the rest.
 
 Both sides walk the same list of (name, shape, dtype), the rollout model's state dict without tied
 duplicates, so they cut the same buckets without sending any layout information per sync. A tensor-parallel
@@ -33,10 +33,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import Protocol, register
+from hybridflow.hybrid_engine.sync_budget import BUCKET_BYTES, SEND_INFLIGHT_BYTES
 from hybridflow.workers.shard_sync import build_subgroups, send_shards
-
-BUCKET_BYTES = 64 << 20  # one broadcast per bucket: few calls, bounded extra memory on both sides
-SEND_INFLIGHT_BYTES = 1 << 30  # buckets actor rank 0 may hold while their broadcasts run behind its update
 
 
 def plan_buckets(spec: list, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:

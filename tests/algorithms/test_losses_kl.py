@@ -41,9 +41,17 @@ def test_aggregate_loss_modes_by_hand():
     assert aggregate_loss(loss, MASK, "token-mean").item() == pytest.approx(3.0)  # (1+3+5)/3
     assert aggregate_loss(loss, MASK, "seq-mean-token-sum").item() == pytest.approx(4.5)  # (4+5)/2
     assert aggregate_loss(loss, MASK, "seq-mean-token-mean").item() == pytest.approx(3.5)  # (2+5)/2
+    assert aggregate_loss(loss, MASK, "token-sum").item() == pytest.approx(9.0)  # 1+3+5
+    # Dr. GRPO: each sequence's sum over the constant 8 (the configured response length, not the width 3)
+    assert aggregate_loss(loss, MASK, "seq-mean-token-sum-norm", 8).item() == pytest.approx(
+        (4 / 8 + 5 / 8) / 2
+    )
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate_loss(loss, MASK, "seq-mean-token-sum-norm")
     empty_row = torch.cat([MASK, torch.zeros(1, 3)])
     loss3 = torch.cat([loss, torch.full((1, 3), 50.0)])
     assert aggregate_loss(loss3, empty_row, "seq-mean-token-mean").item() == pytest.approx(3.5)
+    assert aggregate_loss(loss3, empty_row, "seq-mean-token-sum-norm", 4).item() == pytest.approx(9 / 8)
     with pytest.raises(ValueError, match="token-mean"):
         aggregate_loss(loss, MASK, "sum")
 

@@ -72,3 +72,38 @@ def test_stats_follow_the_training_device_without_reading_values():
     stats = log_prob_gap_stats(train, torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.long))
     assert stats.device.type == "meta" and stats.shape == (len(GAP_STATS),)
     assert reduce_gap_stats(torch.stack([stats, stats])).device.type == "meta"
+
+
+def test_rollout_corr_metrics_by_hand():
+    """verl's rollout_corr/* on the first test's tokens: log rho = train - rollout = 0.5, -0.25 (row 0) and 0
+    (row 1); the padding token's log-ratio of 9 must count nowhere."""
+    train = [[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]
+    rollout = [[-1.5, -1.75, -9.0], [-0.5, 0.0, 0.0]]
+    m = gap_metrics(_stats(train, rollout, [[1, 1, 0], [1, 0, 0]]))
+    e = math.exp
+    rho = [e(0.5), e(-0.25), 1.0]
+    want = {
+        "rollout_corr/kl": -(0.5 - 0.25) / 3,  # mean of log mu - log pi
+        "rollout_corr/k3_kl": sum(r - 1 - math.log(r) for r in rho) / 3,
+        "rollout_corr/training_ppl": (e(1.5) + e(0.5)) / 2,  # row means of log p: -1.5 and -0.5
+        "rollout_corr/rollout_ppl": (e(1.625) + e(0.5)) / 2,
+        "rollout_corr/ppl_ratio": (e(-0.125) + 1.0) / 2,
+        "rollout_corr/chi2_token": sum(r * r for r in rho) / 3 - 1,
+        "rollout_corr/chi2_seq": (e(2 * 0.25) + 1.0) / 2 - 1,  # row 0's product of ratios: e^0.25
+        "rollout_corr/rollout_is_eff_sample_size": sum(rho) ** 2 / (3 * sum(r * r for r in rho)),
+    }
+    assert {k: m[k] for k in want} == pytest.approx(want, abs=1e-12)
+
+
+def test_rollout_corr_metrics_reduce_over_ranks_not_as_means_of_ranks():
+    """Rank 0: two tokens with rho = 1, rank 1: one with rho = 4. ESS of the step (1 + 1 + 4)^2 / (3 * 18)
+    = 2/3, chi2_token (1 + 1 + 16) / 3 - 1 = 5; the mean of the ranks' values would be 1 and 7.5; chi2_seq
+    over the 2 sequences: (1 + 16) / 2 - 1 = 7.5, k1 -log 4 / 3."""
+    rank0 = _stats([[-1.0, -1.0]], [[-1.0, -1.0]], [[1, 1]])
+    rank1 = _stats([[-1.0, -1.0]], [[-1.0 - math.log(4), 0.0]], [[1, 0]])
+    m = gap_metrics(reduce_gap_stats(torch.stack([rank0, rank1])))
+    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(2 / 3, abs=1e-12)
+    assert m["rollout_corr/chi2_token"] == pytest.approx(5.0, abs=1e-12)
+    assert m["rollout_corr/chi2_seq"] == pytest.approx(7.5, abs=1e-12)
+    assert m["rollout_corr/kl"] == pytest.approx(-math.log(4) / 3, abs=1e-12)
+    assert m["rollout_corr/ppl_ratio"] == pytest.approx((1 + 0.25) / 2, abs=1e-12)

@@ -206,3 +206,22 @@ def test_corrupt_latest_pointer_falls_back_to_newest_complete(tmp_path, caplog):
     _save(manager, 1)
     (manager.dir / "latest").write_bytes(b"\xff\xfe\x00garbage")
     assert manager.latest_step() == 1 and "stale or corrupt" in caplog.text
+
+
+def test_checkpoint_without_manifest_is_invalid_and_auto_never_starts_over(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    for step in (2, 4):
+        _save(manager, step)
+    (manager.step_dir(4) / "manifest.json").unlink()  # the newest one: skipped like a damaged one
+    assert manager.resolve("auto") == manager.step_dir(2) and "stale or corrupt ('step_4')" in caplog.text
+    (manager.step_dir(2) / "manifest.json").unlink()  # none left that verifies: refused, not a fresh start
+    with pytest.raises(CheckpointError) as e:
+        manager.resolve("auto")
+    msg = str(e.value)
+    assert "\n" not in msg and "no valid checkpoint" in msg and "trainer.resume=never" in msg
+    assert "step_2 has no manifest.json; step_4 has no manifest.json" in msg
+    shutil.rmtree(manager.step_dir(2))
+    shutil.rmtree(manager.step_dir(4))  # only the pointer is left: a run was here all the same
+    with pytest.raises(CheckpointError, match="latest names 'step_4', not a complete checkpoint"):
+        manager.resolve("auto")
+    assert manager.resolve("never") is None

@@ -13,7 +13,9 @@ Aliases are tracked per module, flow-insensitively: generous, but never by field
 `.tg` of an unrelated object does not count as reading `rollout.tg`.
 
 Not counted: config/schema.py, config/algorithm_config.py, engines/config.py (they define the fields),
-the loader and the CLI (they handle every field alike) and the checks of validate.py and model_checks.py.
+the loader and the CLI (they handle every field alike), the checks of validate.py and model_checks.py, and
+config/roles.py, which copies fields into the role workers' configs: a worker's read of its copy
+(`self.config.seed`, typed ActorWorkerConfig) counts for the field copied (`trainer.seed`).
 resolve_config and its helpers count: deriving values from a field acts on it (filling in a field's own
 default, `if x.f == 0: x.f = ...`, does not), and so do the config classes' own properties.
 
@@ -36,13 +38,14 @@ from hybridflow.config.validate import NOT_YET
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hybridflow"
 SKIP = {"engines/config.py", "fields.py", "config/loader.py", "config/cli.py", "config/algorithm_config.py",
-        "config/model_checks.py"}  # fmt: skip
+        "config/model_checks.py", "config/roles.py"}  # fmt: skip
 # Modules where only some top-level functions or classes count: validate.py's derivations (the rest
-# only checks values), and schema.py's classes for their properties (num_devices, run_dir); its field
-# definitions are not reads.
+# only checks values), and the config classes' properties (ResourcesConfig.num_devices, run_dir); their field
+# definitions and each section's checks are not reads.
 ONLY = {
     "config/validate.py": {"resolve_config", "section_devices", "split_sizes", "_dp"},
-    "config/schema.py": {"ResourcesConfig", "HybridFlowConfig"},
+    "config/schema.py": {"HybridFlowConfig"},
+    "config/run_config.py": {"ResourcesConfig"},
 }
 BASE = ["model.path=m", "data.dataset=synthetic:arithmetic"]
 
@@ -197,8 +200,24 @@ def package_reads() -> set[tuple[str, str]]:
     return reads
 
 
+def role_copies() -> dict[str, set[tuple[str, str]]]:
+    """Tree fields config/roles.py copies into a worker config's own field (`seed=cfg.trainer.seed`):
+    dotted path -> {('<ActorWorkerConfig>', 'seed'), ...}. Copying is not acting; the worker's read is."""
+    out: dict[str, set[tuple[str, str]]] = {}
+    for node in ast.walk(ast.parse((PACKAGE / "config" / "roles.py").read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            for kw in node.keywords:
+                chain = _chain(kw.value)
+                if chain and chain.count(".") >= 2:  # a field (cfg.trainer.seed), not a section
+                    out.setdefault(chain.removeprefix("cfg."), set()).add((f"<{node.func.id}>", kw.arg))
+    return out
+
+
 def unread_fields() -> list[str]:
     reads = package_reads()
+    for path, copies in role_copies().items():  # a worker reading its copy reads the tree's field
+        if copies & reads:
+            reads.add((path.split(".")[-2], path.split(".")[-1]))
     exempt = set(NOT_YET) | set(CHECKED_ONLY)
     return [
         path
@@ -253,3 +272,19 @@ def test_checked_only_fields_are_rejected(key):
     for overrides in CHECKED_ONLY[key]:
         cfg = load_config(None, [*BASE, *overrides], validate=False)
         assert [e for e in collect_errors(cfg, check_model=False) if e.startswith(key)], overrides
+
+
+def test_every_worker_config_field_is_read_by_its_worker():
+    """What config/roles.py sends a worker, the worker reads: a field nothing reads is one it was sent and
+    ignores. A read: `self.config.x` in a worker whose `config` parameter is typed with the class, or
+    `config.x` where the class cannot be named (rollout/factory.py, a layer below config/)."""
+    from hybridflow.config.roles import ActorWorkerConfig, CriticWorkerConfig, RewardWorkerConfig
+
+    reads = package_reads()
+    unread = [
+        f"{cls.__name__}.{f.name}"
+        for cls in (ActorWorkerConfig, CriticWorkerConfig, RewardWorkerConfig)
+        for f in dataclasses.fields(cls)
+        if (f"<{cls.__name__}>", f.name) not in reads and ("config", f.name) not in reads
+    ]
+    assert unread == []

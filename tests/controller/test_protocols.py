@@ -6,12 +6,15 @@ import pytest
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.controller import shard_indices
 
 
 def _batch(n: int) -> Batch:
     return Batch(
-        {"x": torch.arange(n, dtype=torch.float32)}, {"uid": [f"s{i}" for i in range(n)]}, {"step": 7}
+        {"x": torch.arange(n, dtype=torch.float32)},
+        {"uid": [f"s{i}" for i in range(n)]},
+        BatchMeta(global_step=7),
     )
 
 
@@ -32,7 +35,7 @@ def test_dp_proto_splits_pads_and_concatenates(groups, n):
     assert len(out) == n
     assert out["y"].tolist() == [2.0 * i for i in range(n)]  # order kept, padding dropped
     assert list(out["uid"]) == [f"s{i}" for i in range(n)]
-    assert out.meta == {"step": 7}
+    assert out.meta == BatchMeta(global_step=7)
     assert out["rank"].tolist() == _expected_rank_of_rows(n, g.world_size, list(range(g.world_size)))
     assert set(out["world"].tolist()) == {g.world_size}  # the all_reduce ran over the whole group
 

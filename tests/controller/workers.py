@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Protocol, Worker, register, register_protocol
-from hybridflow.controller.process import INFO_KEY
 
 
 class EchoWorker(Worker):
@@ -34,7 +33,7 @@ class EchoWorker(Worker):
         ones = torch.ones(1)
         dist.all_reduce(ones)  # a real collective over the group: sums to world size
         self.last_input = batch["x"].clone()
-        out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
+        out = Batch(dict(batch.tensors), dict(batch.non_tensors), batch.meta.copy())
         out["y"] = batch["x"] * self.scale
         out["rank"] = torch.full((len(batch),), self.rank)
         out["world"] = torch.full((len(batch),), int(ones.item()))
@@ -109,7 +108,7 @@ class Tripwire:
 
 def publish_rows(batch: Batch) -> Batch:
     """For Worker.apply: the batch unchanged, its size and this process's pid published to the driver."""
-    batch.meta[INFO_KEY] = {"rows": len(batch), "pid": os.getpid()}
+    batch.meta.call_info = {"rows": len(batch), "pid": os.getpid()}
     return batch
 
 

@@ -151,7 +151,7 @@ def test_sft_and_dpo_batches(tok):
     cfg = DataConfig(dataset="synthetic:arithmetic_dpo", dataset_kwargs={"num_samples": 8})
     dpo = build_pair_dataset(cfg, tok, "dpo")
     b = StatefulDataLoader(dpo, 2, shuffle=False).next_batch()
-    assert len(b) == 4 and b.meta["pairs"] == "interleaved"
+    assert len(b) == 4 and b.meta.pairs is True
     assert b["uid"][0] == b["uid"][1] != b["uid"][2]
     assert torch.equal(b["prompts"][0], b["prompts"][1])
     rows = get_dataset("synthetic:arithmetic_dpo")("train", seed=1, num_samples=8)

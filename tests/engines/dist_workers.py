@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 
 
 def run_case(case: dict, out_dir: Path) -> dict:
-    """Two train steps of `pg_loss` on this rank's dp shard; returns what the tests compare."""
-    from rl_data import make_rl_batch, pg_loss
+    """Two train steps of `pg_loss` (or of the actor's loss under loss_agg_mode case["agg"]) on this rank's
+    dp shard; returns what the tests compare."""
+    from rl_data import actor_agg_loss, make_rl_batch, pg_loss
 
     from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig, TrainEngine
     from hybridflow.models import load_causal_lm
@@ -40,10 +41,11 @@ def run_case(case: dict, out_dir: Path) -> dict:
     batch = make_rl_batch(engine.hf_model.config.vocab_size, **case["batch"])
     local = batch.chunk(dp)[dist.get_rank() // tp]  # tp ranks of one dp group share a shard
     log_probs, entropy = engine.compute_log_probs(local, with_entropy=True)
-    metrics = engine.forward_backward(local, pg_loss)
+    loss_fn, weighting = actor_agg_loss(case["agg"]) if "agg" in case else (pg_loss, "tokens")
+    metrics = engine.forward_backward(local, loss_fn, loss_weighting=weighting)
     grads = dict(engine.iter_full_grads())
     step = engine.optimizer_step()
-    second = engine.train_step(local, pg_loss)
+    second = engine.train_step(local, loss_fn, loss_weighting=weighting)
     state = engine.full_state_dict()
     if case.get("save_dir"):
         engine.save_hf(case["save_dir"])

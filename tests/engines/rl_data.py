@@ -32,6 +32,18 @@ def pg_loss(outputs, mb):
     return loss, {"neg_lp": float(-(outputs["log_probs"].detach() * mask).sum() / mask.sum().clamp(min=1))}
 
 
+def actor_agg_loss(mode: str, norm_length: int = 8):
+    """The actor's policy loss (vanilla, its own forward as the old log-probs) under loss_agg_mode `mode`,
+    and the engine weighting that mode takes: (loss_fn, loss_weighting), as workers/actor.py builds them."""
+    from hybridflow.config.schema import ActorConfig, AlgorithmConfig
+    from hybridflow.workers.losses import actor_loss_fn, split_aggregation
+
+    actor = ActorConfig(loss_agg_mode=mode)
+    return actor_loss_fn(actor, AlgorithmConfig(), norm_length, old_from_forward=True), split_aggregation(
+        mode
+    )[1]
+
+
 def reference_log_probs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain HF forward (full logits): log-probs and entropy of the responses, (B, Lr)."""
     lr = batch["responses"].shape[1]

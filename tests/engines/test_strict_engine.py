@@ -35,8 +35,8 @@ def test_updates_read_every_loss_field_on_the_device(model_dir, role):
     a GPU each must be on the device, not only the model inputs."""
     algo = AlgorithmConfig(use_kl_loss=True)
     loss_fn = {
-        "actor": actor_loss_fn(ActorConfig(), algo, is_cap=2.0),
-        "critic": critic_loss_fn(CriticConfig(), "values", "returns"),
+        "actor": actor_loss_fn(ActorConfig(), algo, 8, correct=True),
+        "critic": critic_loss_fn(CriticConfig(), "values", "returns", 8),
         "sft": sft_loss,
     }[role]
     with strict_device.strict_scope():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow.config.roles import worker_config
 from hybridflow.controller import ResourcePool, create_colocated_groups
 from hybridflow.data import build_prompt_dataset
 from hybridflow.models import load_tokenizer
@@ -49,7 +50,10 @@ def setup(ray_cluster, tmp_path_factory):
         cfg = tiny_config(qwen2 if name.startswith("qwen2") else model, tmp / "runs", "grpo", f"actor.parallel.tp={tp}", f"rollout.tg={tg}",
                           f"rollout.reshard={method}", "rollout.response_length=6", "actor.optim.lr=5e-2",
                           "actor.micro_batch_size_per_device=64", devices=4)  # fmt: skip
-        roles[name] = (ActorRolloutRefWorker, {"config": cfg, "roles": ("actor", "rollout")})
+        roles[name] = (
+            ActorRolloutRefWorker,
+            {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout")},
+        )
     pool = ResourcePool(4, name="reshard4")
     groups = create_colocated_groups(pool, roles, group_name="reshard4")
     for g in groups.values():
@@ -72,7 +76,7 @@ def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
         assert torch.equal(out["responses"], ref["responses"]), name
         assert torch.equal(out["response_mask"], ref["response_mask"]), name
         torch.testing.assert_close(out["rollout_log_probs"], ref["rollout_log_probs"], atol=1e-5, rtol=0)
-        m = out.meta["reshard_metrics"]
+        m = out.meta.reshard_metrics
         assert m["reshard/bytes_per_rank"] == m["reshard/formula_bytes_per_rank"], (name, m)
         held, formula = m["reshard/gen_weight_bytes_per_rank"], m["reshard/formula_gen_weight_bytes_per_rank"]
         assert formula <= held <= formula + unit_bytes(tp, tg, method, vocab), (name, m)
@@ -90,7 +94,7 @@ def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
             assert m["reshard/collectives_per_rank"] == 2 * moved + 3 * (tp < 4), (name, m)
     # the layouts' measured costs order as Table 2 says: hybridflow moves and holds the least
     cost = {
-        n: groups[n].generate_sequences(prompts, sampling=GREEDY).meta["reshard_metrics"]
+        n: groups[n].generate_sequences(prompts, sampling=GREEDY).meta.reshard_metrics
         for n in ("tp4_tg2", "tp4_tg2_allgather", "tp4_tg2_two_copy")
     }
     hf, ag = cost["tp4_tg2"], cost["tp4_tg2_allgather"]
@@ -105,7 +109,7 @@ def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
 def test_every_method_samples_the_same_rollouts(setup):
     """Replica i gets the same prompts and seed under every method, so sampled rollouts agree too."""
     groups, prompts = setup
-    prompts.meta["global_step"] = 7  # the sampling seed's step (else it counts each worker's calls)
+    prompts.meta.global_step = 7  # the sampling seed's step (else it counts each worker's calls)
     outs = {n: groups[n].generate_sequences(prompts) for n in LAYOUTS if n.startswith("tp4_tg2")}
     ref = outs.pop("tp4_tg2")
     assert ref["responses"].shape == (12, 6)

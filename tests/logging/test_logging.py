@@ -59,6 +59,14 @@ def test_tracker_jsonl_console_tensorboard(tmp_path):
         t.log({"reward/mean": 9.0}, 3)
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3] and not (tmp_path / "generations.jsonl").read_text()
+    with Tracker(tmp_path, ["jsonl"], resume_step=3) as t:  # one history: its steps never go back
+        with pytest.raises(TrackerError, match="step 2 after step 3; a second history is never appended"):
+            t.log({"reward/mean": 1.0}, 2)
+        t.log({"reward/mean": 1.0}, 3)
+    with Tracker(tmp_path, ["jsonl"]) as t:  # a fresh run starts the history over
+        t.log({"reward/mean": 2.0}, 1)
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]
 
 
 def test_optional_loggers_fail_clearly(tmp_path, monkeypatch):

@@ -149,7 +149,7 @@ def test_output_fields_and_eos(models, tokenizer):
         if n < lr:
             assert bool(torch.isin(row[n - 1], stop)), "stopped early without a stop token"
         assert (row[n:] == 0).all() and (out["rollout_log_probs"][i, n:] == 0).all()
-    assert list(out["uid"]) == list(range(b)) and out.meta["temperature"] == 1.0
+    assert list(out["uid"]) == list(range(b)) and out.meta.temperature == 1.0
 
 
 def test_n_samples_interleaved_and_seeded(models, tokenizer):
@@ -179,7 +179,7 @@ def test_rollout_log_probs_match_hf_forward(models, tokenizer, arch, temperature
     )
     ref = hf_log_probs(model, out, temperature)
     mask = out["response_mask"].bool()
-    assert out.meta["temperature"] == temperature
+    assert out.meta.temperature == temperature
     torch.testing.assert_close(out["rollout_log_probs"][mask], ref[mask], atol=1e-4, rtol=1e-4)
 
 
@@ -187,7 +187,7 @@ def test_greedy_log_probs_at_temperature_one(models, tokenizer):
     out = BuiltinEngine(models["llama"]).generate(
         prompt_batch(tokenizer), SamplingParams(max_new_tokens=12, do_sample=False, temperature=0.5)
     )
-    assert out.meta["temperature"] == 1.0
+    assert out.meta.temperature == 1.0
     mask = out["response_mask"].bool()
     torch.testing.assert_close(
         out["rollout_log_probs"][mask], hf_log_probs(models["llama"], out, 1.0)[mask], atol=1e-4, rtol=1e-4
@@ -274,8 +274,8 @@ def test_greedy_n_samples_equal_single_sample_repeated(models, tokenizer, arch):
 def test_mkl_packed_linear_equals_matmul_for_any_row_count():
     """Decode packs each weight once per generate call (MKL packed GEMM) and multiplies it with 1..B
     rows as rows finish; the pack must give x @ w.T at every row count, with and without bias."""
+    from hybridflow.rollout.cpu.mkl_packed import MklPacked, mkl_pack_works
     from hybridflow.rollout.llama_decoder import _mm, _mm_residual
-    from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
 
     if not mkl_pack_works():
         pytest.skip("this torch build has no MKL packed GEMM (the decoder uses transposed copies)")
@@ -291,8 +291,8 @@ def test_mkl_packed_linear_equals_matmul_for_any_row_count():
 
 
 def test_decoder_uses_mkl_packs_on_fp32_cpu(models):
+    from hybridflow.rollout.cpu.mkl_packed import MklPacked, mkl_pack_works
     from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder
-    from hybridflow.rollout.mkl_packed import MklPacked, mkl_pack_works
 
     decoder = LlamaFamilyDecoder(models["llama"], pack_weights=True)
     decoder.load()

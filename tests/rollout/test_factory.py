@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridflow.config import ConfigError, load_config
+from hybridflow.config.roles import worker_config
 from hybridflow.models.tiny import build_tiny_model, save_tiny_model
 from hybridflow.rollout import BuiltinEngine, SamplingParams
 from hybridflow.rollout.factory import build_generation_engine, max_sequences_per_call, require_rollout_engine
@@ -28,18 +29,12 @@ def errors(overrides, check_model=False) -> list[str]:
 
 
 def test_builtin_engine_from_config():
-    cfg = load_config(None, [*BASE, "rollout.cpu_threads=3", "rollout.cpu_streams=2"], check_model=False)
-    eng = build_generation_engine(cfg, build_tiny_model("tiny", "llama"))
+    cfg = load_config(None, [*BASE, "rollout.cpu_threads=3"], check_model=False)
+    eng = build_generation_engine(worker_config(cfg, "actor_rollout"), build_tiny_model("tiny", "llama"))
     assert isinstance(eng, BuiltinEngine) and eng.config.cpu_threads == 3
-    assert eng._row_streams(3).n == 2, "rollout.cpu_streams reaches the engine"
 
 
 def test_settings_an_engine_does_not_use_are_rejected():
-    (e,) = errors(["rollout.cpu_streams=-1"])
-    assert e.startswith("rollout.cpu_streams:") and "\n" not in e
-    for streams in (0, 2):  # 1 (off) is the default
-        (e,) = errors(["rollout.engine=vllm", f"rollout.cpu_streams={streams}"])
-        assert e.startswith("rollout.cpu_streams:") and "builtin" in e
     (e,) = errors(["rollout.gpu_memory_utilization=0.4"])
     assert e.startswith("rollout.gpu_memory_utilization:") and "builtin" in e and "\n" not in e
     assert any("sglang" in x and "rollout.engine" in x for x in errors(["rollout.engine=sglang"]))
@@ -102,13 +97,13 @@ def test_vllm_not_installed_is_one_line_at_run_start():
 
 def test_sequences_per_call_sizes_the_vllm_kv_cache():
     cfg = load_config(None, [*BASE, "data.train_batch_size=64", "rollout.n=8"], check_model=False)
-    assert max_sequences_per_call(cfg, world_size=2) == 32 * 8
+    assert max_sequences_per_call(worker_config(cfg, "rollout"), world_size=2) == 32 * 8
     cfg = load_config(
         None,
         [*BASE, "rollout.micro_batch_size_per_device=4", "rollout.n=2", "rollout.val.n=5"],
         check_model=False,
     )
-    assert max_sequences_per_call(cfg, world_size=2) == 4 * 5
+    assert max_sequences_per_call(worker_config(cfg, "rollout"), world_size=2) == 4 * 5
     # 2 layers x K,V x 2 kv heads x head_dim 16 x 4 bytes = 512 bytes/token; 100 tokens -> 7 blocks + 1
     config = build_tiny_model("tiny", "llama").config
     assert kv_cache_bytes(config, torch.float32, 3, 100) == 3 * 8 * 16 * 512

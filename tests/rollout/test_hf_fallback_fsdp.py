@@ -15,6 +15,7 @@ import itertools
 import pytest
 import torch
 
+from hybridflow.config.roles import worker_config
 from hybridflow.controller import ResourcePool, create_colocated_groups
 from hybridflow.models import load_causal_lm
 from hybridflow.models.tiny import save_tiny_model
@@ -41,7 +42,10 @@ def setup(ray_cluster, tmp_path_factory):
         # shares the packed-attention implementation the training forward is switched to)
         cfg = tiny_config(dirs[arch], tmp / "runs", "grpo", f"rollout.response_length={NEW_TOKENS}",
                           "actor.optim.lr=1e-2", devices=2)  # fmt: skip
-        roles[arch] = (ActorRolloutRefWorker, {"config": cfg, "roles": ("actor", "rollout")})
+        roles[arch] = (
+            ActorRolloutRefWorker,
+            {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout")},
+        )
     pool = ResourcePool(2, name="hf_fsdp2")
     # 60 s: a rank left waiting in a collective fails the test in a minute instead of hanging it
     groups = create_colocated_groups(pool, roles, group_name="hf_fsdp2", dist_timeout_s=60)

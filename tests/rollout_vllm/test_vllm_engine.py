@@ -88,7 +88,7 @@ def test_greedy_matches_builtin_hf_and_training_log_probs(arch, padded, batch):
     assert out["rollout_log_probs"].dtype == torch.float32
     torch.testing.assert_close(out["rollout_log_probs"], training_log_probs(m, out, 1.0), atol=1e-4, rtol=0)
     assert (out["rollout_log_probs"] * (1 - out["response_mask"])).abs().sum() == 0
-    assert out.meta["rollout_log_probs_exact"] and out.meta["temperature"] == 1.0
+    assert out.meta.rollout_log_probs_exact and out.meta.temperature == 1.0
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -157,7 +157,7 @@ def test_sampling_statistics_match_the_exact_distribution(temperature, top_k, to
         assert freq[exact == 0].sum() == 0, f"{name} sampled a token top-k/top-p excludes"
     truncated = top_k > 0 or top_p < 1.0
     vout = eng.generate(one, params)
-    assert vout.meta["rollout_log_probs_exact"] is (not truncated)
+    assert vout.meta.rollout_log_probs_exact is (not truncated)
     if not truncated:  # then vLLM's log-probs are log_softmax(logits / T), as the training side computes
         expect = (logits[0] / temperature).log_softmax(-1)[vout["responses"][:, 0]]
         torch.testing.assert_close(vout["rollout_log_probs"][:, 0], expect, atol=1e-4, rtol=0)

@@ -201,7 +201,7 @@ def test_cpu_entry_follows_the_compute_dtype(make_config):
 def _one_step(trainer) -> dict:
     trainer.global_step = 1
     batch = trainer.train_loader.next_batch()
-    batch.meta["global_step"] = 1
+    batch.meta.global_step = 1
     batch, metrics = trainer.train_step(batch)
     assert len(batch) == 4 * 2
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):

@@ -29,7 +29,7 @@ COMMON = ("timing_s/gen", "timing_s/step", "timing_s/update_actor", "actor/pg_lo
 def _step(trainer):
     batch = trainer.train_loader.next_batch()
     trainer.global_step += 1
-    batch.meta["global_step"] = trainer.global_step
+    batch.meta.global_step = trainer.global_step
     with trainer.timers("step"):
         out, metrics = trainer.train_step(batch)
     metrics.update(trainer.timers.pop())

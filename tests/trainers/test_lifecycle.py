@@ -118,18 +118,23 @@ def test_second_run_refused_sigterm_mid_save_then_three_sigints(config_file, tmp
         return max(steps) if steps and max(steps) > after else None
 
     after = max([r["step"] for r in metric_rows(run)], default=0) + 1
-    step = wait_for(saving, proc, poll=0.005)
+    (worker,) = wait_for(lambda: worker_pids(proc.pid), proc)
+    while True:  # freeze the worker with a save in flight (seen after the freeze: no race with it)
+        step = wait_for(saving, proc, poll=0.005)
+        os.kill(worker, signal.SIGSTOP)
+        if list(ckpts.glob(f".tmp-step_{step}-*")):
+            break
+        os.kill(worker, signal.SIGCONT)  # that save was done already: the next one
+        after = step
     tree = descendants(proc.pid) | {proc.pid}
     ports = listening(tree)
-    proc.send_signal(signal.SIGTERM)  # mid-save: the save completes, then the run stops
+    proc.send_signal(signal.SIGTERM)  # mid-save: the save completes, then the run stops at once
+    time.sleep(0.5)
+    os.kill(worker, signal.SIGCONT)
     assert proc.wait(timeout=300) == 143
     last = _lines(tmp_path / "a.log")[-1]
     latest = CheckpointManager(run).latest()
-    # On a loaded machine the save seen in flight may finish before the signal lands; the run then
-    # finishes the step it is in and saves that one: stopped at `step` or the one after, never later.
-    stopped = int(latest.name.removeprefix("step_"))
-    assert stopped in (step, step + 1), (stopped, step)
-    step = stopped
+    assert latest.name == f"step_{step}", (latest, step)
     assert f"stopped by SIGTERM after step {step}; checkpoint {latest}" == last.removeprefix(
         "hybridflow train: "
     )
@@ -154,6 +159,78 @@ def test_second_run_refused_sigterm_mid_save_then_three_sigints(config_file, tmp
     _assert_gone(tree, ports)
 
 
+def _stop_hung_run(proc, log: Path, signals: int, limit_s: float) -> tuple[float, str]:
+    """SIGSTOP the run's worker (hung, not dead), then send `signals` SIGTERMs to the trainer; -> the
+    seconds from the first SIGTERM to its exit, and its last line. The worker is killed afterwards
+    whatever happens (a stopped process would outlive a failed test)."""
+    (worker,) = worker_pids(proc.pid)
+    tree = descendants(proc.pid) | {proc.pid}
+    ports = listening(tree)
+    os.kill(worker, signal.SIGSTOP)
+    time.sleep(3)  # the driver reaches a call on the stopped worker (every step needs it) and waits there
+    try:
+        start = time.monotonic()
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        rc = proc.wait(timeout=limit_s)
+        elapsed = time.monotonic() - start
+    finally:
+        for p in alive(tree):
+            os.kill(p, signal.SIGKILL)
+    print(f"{log.name}: exit {rc} {elapsed:.1f} s after the first SIGTERM")
+    assert rc == 143 and "Traceback" not in log.read_text()
+    _assert_gone(tree, ports)
+    return elapsed, _lines(log)[-1]
+
+
+def test_hung_worker_never_makes_the_run_unstoppable(config_file, tmp_path):
+    """A worker stopped (SIGSTOP) mid-run: the first SIGTERM ends the run once trainer.stop_grace_s has
+    passed, naming the call it waited for; after a resume, a second SIGTERM ends it at once."""
+    run = tmp_path / "run"
+    settings = ("trainer.total_steps=400", "trainer.save_every=1")
+    proc = start_train(config_file, *settings, "trainer.stop_grace_s=3", log=tmp_path / "a.log")
+    wait_for(lambda: any(r["step"] == 2 for r in metric_rows(run)), proc)
+    elapsed, last = _stop_hung_run(proc, tmp_path / "a.log", signals=1, limit_s=90)
+    assert 3 <= elapsed < 60, elapsed  # the grace period, then the shutdown (kills the stopped worker)
+    assert "trainer.stop_grace_s=3 passed after SIGTERM: the step and its checkpoint were abandoned " in last
+    assert re.search(
+        r"while waiting for actor_rollout\.\w+ \(ranks \[0\]\); latest checkpoint: .*step_", last
+    )
+    read_manifest(CheckpointManager(run).latest(), require=["actor", "trainer_state.json"])
+
+    proc = start_train(config_file, *settings, log=tmp_path / "b.log")  # stop_grace_s=120
+    step = CheckpointManager(run).latest_step()
+    wait_for(lambda: any(r["step"] == step + 1 for r in metric_rows(run)), proc)
+    elapsed, last = _stop_hung_run(proc, tmp_path / "b.log", signals=2, limit_s=90)
+    assert elapsed < 60 and "SIGTERM again: the step and its checkpoint were abandoned while waiting" in last
+
+
+def test_hung_worker_is_killed_and_restarted_after_hang_timeout(config_file, tmp_path):
+    """trainer.hang_timeout_s: a worker stopped mid-run (alive, silent) is treated as dead: one line names
+    group, rank and method, its process is killed, the run resumes from its last checkpoint and ends."""
+    run = tmp_path / "run"
+    settings = ("trainer.total_steps=6", "trainer.save_every=1", "trainer.hang_timeout_s=15")
+    proc = start_train(config_file, *settings, log=tmp_path / "a.log")
+    wait_for(lambda: any(r["step"] == 2 for r in metric_rows(run)), proc)
+    (worker,) = worker_pids(proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        assert proc.wait(timeout=600) == 0
+    finally:
+        if alive([worker]):
+            os.kill(worker, signal.SIGKILL)
+    text = (tmp_path / "a.log").read_text()
+    line = re.search(r"hybridflow train: restart 1/3 at step \d+: (.*)", text).group(1)
+    assert re.fullmatch(
+        r"worker group 'actor_rollout': rank 0 \(of waiting ranks \[0\]\) made no progress in '\w+' for 15 s "
+        r"\(trainer.hang_timeout_s\); treated as dead",
+        line,
+    ), line
+    assert "restart 2/3" not in text and "Traceback" not in text
+    assert [r["step"] for r in metric_rows(run)] == list(range(7)) and alive([worker]) == []
+
+
 def test_bad_run_settings_fail_in_one_line(config_file, capsys):
     for override, expected in [
         ("trainer.experiment_name=../../x", "must be a relative name inside trainer.output_dir"),
@@ -162,6 +239,20 @@ def test_bad_run_settings_fail_in_one_line(config_file, capsys):
         assert cli_main(["train", str(config_file), override]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and expected in err, err
+
+
+def test_run_without_a_valid_checkpoint_is_refused_not_started_over(config_file, tmp_path, capsys):
+    """A run directory whose checkpoints lost their manifests: resume=auto stops in one line (exit 2)
+    before Ray starts, and the run's metrics.jsonl is left as it was (no second history appended)."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_4" / "actor").mkdir(parents=True)
+    (ckpts / "latest").write_text("step_4\n")
+    history = "".join(f'{{"step": {s}, "reward/mean": 0.5}}\n' for s in range(5))
+    (tmp_path / "run" / "metrics.jsonl").write_text(history)
+    assert cli_main(["train", str(config_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no valid checkpoint" in err and "step_4 has no manifest.json" in err, err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == history
 
 
 def test_checkpoints_by_time(ray_cluster, make_config):

@@ -111,7 +111,6 @@ def test_the_actor_sends_without_waiting_for_the_rollout_pool(ray_cluster, make_
         (("trainer.rollout_ahead=1",), "trainer.rollout_ahead: 1 needs at least 2 devices"),
         (("trainer.rollout_ahead=2",), "trainer.rollout_ahead: 2 is not one of [0, 1]"),
         (("resources.rollout_devices=1",), "resources.rollout_devices: 1 is only used with trainer.rollout_ahead=1"),
-        (("actor.tis_imp_ratio_cap=5",), "actor.tis_imp_ratio_cap: only used with trainer.rollout_ahead=1"),
         (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "resources.rollout_devices=2"),
          "resources.rollout_devices: must leave training at least one of the 2 devices"),
         (("trainer.rollout_ahead=1", "resources.n_gpus_per_node=2", "resources.placement=split"),

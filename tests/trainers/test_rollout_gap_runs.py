@@ -11,6 +11,10 @@ without AVX-512 / AMX, whose kernels sum in different orders):
         KV-cached decode) and the update's forward (autocast over fp32 master weights) round at different
         places, so log-probs of size ~1-3 differ by ~1e-3-1e-2 per token: the mean is above 1e-4
         (measurably more than fp32's) and far below 0.1; one token's max below 0.5.
+The rollout_corr/* metrics follow from the per-token log-ratio d: k3 = e^d - 1 - d ~ d^2 / 2, so fp32's
+|d| < 1e-4 bounds it by 5e-9 and the k1 KL by 1e-4, and bf16's mean |d| > 1e-4 puts k3's mean above
+(1e-4)^2 / 2 * 0.9 by Jensen (0.9: e^d - 1 - d >= 0.9 d^2 / 2 for |d| < 0.5); the effective sample size
+is 1 - O(var d), 1 within 1e-7 in fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def _step(cfg):
     with build_trainer(cfg) as trainer:
         batch = trainer.train_loader.next_batch()
         trainer.global_step = 1
-        batch.meta["global_step"] = 1
+        batch.meta.global_step = 1
         out, metrics = trainer.train_step(batch)
         return out.fetch(), metrics
 
@@ -56,6 +60,12 @@ def test_fp32_gap_is_rounding_only(ray_cluster, tiny_model_dir, gpt2_model_dir, 
     _, metrics = _step(cfg)
     assert 0.0 <= metrics[MEAN] <= metrics[MAX] < 1e-4  # bound: module docstring
     assert metrics["rollout/probs_diff_max"] < 1e-4
+    assert 0.0 <= metrics["rollout_corr/k3_kl"] < 5e-9 and abs(metrics["rollout_corr/kl"]) < 1e-4
+    assert (
+        abs(metrics["rollout_corr/ppl_ratio"] - 1) < 1e-4 and abs(metrics["rollout_corr/chi2_token"]) < 3e-4
+    )
+    assert 1 - 1e-7 < metrics["rollout_corr/rollout_is_eff_sample_size"] <= 1 + 1e-12
+    assert abs(metrics["actor/is_weight_mean"] - 1) < 1e-4 and metrics["actor/is_weight_clipfrac"] == 0.0
 
 
 def test_bf16_gap_is_larger_but_bounded(ray_cluster, tiny_model_dir, tmp_path):
@@ -66,6 +76,10 @@ def test_bf16_gap_is_larger_but_bounded(ray_cluster, tiny_model_dir, tmp_path):
     _, metrics = _step(cfg)
     assert metrics["actor/ppo_kl"] == 0.0
     assert 1e-4 < metrics[MEAN] < 0.1 and metrics[MEAN] <= metrics[MAX] < 0.5  # bounds: module docstring
+    assert 0.9 * 1e-8 / 2 < metrics["rollout_corr/k3_kl"] < 0.1
+    assert metrics["rollout_corr/rollout_is_eff_sample_size"] < 1 - 1e-9
+    # the default correction (token TIS, cap 2) weighs the tokens by the ratio: not all 1 here
+    assert 0 < abs(metrics["actor/is_weight_mean"] - 1) < 0.1
 
 
 def test_two_dp_ranks_log_the_whole_batch_gap(ray_cluster, tiny_model_dir, tmp_path):

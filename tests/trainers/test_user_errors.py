@@ -194,3 +194,58 @@ def test_console_script_prints_one_line_for_a_bad_reward_spec(setup):
     assert out.stderr.strip().splitlines()[-1] == (
         "hybridflow train: reward.fn='/etc/passwd:fn': /etc/passwd is not a Python file (.py)"
     )
+
+
+def _bad_values(root: Path) -> list[tuple[str, list[str], str]]:
+    """(name, overrides, expected text of the one line): settings that used to train, or fail after Ray
+    started with a traceback."""
+    (root / "a_file").write_text("x")
+    tp4 = ["resources.n_gpus_per_node=4", "actor.parallel.tp=4"]
+    return [
+        ("lr nan", ["actor.optim.lr=nan"], "actor.optim.lr: must be a finite number >= 0, got nan"),
+        ("lr inf", ["actor.optim.lr=inf"], "actor.optim.lr: must be a finite number >= 0, got inf"),
+        ("temperature nan", ["rollout.temperature=nan"], "rollout.temperature: must be a finite number >= 0"),
+        ("save minutes nan", ["trainer.save_every_minutes=nan"], "trainer.save_every_minutes: must be >= 0, got nan"),
+        ("reward timeout 0", ["reward.timeout_s=0"], "reward.timeout_s: must be > 0, got 0"),
+        ("output dir a file", [f"trainer.output_dir={root / 'a_file'}"],
+         f"trainer.output_dir: cannot create the run directory {root / 'a_file'}/default (Not a directory"),
+        ("output dir unwritable", ["trainer.output_dir=/proc/self/runs"],  # root may write anywhere else
+         "trainer.output_dir: cannot create the run directory /proc/self/runs/default ("),
+        ("tp over kv heads", tp4, "actor.parallel.tp=4 does not divide the model's 2 key/value heads"),
+        ("cuda without one", ["resources.device=cuda"], "resources.device: cuda, but torch finds no CUDA device"),
+    ]  # fmt: skip
+
+
+def test_bad_values_are_one_line_exit_2_before_ray_starts(setup, capsys):
+    import ray
+
+    root, config = setup
+    ray_was_up = ray.is_initialized()
+    for name, overrides, expected in _bad_values(root):
+        rc = cli_main(["train", str(config), *overrides])
+        err = capsys.readouterr().err
+        ours = [line for line in err.splitlines() if line.startswith("hybridflow train:")]
+        assert rc == 2, (name, err[-2000:])
+        assert len(ours) == 1 and expected in ours[0], (name, ours)
+        assert "Traceback" not in err and "Exception ignored" not in err, (name, err[-2000:])
+        assert ray_was_up or not ray.is_initialized(), f"{name}: Ray was started"
+
+
+def test_resuming_another_algorithm_is_one_line_before_ray_starts(setup, capsys):
+    """A checkpoint written by PPO resumed by a GRPO run (same directory): refused before any worker."""
+    import ray
+
+    from hybridflow.checkpoint import CheckpointManager, save_trainer_state
+
+    root, config = setup
+    manager = CheckpointManager(root / "runs" / "from_ppo")
+    with manager.writing(1, meta={"algorithm": "ppo"}) as tmp:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "weights.bin").write_bytes(b"w")
+        save_trainer_state(tmp, {"global_step": 1, "algorithm": "ppo"})
+    ray_was_up = ray.is_initialized()
+    assert cli_main(["train", str(config), "trainer.experiment_name=from_ppo", "trainer.total_steps=2"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("hybridflow train:")]
+    assert f"{manager.step_dir(1)} was written by algorithm.name=ppo, this run is grpo" in line, line
+    assert "Traceback" not in err and (ray_was_up or not ray.is_initialized())

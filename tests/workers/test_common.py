@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from hybridflow.batch import PAD_KEY, Batch
+from hybridflow.batch import Batch
+from hybridflow.batch_meta import BatchMeta
 from hybridflow.config import ParallelConfig, load_config
 from hybridflow.workers.common import engine_config, engine_parallel, iter_mini_batches, mask_padding
 from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn
@@ -81,7 +82,7 @@ def test_actor_loss_adds_entropy_bonus_and_kl_loss():
     mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": torch.ones(2, 2),
                 "ref_log_probs": lp - 0.2})  # fmt: skip
     entropy = torch.full((2, 2), 3.0)
-    loss, m = actor_loss_fn(cfg.actor, cfg.algorithm)({"log_probs": lp, "entropy": entropy}, mb)
+    loss, m = actor_loss_fn(cfg.actor, cfg.algorithm, 2)({"log_probs": lp, "entropy": entropy}, mb)
     # ratio 1 -> pg loss = -mean(A) = -1; minus 0.1 * entropy 3; plus 0.5 * k1 KL 0.2
     assert float(loss) == pytest.approx(-1.0 - 0.3 + 0.1)
     assert float(m["pg_loss"]) == pytest.approx(-1.0) and float(m["kl_loss"]) == pytest.approx(0.2)
@@ -90,9 +91,9 @@ def test_actor_loss_adds_entropy_bonus_and_kl_loss():
 
 def test_mask_padding_zeroes_the_trailing_padding_rows():
     batch = Batch(
-        {"response_mask": torch.ones(3, 2, dtype=torch.long)}, meta={PAD_KEY: 1, "temperature": 0.7}
+        {"response_mask": torch.ones(3, 2, dtype=torch.long)}, meta=BatchMeta(pad_rows=1, temperature=0.7)
     )
     out = mask_padding(batch)
     assert out["response_mask"].tolist() == [[1, 1], [1, 1], [0, 0]]
-    assert PAD_KEY not in out.meta and out.meta["temperature"] == 0.7  # mini-batches must not re-mask
+    assert out.meta.pad_rows == 0 and out.meta.temperature == 0.7  # mini-batches must not re-mask
     assert mask_padding(Batch({"response_mask": torch.ones(2, 2)}))["response_mask"].sum() == 4

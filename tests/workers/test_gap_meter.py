@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.workers.gap_meter import EXACT_KEY, GapMeter, gap_training_side
+from hybridflow.batch_meta import BatchMeta
+from hybridflow.workers.gap_meter import GapMeter, gap_training_side
 
 FIELDS = ["responses", "response_mask", "rollout_log_probs"]
 
@@ -21,14 +22,21 @@ FIELDS = ["responses", "response_mask", "rollout_log_probs"]
     ],
 )  # fmt: skip
 def test_the_training_side(source, fields, side):
-    assert gap_training_side({}, fields, source) == side
+    assert gap_training_side(BatchMeta(old_log_probs_source=source), fields) == side
 
 
 def test_skipped_when_the_rollout_log_probs_follow_another_convention():
     """vLLM under top-k / top-p returns log-probs of the truncated distribution: the difference would be
     the log of the kept mass, not a mismatch (docs/metrics.md)."""
-    assert gap_training_side({EXACT_KEY: False}, [*FIELDS, "old_log_probs"], "update") is None
-    assert gap_training_side({EXACT_KEY: True}, [*FIELDS, "old_log_probs"], "update") == "forward"
+    fields = [*FIELDS, "old_log_probs"]
+    assert (
+        gap_training_side(BatchMeta(rollout_log_probs_exact=False, old_log_probs_source="update"), fields)
+        is None
+    )
+    assert (
+        gap_training_side(BatchMeta(rollout_log_probs_exact=True, old_log_probs_source="update"), fields)
+        == "forward"
+    )
 
 
 def test_the_meter_keeps_only_the_first_forward():

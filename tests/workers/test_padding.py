@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow.config.roles import worker_config
 from hybridflow.controller import ResourcePool, create_colocated_groups
 from hybridflow.data import build_prompt_dataset
 from hybridflow.models import load_tokenizer
@@ -26,8 +27,11 @@ def setup(ray_cluster, tiny_model_dir, tmp_path_factory):
             "actor.micro_batch_size_per_device=1", devices=n,
         )  # fmt: skip
         roles = {
-            "actor": (ActorRolloutRefWorker, {"config": cfg, "roles": ("actor", "rollout", "ref")}),
-            "critic": (CriticWorker, {"config": cfg}),
+            "actor": (
+                ActorRolloutRefWorker,
+                {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout", "ref")},
+            ),
+            "critic": (CriticWorker, {"config": worker_config(cfg, "critic")}),
         }
         pools.append(ResourcePool(n, name=f"padding_dp{n}"))
         groups[n] = create_colocated_groups(pools[-1], roles, group_name=f"padding_dp{n}")
@@ -47,7 +51,7 @@ def test_reference_log_probs_at_the_rollout_temperature(setup):
     """At step 0 the reference is the actor: at the same temperature their log-probs are equal (a
     reference at temperature 1 would put a spurious KL into the reward or the KL loss)."""
     groups, batch = setup
-    assert batch.meta["temperature"] == pytest.approx(0.7)
+    assert batch.meta.temperature == pytest.approx(0.7)
     old = groups[1]["actor"].compute_log_prob(batch)["old_log_probs"]
     for n in (1, 2):
         ref = groups[n]["actor"].compute_ref_log_prob(batch)["ref_log_probs"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow.config.roles import worker_config
 from hybridflow.controller import ResourcePool, create_colocated_groups
 from hybridflow.data import build_prompt_dataset
 from hybridflow.models import load_tokenizer
@@ -31,9 +32,12 @@ def setup(ray_cluster, tiny_model_dir, tmp_path_factory):
                       "actor.optim.lr=1e-2", "critic.optim.lr=1e-2", devices=2)  # fmt: skip
     tp2 = tiny_config(tiny_model_dir, runs, "grpo", "actor.parallel.tp=2", "ref.parallel.tp=2", devices=2)
     roles = {
-        "actor": (ActorRolloutRefWorker, {"config": cfg, "roles": ("actor", "rollout", "ref")}),
-        "critic": (CriticWorker, {"config": cfg}),
-        "actor_tp2": (ActorRolloutRefWorker, {"config": tp2}),
+        "actor": (
+            ActorRolloutRefWorker,
+            {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout", "ref")},
+        ),
+        "critic": (CriticWorker, {"config": worker_config(cfg, "critic")}),
+        "actor_tp2": (ActorRolloutRefWorker, {"config": worker_config(tp2, "actor_rollout")}),
     }
     groups, pool = _groups(cfg, "workers_dp2", roles)
     ds = build_prompt_dataset(cfg.data, load_tokenizer(tiny_model_dir), "val")

@@ -1,0 +1,171 @@
+"""The `resources` and `trainer` sections of the configuration tree (config/schema.py composes them into
+`HybridFlowConfig`): the devices, placement and Ray cluster; steps, validation, checkpoints, logging and
+restarts. Same conventions as config/schema.py (help text on every field; docs/design.md §7), each
+section's own checks beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from hybridflow.fields import at_least, setting
+
+_f = setting  # a short name keeps the field lists readable
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+@dataclass
+class ResourcesConfig:
+    placement: str = _f(
+        "colocate",
+        "colocate (all models share all devices), split (actor+ref | critic+reward), auto (planner), "
+        "or a plan file written by `hybridflow plan`",
+    )
+    device: str = _f("auto", "auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    n_gpus_per_node: int = _f(1, "devices per node (on CPU: worker processes per node)")
+    nnodes: int = _f(1, "number of nodes")
+    rollout_devices: int = _f(
+        0,
+        "trainer.rollout_ahead=1: devices of the rollout pool, taken from the n_gpus_per_node * nnodes "
+        "(the rest train; 0 = half of them, rounded down; with placement auto the planner sizes it)",
+    )
+    frozen_pool: str = _f(
+        "auto",
+        "trainer.rollout_ahead=1: the pool of the reference, reward and cost models: rollout = in the rollout "
+        "pool's processes, scoring step k+1's batch while the actor trains on step k; training; both = the "
+        "reference in both pools, each step's rows split between them to even the pools' busy time (reward "
+        "and cost models on the rollout pool); auto = rollout under colocate / split (docs/design.md), the "
+        "planner's choice under auto / a plan",
+        choices=("auto", "rollout", "training", "both"),
+    )
+    ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
+    ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
+    ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
+
+    @property
+    def num_devices(self) -> int:
+        return self.n_gpus_per_node * self.nnodes
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _f(0, "training steps (0 = derive from total_epochs)")
+    total_epochs: int = _f(1, "passes over the training set when total_steps = 0")
+    val_every: int = _f(0, "validate every N steps (0 = only before training and at the end)")
+    val_before_train: bool = _f(True, "validate once before the first step")
+    val_generations_to_log: int = _f(4, "validation samples shown in the generations table")
+    val_only: bool = _f(
+        False, "validate the initial (or resumed) weights once, log the val/ metrics and exit: no training"
+    )
+    rollout_data_dir: str = _f(
+        "", "write each step's rollouts to <dir>/<step>.jsonl: input, output, gts, score, step ('' = off)"
+    )
+    validation_data_dir: str = _f(
+        "", "write each validation's generations to <dir>/<step>.jsonl, as rollout_data_dir ('' = off)"
+    )
+    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    save_every_minutes: float = _f(
+        30.0, "also checkpoint after a step when this many minutes passed since the last save (0 = off)"
+    )
+    max_restarts: int = _f(
+        3,
+        "a dead worker or a collective timeout: tear down, restart the workers, reload the last checkpoint, continue (this many times)",
+    )
+    restart_wait_s: float = _f(
+        300.0,
+        "on a restart, how long to wait for the devices the placement needs (a lost node replaced), "
+        "printing progress; then fail, or shrink per trainer.min_devices",
+    )
+    min_devices: int = _f(
+        0,
+        "on a restart that still lacks devices after restart_wait_s: continue on fewer (dp shrinks, the "
+        "batch arithmetic re-checked) down to this many; 0 = never shrink",
+    )
+    stop_grace_s: float = _f(
+        120.0, "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them"
+    )
+    hang_timeout_s: float = _f(
+        0.0,
+        "a worker call during which no rank finishes for this long is a hung worker: its group is killed "
+        "and restarted like a dead one (trainer.max_restarts); 0 = off. Set above the longest call",
+    )
+    keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)")
+    resume: str = _f(
+        "auto", "auto = continue from the latest checkpoint, never, a step number (12), or a checkpoint path"
+    )
+    output_dir: str = _f("runs", "runs are written to output_dir/experiment_name")
+    experiment_name: str = _f("default", "name of this run's directory and of the tracking run")
+    project_name: str = _f("hybridflow", "wandb project / mlflow experiment")
+    loggers: list[str] = _f(["console", "jsonl"], f"metric sinks, any of {list(LOGGERS)}")
+    max_skipped_steps: int = _f(
+        3,
+        "stop the run (one line, exit 2) after this many consecutive steps whose update was skipped "
+        "(non-finite loss or gradient norm)",
+    )
+    seed: int = _f(1, "global seed (model init, sampling, dropout)")
+    overlap_phases: bool = _f(
+        True,
+        "issue an RL step's independent phases (values, reference, reward and cost models; the critic "
+        "and actor updates) together as futures, so groups on different pools run at once; false waits "
+        "for each phase before the next (the sequential baseline: same numbers, docs/metrics.md)",
+    )
+    rollout_ahead: int = _f(
+        0,
+        "1 = one-step off-policy: a rollout pool of its own (resources.rollout_devices) samples step k+1's "
+        "responses while the actor trains on step k; weights synced after each update (docs/design.md)",
+    )
+
+
+def resources_errors(r: ResourcesConfig) -> list[str]:
+    errors = at_least(1, {"resources.n_gpus_per_node": r.n_gpus_per_node, "resources.nnodes": r.nnodes})
+    if r.placement not in ("colocate", "split", "auto") and not os.path.isfile(r.placement):
+        errors.append(
+            f"resources.placement: {r.placement!r} is not colocate|split|auto or an existing plan file"
+        )
+    return errors
+
+
+def machine_errors(r: ResourcesConfig) -> list[str]:
+    """What this machine must have for the section (run with the disk checks: a config may be written
+    or shown on a machine other than the one it runs on)."""
+    if r.device == "cuda" and not r.ray_address:  # the embedded cluster runs on this machine's devices
+        import torch
+
+        if not torch.cuda.is_available():
+            return [
+                "resources.device: cuda, but torch finds no CUDA device on this machine; use auto or cpu, "
+                "or resources.ray_address to join a cluster that has GPUs"
+            ]
+    return []
+
+
+def trainer_errors(t: TrainerConfig) -> list[str]:
+    errors = at_least(1, {"trainer.keep_last": t.keep_last, "trainer.max_skipped_steps": t.max_skipped_steps})
+    errors += at_least(0, {f"trainer.{k}": getattr(t, k) for k in ("total_steps", "total_epochs", "val_every",
+                       "save_every", "max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s",
+                       "min_devices", "hang_timeout_s")})  # fmt: skip
+    if t.total_steps == 0 and t.total_epochs == 0:
+        errors.append("trainer.total_steps: both total_steps and total_epochs are 0; set one of them")
+    errors += [
+        f"trainer.loggers: unknown logger {n!r}; choose from {list(LOGGERS)}"
+        for n in t.loggers
+        if n not in LOGGERS
+    ]
+    resume = str(t.resume).strip()
+    if (
+        resume not in ("auto", "never")
+        and not re.fullmatch(r"(step_)?\d+", resume)
+        and not os.path.exists(resume)
+    ):
+        errors.append(
+            f"trainer.resume: {t.resume!r} is neither 'auto', 'never', a step number nor an existing checkpoint path"
+        )
+    name = t.experiment_name
+    if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        errors.append(
+            f"trainer.experiment_name: {name!r} must be a relative name inside trainer.output_dir (no '..', not absolute)"
+        )
+    return errors

@@ -1,0 +1,79 @@
+"""Each section's own checks live beside its definition and take only that section (config/validate.py
+SECTION_CHECKS); collect_errors runs every one of them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hybridflow.config import HybridFlowConfig, load_config
+from hybridflow.config.algorithm_config import AlgorithmConfig, DPOConfig, algorithm_errors
+from hybridflow.config.run_config import TrainerConfig, trainer_errors
+from hybridflow.config.schema import (
+    ActorConfig,
+    RolloutConfig,
+    RolloutValConfig,
+    actor_errors,
+    rollout_errors,
+)
+from hybridflow.config.validate import SECTION_CHECKS, collect_errors
+from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors, parallel_errors
+
+
+def test_every_section_has_its_check_and_defaults_pass():
+    cfg = HybridFlowConfig()
+    assert list(SECTION_CHECKS) == [f.name for f in dataclasses.fields(HybridFlowConfig)]
+    for name, check in SECTION_CHECKS.items():
+        assert check(getattr(cfg, name)) == [], name
+
+
+def test_a_section_check_reads_only_its_section():
+    assert actor_errors(ActorConfig(clip_ratio_c=1.0, ppo_epochs=0, optim=OptimConfig(lr=-1.0))) == [
+        "actor.ppo_epochs: must be >= 1, got 0",
+        "actor.clip_ratio_c: the dual-clip constant must be > 1, got 1.0",
+        "actor.optim.lr: must be a finite number >= 0, got -1.0",
+    ]
+    assert rollout_errors(RolloutConfig(top_p=0.0, val=RolloutValConfig(temperature=-0.5))) == [
+        "rollout.top_p: must be in (0, 1], got 0.0",
+        "rollout.val.temperature: must be a finite number >= 0, got -0.5",
+    ]
+    nan, inf = float("nan"), float("inf")  # a comparison with NaN is False: each check must still refuse it
+    assert optim_errors(OptimConfig(lr=inf), "actor.optim") == [
+        "actor.optim.lr: must be a finite number >= 0, got inf"
+    ]
+    assert rollout_errors(RolloutConfig(temperature=nan)) == [
+        "rollout.temperature: must be a finite number >= 0, got nan"
+    ]
+    assert trainer_errors(TrainerConfig(save_every_minutes=nan, hang_timeout_s=-1)) == [
+        "trainer.save_every_minutes: must be >= 0, got nan",
+        "trainer.hang_timeout_s: must be >= 0, got -1",
+    ]
+    assert algorithm_errors(AlgorithmConfig(lam=1.5, dpo=DPOConfig(label_smoothing=0.5))) == [
+        "algorithm.lam: must be in [0, 1], got 1.5",
+        "algorithm.dpo.label_smoothing: must be in [0, 0.5), got 0.5",
+    ]
+    assert trainer_errors(TrainerConfig(total_steps=0, total_epochs=0, experiment_name="/abs")) == [
+        "trainer.total_steps: both total_steps and total_epochs are 0; set one of them",
+        "trainer.experiment_name: '/abs' must be a relative name inside trainer.output_dir (no '..', not absolute)",
+    ]
+    assert optim_errors(OptimConfig(betas=[0.9], warmup_steps=-1), "critic.optim") == [
+        "critic.optim.warmup_steps: must be >= 0, got -1",
+        "critic.optim.betas: expected two numbers in [0, 1), got [0.9]",
+    ]
+    assert parallel_errors(ParallelConfig(tp=2, dp=0), "ref.parallel") == []  # dp 0: derive
+    assert parallel_errors(ParallelConfig(pp=0), "ref.parallel") == [
+        "ref.parallel: tp and pp must be >= 1 and dp >= 0, got tp=1 pp=0 dp=0"
+    ]
+
+
+def test_collect_errors_runs_each_sections_check():
+    bad = {"algorithm": "algorithm.gamma=2", "model": "model.share_prompt=true", "data": "data.max_prompt_length=0",
+           "actor": "actor.clip_ratio_c=0.5", "rollout": "rollout.top_p=2", "critic": "critic.optim.lr=-1",
+           "ref": "ref.micro_batch_size_per_device=0", "reward": "reward.max_abs_score=0",
+           "resources": "resources.nnodes=0", "trainer": "trainer.keep_last=0"}  # fmt: skip
+    assert set(bad) == set(SECTION_CHECKS)
+    for section, override in bad.items():
+        extra = ["model.remove_padding=false"] if section == "model" else []
+        cfg = load_config(None, ["model.path=m", "data.dataset=synthetic:arithmetic", override, *extra],
+                          validate=False, check_model=False)  # fmt: skip
+        errors = collect_errors(cfg, check_model=False)
+        assert any(e.startswith(f"{section}.") for e in errors), (override, errors)
