@@ -64,8 +64,8 @@ class BatchMeta:
         "(vLLM under top-k / top-p: of the truncated distribution); None: no engine said so, exact",
     )  # fmt: skip
     old_log_probs_source: OldLogProbSource | None = _meta(
-        Rule.SAME, "where the step's old log-probs come from (set by the driver, trainers/rl.py "
-        "old_log_prob_source; 'update': the update's own forward, detached)",
+        Rule.SAME, "where the step's old log-probs come from (the rollout source says, trainers/sources/"
+        "base.py old_log_prob_source; 'update': the update's own forward, detached)",
     )  # fmt: skip
     pairs: bool | None = _meta(Rule.SAME, "True: rows 2i and 2i+1 are one (chosen, rejected) preference pair")
     rollout_metrics: dict[str, float] = _meta(

@@ -11,7 +11,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.batch_meta import BatchMeta, Rule
-from hybridflow.trainers.rollout_ahead import _load_batch, _save_batch
+from hybridflow.trainers.sources.base import load_batch, save_batch
 
 
 def _rows(n: int, **meta) -> Batch:
@@ -126,8 +126,8 @@ _FULL = BatchMeta(
 def test_json_round_trip_of_every_field(tmp_path):
     assert BatchMeta.from_dict(json.loads(json.dumps(_FULL.to_dict()))) == _FULL
     b = Batch({"x": torch.arange(3.0)}, {"uid": ["a", "b", "c"]}, _FULL.copy())
-    _save_batch(b, tmp_path / "pending")  # the rollout-ahead checkpoint's batch in flight
-    back = _load_batch(tmp_path / "pending")
+    save_batch(b, tmp_path / "pending")  # the rollout-ahead checkpoint's batch in flight (InFlight)
+    back = load_batch(tmp_path / "pending")
     assert (
         back.meta == _FULL and back["x"].tolist() == [0.0, 1.0, 2.0] and list(back["uid"]) == ["a", "b", "c"]
     )

@@ -21,7 +21,7 @@ def frozen_on_rollout(cfg) -> bool:
     """Whether the frozen models (FROZEN_ROLES) run in the rollout pool's processes under colocate / split
     placement: trainer.rollout_ahead=1 with resources.frozen_pool rollout or auto (under auto / a plan file
     the plan says, trainers/auto_placement.py). They score step k+1's batch there right after generating
-    it (trainers/rollout_ahead.py), so the training pool only runs the actor (and critic)."""
+    it (trainers/sources/ahead.py), so the training pool only runs the actor (and critic)."""
     res = cfg.resources
     if not cfg.trainer.rollout_ahead or res.frozen_pool == "training":
         return False
@@ -30,7 +30,7 @@ def frozen_on_rollout(cfg) -> bool:
 
 def ref_on_both_pools(cfg) -> bool:
     """resources.frozen_pool=both under colocate / split: the reference also joins the actor's workers, and
-    each step's rows are split between the two pools (trainers/rollout_ahead.py, RefSplit); under auto / a
+    each step's rows are split between the two pools (trainers/sources/ahead.py, RefSplit); under auto / a
     plan file the plan says (trainers/auto_placement.py)."""
     return bool(cfg.trainer.rollout_ahead) and cfg.resources.frozen_pool == "both"
 

@@ -50,7 +50,7 @@ class Future:
     def rows(self, lo: int, hi: int) -> Future:
         """Rows [lo, hi) of this (sharded) call's output, as a Future of its own: passed to another
         group's method, each consumer rank cuts its shard out of those rows only, and the driver still
-        fetches nothing (trainers/rollout_ahead.py scores part of a batch where it was generated)."""
+        fetches nothing (trainers/sources/ahead.py scores part of a batch where it was generated)."""
         if not self.sharded:
             raise TypeError(f"{self!r}: only a sharded call's output has rows")
         view = copy.copy(self)

@@ -133,7 +133,7 @@ def _inputs(args):
     critic = ModelSpec.from_param_count(args.critic_size) if args.critic_size else None
     reward = ModelSpec.from_param_count(args.reward_size) if args.reward_size else None
     cluster = ClusterSpec.build(args.gpu, args.gpus, args.devices_per_node)
-    # where the trainer takes old log-probs, per schedule (trainers/rl.py old_log_prob_source): the
+    # where the trainer takes old log-probs, per schedule (trainers/sources/base.py old_log_prob_source): the
     # catalogue's 4-byte entry (cpu) computes in fp32, as model.dtype=auto does on CPU; the built-in
     # rollout's log-probs are exact
     fp32 = cluster.device.bytes_per_param >= 4
@@ -256,7 +256,7 @@ def old_log_probs_line(plan: Plan) -> str:
     if len({source for _, source in schedules}) == 1:
         schedules = [("both schedules" if len(schedules) > 1 else schedules[0][0], schedules[0][1])]
     said = "; ".join(f"{name}: {what[source]}" for name, source in schedules)
-    return f"old log-probs (as trainers/rl.py old_log_prob_source takes them): {said}"
+    return f"old log-probs (as trainers/sources/base.py old_log_prob_source takes them): {said}"
 
 
 def explain(plan: Plan, console) -> None:

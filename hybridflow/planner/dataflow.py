@@ -12,7 +12,7 @@ critic).
 
 The actor's preparation forward (old log-probs, pi_old of the PPO ratio) exists only where the trainer
 runs one: `old_log_probs="actor"`. With one optimizer step per iteration the trainer takes them from the
-rollout or from the update's own forward instead (trainers/rl.py `old_log_prob_source`), and
+rollout or from the update's own forward instead (trainers/sources/base.py `old_log_prob_source`), and
 `old_log_probs="free"` prices no such forward. `old_log_prob_work` is that rule on the planner's inputs
 (`hybridflow plan`); auto placement asks the trainer's own function (docs/planner.md).
 """
@@ -26,7 +26,7 @@ from hybridflow.planner.specs import ModelSpec
 STAGES = ("generation", "preparation", "training")
 WORK_KINDS = ("generate", "infer", "train")  # per stage, what a model does in it
 # where the old log-probs come from, as the planner prices it: a separate actor forward in preparation,
-# or free (the rollout's own, or the update's own forward: trainers/rl.py old_log_prob_source)
+# or free (the rollout's own, or the update's own forward: trainers/sources/base.py old_log_prob_source)
 OLD_LOG_PROBS = ("actor", "free")
 
 
@@ -148,7 +148,7 @@ def old_log_prob_work(
     rollout_exact: bool = True,
 ) -> str:
     """Whether the trainer runs an actor forward for old log-probs ("actor") or not ("free"):
-    trainers/rl.py `old_log_prob_source` on the planner's inputs (tests/planner check that the two
+    trainers/sources/base.py `old_log_prob_source` on the planner's inputs (tests/planner check that the two
     agree). Several optimizer steps (epochs x mini-batches) move the weights before
     the later mini-batches, so the actor recomputes pi_old; with one step the synchronous fp32 rollout's
     own log-probs (from an engine whose log-probs are exact) or the update's own forward serve, except

@@ -5,6 +5,7 @@ base.py          Trainer: config -> Ray, pools + worker groups, data, tracker; t
 placement.py     Placement: which pool each role runs on (colocate / split / custom)
 rl.py            RLTrainer: the phases of online RL (generate, old/ref log-probs, values, reward, KL), as futures
 experience.py    Pending (a step's batch in flight) and make_experience (advantages on the actor's rank 0)
+sources/         rollout sources: where each step's batch comes from (synchronous, one step ahead)
 ppo.py           PPO: the paper's eight-line loop, each phase in a named timer
 grpo.py rloo.py reinforce_pp.py remax.py safe_rlhf.py   small edits of PPO
 dapo.py          DAPO: GRPO + dynamic sampling (more prompts until the batch is full), overlong shaping

@@ -3,7 +3,8 @@
 The planner (hybridflow/planner) is a pure function of (dataflow, cluster, workload); this module
 builds those three from the config, runs it for `resources.placement: auto` or loads a plan file
 (`hybridflow plan --output plan.yaml`), checks that the plan fits the config and what the engines can
-run, and turns it into a `Placement`: one pool per colocated set plus each role's parallel sizes.
+run, and says which pools and per-role parallel sizes carry it out (placement.py's `placement_from_plan`
+turns that into a `Placement`: one pool per colocated set plus each role's parallel sizes).
 
     dataflow   the configured algorithm's models, shapes read from their HF config.json (ModelSpec), the
                actor's old-log-prob forward priced only where the trainer runs one (trainers/rl.py
@@ -40,7 +41,6 @@ as resources.frozen_pool=both does under colocate / split), the driver splitting
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, replace
 
 from hybridflow.config import ConfigError
@@ -259,7 +259,7 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
     """Everything that stops `p` running under `cfg`, each message saying what to change."""
     replan = f"re-plan for this config (`hybridflow plan --algorithm {planner_algorithm(cfg)}`)"
     errors = []
-    have = {m.role for m in p.models} | _frozen_on_rollout(p)
+    have = {m.role for m in p.models} | frozen_on_rollout_pool(p)
     missing = sorted({PLANNER_ROLE[r] for r in trainer_roles(cfg)} - have)
     if missing:
         errors.append(
@@ -267,7 +267,7 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             f"needs with this config; {replan} or use resources.placement=auto"
         )
     errors += check_schedule(p, cfg, source)
-    used = _used_pools(p, cfg)
+    used = used_pools(p, cfg)
     need = sum(pool.n_devices for pool in p.pools if pool.name in used)
     sizes = ", ".join(f"{pool.name}:{pool.n_devices}" for pool in p.pools if pool.name in used)
     if p.rollout_ahead and p.ahead is not None:
@@ -314,52 +314,15 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
     return errors
 
 
-def _frozen_on_rollout(p: Plan) -> set[str]:
+def frozen_on_rollout_pool(p: Plan) -> set[str]:
     """Planner roles a one-step-ahead plan runs on its rollout pool (resources.frozen_pool=rollout; with
-    both the reference also runs in the actor's pool, placement_from_plan)."""
+    both the reference also runs in the actor's pool, placement.py placement_from_plan)."""
     return set(p.ahead.frozen) if p.rollout_ahead and p.ahead is not None else set()
 
 
-def _used_pools(p: Plan, cfg) -> set[str]:
+def used_pools(p: Plan, cfg) -> set[str]:
     roles = {PLANNER_ROLE[r] for r in trainer_roles(cfg)}
     return {m.pool for m in p.models if m.role in roles}
-
-
-def placement_from_plan(p: Plan, cfg, source: str = "plan"):
-    """The Placement that carries out `p` for `cfg` (raises ConfigError listing every problem)."""
-    from hybridflow.trainers.placement import Placement
-
-    errors = check_plan(p, cfg, source)
-    if errors:
-        raise ConfigError([f"resources.placement: {e}" for e in errors])
-    used = _used_pools(p, cfg)
-    pools = {pool.name: pool.n_devices for pool in p.pools if pool.name in used}
-    roles, parallel = {}, {}
-    for role in trainer_roles(cfg):
-        if PLANNER_ROLE[role] in _frozen_on_rollout(p):  # scores on the rollout pool, data parallel
-            roles[role], parallel[role] = ROLLOUT_POOL, RoleParallel(1, 1, p.ahead.n_devices)
-            continue
-        m = p.model(PLANNER_ROLE[role])
-        roles[role] = m.pool
-        parallel[role] = RoleParallel(m.p, m.t, m.d, m.pg, m.tg, m.checkpoint, m.offload)
-    if p.rollout_ahead:  # the one-step-ahead rollout group's own pool, after the training side's
-        r = p.ahead
-        pools[ROLLOUT_POOL], roles[ROLLOUT_POOL] = r.n_devices, ROLLOUT_POOL
-        parallel[ROLLOUT_POOL] = RoleParallel(r.pg, r.tg, r.n_devices // (r.pg * r.tg), r.pg, r.tg)
-    both = bool(p.rollout_ahead) and p.ahead.frozen_pool == "both" and "ref" in roles
-    return Placement(pools, roles, parallel=parallel, plan=p, ref_on_training=both)
-
-
-def placement_for_config(cfg, stream=None):
-    """resources.placement = auto | plan file -> Placement; prints the plan and saves it to
-    run_dir/plan.yaml so the run records the layout it ran with."""
-    p, source = load_plan(cfg)
-    placement = placement_from_plan(p, cfg, source)
-    report_plan(p, placement, cfg, source, stream or sys.stdout)
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    if os.path.abspath(source) != os.path.abspath(os.path.join(cfg.run_dir, "plan.yaml")):
-        p.save(os.path.join(cfg.run_dir, "plan.yaml"))
-    return placement
 
 
 def report_plan(p: Plan, placement, cfg, source: str, stream) -> None:

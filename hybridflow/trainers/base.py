@@ -143,11 +143,11 @@ class Trainer(ValidationMixin):
         raise NotImplementedError
 
     def next_prompts(self) -> Batch:
-        """The prompts of the step about to run (rl.py: those drawn a step ahead, trainer.rollout_ahead)."""
+        """The prompts of the step about to run (rl.py: the rollout source's, trainers/sources/)."""
         return self.train_loader.next_batch()
 
     def save_driver_parts(self, directory) -> None:
-        """Write driver-side checkpoint parts besides trainer_state.json (rl.py: the batch in flight)."""
+        """Write driver-side checkpoint parts besides trainer_state.json (rl.py: the source's batch in flight)."""
 
     def extra_state(self) -> dict:
         return {}

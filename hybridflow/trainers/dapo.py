@@ -24,6 +24,8 @@ repeat the first batch's random draws.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hybridflow.algorithms.dynamic_sampling import (
@@ -49,16 +51,18 @@ class DAPOTrainer(GRPOTrainer):
     name = "dapo"
     spec = ALGORITHM_SPECS["dapo"]
 
-    def generate(self, prompts: Batch) -> Batch:
-        """Generate, score and keep varied groups until the batch is full (filter_groups), or once."""
+    def generate(self, prompts: Batch) -> Pending:
+        """Generate, score and keep varied groups until the batch is full (filter_groups), or once. Each
+        generation batch comes from the rollout source (synchronous: trainer.rollout_ahead is refused)."""
         fg, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
         acc = GroupAccumulator(len(prompts), n, concat=self._concat)
-        all_scores, batch = [], prompts
+        all_scores, batch, first = [], prompts, None
         while True:
             if acc.num_gen_batches:
                 batch = self.train_loader.next_batch()
                 batch.meta.global_step = _REFILL_KEY * acc.num_gen_batches + self.global_step
-            rollout = super().generate(batch)
+            pending = super().generate(batch)
+            first, rollout = first or pending, pending.local
             rollout.meta.global_step = self.global_step  # a refill's rows belong to this step
             rollout["scores"] = self._shaped_scores(rollout)
             all_scores.append(rollout["scores"])
@@ -75,11 +79,12 @@ class DAPOTrainer(GRPOTrainer):
                 )
         out = acc.take()
         self.metrics.update(self._sampling_metrics(acc, out, torch.cat(all_scores)))
-        return out
+        # the kept rows; where old log-probs come from and the lag are the source's answer for every batch
+        return Pending(dataclasses.replace(first.step, rollout=out, frozen={}))
 
-    def reward(self, batch: Batch | Pending) -> Pending:
+    def reward(self, batch: Pending) -> Pending:
         """Scored (and shaped) in `generate`: the groups to keep are chosen by their scores."""
-        return batch if isinstance(batch, Pending) else Pending(batch)
+        return batch
 
     def compute_advantages(self, batch: Pending) -> Pending:
         """GRPO's experience on the actor's rank 0, then truncated responses masked (actor.mask_truncated)."""

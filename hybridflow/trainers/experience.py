@@ -30,16 +30,18 @@ from hybridflow.workers import token_level
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import AlgorithmConfig
+    from hybridflow.trainers.sources import StepBatch
 
 
 class Pending:
-    """The batch of a step in flight: `local` (a Batch the driver holds: the rollout, rule scores)
-    and `parts` (futures of phase outputs, same rows; a Batch where a checkpoint restored one). After the advantage phase, `experience` is the
+    """The batch of a step in flight: `step` (what the rollout source handed over: trainers/sources),
+    `local` (a Batch the driver holds: the rollout, rule scores) and `parts` (futures of phase outputs,
+    same rows; a Batch where a checkpoint restored one). After the advantage phase, `experience` is the
     future of the finished batch. Reading a field the driver does not hold fetches the parts (tests
     inspect finished batches that way); the trainer itself never does during a step."""
 
-    def __init__(self, local: Batch):
-        self.local, self.parts = local, []
+    def __init__(self, step: StepBatch):
+        self.step, self.local, self.parts = step, step.rollout, []
         self.experience: Future | None = None
         self._fetched: Batch | None = None
 

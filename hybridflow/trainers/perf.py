@@ -109,10 +109,13 @@ def step_resource_metrics(trainer, batch) -> dict[str, float]:
     out, device_name = memory_metrics(trainer.groups)
     a, c = trainer.cfg.actor, trainer.cfg.critic
     tokens = float(batch["attention_mask"].sum())
-    # old log-probs cost a forward only when the actor ran one for them (trainers/rl.py old_log_prob_source)
+    # old log-probs cost a forward only when the actor ran one for them (trainers/sources/base.py old_log_prob_source)
     recompute = batch.meta.old_log_probs_source == "actor"
     flops = phase_flops(*trainer._n_params, tokens, a.ppo_epochs, c.ppo_epochs, recompute_old=recompute)
-    if trainer.cfg.trainer.rollout_ahead:  # timing_s/gen is the wait for a batch made a step ahead
+    # timing_s/gen is the generation's own time only where the rollout source generates in the step
+    # (offline trainers have no source)
+    source = getattr(trainer, "source", None)
+    if source is not None and not source.times_generation:
         flops.pop("gen")
     role = {"values": "critic", "update_critic": "critic", "ref": "ref"}
     devices = {p: trainer.groups.get(role.get(p, "actor_rollout"), trainer.actor).world_size for p in flops}

@@ -11,8 +11,8 @@ joins the actor's worker instance (one process, two engines), as verl's ActorRol
 
 From the config (`resources.placement`): "colocate" puts every role on one pool of all devices;
 "split" puts actor + ref on one half and critic + reward (+ cost) on the other; "auto" runs the
-planner and a path loads a plan file (`hybridflow plan --output plan.yaml`): auto_placement.py turns
-the plan into pools plus each role's parallel sizes, which `role_config` writes into the config
+planner and a path loads a plan file (`hybridflow plan --output plan.yaml`): auto_placement.py checks
+the plan and `placement_from_plan` turns it into pools plus each role's parallel sizes, which `role_config` writes into the config
 each worker group is built with (the trainer's own config keeps what the user wrote). With
 trainer.rollout_ahead=1 a "rollout" pool is added: resources.rollout_devices of the devices under
 colocate / split, the pools above sharing the rest (config/rollout_pool.py); the plan's `ahead` pool
@@ -20,7 +20,7 @@ and tg under auto / a plan file. Its workers generate rollout.tg-way (rollout/po
 resources.frozen_pool rollout (auto under colocate / split, or a plan that says so) the frozen models
 (ref, reward, cost) go on that pool too, the ref joining the rollout worker instance; with
 resources.frozen_pool=both the ref also joins the actor's worker instance (groups["ref_training"]), and
-the driver splits each batch's rows between the two (rollout_ahead.RefSplit).
+the driver splits each batch's rows between the two (ref_split.RefSplit).
 `write_placement` records what was built in run_dir/placement.json.
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 from hybridflow.checkpoint import atomic_write_text
@@ -42,6 +43,19 @@ from hybridflow.config.rollout_pool import (
 )
 from hybridflow.config.validate import split_sizes
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_groups, share_cpus
+from hybridflow.errors import ConfigError
+from hybridflow.planner import Plan
+from hybridflow.planner.ahead import ROLLOUT_POOL
+from hybridflow.trainers.auto_placement import (
+    PLANNER_ROLE,
+    RoleParallel,
+    check_plan,
+    frozen_on_rollout_pool,
+    load_plan,
+    report_plan,
+    trainer_roles,
+    used_pools,
+)
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 ROLES = ("actor_rollout", "ref", "critic", "cost_critic", "reward", "cost", "rollout")
@@ -103,9 +117,42 @@ class Placement:
                 {"actor_rollout": "actor", "ref": "actor", "critic": "critic", "cost_critic": "critic",
                  "reward": "critic", "cost": "critic"},
             )  # fmt: skip
-        from hybridflow.trainers.auto_placement import placement_for_config
-
         return placement_for_config(cfg)  # "auto" or a plan file
+
+
+def placement_from_plan(p: Plan, cfg, source: str = "plan"):
+    """The Placement that carries out `p` for `cfg` (raises ConfigError listing every problem)."""
+    errors = check_plan(p, cfg, source)
+    if errors:
+        raise ConfigError([f"resources.placement: {e}" for e in errors])
+    used = used_pools(p, cfg)
+    pools = {pool.name: pool.n_devices for pool in p.pools if pool.name in used}
+    roles, parallel = {}, {}
+    for role in trainer_roles(cfg):
+        if PLANNER_ROLE[role] in frozen_on_rollout_pool(p):  # scores on the rollout pool, data parallel
+            roles[role], parallel[role] = ROLLOUT_POOL, RoleParallel(1, 1, p.ahead.n_devices)
+            continue
+        m = p.model(PLANNER_ROLE[role])
+        roles[role] = m.pool
+        parallel[role] = RoleParallel(m.p, m.t, m.d, m.pg, m.tg, m.checkpoint, m.offload)
+    if p.rollout_ahead:  # the one-step-ahead rollout group's own pool, after the training side's
+        r = p.ahead
+        pools[ROLLOUT_POOL], roles[ROLLOUT_POOL] = r.n_devices, ROLLOUT_POOL
+        parallel[ROLLOUT_POOL] = RoleParallel(r.pg, r.tg, r.n_devices // (r.pg * r.tg), r.pg, r.tg)
+    both = bool(p.rollout_ahead) and p.ahead.frozen_pool == "both" and "ref" in roles
+    return Placement(pools, roles, parallel=parallel, plan=p, ref_on_training=both)
+
+
+def placement_for_config(cfg, stream=None):
+    """resources.placement = auto | plan file -> Placement; prints the plan and saves it to
+    run_dir/plan.yaml so the run records the layout it ran with."""
+    p, source = load_plan(cfg)
+    placement = placement_from_plan(p, cfg, source)
+    report_plan(p, placement, cfg, source, stream or sys.stdout)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if os.path.abspath(source) != os.path.abspath(os.path.join(cfg.run_dir, "plan.yaml")):
+        p.save(os.path.join(cfg.run_dir, "plan.yaml"))
+    return placement
 
 
 def role_config(cfg, placement: Placement, role: str):

@@ -4,7 +4,7 @@
 plan file's `rollout_ahead` must match it (switching to off-policy training is the user's call, not a
 placement's). Builds without the setting accept only synchronous plans. auto_placement.py calls these.
 
-The schedule also decides where the trainer takes old log-probs (trainers/rl.py old_log_prob_source),
+The schedule also decides where the trainer takes old log-probs (trainers/sources/base.py old_log_prob_source),
 so `planner_old_log_probs` asks that rule per schedule, and a plan file that priced it otherwise gets a note.
 """
 
@@ -14,6 +14,7 @@ import copy
 from dataclasses import replace
 
 from hybridflow.planner import Plan
+from hybridflow.trainers.sources.base import old_log_prob_source
 
 REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
 # how the trainer's rollout pool runs: each rank holds only its generation shard (rollout/pool_tp.py)
@@ -28,9 +29,7 @@ def config_rollout_ahead(cfg) -> int | None:
 def planner_old_log_probs(cfg, rollout_ahead: int | None = None) -> str:
     """Whether the trainer runs a separate actor forward for old log-probs ("actor") or not ("free",
     planner/dataflow.py) under `cfg` with trainer.rollout_ahead = `rollout_ahead` (None: the config's),
-    asked of the trainer's own rule (trainers/rl.py old_log_prob_source) so the plan prices what runs."""
-    from hybridflow.trainers.rl import old_log_prob_source
-
+    asked of the trainer's own rule (trainers/sources/base.py old_log_prob_source) so the plan prices what runs."""
     if rollout_ahead is not None and rollout_ahead != config_rollout_ahead(cfg):
         cfg = copy.copy(cfg)
         cfg.trainer = replace(cfg.trainer, rollout_ahead=rollout_ahead)
@@ -51,7 +50,7 @@ def report_old_log_probs(p: Plan, cfg, console) -> None:
         priced = "prices an actor forward" if planned == "actor" else "prices no actor forward"
         console.print(
             f"note: the plan {priced} for old log-probs, but this run {'runs one' if runs == 'actor' else 'does not'}"
-            " (trainers/rl.py old_log_prob_source); its predicted times are off by that forward: re-plan with "
+            " (trainers/sources/base.py old_log_prob_source); its predicted times are off by that forward: re-plan with "
             "`hybridflow plan` given this config's --ppo-epochs, --mini-batches and --kl-in-reward"
         )
 

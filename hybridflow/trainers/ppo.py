@@ -2,7 +2,7 @@
 
 The loop body is the paper's eight lines: generate, values, reference log-probs, reward, advantages
 (GAE), update critic, update actor — plus the old log-probs, which cost no forward when the update is
-one optimizer step (rl.py old_log_prob_source). Each phase runs inside a named timer
+one optimizer step (sources/base.py old_log_prob_source). Each phase runs inside a named timer
 (timing_s/<name>: the busy time of the workers that ran it). The phases are futures (rl.py): values, reference and reward run at the same
 time when their groups are on different pools, and so do the critic and actor updates.
 """

@@ -4,11 +4,11 @@ A driver's `train_step` strings them together (ppo.py is the full list); variant
 two phases (grpo.py: advantages; remax.py: generation + advantages; safe_rlhf.py: values, reward,
 critic update, advantages). Each phase takes the batch and returns it with new fields:
 
-  generate           prompts -> rollouts (responses, response_mask, rollout_log_probs, response_text);
-                     with trainer.rollout_ahead=1 the batch the rollout pool generated a step ahead
-                     (rollout_ahead.py), and the next step's generation issued
+  generate           prompts -> rollouts (responses, response_mask, rollout_log_probs, response_text),
+                     from the run's rollout source (sources/: synchronous, or one step ahead), which
+                     says where old log-probs come from and may have scored the frozen models already
   old_log_probs      old_log_probs: the rollout's, the update's own forward's, or an actor forward
-                     (`old_log_prob_source` says which and why each is exact)
+                     (sources/base.py `old_log_prob_source` says which and why each is exact)
   ref_log_probs      ref_log_probs, when a KL term needs them
   values             values from the critic
   reward             scores (B,) from a rule in the driver, or the reward model's rm_scores
@@ -29,8 +29,7 @@ from hybridflow.algorithms import build_kl_controller
 from hybridflow.batch import Batch
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
-from hybridflow.trainers.rollout_ahead import RolloutAhead
-from hybridflow.workers.common import computes_in_fp32
+from hybridflow.trainers.sources import OldLogProbs, source_class
 
 # phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
 OVERLAP_SECTIONS = {
@@ -49,7 +48,7 @@ class RLTrainer(Trainer):
         self.metrics: dict = {}
         self.updates: list = []  # this step's update futures (their metrics are read in finish)
         self.timers.wait_each_phase = not self.cfg.trainer.overlap_phases
-        self.ahead = RolloutAhead(self)
+        self.source = source_class(self.cfg)(self)  # where each step's batch comes from (sources/)
 
     # ---- setup ----------------------------------------------------------------------------------------
     @property
@@ -65,10 +64,7 @@ class RLTrainer(Trainer):
         return self.num_mini_batches * self.cfg.actor.ppo_epochs
 
     def roles(self) -> dict[str, dict]:
-        roles = super().roles()
-        if self.cfg.trainer.rollout_ahead:  # a rollout-only worker group on a pool of its own
-            roles["rollout"] = {}
-        return roles
+        return {**super().roles(), **source_class(self.cfg).roles}
 
     def role_kwargs(self) -> dict[str, dict]:
         c = self.cfg.critic
@@ -85,55 +81,42 @@ class RLTrainer(Trainer):
         return self.groups["ref"]
 
     # ---- phases ---------------------------------------------------------------------------------------
-    def generate(self, prompts: Batch) -> Batch:
-        if self.ahead.serves(self.global_step):
-            batch = self.ahead.generate(prompts)
-        else:
-            batch = self.actor.generate_sequences(prompts)
-        self.metrics.update(batch.meta.pop_metrics())  # reshard/*, and any figures the engine adds
-        batch.meta = batch.meta.union(prompts.meta)
-        return batch
+    def generate(self, prompts: Batch) -> Pending:
+        step = self.source.batch(prompts)
+        self.metrics.update(step.metrics)  # reshard/*, any figures the engine adds, the source's (sync/*)
+        self.metrics["rollout/policy_lag"] = float(step.policy_lag)
+        return Pending(step)
 
-    def old_log_probs(self, batch: Batch | Pending) -> Pending:
-        """Old log-probs by `old_log_prob_source`; the choice rides in meta.old_log_probs_source to the update
-        (workers/actor.py), which with "update" takes them from its own forward, detached."""
-        batch = _pending(batch)
-        source = old_log_prob_source(self.cfg, batch.meta.rollout_log_probs_exact is not False)
-        batch.meta.old_log_probs_source = source
-        if source == "rollout":
+    def old_log_probs(self, batch: Pending) -> Pending:
+        """Old log-probs from where the source said; the choice rides in meta.old_log_probs_source to the
+        update (workers/actor.py), which with "update" takes them from its own forward, detached."""
+        source = OldLogProbs(batch.step.old_log_probs)
+        batch.meta.old_log_probs_source = source.value
+        if source is OldLogProbs.ROLLOUT:
             batch["old_log_probs"] = batch["rollout_log_probs"]
-        elif source == "actor":
+        elif source is OldLogProbs.ACTOR:
             batch.add(self.actor.compute_log_prob.future(batch.local))
         return batch
 
-    def ref_log_probs(self, batch: Batch | Pending) -> Pending:
-        batch = _pending(batch)
-        if not self.uses_ref:
-            return batch
-        # resources.frozen_pool=both: rows scored on the rollout pool, then the rest on the training pool
-        parts = self.ahead.ref_parts(batch.local)
-        for part in (
-            parts if parts is not None else [self.frozen_output("ref", "compute_ref_log_prob", batch)]
-        ):
+    def ref_log_probs(self, batch: Pending) -> Pending:
+        return self.frozen_output("ref", "compute_ref_log_prob", batch) if self.uses_ref else batch
+
+    def frozen_output(self, role: str, method: str, batch: Pending) -> Pending:
+        """A frozen model's output for `batch`: the parts the source already issued (scored on the
+        rollout pool, in row order), else a call of `method` on the role's own group now."""
+        parts = batch.step.frozen.pop(role, None)
+        for part in parts if parts is not None else [getattr(self.groups[role], method).future(batch.local)]:
             batch.add(part)
         return batch
 
-    def frozen_output(self, role: str, method: str, batch: Pending):
-        """A frozen model's output for `batch`: scored a step ahead on the rollout pool
-        (rollout_ahead.py), else a call of `method` on the role's own group now."""
-        ahead = self.ahead.scored(role)
-        return ahead if ahead is not None else getattr(self.groups[role], method).future(batch.local)
-
-    def values(self, batch: Batch | Pending) -> Pending:
-        batch = _pending(batch)
+    def values(self, batch: Pending) -> Pending:
         return batch.add(self.critic.compute_values.future(batch.local))
 
-    def reward(self, batch: Batch | Pending) -> Pending:
+    def reward(self, batch: Pending) -> Pending:
         """Sequence scores: a rule runs here in the driver (it needs the responses, which the driver
         holds), while the phases issued before it run on their groups; a reward model is a future."""
-        batch = _pending(batch)
         if self.rule_reward is None:
-            return batch.add(self.frozen_output("reward", "compute_reward", batch))
+            return self.frozen_output("reward", "compute_reward", batch)
         batch["scores"], metrics = self.score(batch.local)
         self.metrics.update(metrics)
         return batch
@@ -157,7 +140,7 @@ class RLTrainer(Trainer):
 
     def update_actor(self, batch: Pending) -> None:
         self.updates.append(self.actor.update_actor.future(batch.experience))
-        self.ahead.note_update(self.updates[-1])
+        self.source.note_update(self.updates[-1])
 
     def finish(self, batch: Pending) -> tuple[Pending, dict]:
         """Wait for the step: its calls' timing, the updates' metrics and the experience's (data
@@ -178,8 +161,7 @@ class RLTrainer(Trainer):
         """Read back driver-side state the advantage phase updated (Safe-RLHF: lambda)."""
 
     def next_prompts(self) -> Batch:
-        ahead = self.ahead.next_prompts(self.global_step)
-        return ahead if ahead is not None else super().next_prompts()
+        return self.source.prompts(self.global_step)
 
     # ---- state ------------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
@@ -187,48 +169,13 @@ class RLTrainer(Trainer):
 
     def load_extra_state(self, state: dict) -> None:
         self.updates = []  # a restart (lifecycle.py) drops the calls of the step that failed
-        self.ahead.reset()  # a restart or a resume: what was in flight is gone (load_checkpoint restores it)
+        self.source.reset()  # a restart or a resume: what was in flight is gone (load_checkpoint restores it)
         if "kl_ctrl" in state:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
     def save_driver_parts(self, directory) -> None:
-        self.ahead.save(directory)
+        self.source.save(directory)
 
     def load_checkpoint(self, path) -> None:
         super().load_checkpoint(path)
-        self.ahead.load(path)
-
-
-def old_log_prob_source(cfg, rollout_exact: bool = True) -> str:
-    """Where a step's old log-probs (pi_old of the PPO ratio) come from; every answer is exact.
-
-    "rollout":  the rollout's own log-probs. The actor's update is one optimizer step (ppo_epochs 1, one
-                mini-batch) on a batch sampled from the current weights (synchronous), computed in fp32
-                (under bf16 the KV-cached decode rounds differently from the training forward) by an
-                engine whose log-probs follow the training convention (`rollout_log_probs_exact`: vLLM's
-                under top-k/top-p do not, rollout/vllm_engine.py). verl's shortcut; free, and
-                actor/ppo_kl then measures the rollout-vs-training mismatch (rollout/log_prob_diff_*
-                measure it under every source: workers/gap_meter.py, docs/metrics.md).
-    "update":   the update's own forward, detached. With ONE optimizer step the weights do not move
-                until the step's end (gradient-accumulation micro-batches only add up gradients), so
-                pi_old is exactly the policy that forward runs: its log-probs, detached, are the old
-                ones (a separate forward repeats them up to its own micro-batches' rounding). Saves that
-                forward (bf16, vLLM with top-k/top-p, and trainer.rollout_ahead=1, whose batch was
-                sampled a step earlier: its IS weight becomes min(exp(logp - behaviour), cap)).
-                Needs nothing before the update to read old log-probs: KL in the reward
-                (algorithm.kl.in_reward) does, in the advantage phase. No other driver does
-                (GRPO, RLOO, ReMax, REINFORCE++ read scores; PPO / Safe-RLHF values and scores).
-    "actor":    a separate actor forward before the update (several optimizer steps: the later
-                mini-batches' weights have moved; or KL in the reward without "rollout").
-    """
-    a = cfg.actor
-    if a.ppo_epochs != 1 or a.num_mini_batches != 1:
-        return "actor"
-    fp32 = computes_in_fp32(cfg.model.dtype, cfg.resources.device)
-    if not cfg.trainer.rollout_ahead and fp32 and rollout_exact:
-        return "rollout"
-    return "actor" if cfg.algorithm.kl.in_reward else "update"
-
-
-def _pending(batch: Batch | Pending) -> Pending:
-    return batch if isinstance(batch, Pending) else Pending(batch)
+        self.source.load(path)

@@ -64,7 +64,7 @@ class SafeRLHFTrainer(PPOTrainer):
     def reward(self, batch) -> Pending:
         batch = super().reward(batch)
         if self.rule_cost is None:
-            return batch.add(self.frozen_output("cost", "compute_reward", batch))
+            return self.frozen_output("cost", "compute_reward", batch)
         batch["costs"] = self.rule_cost(batch.local)[0]
         return batch
 

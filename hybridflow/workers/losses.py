@@ -51,7 +51,7 @@ def actor_loss_fn(
     actor.rollout_correction's weights of the old log-probs against the rollout's (algorithms/
     rollout_correction.py), logged as is_weight_mean / is_weight_clipfrac / is_masked_frac.
     old_from_forward: the old log-probs are this forward's own, detached (an update of one optimizer
-    step: trainers/rl.py old_log_prob_source), so the ratio is exactly 1 where the gradient is taken.
+    step: trainers/sources/base.py old_log_prob_source), so the ratio is exactly 1 where the gradient is taken.
     gap: given the forward's log-probs against the rollout's, until closed (workers/gap_meter.py)."""
     agg = split_aggregation(actor_cfg.loss_agg_mode)[0]
     policy, rc = POLICY_LOSSES[actor_cfg.policy_loss], actor_cfg.rollout_correction

@@ -145,6 +145,21 @@ def test_show_round_trips_and_examples_load():
         load_config(p, check_model=False)
 
 
+def test_ppo_recipe_is_the_grpo_recipe_with_a_critic():
+    """docs/learning.md compares ppo_tiny.yaml with grpo_tiny.yaml on the demo task: they must differ only in the
+    algorithm (the critic and its settings, GAE's gamma and lambda) and the logging/checkpoint schedule."""
+    ppo, grpo = (
+        config_to_dict(load_config(EXAMPLES / n, check_model=False))
+        for n in ("ppo_tiny.yaml", "grpo_tiny.yaml")
+    )
+    assert ppo["algorithm"]["name"] == "ppo" and grpo["algorithm"]["name"] == "grpo"
+    assert ppo["algorithm"]["adv_estimator"] == "gae" and ppo["actor"]["num_mini_batches"] == 1
+    for section in ("model", "data", "actor", "rollout", "reward", "resources", "ref"):
+        assert ppo[section] == grpo[section], section
+    assert not ppo["algorithm"]["kl"]["in_reward"] and not ppo["algorithm"]["use_kl_loss"]
+    assert ppo["critic"]["optim"]["lr"] == ppo["actor"]["optim"]["lr"] == 1e-3
+
+
 def test_cli_show(capsys):
     from hybridflow.cli import main
 

@@ -1,5 +1,5 @@
 """The planner prices the actor's old-log-prob forward only where the trainer runs one (dataflow.py,
-trainers/rl.py old_log_prob_source): by hand on a toy model, through `hybridflow plan` and through
+trainers/sources/base.py old_log_prob_source): by hand on a toy model, through `hybridflow plan` and through
 `resources.placement=auto`, and the planner's copy of the rule against the trainer's."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from hybridflow.trainers.auto_placement import (
     build_planner_cluster,
     build_planner_dataflow,
     build_planner_workload,
-    placement_for_config,
     plan_for_config,
 )
+from hybridflow.trainers.placement import placement_for_config
 from hybridflow.trainers.plan_schedule import planner_old_log_probs
-from hybridflow.trainers.rl import old_log_prob_source
+from hybridflow.trainers.sources import old_log_prob_source
 from tests.trainers.configs import tiny_config
 
 TOY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
@@ -101,7 +101,7 @@ def test_plan_command_derives_the_source_and_explains_it(tmp_path, capsys):
     one, text = _cli_plan(tmp_path, capsys, "--mini-batches", "1")
     assert one.stage_seconds["preparation"] == pytest.approx(FORWARD_S, rel=1e-9)
     assert (
-        "old log-probs (as trainers/rl.py old_log_prob_source takes them): synchronous: the rollout's or "
+        "old log-probs (as trainers/sources/base.py old_log_prob_source takes them): synchronous: the rollout's or "
         in text
     )
     two, text = _cli_plan(tmp_path, capsys, "--mini-batches", "1", "--ppo-epochs", "2")
@@ -114,7 +114,7 @@ def test_plan_command_derives_the_source_and_explains_it(tmp_path, capsys):
 
 
 def test_the_planner_rule_is_the_trainers(tiny_model_dir, tmp_path):
-    """old_log_prob_work (what `hybridflow plan` derives) = trainers/rl.py old_log_prob_source on a real
+    """old_log_prob_work (what `hybridflow plan` derives) = trainers/sources/base.py old_log_prob_source on a real
     config, over every input the rule reads."""
     cfg = tiny_config(tiny_model_dir, tmp_path, "grpo")
     grid = itertools.product((1, 2), (1, 2), (False, True), ("float32", "bfloat16"), (0, 1), (False, True))
@@ -169,7 +169,7 @@ def test_a_plan_file_priced_otherwise_gets_a_note(tiny_model_dir, tmp_path):
     placement_for_config(auto, out)
     text = " ".join(out.getvalue().split())  # rich wraps long lines
     assert (
-        "old log-probs (as trainers/rl.py old_log_prob_source takes them): both schedules: the rollout's"
+        "old log-probs (as trainers/sources/base.py old_log_prob_source takes them): both schedules: the rollout's"
         in text
     )
     assert "note: the plan prices" not in text

@@ -77,7 +77,7 @@ def test_vllm_rollout_pool_lags_one_step_and_loads_each_sync(
         assert (actor["rollout_log_probs"] - stale["rollout_log_probs"]).abs().max() > 1e-4
         # one more sync, and the rollout pool's vLLM samples exactly as the actor (whose colocated vLLM
         # streams the actor's weights in at every call): it would not if the sync were not loaded
-        trainer.ahead.sync(trainer.global_step)
+        trainer.source.sync(trainer.global_step)
         actor, synced = _greedy(trainer, prompts)
         # what an importance weight compares: the actor's training forward on the pool's samples
         recomputed = trainer.actor.compute_log_prob(synced)["old_log_probs"] * synced["response_mask"]

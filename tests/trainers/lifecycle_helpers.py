@@ -151,7 +151,7 @@ def kill_a_worker_after(run_dir: Path, step: int, proc: subprocess.Popen, pick=m
 def assert_rollout_pool_greedy_equals_actor(trainer, n_prompts: int) -> None:
     """After a last weight sync, the rollout pool decodes greedily as the trained actor does (same tokens,
     log-probs within 1e-5): the rollout_ahead tests' check that the synced weights are the actor's."""
-    trainer.ahead.sync(trainer.global_step)
+    trainer.source.sync(trainer.global_step)
     prompts = trainer.val_dataset.collate([trainer.val_dataset[i] for i in range(n_prompts)])
     greedy = {"n": 1, "temperature": 0.0}
     ours, theirs = (

@@ -1,5 +1,5 @@
 """trainer.rollout_ahead=1 with the frozen models on the rollout pool (resources.frozen_pool=rollout, the
-default; trainers/rollout_ahead.py): the reference and the reward model score step k+1's batch in the rollout
+default; trainers/sources/ahead.py): the reference and the reward model score step k+1's batch in the rollout
 pool's processes while the actor trains on step k. The same numbers as with them in the training pool and
 with the reference's rows split between the pools (frozen_pool=both), the calls and rows counted where
 they ran, a resume from the checkpoint (which holds the batch in flight and its scores)
@@ -120,7 +120,7 @@ def test_frozen_models_score_on_the_rollout_pool_with_the_same_numbers(
     assert _comparable(rest[0]) == _comparable(on_rollout[2])
 
     # with the split, the checkpoint holds the rollout pool's rows of batch 3, now a Batch, which cannot travel
-    # beside the whole batch: the training pool scores all of batch 3 (trainers/rollout_ahead.py, generate)
+    # beside the whole batch: the training pool scores all of batch 3 (trainers/sources/base.py, InFlight.load)
     part = Path(cfg_b.run_dir) / "checkpoints" / "step_2" / "rollout_ahead"
     resumed = make_config("grpo", *_settings(rm_dir), "resources.frozen_pool=both",
                           "trainer.experiment_name=resumed_both", f"trainer.resume={part.parent}", devices=2)  # fmt: skip

@@ -27,10 +27,9 @@ from hybridflow.trainers.auto_placement import (
     build_planner_workload,
     check_plan,
     device_entry,
-    placement_from_plan,
     plan_for_config,
 )
-from hybridflow.trainers.placement import role_config
+from hybridflow.trainers.placement import placement_from_plan, role_config
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
 KL_LOSS = "algorithm.use_kl_loss=true"

@@ -16,7 +16,7 @@ import torch
 from hybridflow.algorithms import compute_gae, place_score_on_last_token
 from hybridflow.logging.report import PANELS, empty_panels, panel_series
 from hybridflow.trainers import build_trainer
-from hybridflow.trainers.rl import old_log_prob_source
+from hybridflow.trainers.sources import old_log_prob_source
 from tests.trainers.configs import tiny_config
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"

@@ -2,9 +2,9 @@
 
 Every test starts from the `make demo` warm start (examples/configs/sft_tiny.yaml): it already answers with a
 bare number but gets 8 of 100 held-out sums right, so the accuracy RL adds is sums it now gets right. Each
-run is the demo's GRPO recipe (examples/configs/grpo_tiny.yaml) or a one-setting edit of it, run for 150
-steps (200 for PPO and one-step-ahead, which learn more slowly) instead of the demo's 100: the gain grows
-faster than its standard error.
+run is the demo's GRPO recipe (examples/configs/grpo_tiny.yaml), a one-setting edit of it, or the PPO recipe
+(examples/configs/ppo_tiny.yaml), run for 150 steps (200 for PPO and one-step-ahead, which learn more slowly)
+instead of the demo's 100: the gain grows faster than its standard error.
 
 The statistics (tests/trainers/learning_stats.py, docs/testing.md): greedy validation every 25 steps; the
 gain is paired by problem, "after" is each problem's mean over the last three validations, and a test
@@ -38,12 +38,6 @@ FLOOR = 0.10  # absolute accuracy points: a gain must be a real one, not only si
 VAL_EVERY = 25
 LATE = 3  # validations averaged for "after": the last three (steps 100, 125, 150 of a 150-step run)
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
-PPO = (
-    "algorithm.name=ppo",
-    "critic.optim.lr=1e-3",
-    "critic.optim.weight_decay=0.0",
-    "critic.micro_batch_size_per_device=256",
-)
 
 
 def _seed(default: int) -> str:
@@ -88,9 +82,9 @@ def demo_sft_model(ray_cluster, tmp_path_factory):
     return export_hf(sft_cfg.run_dir, workdir / "sft")
 
 
-def _run(demo_sft_model, tmp_path, seed: int, steps: int, *overrides: str):
+def _run(demo_sft_model, tmp_path, seed: int, steps: int, *overrides: str, config: str = "grpo_tiny.yaml"):
     schedule = (f"trainer.total_steps={steps}", f"trainer.val_every={VAL_EVERY}", _seed(seed))
-    return _fit("grpo_tiny.yaml", tmp_path, f"model.path={demo_sft_model}", *schedule, *overrides)
+    return _fit(config, tmp_path, f"model.path={demo_sft_model}", *schedule, *overrides)
 
 
 def test_grpo_raises_held_out_accuracy_of_a_correct_format_warm_start(demo_sft_model, tmp_path):
@@ -100,9 +94,13 @@ def test_grpo_raises_held_out_accuracy_of_a_correct_format_warm_start(demo_sft_m
 
 
 def test_ppo_raises_held_out_accuracy(demo_sft_model, tmp_path):
-    """PPO (critic from the warm start, GAE) on the demo recipe, 200 steps. Measured gains +30.7..+40.7 points
-    (seeds 1-5), +39.3..+40.7 under the other kernels; 3 se 13.2..15.3; smallest gain / 3 se 2.25."""
-    _assert_learns("ppo (demo recipe)", *_run(demo_sft_model, tmp_path, 1, 200, *PPO))
+    """The PPO recipe (ppo_tiny.yaml: critic from the warm start, GAE) for its 200 steps, held to a 15-point
+    floor. Measured gains +30.7..+40.7 points (seeds 1-5), +39.3..+40.7 under the other kernels; 3 se
+    13.2..15.3; smallest gain / 3 se 2.25, smallest gain / 15 points 2.05 (measured on the GRPO recipe edited
+    to PPO, whose values ppo_tiny.yaml has: it gives the same +39.3 and +40.7 for seeds 1 and 2).
+    Stopped at 100 steps it gained only 15-22 points (seeds 1-3, docs/learning.md)."""
+    cfg, rewards = _run(demo_sft_model, tmp_path, 1, 200, config="ppo_tiny.yaml")
+    _assert_learns("ppo (ppo_tiny.yaml)", cfg, rewards, floor=0.15)
 
 
 @pytest.mark.slow

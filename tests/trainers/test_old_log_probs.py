@@ -1,5 +1,5 @@
 """Old log-probs taken from the update's own forward when the update is one optimizer step
-(trainers/rl.py old_log_prob_source): the same run as with a separate actor forward, without that forward.
+(trainers/sources/base.py old_log_prob_source): the same run as with a separate actor forward, without that forward.
 
 Real Ray groups on the tiny model. The actor worker counts its compute_log_prob calls
 (tests/trainers/tripwire_workers.py CountingActor); "forced" runs replace the rule by "actor" (the
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.trainers import build_trainer, placement, rl
-from hybridflow.trainers.rl import old_log_prob_source
+from hybridflow.trainers import build_trainer, placement
+from hybridflow.trainers.sources import OldLogProbs, base, old_log_prob_source
 from hybridflow.workers import ActorRolloutRefWorker
 from tests.trainers.tripwire_workers import CountingActor
 
@@ -33,7 +33,9 @@ def _fit(cfg, forced: bool) -> tuple[list[dict], int]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(placement, "_spec", counting)
         if forced:
-            mp.setattr(rl, "old_log_prob_source", lambda cfg, rollout_exact=True: "actor")
+            mp.setattr(
+                base, "old_log_prob_source", lambda cfg, rollout_exact=True, on_policy=None: OldLogProbs.ACTOR
+            )
         with build_trainer(cfg) as trainer:
             rows = trainer.fit()
             (calls, *others) = trainer.actor.count_log_prob_calls()

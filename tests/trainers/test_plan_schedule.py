@@ -18,9 +18,9 @@ from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build
 from hybridflow.trainers.auto_placement import (
     ENGINE_LIMITS,
     RoleParallel,
-    placement_from_plan,
     plan_for_config,
 )
+from hybridflow.trainers.placement import placement_from_plan
 from hybridflow.trainers.plan_schedule import check_schedule
 
 KL_LOSS = "algorithm.use_kl_loss=true"

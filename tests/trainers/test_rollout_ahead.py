@@ -91,8 +91,8 @@ def test_the_actor_sends_without_waiting_for_the_rollout_pool(ray_cluster, make_
         # the actor has moved one update; the rollout pool holds model.path and is idle (stopping wrote a
         # checkpoint, which waited for the batch it generated ahead)
         trainer.fit(stop_after=1)
-        ahead = trainer.ahead
-        assert ahead.rollout_version == 0 and not isinstance(ahead.pending["result"], Future)
+        ahead = trainer.source
+        assert ahead.rollout_version == 0 and not isinstance(ahead.in_flight.rollouts, Future)
         send = trainer.actor.send_weights.future(ahead._spec)
         deadline = time.time() + 120
         while not send.done() and time.time() < deadline:

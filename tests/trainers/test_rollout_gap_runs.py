@@ -26,7 +26,7 @@ import pytest
 from hybridflow.algorithms.rollout_gap import gap_metrics, log_prob_gap_stats
 from hybridflow.models.tiny import save_tiny_model
 from hybridflow.trainers import build_trainer
-from hybridflow.trainers.rl import old_log_prob_source
+from hybridflow.trainers.sources import old_log_prob_source
 from tests.trainers.configs import tiny_config
 
 DIGITS = f"reward.fn={Path(__file__).with_name('rewards.py')}:digit_reward"
