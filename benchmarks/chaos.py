@@ -6,9 +6,11 @@ save_every=2, trainer.max_restarts=3. The run must recover on its own (docs/oper
 groups down, start them again, reload the last checkpoint, continue. Reported per run: exit code, steps
 completed, restarts, the step after which the kill was sent, the step that failed, the step resumed from, steps lost beyond the last
 checkpoint (goal 0), the steps redone, and whether every step's metrics equal those of one uninterrupted
-reference run of the same config (timings aside). Baseline: the reference run.
+reference run of the same config (timings aside). Baseline: the reference run. With --kinds, one run
+per further fault kind (benchmarks/chaos_kinds.py: a hung worker, the raylet and the GCS killed, a
+deleted manifest) with its restarts, steps lost and time to recover.
 
-    .venv/bin/python benchmarks/chaos.py [--runs 3] [--seed 0]
+    .venv/bin/python benchmarks/chaos.py [--runs 3] [--seed 0] [--kinds]
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")
+
+import chaos_kinds  # noqa: E402
 
 from tests.trainers.lifecycle_helpers import (  # noqa: E402
     comparable,
@@ -73,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", action="store_true", help="also one run per fault kind of chaos_kinds.py")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="hybridflow-chaos-") as tmp:
@@ -112,7 +118,8 @@ def main() -> None:
             f"completed {totals['completed']}/{args.runs}, restarts {totals['restarts']}, steps lost beyond the "
             f"last checkpoint {totals['lost']}, metrics equal to the reference {totals['equal']}/{args.runs}"
         )
-        print(json.dumps({"chaos": totals, "runs": args.runs}))
+        kinds = chaos_kinds.report(config, STEPS, SAVE_EVERY) if args.kinds else {}
+        print(json.dumps({"chaos": totals, "runs": args.runs, "kinds": kinds}))
 
 
 if __name__ == "__main__":
