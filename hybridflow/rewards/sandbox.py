@@ -133,7 +133,9 @@ class Sandbox:
         if self.cgroup:
             with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
                 f.write("0")
-        elif os.geteuid() != 0:  # RLIMIT_NPROC counts the user's processes and binds no root
+        elif os.geteuid() != 0 and os.path.isdir(
+            "/proc"
+        ):  # RLIMIT_NPROC counts the user's processes, binds no root
             n = self._user_processes() + self.cfg.max_procs
             resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
         mapped = _vm_size()
@@ -156,6 +158,8 @@ class Sandbox:
 
     def sweep(self, known: set[int]) -> int:
         """Kill every orphan that reparented to the worker (or the namespace's init); -> how many."""
+        if not os.path.isdir("/proc"):  # no process table to read (not Linux): the process group kills only
+            return 0
         parents = {os.getpid()} | ({self.init_pid} if self.init_pid else set())
         killed = 0
         for _ in range(1000):  # an orphan may fork again before it dies: until none is left
