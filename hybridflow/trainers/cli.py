@@ -114,14 +114,16 @@ def run(args: argparse.Namespace) -> int:
         finally:
             signals.shield()  # a further Ctrl-C must not interrupt the shutdown below
             sys.stdout.flush()
-            # a lost GCS or raylet: kill by pid and leave with rc instead (trainers/cluster_loss.py)
+            # a lost GCS or raylet: kill by pid and leave with rc instead (trainers/cluster_loss.py); not
+            # around ray.shutdown, which stops the GCS and raylet itself (one check just before it)
             with (
                 cluster_loss.watch(lambda: rc, keep={reaper_pid()}) if embedded else contextlib.nullcontext()
             ):
                 if trainer is not None:
                     trainer.close()
-                if embedded and ray.is_initialized():
-                    ray.shutdown()
+            if embedded and ray.is_initialized():
+                cluster_loss.exit_if_lost(rc, keep={reaper_pid()})
+                ray.shutdown()
             stop_reaper()
     if trained:
         write_report_if_logged(cfg)

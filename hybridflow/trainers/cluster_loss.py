@@ -38,17 +38,14 @@ def lost_processes() -> list[str]:
 
 @contextlib.contextmanager
 def watch(rc: Callable[[], int], keep: set[int | None], poll_s: float = 0.2) -> Iterator[None]:
-    """Around the run's shutdown: when the GCS or raylet is (or becomes) lost, `abandon` the cluster
-    from a watcher thread (the main thread may be stuck in a call to the GCS) and leave with rc()."""
+    """Around the part of the shutdown that asks the GCS (not ray.shutdown, which stops the GCS and
+    raylet itself): when either is (or becomes) lost, `abandon` the cluster from a watcher thread (the
+    main thread may be stuck in a call to the GCS) and leave with rc()."""
     done = threading.Event()
 
     def watcher() -> None:
         while not done.is_set():
-            if lost := lost_processes():
-                abandon(lost, keep)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc())
+            exit_if_lost(rc(), keep)
             done.wait(poll_s)
 
     thread = threading.Thread(target=watcher, name="hybridflow-cluster-watch", daemon=True)
@@ -58,6 +55,15 @@ def watch(rc: Callable[[], int], keep: set[int | None], poll_s: float = 0.2) -> 
     finally:
         done.set()
         thread.join()
+
+
+def exit_if_lost(rc: int, keep: set[int | None]) -> None:
+    """A GCS or raylet lost: `abandon` the cluster and leave the process now with `rc`."""
+    if lost := lost_processes():
+        abandon(lost, keep)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 def abandon(lost: list[str], keep: set[int | None]) -> None:
