@@ -97,13 +97,19 @@ def build_config(args):
 
 
 def fixed_length(trainer_cls):
-    """The trainer with generation that ignores EOS (every response exactly response_length)."""
+    """The trainer with generation that ignores EOS (every response exactly response_length): a rollout
+    source of its own (hybridflow/trainers/sources/base.py)."""
+    from hybridflow.trainers.sources import SynchronousSource
+
+    class FixedLengthSource(SynchronousSource):
+        def batch(self, prompts):
+            rollout = self.trainer.actor.generate_sequences(prompts, sampling={"eos_token_ids": ()})
+            return self.step_batch(rollout, prompts, {}, 0, {})
 
     class FixedLength(trainer_cls):
-        def generate(self, prompts):
-            batch = self.actor.generate_sequences(prompts, sampling={"eos_token_ids": ()})
-            batch.meta = batch.meta.union(prompts.meta)
-            return batch
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.source = FixedLengthSource(self)
 
     return FixedLength
 

@@ -175,7 +175,7 @@ def run(args) -> dict:
     import torch
     import transformers
 
-    from hybridflow.rollout.params import SamplingParams
+    from hybridflow.rollout.base import SamplingParams
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_preflight: --device cuda but torch sees no CUDA device")

@@ -4,10 +4,10 @@ No process groups, no configs, no models: drivers and workers call these on tens
   advantages.py  GAE (PPO), GRPO / Dr.GRPO, RLOO, ReMax, REINFORCE++
   losses.py      PPO clipped policy loss (dual clip), clipped value loss, DPO loss, loss aggregation
   policy_losses.py  the policy losses by name (actor.policy_loss): vanilla, gspo, cispo, geo_mean
-  rollout_correction.py  importance weights / masks for the rollout-vs-training gap (TIS, MIS, IcePop)
+  rollout_correction.py  the rollout-vs-training gap: importance weights / masks (TIS, MIS, IcePop) and its
+                 per-rank log-prob statistics reduced over dp ranks
   kl.py          KL estimators k1/k2/k3/abs, KL-in-reward, KL loss, fixed / adaptive KL controllers
   dynamic_sampling.py  DAPO: groups to keep, overlong penalty, truncated rows, the kept-group accumulator
-  rollout_gap.py the train-vs-rollout log-prob gap: per-rank statistics and their reduction over dp ranks
   safe_rlhf.py   reward & cost advantages, Lagrange multiplier update, combined advantage
   utils.py       masked mean / var / whiten, entropy and log-probs from logits, explained variance
 """

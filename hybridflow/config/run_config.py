@@ -129,8 +129,8 @@ def resources_errors(r: ResourcesConfig) -> list[str]:
 
 
 def machine_errors(r: ResourcesConfig) -> list[str]:
-    """What this machine must have for the section (run with the disk checks: a config may be written
-    or shown on a machine other than the one it runs on)."""
+    """What this machine must have for the section: checked by `hybridflow train` only, since a config
+    may be written or shown (`hybridflow config show`) on a machine other than the one it runs on."""
     if r.device == "cuda" and not r.ray_address:  # the embedded cluster runs on this machine's devices
         import torch
 

@@ -20,7 +20,7 @@ from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.dapo import dapo_errors
 from hybridflow.config.model_checks import data_and_model_errors
 from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices, with_frozen_on_rollout
-from hybridflow.config.run_config import machine_errors, resources_errors, trainer_errors
+from hybridflow.config.run_config import resources_errors, trainer_errors
 from hybridflow.config.schema import (
     HybridFlowConfig,
     ParallelConfig,
@@ -173,7 +173,6 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     errors += rollout_engine_errors(cfg)
     errors += rollout_ahead_errors(cfg, spec) + dapo_errors(cfg) + actor_loss_errors(cfg.actor)
     errors += data_and_model_errors(cfg, spec, check_model)
-    errors += machine_errors(cfg.resources) if check_model else []
     errors += _parallel_errors(cfg, spec)
     errors += _devices_errors(cfg)
     return errors

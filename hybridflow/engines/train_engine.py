@@ -113,8 +113,9 @@ class TrainEngine:
             self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)
             self.scheduler = build_scheduler(self.optimizer, self.config.optim)
         self.global_step = 0
-        self._offload = Offloader(self)
-        if self.config.offload:
+        # Without offload the state never leaves the device, so no phase needs to enter the Offloader.
+        self._offload = Offloader(self) if self.config.offload else None
+        if self._offload is not None:
             self.offload()
 
     # ---- process-group helpers -------------------------------------------------------------------
@@ -146,7 +147,7 @@ class TrainEngine:
     def phase(self, optimizer: bool = False):
         """Context: parameters (and optimizer state if asked) on the device for its duration; with
         offload, moved out once when the outermost phase ends (engines/offload.py)."""
-        return self._offload.phase(optimizer)
+        return self._offload.phase(optimizer) if self._offload is not None else contextlib.nullcontext()
 
     # ---- forward passes --------------------------------------------------------------------------
     def _forward(self, mb: Batch, temperature: float = 1.0, with_entropy: bool | str = False) -> dict:
@@ -351,15 +352,20 @@ class TrainEngine:
 
     # ---- offload -----------------------------------------------------------------------------------
     def offload(self) -> None:
-        """Move params and optimizer state to CPU so a colocated model can use the device (no-op on CPU)."""
-        self._offload.send_out()
+        """Move params and optimizer state to CPU so a colocated model can use the device (no-op on CPU
+        or without offload)."""
+        if self._offload is not None:
+            self._offload.send_out()
 
     def reload(self, optimizer: bool = False) -> None:
         """Bring offloaded params (and optimizer state if asked) back to the device."""
-        self._offload.bring(optimizer)
+        if self._offload is not None:
+            self._offload.bring(optimizer)
 
     def offload_stats(self) -> dict[str, float]:
         """offload_s / offload_bytes / offload_moves since the last call (then reset)."""
+        if self._offload is None:
+            return {"offload_s": 0.0, "offload_bytes": 0.0, "offload_moves": 0.0}
         return self._offload.take_stats()
 
     def take_shared_prompt_tokens(self) -> int:

@@ -112,6 +112,7 @@ class Resharder:
         self.units = self._units()
         self.comm, self.ledger = CountedComm(), MemoryLedger()
         self.stats = ReshardStats()
+        self._formula: tuple[int, int] | None = None  # (bytes, held): fixed by the layout and the weights
         self._kept: list[FSDPModule] = []
 
     def _generation_groups(self, mesh, tg: int):
@@ -182,10 +183,13 @@ class Resharder:
 
     def _round_stats(self, sizes: _Sizes, seconds: float) -> ReshardStats:
         """The round's counters beside the formula's figures for the same weights."""
-        world = self.tp_size * self.dp_size
-        received, held = fsdp_switch_cost(
-            self.method, sizes.split, sizes.whole, self.tp_size, self.dp_size, self.tg, world, sizes.vocab
-        )
+        # The formula's inputs are the weights' shapes under this layout, the same every round: computed once.
+        if self._formula is None:
+            world = self.tp_size * self.dp_size
+            self._formula = fsdp_switch_cost(
+                self.method, sizes.split, sizes.whole, self.tp_size, self.dp_size, self.tg, world, sizes.vocab
+            )
+        received, held = self._formula
         fsdp_calls = sum(u is not None for u, _ in self.units) if self.dp_size > 1 else 0
         return ReshardStats(
             sizes.fsdp + self.comm.stats.bytes_received,

@@ -1,8 +1,7 @@
 """Generation (rollout): the engine interface, sampling parameters and the built-in engine."""
 
-from hybridflow.rollout.base import GenerationEngine, build_rollout_batch, load_named_weights
+from hybridflow.rollout.base import GenerationEngine, SamplingParams, build_rollout_batch, load_named_weights
 from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
-from hybridflow.rollout.params import SamplingParams
 
 __all__ = [
     "BuiltinEngine",

@@ -25,13 +25,13 @@ import torch
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.rollout.base import (
     GenerationEngine,
+    SamplingParams,
     build_rollout_batch,
     check_prompt_batch,
     load_named_weights,
 )
 from hybridflow.rollout.hf_decoder import HFDecoder, PlainReplica
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
-from hybridflow.rollout.params import SamplingParams
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.rollout.tp_group import TPGroup
 

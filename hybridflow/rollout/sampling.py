@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.rollout.params import SamplingParams
+from hybridflow.rollout.base import SamplingParams
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

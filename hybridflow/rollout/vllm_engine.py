@@ -41,8 +41,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.rollout import vllm_pad
-from hybridflow.rollout.base import GenerationEngine, build_rollout_batch, check_prompt_batch
-from hybridflow.rollout.params import SamplingParams
+from hybridflow.rollout.base import GenerationEngine, SamplingParams, build_rollout_batch, check_prompt_batch
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -54,6 +54,16 @@ def user_errors() -> tuple[type[Exception], ...]:
     return UserError, CheckpointError
 
 
+def check_this_machine(cfg) -> None:
+    """The devices the run asks for exist here (config/run_config.py machine_errors), before Ray starts."""
+    from hybridflow.config.run_config import machine_errors
+    from hybridflow.errors import ConfigError
+
+    errors = machine_errors(cfg.resources)
+    if errors:
+        raise ConfigError(errors)
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
@@ -76,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         log_and_check_versions()  # before Ray or any worker: a too-old torch/transformers fails here, in one line
         config, overrides = split_config_arg(args.config, list(args.overrides))
         cfg = load_config(config, overrides, verl=True if args.verl else None)
+        check_this_machine(cfg)
     except user_errors() as e:
         print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2

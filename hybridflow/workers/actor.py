@@ -54,8 +54,14 @@ from hybridflow.workers.common import (
     seed_everything,
     set_train_layout,
 )
-from hybridflow.workers.gap_meter import GapMeter, gap_training_side
-from hybridflow.workers.losses import actor_loss_fn, dpo_loss_fn, sft_loss, split_aggregation
+from hybridflow.workers.losses import (
+    GapMeter,
+    actor_loss_fn,
+    dpo_loss_fn,
+    gap_training_side,
+    sft_loss,
+    split_aggregation,
+)
 from hybridflow.workers.weight_sync import WeightSyncMixin
 
 ROLES = ("actor", "rollout", "ref")
@@ -275,7 +281,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         if from_forward and (num_mini, a.ppo_epochs) != (1, 1):
             raise ValueError(f"update_actor: old log-probs from the update's forward need one optimizer "
                              f"step, not {a.ppo_epochs} epoch(s) x {num_mini} mini-batches")  # fmt: skip
-        # the train-vs-rollout gap, from the log-probs before any optimizer step (workers/gap_meter.py)
+        # the train-vs-rollout gap, from the log-probs before any optimizer step (workers/losses.py `GapMeter`)
         gap_side = gap_training_side(batch.meta, batch.keys())
         keys = (
             [*_ACTOR_FIELDS, "advantages"]

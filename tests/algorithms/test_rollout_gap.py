@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from hybridflow.algorithms.rollout_gap import GAP_STATS, gap_metrics, log_prob_gap_stats, reduce_gap_stats
+from hybridflow.algorithms.rollout_correction import (
+    GAP_STATS,
+    gap_metrics,
+    log_prob_gap_stats,
+    reduce_gap_stats,
+)
 
 
 def _stats(train, rollout, mask):

@@ -44,3 +44,17 @@ def test_no_moves_without_offload_or_on_cpu(tiny_model_dir):
     batch = make_rl_batch(engine.hf_model.config.vocab_size, batch_size=4, seed=1)
     engine.train_step(batch, pg_loss)
     assert engine.offload_stats() == {"offload_s": 0.0, "offload_bytes": 0.0, "offload_moves": 0.0}
+
+
+def test_offload_off_never_enters_the_offloader(tiny_model_dir, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("Offloader entered with offload off")
+
+    monkeypatch.setattr(Offloader, "__init__", refuse)
+    engine = TrainEngine(load_causal_lm(tiny_model_dir), EngineConfig(offload=False))
+    batch = make_rl_batch(engine.hf_model.config.vocab_size, batch_size=4, seed=1)
+    with engine.phase(optimizer=True):
+        engine.train_step(batch, pg_loss)
+    engine.offload()
+    engine.reload(optimizer=True)
+    assert engine.offload_stats() == {"offload_s": 0.0, "offload_bytes": 0.0, "offload_moves": 0.0}

@@ -34,3 +34,26 @@ def test_every_method_has_one_resharder_class():
 def test_an_unknown_method_is_named_before_any_engine_is_touched():
     with pytest.raises(ValueError, match="unknown method 'allgatherx'.*hybridflow"):
         build_resharder(None, "allgatherx")
+
+
+def test_the_formula_is_computed_once_per_layout(tiny_model_dir, monkeypatch):
+    """A one-rank engine (no mesh): two rounds, one call of the formula, the same figures both rounds."""
+    from hybridflow.engines import EngineConfig, TrainEngine
+    from hybridflow.hybrid_engine import cost, resharder
+    from hybridflow.models import load_causal_lm
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return cost.fsdp_switch_cost(*args)
+
+    monkeypatch.setattr(resharder, "fsdp_switch_cost", counted)
+    engine = TrainEngine(load_causal_lm(tiny_model_dir), EngineConfig())
+    r = build_resharder(engine)
+    figures = []
+    for _ in range(2):
+        with r.generation() as (weights, group):
+            assert group is None and set(weights) == {n for n, _ in engine.hf_model.named_parameters()}
+        figures.append((r.stats.formula_bytes, r.stats.formula_gen_weight_bytes))
+    assert len(calls) == 1 and figures[0] == figures[1] and figures[0][1] > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.rollout.params import SamplingParams
+from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.sampling import apply_top_k, apply_top_p, sample_next
 
 PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])  # sorted: 1 (.4), 3 (.3), 4 (.15), 2 (.1), 0 (.05)

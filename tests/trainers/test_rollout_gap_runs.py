@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.algorithms.rollout_gap import gap_metrics, log_prob_gap_stats
+from hybridflow.algorithms.rollout_correction import gap_metrics, log_prob_gap_stats
 from hybridflow.models.tiny import save_tiny_model
 from hybridflow.trainers import build_trainer
 from hybridflow.trainers.sources import old_log_prob_source

@@ -1,4 +1,4 @@
-"""Which log-probs stand for training in the update's gap, and when the gap is skipped (workers/gap_meter.py)."""
+"""Which log-probs stand for training in the update's gap, and when the gap is skipped (workers/losses.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridflow.batch_meta import BatchMeta
-from hybridflow.workers.gap_meter import GapMeter, gap_training_side
+from hybridflow.workers.losses import GapMeter, gap_training_side
 
 FIELDS = ["responses", "response_mask", "rollout_log_probs"]
 

@@ -48,7 +48,7 @@ def old_log_prob_source(cfg, rollout_exact: bool = True, on_policy: bool | None 
              engine whose log-probs follow the training convention (`rollout_log_probs_exact`: vLLM's
              under top-k/top-p do not, rollout/vllm_engine.py). verl's shortcut; free, and
              actor/ppo_kl then measures the rollout-vs-training mismatch (rollout/log_prob_diff_*
-             measure it under every source: workers/gap_meter.py, docs/metrics.md).
+             measure it under every source: workers/losses.py, docs/metrics.md).
     UPDATE:  the update's own forward, detached. With ONE optimizer step the weights do not move
              until the step's end (gradient-accumulation micro-batches only add up gradients), so
              pi_old is exactly the policy that forward runs: its log-probs, detached, are the old
