@@ -51,6 +51,21 @@ def remove_cgroup(worker_pid: int) -> None:
             pass
 
 
+def _remove_stale_cgroups(root: str) -> None:
+    """Empty cgroups of workers that are gone (a worker killed with its trainer cannot remove its own)."""
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(CGROUP_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name.removeprefix(CGROUP_PREFIX)
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.rmdir(os.path.join(root, name))
+            except OSError:  # still has members
+                pass
+
+
 def _prctl(option: int, value: int) -> bool:
     return sys.platform.startswith("linux") and ctypes.CDLL(None, use_errno=True).prctl(option, value) == 0
 
@@ -116,6 +131,8 @@ class Sandbox:
 
     def _make_cgroup(self) -> str | None:
         path = cgroup_dir(os.getpid())
+        if path:
+            _remove_stale_cgroups(os.path.dirname(path))
         try:
             os.mkdir(path)
             with open(os.path.join(path, "pids.max"), "w") as f:

@@ -175,3 +175,16 @@ def test_bad_sandbox_values_are_one_line_each():
         "reward.sandbox.memory_mb: must be >= 1, got 0",
         "reward.sandbox.cpu_s: must be > 0, got nan",
     ]
+
+
+def test_empty_cgroups_of_dead_workers_are_removed_by_the_next_worker(hostile):
+    from hybridflow.rewards.sandbox import CGROUP_PREFIX, cgroup_dir
+
+    probe = cgroup_dir(1)
+    if probe is None or os.geteuid() != 0:
+        pytest.skip("no writable pids cgroup here")
+    stale = os.path.join(os.path.dirname(probe), f"{CGROUP_PREFIX}{2**22 + 7}")  # above pid_max: never alive
+    os.mkdir(stale)  # what a worker SIGKILLed with its trainer leaves behind
+    with RewardExecutor(_cfg(hostile)) as ex:
+        ex.score("src", ["x"], ["t"])
+    assert not os.path.exists(stale)
