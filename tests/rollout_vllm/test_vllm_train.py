@@ -86,6 +86,10 @@ def test_grpo_tiny_with_vllm_trains(warm_start, short_run):
     # on-policy, old_log_probs are vLLM's rollout_log_probs: the first update's KL to the actor's own
     # log-probs is their mismatch
     assert all(abs(r["actor/ppo_kl"]) < 1e-4 for r in steps)
+    # the rollout-correction gap is measured under vLLM too (workers/losses.py), and fp32 vLLM agrees with
+    # the training forward: k3 ~ diff^2 / 2 with |diff| ~1e-5, perplexities equal to ~1e-4
+    assert all(0 <= r["rollout_corr/k3_kl"] < 1e-4 for r in steps)
+    assert all(abs(r["rollout_corr/ppl_ratio"] - 1) < 1e-3 for r in steps)
     assert sum(r["reward/mean"] for r in steps) > 0, "the warm start answers some sums: reward must be > 0"
     vals = [r for r in rows if ACC in r]
     assert vals[0]["step"] == 0 and vals[-1]["step"] == 6
