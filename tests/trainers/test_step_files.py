@@ -49,4 +49,6 @@ def test_section_9_names_every_file_one_step_runs():
     )  # the hook saw both sides
     assert sorted(set(measured) - _named_files(section)) == []
     counted = re.search(r"\*\*(\d+) files ran\*\*", section)
-    assert counted is not None and int(counted.group(1)) == len(measured), (len(measured), measured)
+    # the count is this repository's measurement; another CPU may skip a kernel path (a self-check that
+    # fails there), never run a file §9 does not name
+    assert counted is not None and len(measured) <= int(counted.group(1)), (len(measured), measured)
