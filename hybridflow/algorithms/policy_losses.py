@@ -28,16 +28,23 @@ from collections.abc import Callable
 import torch
 
 from hybridflow.algorithms.losses import aggregate_loss, policy_loss
+from hybridflow.algorithms.rollout_correction import LOG_CLAMP
 from hybridflow.algorithms.utils import masked_mean
 
 __all__ = ["POLICY_LOSSES", "cispo_loss", "geo_mean_loss", "gspo_loss"]
-
-_LOG_CLAMP = 20.0  # clamp log-ratios before exp: a stale sample must not overflow to inf
 
 
 def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, L) -> (B, 1): each row's mean over its valid tokens (0 for an empty row)."""
     return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)
+
+
+def _ratio_metrics(clipped, log_ratio, mask, clipped_lower=None) -> dict[str, torch.Tensor]:
+    """The policy-loss metrics every loss reports: the fraction of tokens clipped (and of those with a
+    negative advantage; none where a loss has no separate lower clip) and the approximate KL."""
+    lower = torch.zeros((), device=mask.device) if clipped_lower is None else masked_mean(clipped_lower, mask)
+    return {"clipfrac": masked_mean(clipped, mask), "clipfrac_lower": lower,
+            "approx_kl": masked_mean(-log_ratio, mask)}  # fmt: skip
 
 
 def _finish(per_token, mask, agg, norm_length, is_weights, metrics):
@@ -67,15 +74,11 @@ def gspo_loss(
     mask = response_mask.to(log_probs.dtype)
     log_ratio = log_probs - old_log_probs
     seq_log_ratio = _seq_mean(log_ratio, mask).detach()
-    log_s = torch.clamp(log_probs - log_probs.detach() + seq_log_ratio, max=_LOG_CLAMP)
+    log_s = torch.clamp(log_probs - log_probs.detach() + seq_log_ratio, max=LOG_CLAMP)
     ratio = torch.exp(log_s)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    metrics = {
-        "clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
-        "clipfrac_lower": torch.zeros((), device=log_probs.device),
-        "approx_kl": masked_mean(-log_ratio, mask),
-    }
+    metrics = _ratio_metrics((loss_clipped > loss_unclipped).float(), log_ratio, mask)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
     return _finish(per_token, mask, agg, norm_length, is_weights, metrics)
 
@@ -98,13 +101,9 @@ def cispo_loss(
     del clip_ratio_c
     mask = response_mask.to(log_probs.dtype)
     log_ratio = log_probs - old_log_probs
-    ratio = torch.exp(torch.clamp(log_ratio, -_LOG_CLAMP, _LOG_CLAMP)).detach()
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_CLAMP, LOG_CLAMP)).detach()
     clipped = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    metrics = {
-        "clipfrac": masked_mean((clipped != ratio).float(), mask),
-        "clipfrac_lower": torch.zeros((), device=log_probs.device),
-        "approx_kl": masked_mean(-log_ratio, mask),
-    }
+    metrics = _ratio_metrics((clipped != ratio).float(), log_ratio, mask)
     per_token = -advantages * clipped * log_probs
     return _finish(per_token, mask, agg, norm_length, is_weights, metrics)
 
@@ -128,18 +127,14 @@ def geo_mean_loss(
     valid token of b. clip_ratio_c is not used."""
     del clip_ratio_c
     mask = response_mask.to(log_probs.dtype)
-    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_CLAMP, _LOG_CLAMP)
+    log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_CLAMP, LOG_CLAMP)
     sign = torch.sign(advantages)
     clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
     seq_ratio = torch.exp(_seq_mean(pessimistic, mask))  # (B, 1)
     per_token = (-_seq_mean(advantages, mask) * seq_ratio).expand_as(log_probs)
     active = (clamped != log_ratio).float()
-    metrics = {
-        "clipfrac": masked_mean(active, mask),
-        "clipfrac_lower": masked_mean(active * (advantages < 0), mask),
-        "approx_kl": masked_mean(-(log_probs - old_log_probs), mask),
-    }
+    metrics = _ratio_metrics(active, log_probs - old_log_probs, mask, active * (advantages < 0))
     return _finish(per_token, mask, agg, norm_length, is_weights, metrics)
 
 

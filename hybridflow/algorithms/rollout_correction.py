@@ -65,7 +65,7 @@ CORRECTION_MODES = ("none", "tis", "mis", "icepop", "geo_mask")
 CORRECTION_LEVELS = ("token", "sequence")
 # log-ratios clamped before exp: a token mu found far less likely must not give inf (float64 holds
 # exp(2 * 20), the gap's squared ratios, with room to spare)
-_LOG_CLAMP = 20.0
+LOG_CLAMP = 20.0
 
 
 def _log_rho(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _log_rho(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, level
     log_rho = (old - rollout) * mask
     if level == "sequence":
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(old)
-    return torch.clamp(log_rho, -_LOG_CLAMP, _LOG_CLAMP)
+    return torch.clamp(log_rho, -LOG_CLAMP, LOG_CLAMP)
 
 
 def rollout_correction_weights(
@@ -155,7 +155,7 @@ def log_prob_gap_stats(
     def masked(x):
         return torch.where(mask, x, zero)
 
-    log_rho = masked((train - rollout).clamp(-_LOG_CLAMP, _LOG_CLAMP))
+    log_rho = masked((train - rollout).clamp(-LOG_CLAMP, LOG_CLAMP))
     diff, pdiff, rho = (
         masked((train - rollout).abs()),
         masked((train.exp() - rollout.exp()).abs()),
@@ -177,7 +177,7 @@ def _sequence_stats(train, rollout, log_rho, mask) -> list[torch.Tensor]:
     def total(x):
         return torch.where(valid, x, zero).sum()
 
-    seq_log_rho = log_rho.sum(-1).clamp(-_LOG_CLAMP, _LOG_CLAMP)
+    seq_log_rho = log_rho.sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP)
     return [valid.sum().double(), total((-mean_train).exp()), total((-mean_rollout).exp()),
             total((mean_rollout - mean_train).exp()), total((2 * seq_log_rho).exp())]  # fmt: skip
 
