@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.fields import at_least
 from hybridflow.fields import setting as _f
 
 PROCESS_MODES = ("auto", "pid_namespace", "subreaper")
@@ -35,15 +36,9 @@ class SandboxConfig:
 
 def sandbox_errors(s: SandboxConfig) -> list[str]:
     """The problems of `reward.sandbox`, one message each, starting with the key."""
-    errors = [
-        f"reward.sandbox.{key}: must be >= 1, got {v}"
-        for key, v in {
-            "memory_mb": s.memory_mb,
-            "max_procs": s.max_procs,
-            "file_size_mb": s.file_size_mb,
-        }.items()
-        if not v >= 1
-    ]
+    errors = at_least(
+        1, {f"reward.sandbox.{k}": getattr(s, k) for k in ("memory_mb", "max_procs", "file_size_mb")}
+    )
     if not s.cpu_s > 0:
         errors.append(f"reward.sandbox.cpu_s: must be > 0, got {s.cpu_s}")
     return errors
