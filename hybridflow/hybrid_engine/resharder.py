@@ -21,6 +21,13 @@ Bytes are counted at the collectives (FSDP's all-gather: (dp-1) padded shards; o
 the formula they must equal is hybrid_engine/cost.fsdp_switch_cost (docs/hybrid_engine.md derives it).
 Generation-weight bytes are the peak of what the switch holds for generation: kept unsharded units,
 gathered shards or full copies, plus the one unit being processed.
+
+LoRA (models/lora.py): each adapted weight of a unit is merged (W + scale * B @ A) into the unit's
+generation tensors as they are produced, under its HF name. B is split like W's output rows and A like
+its input columns (engines/parallelize.py), so the pieces gathered for a generation shard multiply into
+that shard's own update. Merging writes into gathered or FSDP-unsharded tensors, which are freed after
+the call, so no second copy of the model is made; only a layout whose units are the live parameters
+(dp = 1, tg = tp) merges into new tensors, one per adapted weight.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from hybridflow.engines.parallelize import decoder_layers
 from hybridflow.hybrid_engine.comm import CountedComm, MemoryLedger, tensor_bytes
 from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost
 from hybridflow.hybrid_engine.layout import GenLayout, TrainLayout
+from hybridflow.models.lora import merge_into
 from hybridflow.rollout.tp_group import TPGroup
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -110,6 +118,7 @@ class Resharder:
         self.vocab = self._vocab_names() if split_vocab and self.gen_group is not None else frozenset()
         self.train_tp = mesh["tp"].get_group() if mesh is not None and self.tp_size > 1 else None
         self.units = self._units()
+        self.lora_layers = engine.lora_layers  # adapted layers: merged into the generation weights
         self.comm, self.ledger = CountedComm(), MemoryLedger()
         self.stats = ReshardStats()
         self._formula: tuple[int, int] | None = None  # (bytes, held): fixed by the layout and the weights
@@ -132,8 +141,9 @@ class Resharder:
     @property
     def in_place(self) -> bool:
         """Whether the generation weights are the model's own (FSDP-unsharded) parameters: tp = 1, so an
-        engine reading the model needs no shard (the HF fallback decoder relies on it)."""
-        return self.tp_size == 1
+        engine reading the model needs no shard (the HF fallback decoder relies on it). Not with LoRA: the
+        generation weights are the merged ones, under the HF names the model's own no longer have."""
+        return self.tp_size == 1 and not self.lora_layers
 
     def _units(self) -> list[tuple[torch.nn.Module | None, list[str]]]:
         """(FSDP unit or None, parameter names) in forward order: each decoder layer, then the root."""
@@ -225,6 +235,9 @@ class Resharder:
                 out.update(self._gather_unit(bucket, unit, transient))
             elif not keep:  # the unsharded unit was a transient: peak while this unit's tensors exist
                 self.ledger.transient(transient)
+            if self.lora_layers:  # W + scale * B @ A on this rank's pieces, which are split alike
+                # in place, except on live parameters: a unit kept whole without FSDP is the model itself
+                merge_into(out, self.lora_layers, names, in_place=not (keep and unit is None))
             if unit is not None:
                 if keep:
                     self._kept.append(unit)

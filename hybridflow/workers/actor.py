@@ -1,4 +1,5 @@
-"""ActorRolloutRefWorker: the policy's roles — actor (trains), rollout (generates), ref (frozen copy).
+"""ActorRolloutRefWorker: the policy's roles — actor (trains), rollout (generates), ref (frozen copy; with
+LoRA the actor itself with its adapters off, models/lora.py).
 
 Any subset of the roles runs in one process (verl's hybrid worker). With "actor" and "rollout"
 together, generation runs on the actor's own HF model object, so there is no weight copy: a
@@ -89,9 +90,12 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self.actor_cfg = self.ref_cfg = None
         if "actor" in roles:
             self.actor_cfg = engine_config(
-                config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps, **pack
-            )
+                config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps, **pack,
+                lora=config.model.lora,
+            )  # fmt: skip
             set_train_layout(self, "train", self.actor_cfg.parallel)
+            if config.model.lora.enabled:  # the reference is the actor with its adapters off
+                set_train_layout(self, "ref", self.actor_cfg.parallel)
         if "ref" in roles:
             self.ref_cfg = engine_config(config.ref, self.world_size, "ref", seed, config.model.dtype, **pack)
             set_train_layout(self, "ref", self.ref_cfg.parallel)
@@ -261,8 +265,13 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     @register(Protocol.THREE_D, layout="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Log-probs under the frozen reference: Batch(ref_log_probs (B, Lr)). At the rollout's
-        temperature, like the old and new log-probs (as verl), so the KL compares like with like."""
-        lp, _ = self._engine("ref").compute_log_probs(batch, temperature=_temperature(batch))
+        temperature, like the old and new log-probs (as verl), so the KL compares like with like. With
+        LoRA the reference is the actor with its adapters off: the base weights, no second model."""
+        if self.ref is None and self.actor is not None and self.actor.lora_layers:
+            with self.actor.adapters_disabled():
+                lp, _ = self.actor.compute_log_probs(batch, temperature=_temperature(batch))
+        else:
+            lp, _ = self._engine("ref").compute_log_probs(batch, temperature=_temperature(batch))
         return Batch({"ref_log_probs": lp})
 
     # ---- training ----------------------------------------------------------------------------------

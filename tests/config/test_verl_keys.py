@@ -39,8 +39,8 @@ def needs(key: str):
 
 # the keys that used to be noted and ignored while they changed the job, and the one line each gets now
 REFUSALS = [
-    ("actor_rollout_ref.model.lora_rank=8", "LoRA is not supported yet; remove it or set 0"),
-    ("critic.model.lora_rank=16", "LoRA is not supported yet; remove it or set 0"),
+    ("actor_rollout_ref.model.lora_adapter_path=adapter", "starting from a saved LoRA adapter is not supported yet (model.lora trains new ones); remove it or set None"),
+    ("critic.model.lora_alpha=32", "the critic's adapters take model.lora's settings (verl's default here); remove it or set 16"),
     (R + "multi_turn.enable=True", "multi-turn rollouts, tools and agent loops are not supported yet; remove it or set False"),
     (R + "multi_turn.tool_config_path=tools.yaml", "multi-turn rollouts, tools and agent loops are not supported yet; remove it or set None"),
     (R + "agent.default_agent_loop=tool_agent", "multi-turn rollouts, tools and agent loops are not supported yet; remove it or set 'single_turn_agent'"),
@@ -66,14 +66,14 @@ def test_a_key_that_changes_the_job_is_refused_in_one_line(override, why):
 
 def test_verl_values_that_keep_its_behaviour_are_accepted_with_a_note():
     notes = []
-    load("actor_rollout_ref.model.lora_rank=0", A + "strategy=fsdp", A + "fsdp_config.model_dtype=fp32",
+    load("actor_rollout_ref.model.lora_adapter_path=null", A + "strategy=fsdp", A + "fsdp_config.model_dtype=fp32",
          "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16", R + "mode=async", R + "multi_turn.enable=False",
-         "reward_model.sandbox_fusion.url=null", "actor_rollout_ref.model.lora_alpha=32",
+         "reward_model.sandbox_fusion.url=null", "critic.model.lora_alpha=16",
          "global_profiler.tool=nsys", A + "profiler.enable=True", notes=notes)  # fmt: skip
     text = "\n".join(notes)
-    for key in ("lora_rank=0", "actor.strategy='fsdp'", "actor.fsdp_config.model_dtype='fp32'",
+    for key in ("lora_adapter_path=None", "actor.strategy='fsdp'", "actor.fsdp_config.model_dtype='fp32'",
                 "ref.fsdp_config.model_dtype='bf16'", "rollout.mode='async'", "multi_turn.enable=False",
-                "sandbox_fusion.url=None", "lora_alpha=32"):  # fmt: skip
+                "sandbox_fusion.url=None", "lora_alpha=16"):  # fmt: skip
         assert f"{key}" in text, key
     assert "verl keys global_profiler.* (1) have no effect on results here" in text
     assert "verl keys *.profiler.* (1) have no effect on results here" in text
@@ -81,7 +81,7 @@ def test_verl_values_that_keep_its_behaviour_are_accepted_with_a_note():
 
 
 @pytest.mark.parametrize("cli_args", [
-    ["actor_rollout_ref.model.lora_rank=8"],
+    ["actor_rollout_ref.model.lora_adapter_path=adapter"],
     [A + "strategy=megatron", R + "multi_turn.enable=True"],
 ])  # fmt: skip
 def test_the_cli_refuses_in_one_line_before_ray_starts(cli_args, tmp_path):
@@ -283,7 +283,7 @@ def test_the_doc_lists_every_rename():
 
 # each key of the issue ("noted and ignored while it changes the job") -> the doc section saying what it does
 ISSUE_KEYS = {
-    "actor_rollout_ref.model.lora_rank": "Refused unless verl would do what runs here",
+    "actor_rollout_ref.model.lora_rank": "Renamed or converted",
     "actor_rollout_ref.rollout.multi_turn.enable": "Refused unless verl would do what runs here",
     "actor_rollout_ref.rollout.mode": "Refused unless verl would do what runs here",
     "actor_rollout_ref.actor.strategy": "Refused unless verl would do what runs here",
