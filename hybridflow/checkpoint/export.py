@@ -88,7 +88,9 @@ def export_hf(
             _copy_tokenizer(tok, config_dir, tmp)
             return _publish(tmp, out)
         if lora is not None:
-            write_merged(role_dir, lora, json.loads((config_dir / "config.json").read_text()), tmp, max_file_bytes)
+            write_merged(
+                role_dir, lora, json.loads((config_dir / "config.json").read_text()), tmp, max_file_bytes
+            )
         elif sharded:
             _stream_weights(role_dir, config_dir, tmp, max_file_bytes)
         else:
@@ -115,7 +117,12 @@ def _copy_tokenizer(tok: Path, config_dir: Path, tmp: Path) -> None:
         AutoTokenizer.from_pretrained(tok).save_pretrained(tmp)
         return
     for f in config_dir.iterdir():
-        if f.is_file() and not (tmp / f.name).exists() and f.suffix != ".safetensors" and f.name != "config.json":
+        if (
+            f.is_file()
+            and not (tmp / f.name).exists()
+            and f.suffix != ".safetensors"
+            and f.name != "config.json"
+        ):
             shutil.copy2(f, tmp / f.name)
 
 

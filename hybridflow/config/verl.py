@@ -90,7 +90,9 @@ def _keep(v, out):
 
 
 def _target_modules(v, out):
-    return {"model.lora.target_modules": [v] if isinstance(v, str) else list(v)}  # verl: "all-linear" or a list
+    return {
+        "model.lora.target_modules": [v] if isinstance(v, str) else list(v)
+    }  # verl: "all-linear" or a list
 
 
 def _critic_lora(v, out):

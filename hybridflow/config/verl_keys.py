@@ -33,7 +33,10 @@ COMPUTE_DTYPE = "the compute dtype is model.dtype (auto = bfloat16 on GPU, as ve
 REFUSED: dict[str, tuple[str, tuple]] = {
     # models
     "actor_rollout_ref.model.lora_adapter_path": (LORA_ADAPTER, OFF),
-    "actor_rollout_ref.model.exclude_modules": ("LoRA adapters go on model.lora.target_modules, none left out", OFF),
+    "actor_rollout_ref.model.exclude_modules": (
+        "LoRA adapters go on model.lora.target_modules, none left out",
+        OFF,
+    ),
     # the critic's adapters are model.lora's (model.lora.critic switches them; config/verl.py maps lora_rank)
     "critic.model.lora_alpha": (CRITIC_LORA, (16, 16.0)),
     "critic.model.target_modules": (CRITIC_LORA, ("all-linear", ["all-linear"])),

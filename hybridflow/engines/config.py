@@ -104,7 +104,9 @@ def lora_errors(c: LoraConfig, key: str) -> list[str]:
     if not c.dropout < 1:
         errors.append(f"{key}.dropout: must be < 1, got {c.dropout}")
     if not c.target_modules or not all(isinstance(m, str) and m for m in c.target_modules):
-        errors.append(f"{key}.target_modules: expected a non-empty list of module names, got {c.target_modules}")
+        errors.append(
+            f"{key}.target_modules: expected a non-empty list of module names, got {c.target_modules}"
+        )
     return errors
 
 

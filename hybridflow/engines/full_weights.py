@@ -78,7 +78,11 @@ def _merged_specs(specs: dict, live: dict, transforms: dict, layers: dict):
         if layer is None or part == ".bias":  # a plain tensor or an adapted layer's bias, by its HF name
             sources[hf_name(name)] = [name]
         elif part == "base":
-            sources[f"{layer}.weight"] = [name, f"{layer}.lora_A.{ADAPTER}.weight", f"{layer}.lora_B.{ADAPTER}.weight"]
+            sources[f"{layer}.weight"] = [
+                name,
+                f"{layer}.lora_A.{ADAPTER}.weight",
+                f"{layer}.lora_B.{ADAPTER}.weight",
+            ]
     out_specs = {hf: (specs[src[0]][0], specs[src[0]][1]) for hf, src in sources.items()}
 
     def produce(hf: str) -> torch.Tensor:

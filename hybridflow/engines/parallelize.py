@@ -25,8 +25,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hybridflow.compat.hf import enable_activation_checkpointing
-from hybridflow.models.lora import ADAPTER, is_adapter
 from hybridflow.models.fused_qkv import fused_qkv_permutation
+from hybridflow.models.lora import ADAPTER, is_adapter
 
 # Attribute set on the HF model: {param name: (dim, permutation)} applied to HF-layout tensors.
 _LAYOUT_ATTR = "_hybridflow_layout_permutations"
@@ -121,7 +121,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             parallelize_module(layer, tp_mesh, with_adapters(plan, layer))
     elif kind == "gpt2":
         if any(is_adapter(n) for n, _ in model.named_parameters()):
-            raise NotImplementedError("LoRA under tensor parallel needs a Llama-like model; use tp=1 for GPT-2")
+            raise NotImplementedError(
+                "LoRA under tensor parallel needs a Llama-like model; use tp=1 for GPT-2"
+            )
         _check_divisible(config, tp, ("n_head", "n_embd"))
         perm = fused_qkv_permutation(config.n_embd, tp)
         layout = {}

@@ -40,7 +40,7 @@ from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.engines.train_engine import cast_parameters
 from hybridflow.hybrid_engine.resharder import build_resharder, generation_layout
-from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models import load_causal_lm, load_tokenizer, lora
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
 from hybridflow.rollout.factory import build_generation_engine
@@ -254,6 +254,17 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             finally:
                 self.rollout.set_shard(None)
         metrics.update(_max_over_ranks(rs.stats.as_metrics(), self.device))
+        metrics["rollout/weight_update_bytes"] = float(self._weight_update_bytes())
+
+    def _weight_update_bytes(self) -> int:
+        """Bytes of the weights one training step changes, whole: what a rollout engine holding its own copy
+        must be sent per step (every parameter in the compute dtype; with LoRA only the adapters, fp32). The
+        built-in engine here reads them in place (merged by the Resharder), so none travel."""
+        if self.actor.lora_layers:
+            return lora.adapter_bytes(self.actor.hf_model)
+        dtype = model_compute_dtype(self.config.model.dtype, self.config.device)
+        size = dtype.itemsize if dtype is not None else 4
+        return self.actor.num_params() * size
 
     # ---- inference ---------------------------------------------------------------------------------
     @register(Protocol.THREE_D, layout="train")

@@ -49,7 +49,9 @@ def trained(model_dir, tmp_path_factory):
     """A LoRA engine after two steps, checkpointed at step 2, then stepped once more (the uninterrupted run)."""
     tmp = tmp_path_factory.mktemp("lora_run")
     engine = _engine(model_dir)
-    base_before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters() if not p.requires_grad}
+    base_before = {
+        n: p.detach().clone() for n, p in engine.hf_model.named_parameters() if not p.requires_grad
+    }
     batch = make_rl_batch(engine.hf_model.config.vocab_size, seed=5)
     steps = [engine.train_step(batch, pg_loss) for _ in range(2)]
     manager = CheckpointManager(tmp / "run", keep_last=1)
@@ -114,7 +116,9 @@ def test_exported_adapter_loads_in_peft_with_the_trained_logits(model_dir, train
     adapter = export_hf(trained["tmp"] / "run", trained["tmp"] / "adapter")
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
     peft_model = PeftModel.from_pretrained(load_causal_lm(model_dir), adapter)
-    torch.testing.assert_close(_logits(peft_model, trained["batch"]), trained["at_save"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(peft_model, trained["batch"]), trained["at_save"], atol=1e-5, rtol=1e-5
+    )
     merged = export_hf(trained["tmp"] / "run", trained["tmp"] / "merged", merge=True)
     torch.testing.assert_close(_logits(load_causal_lm(merged), trained["batch"]), trained["at_save"],
                                atol=1e-5, rtol=1e-5)  # fmt: skip
