@@ -130,7 +130,8 @@ class TrainEngine:
         if self.kind == "critic":
             head = scalar_head(model)
             heads = tuple(n for n, m in model.named_modules() if m is head)
-        lora.apply_lora(model, self.config.lora, keep_trainable=heads)
+        c = self.config.lora
+        lora.apply_lora(model, c.rank, c.alpha, c.target_modules, c.dropout, keep_trainable=heads)
         lora.init_adapters(model, self.config.seed)
         return lora.lora_layers(model)
 

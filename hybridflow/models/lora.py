@@ -33,25 +33,33 @@ ADAPTER = "default"  # peft's adapter name; one adapter per model
 _BASE = ".base_layer"
 
 
-def apply_lora(model: nn.Module, cfg, keep_trainable: tuple[str, ...] = ()) -> None:
-    """cfg: an engines/config.LoraConfig (rank, alpha, target_modules, dropout). Inject adapters into `model`'s `cfg.target_modules` and freeze every other parameter, except the
-    modules named in `keep_trainable` (a critic's value head, trained whole like peft's modules_to_save)."""
+def apply_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
+    dropout: float = 0.0,
+    keep_trainable: tuple[str, ...] = (),
+) -> None:
+    """Inject rank-`rank` adapters (scale alpha / rank) into `model`'s `target_modules` (["all-linear"]: every
+    linear layer but the output head) and freeze every other parameter, except the modules named in
+    `keep_trainable` (a critic's value head, trained whole like peft's modules_to_save)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
-    targets = cfg.target_modules
     peft_cfg = PeftLoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=targets[0] if list(targets) == ["all-linear"] else list(targets),
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules[0] if list(target_modules) == ["all-linear"] else list(target_modules),
         exclude_modules=list(keep_trainable) or None,
         bias="none",
     )
     inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
-    model._hybridflow_peft_config = peft_cfg  # noqa: SLF001 (written by `hybridflow export`)
     if not lora_layers(model):
-        raise ValueError(f"model.lora.target_modules={list(targets)} matched no linear layer of the model")
+        raise ValueError(
+            f"model.lora.target_modules={list(target_modules)} matched no linear layer of the model"
+        )
     for name, p in model.named_parameters():
         head = any(name.startswith(k + ".") for k in keep_trainable)
         p.requires_grad_(is_adapter(name) or head)
