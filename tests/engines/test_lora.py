@@ -18,6 +18,7 @@ from rl_data import make_rl_batch, pg_loss
 from test_parallel import BATCH, assert_matches_reference, reference
 
 from hybridflow.checkpoint import CheckpointManager, export_hf, load_engine_state, save_engine_state
+from hybridflow.cli import main as cli_main
 from hybridflow.engines import EngineConfig, OptimConfig, TrainEngine
 from hybridflow.engines.config import LoraConfig
 from hybridflow.models import load_causal_lm, load_tokenizer
@@ -119,7 +120,8 @@ def test_exported_adapter_loads_in_peft_with_the_trained_logits(model_dir, train
     torch.testing.assert_close(
         _logits(peft_model, trained["batch"]), trained["at_save"], atol=1e-5, rtol=1e-5
     )
-    merged = export_hf(trained["tmp"] / "run", trained["tmp"] / "merged", merge=True)
+    run, merged = trained["tmp"] / "run", trained["tmp"] / "merged"
+    assert cli_main(["export", str(run), "-o", str(merged), "--merge"]) == 0  # `hybridflow export --merge`
     torch.testing.assert_close(_logits(load_causal_lm(merged), trained["batch"]), trained["at_save"],
                                atol=1e-5, rtol=1e-5)  # fmt: skip
 
@@ -136,3 +138,22 @@ def test_lora_under_fsdp_and_tensor_parallel_matches_one_process(tmp_path, model
     assert_matches_reference(got["lora_dp2"], reference(model_dir, lora=LORA))
     assert_matches_reference(got["lora_tp2"], reference(qwen, lora=LORA))
     assert any(".lora_B." in n for n in got["lora_tp2"]["grads"])
+
+
+def test_generation_weights_are_the_merged_model_and_training_weights_stay(trained):
+    """The 3D-HybridEngine's switch (dp = tp = 1: the live parameters, merged into new tensors) hands the
+    generation engine the merged weights by HF name and leaves the adapters and the base as they were."""
+    from hybridflow.hybrid_engine.resharder import build_resharder
+
+    engine = trained["engine"]
+    before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
+    merged = engine.full_state_dict()
+    resharder = build_resharder(engine)
+    assert not resharder.in_place
+    with resharder.generation() as (weights, tp):
+        assert tp is None and set(weights) <= set(merged)
+        assert set(merged) - set(weights) <= {"lm_head.weight"}  # a tied head is the embeddings' tensor
+        for name, t in weights.items():
+            torch.testing.assert_close(t, merged[name], atol=1e-6, rtol=0, msg=name)
+    for name, p in engine.hf_model.named_parameters():
+        assert torch.equal(p, before[name]), name
