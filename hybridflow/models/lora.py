@@ -3,8 +3,8 @@ parallel and FSDP2 (engines/parallelize.py's order: adapters are one more transf
 model, and nothing here is parallel).
 
 peft's layers are injected into the model in place (`inject_adapter_in_model`), not wrapped in a
-PeftModel, so the model keeps its class, its `base_model` and its decoder layers: parallelize, the RL
-forward and the HF fallback decoder see the same tree with `q_proj` now a peft `lora.Linear` holding
+PeftModel, so the model keeps its class, its `base_model` and its decoder layers: parallelize and the RL
+forward see the same tree with `q_proj` now a peft `lora.Linear` holding
 `base_layer` (the frozen weight), `lora_A.default` (r, in) and `lora_B.default` (out, r). The update a
 layer adds is scale * B @ A with scale = alpha / r (peft's `scaling`).
 
