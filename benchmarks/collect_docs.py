@@ -21,6 +21,7 @@ ORDER = [
     "planner",
     "rewards",
     "memory",
+    "lora",
     "chaos",
     "vs_trl",
     "cli",
