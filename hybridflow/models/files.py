@@ -98,6 +98,27 @@ def model_dir_errors(directory: str, key: str) -> list[str]:
     return errors
 
 
+# files a Hugging Face tokenizer loads from; a directory with none of them has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")  # fmt: skip
+
+
+def tokenizer_dir_error(model_cfg) -> str | None:
+    """One line when the directory the tokenizer is loaded from (model.tokenizer_path, else model.path)
+    holds no tokenizer file: a weights-only save (`model.save_pretrained` without the tokenizer) would
+    otherwise fail in transformers after the workers started, with a chat-template hint beside the point."""
+    key = "tokenizer_path" if model_cfg.tokenizer_path else "path"
+    directory = getattr(model_cfg, key)
+    if not directory or not os.path.isdir(directory):
+        return None  # a missing directory is reported by the config checks
+    if any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        return None
+    return (
+        f"model.{key}: {directory} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, ...); "
+        "save the tokenizer beside the weights (tokenizer.save_pretrained(dir)) or set model.tokenizer_path"
+    )
+
+
 # model types whose attention builds a per-sequence (block-diagonal) causal mask from position_ids
 # restarts, so model.remove_padding can pack them (engines/packing.py; checked numerically against the
 # padded forward in tests/engines/test_packing.py). GPT-2 ignores the restarts: its sequences would mix.

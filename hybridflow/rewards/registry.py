@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridflow.errors import RewardSpecError
-from hybridflow.rewards import arithmetic, gsm8k, math_answer
+from hybridflow.rewards import arithmetic, gsm8k, math_answer, reasoning_tasks
 from hybridflow.rewards.formats import format_reward
 
 __all__ = [
@@ -91,12 +91,19 @@ def _format(data_source, solution_str, ground_truth, extra_info=None, fmt="think
     return format_reward(solution_str, fmt)
 
 
+def _reasoning_gym(data_source, solution_str, ground_truth, extra_info=None):
+    return reasoning_tasks.compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
 def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The registered per-sample reward function for a data_source (case-insensitive), or a clear error."""
+    """The registered per-sample reward function for a data_source (case-insensitive), or a clear error.
+    `reasoning_gym:<task>` sources are scored by reasoning-gym's verifier of the task."""
+    if name.startswith(reasoning_tasks.PREFIX):
+        return _reasoning_gym
     if name in _REGISTRY:
         return _REGISTRY[name]
     lowered = {k.lower(): v for k, v in _REGISTRY.items()}
@@ -117,7 +124,12 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 def is_builtin_spec(spec: str) -> bool:
     """True for "" and registered names: trusted code that may run in-process without a timeout guard."""
-    return spec == "" or spec in _REGISTRY or spec.lower() in {k.lower() for k in _REGISTRY}
+    return (
+        spec == ""
+        or spec in _REGISTRY
+        or spec.lower() in {k.lower() for k in _REGISTRY}
+        or spec.startswith(reasoning_tasks.PREFIX)
+    )
 
 
 def _split_spec(spec: str) -> tuple[str, str, bool]:
