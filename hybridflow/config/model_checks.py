@@ -72,11 +72,10 @@ def data_and_model_errors(cfg, spec, check_model: bool) -> list[str]:
     if check_model and tok and not os.path.isdir(tok):
         errors.append(f"model.tokenizer_path: {tok!r} is not a directory (expected a saved HF tokenizer)")
     if check_model:  # every JSON file and safetensors header the workers will read (models/files.py)
-        from hybridflow.models.files import model_dir_errors, remove_padding_errors, tokenizer_dir_error
+        from hybridflow.models.files import model_dir_errors, remove_padding_errors
         from hybridflow.models.resolve import MODEL_KEYS
 
         errors += remove_padding_errors(cfg.model)
-        errors += [e for e in [tokenizer_dir_error(cfg.model)] if e]
         for key in MODEL_KEYS:
             errors += [
                 e for e in model_dir_errors(getattr(cfg.model, key), f"model.{key}") if e not in errors

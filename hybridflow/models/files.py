@@ -103,19 +103,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model")  # fmt: skip
 
 
-def tokenizer_dir_error(model_cfg) -> str | None:
-    """One line when the directory the tokenizer is loaded from (model.tokenizer_path, else model.path)
-    holds no tokenizer file: a weights-only save (`model.save_pretrained` without the tokenizer) would
-    otherwise fail in transformers after the workers started, with a chat-template hint beside the point."""
-    key = "tokenizer_path" if model_cfg.tokenizer_path else "path"
-    directory = getattr(model_cfg, key)
-    if not directory or not os.path.isdir(directory):
-        return None  # a missing directory is reported by the config checks
-    if any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+def tokenizer_files_error(directory: str | os.PathLike) -> str | None:
+    """One line when `directory` (an existing model or tokenizer directory) holds no tokenizer file: a
+    weights-only save (`model.save_pretrained` without the tokenizer) would otherwise load as something
+    else (transformers falls back on the config) and fail later with a chat-template hint beside the point."""
+    if not os.path.isdir(directory) or any(
+        os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES
+    ):
         return None
     return (
-        f"model.{key}: {directory} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, ...); "
-        "save the tokenizer beside the weights (tokenizer.save_pretrained(dir)) or set model.tokenizer_path"
+        f"{directory} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, ...); save the "
+        "tokenizer beside the weights (tokenizer.save_pretrained(dir)) or set model.tokenizer_path to a "
+        "directory that has them"
     )
 
 

@@ -129,7 +129,7 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
         (
             "no tokenizer files",
             [f"model.path={weights_only}"],
-            f"model.path: {weights_only} has no tokenizer files",
+            f"{weights_only} has no tokenizer files",
         ),
         *[
             (f"broken {name}", [f"model.path={d}"], f"model.path: {d}/{name.strip()} {expected}")
