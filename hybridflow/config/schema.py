@@ -100,7 +100,11 @@ class DataConfig:
         [], "Parquet/JSONL files with verl columns (prompt, data_source, reward_model, ...)"
     )
     val_files: list[str] = _f([], "validation files (same format)")
-    dataset: str = _f("", "registered dataset used when train_files is empty, e.g. 'synthetic:arithmetic'")
+    dataset: str = _f(
+        "",
+        "registered dataset used when train_files is empty, e.g. 'synthetic:arithmetic', or "
+        "'reasoning_gym:<task>' (reasoning-gym's procedural tasks, scored by their verifiers; its extra)",
+    )
     dataset_kwargs: dict[str, Any] = _f({}, "keyword arguments of the registered dataset (e.g. num_samples)")
     prompt_key: str = _f("prompt", "column holding the prompt: chat messages or plain text")
     response_key: str = _f("response", "SFT: column holding the target response")
