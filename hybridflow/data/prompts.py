@@ -218,6 +218,11 @@ class PromptDataset:
             raise DatasetError(f"dataset {name}: no prompts left ({stats})")
         return cls(samples, _pad_id(tokenizer), stats, name)
 
+    def reward_columns(self) -> set[str]:
+        """What a TRL-convention reward function may ask for by name (rewards/conventions.py): the rows'
+        extra_info keys, ground_truth and data_source."""
+        return {"ground_truth", "data_source"} | {k for s in self.samples for k in s.extra_info}
+
     def collate(self, samples: list[PromptSample], epoch: int = 0) -> Batch:
         """-> Batch: input_ids, attention_mask, position_ids (B, L) left-padded; non-tensors uid
         ('{epoch}-{index}', the GRPO group id), data_source, ground_truth, prompt_text, extra_info, index."""
