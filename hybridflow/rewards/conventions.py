@@ -53,6 +53,11 @@ def calling_convention(fn: Callable, batched: bool, fn_kwargs: dict) -> tuple[st
         return (VERL_BATCHED if batched else VERL), ()
     named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     names = {p.name for p in named}
+    if batched and "solution_str" in names and "solution_strs" not in names:
+        raise RewardSpecError(
+            f"reward function {describe(fn)} is declared batched (reward.batched or fn.batched) but takes "
+            "solution_str, one sample; a batched one takes solution_strs"
+        )
     if "completions" in names:
         convention, passed = TRL, TRL_ARGS
     elif "solution_strs" in names or (batched and "solution_str" not in names):

@@ -17,7 +17,7 @@ import torch
 from hybridflow.algorithms import place_score_on_last_token
 from hybridflow.batch import Batch
 from hybridflow.config.roles import RewardWorkerConfig
-from hybridflow.config.schema import reward_fn_name
+from hybridflow.config.schema import RewardConfig, reward_fn_name
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import load_reward_model
@@ -61,7 +61,7 @@ class RuleReward:
     columns: the dataset's columns, against which a TRL-convention function's are checked at start-up.
     """
 
-    def __init__(self, reward_cfg, fn: str | None = None, columns: set[str] | None = None):
+    def __init__(self, reward_cfg: RewardConfig, fn: str | None = None, columns: set[str] | None = None):
         self.parts: list[tuple[str, float, RewardExecutor]] = []  # (name, weight, executor)
         try:
             if fn is not None or not reward_cfg.fns:
