@@ -73,6 +73,7 @@ def test_a_file_and_rows_without_ground_truth(tmp_path, tiny_model_dir):
 
 def test_datasets_dataset(tmp_path, tiny_model_dir):
     import datasets  # the dev extra's
+
     ds = datasets.Dataset.from_list(ROWS)
     run = make(tmp_path, tiny_model_dir, reward_funcs=exact, train_dataset=ds, prompt_column="question")
     assert len(open(run.config.data.train_files[0]).readlines()) == len(ROWS)
