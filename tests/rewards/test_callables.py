@@ -23,6 +23,9 @@ def exact(completions, answer, **kwargs):
 
 def scaled_length(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
     return scale * len(solution_str)
+
+def prompt_length(prompts, completions):
+    return [len(p) for p in prompts]
 """
 
 
@@ -32,6 +35,7 @@ def main_fns():
     exec(compile(MAIN_SOURCE, "<notebook cell>", "exec"), namespace)
     register_reward("test_callables.exact")(namespace["exact"])
     register_reward("test_callables.length")(namespace["scaled_length"])
+    register_reward("test_callables.prompt_length")(namespace["prompt_length"])
     return namespace
 
 
@@ -70,11 +74,17 @@ def test_weighted_rewards_sum_and_log_each(main_fns):
         fns=[
             RewardFnConfig(fn="synthetic:arithmetic", weight=1.0),
             RewardFnConfig(fn="test_callables.length", weight=-0.1, name="length", fn_kwargs={"scale": 2.0}),
+            RewardFnConfig(fn="test_callables.prompt_length", weight=0.0),  # logged, not scored
         ],
     )
     batch = Batch(
         {"input_ids": torch.zeros(3, 1, dtype=torch.long)},
-        {"response_text": ["7", "8", "12"], "ground_truth": ["7", "7", "12"], "data_source": ["d"] * 3},
+        {
+            "response_text": ["7", "8", "12"],
+            "ground_truth": ["7", "7", "12"],
+            "data_source": ["d"] * 3,
+            "prompt_text": ["3+4=", "3+4=", "10+2="],  # the batch's rendered prompts: TRL's `prompts`
+        },
     )
     rule = RuleReward(cfg, columns={"ground_truth", "data_source"})
     try:
@@ -85,4 +95,5 @@ def test_weighted_rewards_sum_and_log_each(main_fns):
     np.testing.assert_allclose(scores.numpy(), [0.8, -0.2, 0.6], rtol=0, atol=1e-7)
     assert metrics["reward/arithmetic/mean"] == pytest.approx(2 / 3)
     assert metrics["reward/length/mean"] == pytest.approx((2 + 2 + 4) / 3)
+    assert metrics["reward/prompt_length/mean"] == pytest.approx((4 + 4 + 5) / 3)
     assert metrics["reward/num_errors"] == 0.0
