@@ -96,9 +96,11 @@ class Run:
         resources.ray_address names one; the report written at the end) -> the per-step metrics."""
         import ray
 
+        from hybridflow.compat.versions import log_and_check_versions
         from hybridflow.trainers import build_trainer
         from hybridflow.trainers.cli import check_this_machine, write_report_if_logged
 
+        log_and_check_versions()  # a too-old torch / transformers: one line, before Ray starts
         check_this_machine(self.config)
         embedded = not self.config.resources.ray_address and not ray.is_initialized()
         trainer = None
