@@ -320,6 +320,11 @@ class RewardConfig:
         60.0,
         "seconds a reward worker may take to import reward.fn (a hang or exit there is a one-line error)",
     )
+    preload: list[str] = _f(
+        [],
+        "modules each reward worker imports at start-up, not inside the first sample's timeout "
+        "(data.dataset=reasoning_gym:<task> adds reasoning_gym)",
+    )
     micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
     overlong_buffer: OverlongBufferConfig = _sub(

@@ -24,6 +24,7 @@ An item is (index, data_source, solution_str, ground_truth, extra_info, prompt).
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import signal
@@ -79,10 +80,12 @@ def serve(conn, parent_pid: int) -> None:
 
     from hybridflow.rewards.sandbox import Sandbox
 
-    spec, fn_kwargs, batched, registered, sandbox_cfg, workdir = conn.recv()
+    spec, fn_kwargs, batched, registered, preload, sandbox_cfg, workdir = conn.recv()
     sandbox = Sandbox(sandbox_cfg, workdir)
     try:
         sandbox.enter()
+        for module in preload:
+            importlib.import_module(module)
         fn, convention, required = load(spec, fn_kwargs, batched, registered)
         sandbox.after_import()
     except BaseException as e:  # SystemExit / KeyboardInterrupt at import too: reported, not a silent exit

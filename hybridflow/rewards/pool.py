@@ -78,7 +78,9 @@ class _Worker:
         )
         child.close()
         self.conn = parent
-        self.conn.send((cfg.fn, cfg.fn_kwargs, cfg.batched, registered, cfg.sandbox, self.workdir))
+        self.conn.send(
+            (cfg.fn, cfg.fn_kwargs, cfg.batched, registered, cfg.preload, cfg.sandbox, self.workdir)
+        )
         self.started = time.monotonic()
         self.ready = False
         self.convention: tuple[str, tuple[str, ...]] = (
