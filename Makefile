@@ -63,8 +63,11 @@ format: $(STAMP)
 	$(BIN)/ruff format hybridflow tests benchmarks examples
 	$(BIN)/ruff check --fix hybridflow tests benchmarks examples
 
+# Two pytest workers (one per core), a test file kept on one worker (its module fixtures shared): most of a
+# test's time is process start-up and Ray round trips, which the other worker overlaps (docs/testing.md).
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 	if [ -f $(VSTAMP) ]; then $(MAKE) test-vllm; fi
 
 # The numerics-sensitive tests under other CPUs' kernels: oneDNN capped below AMX (AVX512-BF16 tiles off), at
