@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from hybridflow.agent.tools import Tool, ToolTimeout
 from hybridflow.config.sandbox import SandboxConfig
 from hybridflow.rewards.sandbox import cgroup_dir, remove_cgroup
 
@@ -40,6 +41,23 @@ class CodeResult:
     def text(self) -> str:
         """What the model is answered with."""
         return self.output + (f"\n{self.error}" if self.error else "")
+
+
+def code_tool(cfg: SandboxConfig, timeout_s: float, max_output_bytes: int = 65536) -> Tool:
+    """The `python` tool: runs the code in the sandbox, answers with what it printed (and the error line)."""
+
+    def python(code: str) -> str:
+        """Run Python code in a sandbox and return what it prints.
+
+        Args:
+            code: a Python program; print the values you need
+        """
+        result = run_python(code, cfg, timeout_s, max_output_bytes)
+        if result.timed_out:
+            raise ToolTimeout(result.text)
+        return result.text
+
+    return Tool("python", python, Tool.from_function(python).schema, kills_on_timeout=True)
 
 
 def run_python(code: str, cfg: SandboxConfig, timeout_s: float, max_output_bytes: int = 65536) -> CodeResult:

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass
 
 from hybridflow.agent.parsers import ToolCall
-from hybridflow.agent.tools import Tool
+from hybridflow.agent.tools import Tool, ToolTimeout
+
+TIMEOUT_GRACE_S = 5.0  # how long past the timeout a tool that stops itself gets to say so
 
 
 @dataclass
@@ -61,7 +63,9 @@ class ToolEnvironment(Environment):
         pool = cf.ThreadPoolExecutor(1)
         future = pool.submit(tool.fn, **call.arguments)
         try:
-            return StepResult(str(future.result(timeout=timeout_s)))
+            return StepResult(str(future.result(timeout=timeout_s + tool.kills_on_timeout * TIMEOUT_GRACE_S)))
+        except ToolTimeout as e:
+            return StepResult(str(e), error=True, timed_out=True)
         except cf.TimeoutError:
             return StepResult(f"error: {call.name} timed out after {timeout_s:g} s", error=True, timed_out=True)
         except Exception as e:  # the tool's own failure is the model's observation, not the run's

@@ -24,12 +24,19 @@ from hybridflow.errors import ConfigError
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
+class ToolTimeout(Exception):
+    """Raised by a tool that enforces its own timeout (and stopped its work): the call counts as timed out."""
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
     fn: Callable
     schema: dict
     """{"type": "function", "function": {"name", "description", "parameters"}} (OpenAI / HF format)."""
+    kills_on_timeout: bool = False
+    """The tool stops its own work at the timeout (the code tool kills its process): the environment
+    waits for its answer a little past the timeout instead of abandoning its thread."""
 
     @classmethod
     def from_function(cls, fn: Callable, name: str | None = None) -> Tool:

@@ -3,6 +3,7 @@ docs/rollout.md, "Multi-turn rollouts and tools"). Importable without torch or R
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from hybridflow.config.sandbox import SandboxConfig
@@ -53,6 +54,10 @@ def multi_turn_errors(m: MultiTurnConfig, engine_n: int = 1) -> list[str]:
     for spec in m.tools:
         if spec != CODE_TOOL and ":" not in str(spec):
             errors.append(f"{key}.tools: {spec!r} is neither {CODE_TOOL!r} nor 'path/file.py:function'")
+    for name, spec in [("tools", s) for s in m.tools] + [("environment", m.environment), ("parser", m.parser)]:
+        target = str(spec).rpartition(":")[0]
+        if target.endswith(".py") and not os.path.isfile(os.path.expanduser(target)):
+            errors.append(f"{key}.{name}: the file {os.path.abspath(os.path.expanduser(target))} does not exist")
     if m.enable and not m.tools and not m.environment:
         errors.append(f"{key}.enable: true needs rollout.multi_turn.tools or rollout.multi_turn.environment")
     if not m.enable and (m.tools or m.environment):
@@ -60,3 +65,16 @@ def multi_turn_errors(m: MultiTurnConfig, engine_n: int = 1) -> list[str]:
     if m.sandbox.memory_mb < 1 or m.sandbox.cpu_s <= 0:
         errors.append(f"{key}.sandbox: memory_mb and cpu_s must be > 0")
     return errors
+
+
+def absolute_specs(m: MultiTurnConfig) -> None:
+    """'rel/file.py:name' -> '/abs/rel/file.py:name' in place, for tools, environment and parser."""
+
+    def absolute(spec: str) -> str:
+        target, sep, name = str(spec).rpartition(":")
+        if target.endswith(".py"):
+            return f"{os.path.abspath(os.path.expanduser(target))}{sep}{name}"
+        return spec
+
+    m.tools = [absolute(s) for s in m.tools]
+    m.environment, m.parser = absolute(m.environment), absolute(m.parser)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
+from hybridflow.agent import build_agent_loop
 from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.config.roles import ActorWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
@@ -80,7 +81,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 f"ActorRolloutRefWorker roles must be a non-empty subset of {ROLES}, got {roles}"
             )
         self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
-        self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = None
+        self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = self.agent = None
         self._gen_calls = 0
         seed = config.seed
         pack = {"remove_padding": config.model.remove_padding, "share_prompt": config.model.share_prompt}
@@ -150,6 +151,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             dtype = model_compute_dtype(m.dtype, self.config.device)
             model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
+            self.agent = build_agent_loop(self.config.rollout.multi_turn, self.tokenizer)
             if own and self.config.rollout.engine == "vllm":
                 model.to("meta")  # vLLM holds the weights; the HF model only names their shapes now
         return info
@@ -211,18 +213,24 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         with self._generation_weights() as reshard_metrics:
             # each chunk its own seed: the same one would repeat the same random draws chunk after chunk
             outs = [
-                self.rollout.generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
+                self._generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
                 for i, chunk in enumerate(prompts.split(per_call))
             ]
         out = outs[0] if len(outs) == 1 else Batch.concat(outs)  # rollout_metrics: the max over chunks
-        out["response_text"] = self.decode(out["responses"], out["response_mask"])
+        # the whole response, tool outputs included (response_mask is the model's tokens only)
+        lengths = out["attention_mask"][:, -out["responses"].shape[1] :].sum(-1)
+        out["response_text"] = self.decode(out["responses"], lengths)
         out.meta.reshard_metrics = reshard_metrics
         return out
 
-    def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        rows = [
-            r[:n] for r, n in zip(responses.tolist(), mask.sum(-1).long().tolist())
-        ]  # 2 conversions, not 2 per row
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """One call of the engine, or of the agent loop driving it (rollout.multi_turn)."""
+        if self.agent is not None:
+            return self.agent.generate(self.rollout, prompts, params)
+        return self.rollout.generate(prompts, params)
+
+    def decode(self, responses: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+        rows = [r[:n] for r, n in zip(responses.tolist(), lengths.long().tolist())]  # 2 conversions, not 2 per row
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     @contextlib.contextmanager
