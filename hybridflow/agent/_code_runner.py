@@ -34,7 +34,11 @@ def isolate() -> str:
         return "namespaces"
     uid, gid = os.geteuid(), os.getegid()
     if _libc.unshare(flags | CLONE_NEWUSER) == 0:
-        for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+        for name, text in (
+            ("uid_map", f"{uid} {uid} 1"),
+            ("setgroups", "deny"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         return "user_namespaces"

@@ -67,7 +67,9 @@ class ToolEnvironment(Environment):
         except ToolTimeout as e:
             return StepResult(str(e), error=True, timed_out=True)
         except cf.TimeoutError:
-            return StepResult(f"error: {call.name} timed out after {timeout_s:g} s", error=True, timed_out=True)
+            return StepResult(
+                f"error: {call.name} timed out after {timeout_s:g} s", error=True, timed_out=True
+            )
         except Exception as e:  # the tool's own failure is the model's observation, not the run's
             return StepResult(f"error: {type(e).__name__}: {e}", error=True)
         finally:

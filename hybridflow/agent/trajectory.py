@@ -17,7 +17,13 @@ from hybridflow.rollout.base import SamplingParams, build_rollout_batch
 
 # per-trajectory figures, carried as (B,) tensors so that any split / concat / filter of the batch keeps
 # them with their rows; trainers/metrics.py averages them into agent/* metrics
-STAT_FIELDS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts", "agent_tool_time_s")
+STAT_FIELDS = (
+    "agent_turns",
+    "agent_tool_calls",
+    "agent_tool_errors",
+    "agent_tool_timeouts",
+    "agent_tool_time_s",
+)
 
 
 @dataclass

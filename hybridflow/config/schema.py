@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hybridflow.config.agent import MultiTurnConfig, multi_turn_errors
 from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-exported from here
     AlgorithmConfig,
     DPOConfig,  # noqa: F401
@@ -30,7 +31,6 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
     SafeRLHFConfig,  # noqa: F401
     SFTConfig,  # noqa: F401
 )
-from hybridflow.config.agent import MultiTurnConfig, multi_turn_errors
 from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
 from hybridflow.config.sandbox import SandboxConfig, sandbox_errors
@@ -372,7 +372,9 @@ def rollout_errors(r: RolloutConfig) -> list[str]:
         errors += finite_at_least(0, {f"{key}.temperature": sampling.temperature})
         if not 0.0 < sampling.top_p <= 1.0:
             errors.append(f"{key}.top_p: must be in (0, 1], got {sampling.top_p}")
-    return errors + multi_turn_errors(r.multi_turn)  # what each engine uses: rollout/factory.rollout_engine_errors
+    return errors + multi_turn_errors(
+        r.multi_turn
+    )  # what each engine uses: rollout/factory.rollout_engine_errors
 
 
 def critic_errors(c: CriticConfig) -> list[str]:

@@ -20,7 +20,9 @@ from typing import Any
 
 OFF = (None, "")  # "not set" in verl's YAMLs
 LORA = "LoRA is not supported yet"
-MULTI_TURN = "verl's agent loops do not run here; multi-turn rollouts are rollout.multi_turn (docs/rollout.md)"
+MULTI_TURN = (
+    "verl's agent loops do not run here; multi-turn rollouts are rollout.multi_turn (docs/rollout.md)"
+)
 VERL_TOOLS = "verl's tool classes do not run here; list typed functions in rollout.multi_turn.tools"
 MEGATRON = "Megatron-LM is not supported; models here train with FSDP2 sharding (strategy fsdp)"
 FSDP = ("fsdp", "fsdp2")
@@ -98,7 +100,10 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "actor_rollout_ref.rollout.quantization": ("no quantized rollouts", OFF),
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": ("no MoE router replay", (False,)),
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": (VERL_TOOLS, OFF),
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": ("no simulated-user (interaction) turns", OFF),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (
+        "no simulated-user (interaction) turns",
+        OFF,
+    ),
     "actor_rollout_ref.rollout.multi_turn.max_user_turns": ("no simulated-user (interaction) turns", OFF),
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": (
         "verl cuts a tool's output by characters; here rollout.multi_turn.max_tool_output_tokens cuts by tokens "

@@ -32,8 +32,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from hybridflow.batch import Batch
 from hybridflow.agent import build_agent_loop
+from hybridflow.batch import Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.config.roles import ActorWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
@@ -230,7 +230,9 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         return self.rollout.generate(prompts, params)
 
     def decode(self, responses: torch.Tensor, lengths: torch.Tensor) -> list[str]:
-        rows = [r[:n] for r, n in zip(responses.tolist(), lengths.long().tolist())]  # 2 conversions, not 2 per row
+        rows = [
+            r[:n] for r, n in zip(responses.tolist(), lengths.long().tolist())
+        ]  # 2 conversions, not 2 per row
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     @contextlib.contextmanager

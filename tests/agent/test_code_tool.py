@@ -49,7 +49,10 @@ def test_infinite_loop_is_stopped():
 
 
 def test_fork_bomb_is_contained():
-    r = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=3.0)
+    r = run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        timeout_s=3.0,
+    )
     assert r.error.startswith("error:")
 
 

@@ -52,7 +52,9 @@ class Recorder(BuiltinEngine):
         return out
 
 
-LIMITS = AgentLimits(max_turns=4, tool_timeout_s=5.0, max_tool_output_tokens=12, tool_response_template=TEMPLATE)
+LIMITS = AgentLimits(
+    max_turns=4, tool_timeout_s=5.0, max_tool_output_tokens=12, tool_response_template=TEMPLATE
+)
 
 
 @pytest.fixture(scope="module")

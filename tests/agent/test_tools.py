@@ -26,9 +26,13 @@ def test_hermes_parser_finds_the_first_complete_call_and_where_it_ends():
     call = parse_hermes(text)
     assert call == ToolCall("multiply", {"a": 12, "b": 34}, text.index(" then"))
     assert parse_hermes(text[: call.end - 1]) is None  # not complete yet
-    assert parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>').arguments == {"x": 1}
+    assert parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>').arguments == {
+        "x": 1
+    }
     bad = parse_hermes("<tool_call>{name: f}</tool_call>")
-    assert bad.error.startswith("tool call is not JSON") and bad.end == len("<tool_call>{name: f}</tool_call>")
+    assert bad.error.startswith("tool call is not JSON") and bad.end == len(
+        "<tool_call>{name: f}</tool_call>"
+    )
     assert build_parser("hermes") is parse_hermes
 
 
@@ -67,7 +71,9 @@ def test_the_environment_answers_bad_calls_and_timeouts_with_one_line():
 
 def test_config_checks():
     assert multi_turn_errors(MultiTurnConfig()) == []
-    errors = multi_turn_errors(MultiTurnConfig(enable=True, tool_response_template="x", parser="xml", max_turns=0))
+    errors = multi_turn_errors(
+        MultiTurnConfig(enable=True, tool_response_template="x", parser="xml", max_turns=0)
+    )
     assert [e.split(":")[0] for e in errors] == [
         "rollout.multi_turn.max_turns", "rollout.multi_turn.tool_response_template", "rollout.multi_turn.parser",
         "rollout.multi_turn.enable",

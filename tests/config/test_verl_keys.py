@@ -85,9 +85,12 @@ def test_verl_multi_turn_keys_map_to_rollout_multi_turn():
     m = cfg.rollout.multi_turn
     assert (m.enable, m.max_turns, m.parser, m.max_parallel_calls) == (False, 3, "hermes", 2)
     # enabled, it needs our tools (verl's tool classes do not run here): one line
-    assert refused(R + "multi_turn.enable=True")[0].endswith("needs rollout.multi_turn.tools or rollout.multi_turn.environment")
-    assert refused(R + "multi_turn.format=gpt-oss")[0].endswith("only hermes is built in; give another as "
-                                                               "rollout.multi_turn.parser=path/file.py:function")
+    assert refused(R + "multi_turn.enable=True")[0].endswith(
+        "needs rollout.multi_turn.tools or rollout.multi_turn.environment"
+    )
+    assert refused(R + "multi_turn.format=gpt-oss")[0].endswith(
+        "only hermes is built in; give another as rollout.multi_turn.parser=path/file.py:function"
+    )
 
 
 @pytest.mark.parametrize("cli_args", [
