@@ -96,5 +96,7 @@ def build_agent_batch(batch: Batch, trajs: list[Trajectory], params: SamplingPar
     for name, column in zip(STAT_FIELDS, torch.tensor(stats, dtype=torch.float32).T):
         out[name] = column.clone()
     if any(t.reward is not None for t in trajs):
-        out["agent_reward"] = [t.reward for t in trajs]
+        # the environment's reward reaches reward.fn as extra_info["env_reward"] (docs/rollout.md)
+        infos = out.non_tensors.get("extra_info", [None] * len(trajs))
+        out["extra_info"] = [{**(info or {}), "env_reward": t.reward} for info, t in zip(infos, trajs)]
     return out

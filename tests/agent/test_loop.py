@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.agent.environment import ToolEnvironment
+from hybridflow.agent.environment import Environment, StepResult, ToolEnvironment
 from hybridflow.agent.loop import AgentLimits, AgentLoop
 from hybridflow.agent.parsers import ToolCall
 from hybridflow.agent.tools import Tool
@@ -150,3 +150,26 @@ def test_tool_tokens_carry_no_advantage_and_no_gradient(run):
     loss, _ = policy_loss(log_probs, out["rollout_log_probs"], adv, mask)
     loss.backward()
     assert torch.all(log_probs.grad[mask == 0] == 0) and log_probs.grad[mask == 1].abs().sum() > 0
+
+
+class OneShotEnv(Environment):
+    """Gym style, one per trajectory: the first call ends the episode with a reward from the row."""
+
+    def reset(self, row: dict) -> None:
+        self.target = row["prompt_text"]
+
+    def step(self, call: ToolCall, timeout_s: float) -> StepResult:
+        return StepResult(f"{len(self.target)}", done=True, reward=float(call.arguments["digit"]))
+
+
+def test_an_environment_ends_the_episode_and_its_reward_reaches_extra_info(run):
+    tok, _, engine, _ = run
+    loop = AgentLoop(tok, digit_parser, OneShotEnv, LIMITS)
+    out = loop.generate(engine, prompt_batch(tok), SamplingParams(max_new_tokens=160, temperature=1.0, seed=5))
+    called = out["agent_tool_calls"] > 0
+    assert called.any() and int(out["agent_tool_calls"].max()) == 1
+    assert torch.equal(out["agent_turns"][called], torch.ones(int(called.sum())))  # done: no turn after the call
+    infos = out.non_tensors["extra_info"]
+    for i in range(len(out)):
+        reward = infos[i]["env_reward"]
+        assert (reward is None) == (not bool(called[i]))
