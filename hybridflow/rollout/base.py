@@ -183,6 +183,12 @@ def build_rollout_batch(
     return Batch(tensors, rest.non_tensors, rest.meta)
 
 
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """(B,) tokens in each response: the model's and, in a multi-turn response, the tool outputs between
+    its turns (attention covers both; `response_mask` only the model's)."""
+    return batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
+
+
 def load_named_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy (name, tensor) pairs into the model's parameters/buffers in place; returns how many.
 

@@ -20,6 +20,7 @@ import torch
 
 from hybridflow.algorithms import explained_variance, masked_mean
 from hybridflow.batch import Batch
+from hybridflow.rollout.base import response_lengths
 
 
 class Timers:
@@ -116,7 +117,7 @@ def data_metrics(batch: Batch, scores_key: str = "scores") -> dict[str, float]:
     mask = batch["response_mask"].float()
     limit = batch["responses"].shape[1]
     # every response token, tool outputs of a multi-turn response included (response_mask: the model's)
-    lengths = batch["attention_mask"][:, -limit:].sum(-1).float()
+    lengths = response_lengths(batch).float()
     out = _stats("response_length", lengths)
     out["response_length/clip_ratio"] = float((lengths >= limit).float().mean())
     prompt_lengths = batch["attention_mask"][:, : batch["attention_mask"].shape[1] - limit].sum(-1).float()

@@ -43,6 +43,7 @@ from hybridflow.hybrid_engine.resharder import build_resharder, generation_layou
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
+from hybridflow.rollout.base import response_lengths
 from hybridflow.rollout.factory import build_generation_engine
 from hybridflow.rollout.pool_tp import keep_shard, load_shard, param_bytes, pool_tp_group
 from hybridflow.workers.common import (
@@ -218,8 +219,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             ]
         out = outs[0] if len(outs) == 1 else Batch.concat(outs)  # rollout_metrics: the max over chunks
         # the whole response, tool outputs included (response_mask is the model's tokens only)
-        lengths = out["attention_mask"][:, -out["responses"].shape[1] :].sum(-1)
-        out["response_text"] = self.decode(out["responses"], lengths)
+        out["response_text"] = self.decode(out["responses"], response_lengths(out))
         out.meta.reshard_metrics = reshard_metrics
         return out
 

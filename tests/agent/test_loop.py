@@ -165,10 +165,14 @@ class OneShotEnv(Environment):
 def test_an_environment_ends_the_episode_and_its_reward_reaches_extra_info(run):
     tok, _, engine, _ = run
     loop = AgentLoop(tok, digit_parser, OneShotEnv, LIMITS)
-    out = loop.generate(engine, prompt_batch(tok), SamplingParams(max_new_tokens=160, temperature=1.0, seed=5))
+    out = loop.generate(
+        engine, prompt_batch(tok), SamplingParams(max_new_tokens=160, temperature=1.0, seed=5)
+    )
     called = out["agent_tool_calls"] > 0
     assert called.any() and int(out["agent_tool_calls"].max()) == 1
-    assert torch.equal(out["agent_turns"][called], torch.ones(int(called.sum())))  # done: no turn after the call
+    assert torch.equal(
+        out["agent_turns"][called], torch.ones(int(called.sum()))
+    )  # done: no turn after the call
     infos = out.non_tensors["extra_info"]
     for i in range(len(out)):
         reward = infos[i]["env_reward"]

@@ -36,7 +36,10 @@ def test_builtin_and_vllm_give_the_same_greedy_trajectories():
     loop = AgentLoop(tok, every_fifth, lambda: ToolEnvironment({"count": Tool.from_function(count)}), limits)
     params = SamplingParams(max_new_tokens=36, do_sample=False, eos_token_ids=())
     batch = prompt_batch(tok)
-    ours, theirs = loop.generate(BuiltinEngine(m), batch, params), loop.generate(engine("llama"), batch, params)
+    ours, theirs = (
+        loop.generate(BuiltinEngine(m), batch, params),
+        loop.generate(engine("llama"), batch, params),
+    )
     assert int(ours["agent_turns"].min()) == 3
     for key in ("responses", "response_mask", "attention_mask", "position_ids", "agent_turns"):
         assert torch.equal(ours[key], theirs[key]), key
