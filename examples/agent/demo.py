@@ -81,7 +81,7 @@ def summarize(tools: list[dict], no_tools: list[dict], seconds: float) -> None:
     print("hybridflow demo-agent: GRPO with a calculator tool on 'a*b=' (a, b in 10..99), tiny Llama, CPU")
     print("=" * 78)
     print(f"held-out accuracy before {val[0][1]:.2f} after {val[-1][1]:.2f}")
-    print(f"  with the tool, greedy, {len(val) and 100} held-out problems: "
+    print(f"  greedy, with the tool, on 100 held-out problems never trained on: "
           f"{100 * (val[-1][1] - val[0][1]):+.0f} points over {val[-1][0]} GRPO steps")  # fmt: skip
     print(f"  the same GRPO without the tool: before {bare[0][1]:.2f} after {bare[-1][1]:.2f}")
     print("  validation acc@1 by step (tool): " + "  ".join(f"{s}: {a:.2f}" for s, a in val))
