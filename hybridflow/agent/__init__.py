@@ -20,7 +20,7 @@ from hybridflow.config.agent import CODE_TOOL, MultiTurnConfig
 
 __all__ = [
     "AgentLimits", "AgentLoop", "Environment", "StepResult", "Tool", "ToolCall", "ToolEnvironment",
-    "build_agent_loop", "build_parser", "build_tools", "parse_hermes",
+    "build_agent_loop", "build_parser", "build_tools", "parse_hermes", "tool_schemas",
 ]  # fmt: skip
 
 
@@ -31,6 +31,14 @@ def build_tools(cfg: MultiTurnConfig) -> dict[str, Tool]:
     if CODE_TOOL in cfg.tools:
         tools[CODE_TOOL] = code_tool(cfg.sandbox, cfg.tool_timeout_s)
     return tools
+
+
+def tool_schemas(cfg: MultiTurnConfig) -> list[dict] | None:
+    """The tools' JSON schemas for the chat template (`tools=`), or None: multi-turn off, or an
+    environment (whose calls the template cannot know). Imports the tools' files in the driver."""
+    if not cfg.enable or cfg.environment:
+        return None
+    return [t.schema for t in build_tools(cfg).values()]
 
 
 def build_agent_loop(cfg: MultiTurnConfig, tokenizer) -> AgentLoop | None:

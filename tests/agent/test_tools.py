@@ -78,3 +78,18 @@ def test_config_checks():
         "rollout.multi_turn.max_turns", "rollout.multi_turn.tool_response_template", "rollout.multi_turn.parser",
         "rollout.multi_turn.enable",
     ]  # fmt: skip
+
+
+def test_the_chat_template_is_given_the_tool_schemas(tmp_path):
+    """As HF templates with tool support read them (Qwen's lists each schema as JSON under # Tools)."""
+    from hybridflow.agent import tool_schemas
+    from hybridflow.data.prompts import render_prompt
+    from hybridflow.models.tiny import build_char_tokenizer
+
+    spec = tmp_path / "tools.py"
+    spec.write_text("def add(a: int, b: int) -> int:\n    '''Add.'''\n    return a + b\n")
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + tok.chat_template
+    schemas = tool_schemas(MultiTurnConfig(enable=True, tools=[f"{spec}:add"]))
+    assert render_prompt("1+2=", tok, True, schemas) == "[add]<|user|>1+2=<|assistant|>"
+    assert tool_schemas(MultiTurnConfig()) is None
