@@ -1,5 +1,5 @@
 """Runs one piece of model-written Python, contained: `python -I _code_runner.py CPU_S MEMORY_MB FILE_MB
-MAX_PROCS` in the code's own temporary directory (main.py there), started by agent/code_tool.py with a
+MAX_PROCS PROCESSES` in the code's own temporary directory (main.py there), started by agent/code_tool.py with a
 scrubbed environment. Imports only the standard library, so it starts in tens of milliseconds.
 
 runner (this process) -> init (PID 1 of new PID, network and mount namespaces, where the OS allows)
@@ -27,13 +27,14 @@ PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS =
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def isolate() -> str:
-    """Enter new PID, network and mount namespaces (a user namespace first when not root) -> the mode."""
+def isolate(processes: str) -> str:
+    """Enter new PID, network and mount namespaces (a user namespace first when not root) -> the mode.
+    processes: sandbox.processes; subreaper skips the namespaces, pid_namespace requires them."""
     flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS
-    if os.geteuid() == 0 and _libc.unshare(flags) == 0:
+    if processes != "subreaper" and os.geteuid() == 0 and _libc.unshare(flags) == 0:
         return "namespaces"
     uid, gid = os.geteuid(), os.getegid()
-    if _libc.unshare(flags | CLONE_NEWUSER) == 0:
+    if processes != "subreaper" and _libc.unshare(flags | CLONE_NEWUSER) == 0:
         for name, text in (
             ("uid_map", f"{uid} {uid} 1"),
             ("setgroups", "deny"),
@@ -42,6 +43,10 @@ def isolate() -> str:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         return "user_namespaces"
+    if processes == "pid_namespace":
+        raise OSError(
+            "sandbox.processes=pid_namespace: namespaces are not allowed here; use auto or subreaper"
+        )
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     return "subreaper"
 
@@ -131,7 +136,11 @@ def main() -> int:
     cpu_s, memory_mb, file_mb, max_procs = float(sys.argv[1]), *map(int, sys.argv[2:5])
     if os.geteuid() == 0:
         join_pids_cgroup(max_procs)
-    mode = isolate()
+    try:
+        mode = isolate(sys.argv[5])
+    except OSError as e:
+        print(f"\nerror: {e}", file=sys.stderr, flush=True)
+        return 126
     print(f"{mode}", file=sys.stderr, flush=True)  # the tool reads the mode from the first stderr line
     if mode == "subreaper":
         status = run_code(cpu_s, memory_mb, file_mb, max_procs)

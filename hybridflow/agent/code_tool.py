@@ -67,7 +67,7 @@ def run_python(code: str, cfg: SandboxConfig, timeout_s: float, max_output_bytes
             f.write(code)
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         args = [sys.executable, "-I", RUNNER, str(cfg.cpu_s), str(cfg.memory_mb), str(cfg.file_size_mb),
-                str(cfg.max_procs)]  # fmt: skip
+                str(cfg.max_procs), cfg.processes]  # fmt: skip
         proc = subprocess.Popen(args, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
         return _collect(proc, cfg, timeout_s, max_output_bytes)

@@ -3,7 +3,9 @@ nothing of it left running. Limits small enough that the cases end in about a se
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 
 import pytest
 
@@ -87,3 +89,18 @@ def test_100_mb_of_output_is_cut():
 def test_no_network_where_namespaces_are_allowed():
     r = run("import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=1)\nprint('connected')")
     assert "connected" not in r.output
+
+
+def test_without_namespaces_a_fork_bomb_is_still_contained():
+    """sandbox.processes=subreaper: the path of a machine that allows no namespaces (rlimits, the pids
+    cgroup as root, the session killed on timeout)."""
+    cfg = dataclasses.replace(CFG, processes="subreaper")
+    before = _processes()
+    ok = run_python("print(6 * 7)", cfg, 6.0)
+    assert (ok.output.strip(), ok.mode) == ("42", "subreaper")
+    bomb = run_python(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", cfg, 3.0
+    )
+    assert bomb.error.startswith("error:")
+    time.sleep(0.5)  # orphans of the killed session reparent before they die
+    assert not [p for p in _processes() - before if _ours(p)]

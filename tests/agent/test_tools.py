@@ -89,7 +89,9 @@ def test_the_chat_template_is_given_the_tool_schemas(tmp_path):
     spec = tmp_path / "tools.py"
     spec.write_text("def add(a: int, b: int) -> int:\n    '''Add.'''\n    return a + b\n")
     tok = build_char_tokenizer()
-    tok.chat_template = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + tok.chat_template
+    tok.chat_template = (
+        "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + tok.chat_template
+    )
     schemas = tool_schemas(MultiTurnConfig(enable=True, tools=[f"{spec}:add"]))
     assert render_prompt("1+2=", tok, True, schemas) == "[add]<|user|>1+2=<|assistant|>"
     assert tool_schemas(MultiTurnConfig()) is None
