@@ -113,10 +113,15 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
         ),
         ("reward spec not python", ["reward.fn=/etc/passwd:fn"], "/etc/passwd is not a Python file"),
         ("reward missing file", [f"reward.fn={root}/none.py:fn"], "none.py does not exist"),
-        ("reward exits at import", [f"reward.fn={exits}:fn"], "importing it called sys.exit(5) (exits.py:2)"),
+        # startup_timeout_s: 3 (the YAML) is for the hang case; a loaded machine may take longer to start a worker
+        (
+            "reward exits at import",
+            [f"reward.fn={exits}:fn", "reward.startup_timeout_s=60"],
+            "importing it called sys.exit(5) (exits.py:2)",
+        ),
         (
             "reward raises at import",
-            [f"reward.fn={raises}:fn"],
+            [f"reward.fn={raises}:fn", "reward.startup_timeout_s=60"],
             "ZeroDivisionError: division by zero (raises.py:2)",
         ),
         ("reward hangs at import", [f"reward.fn={hangs}:fn"], "did not finish importing it within 3s"),
