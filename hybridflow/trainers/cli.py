@@ -64,6 +64,15 @@ def check_this_machine(cfg) -> None:
         raise ConfigError(errors)
 
 
+def say_faster_setting(cfg, load) -> None:
+    """One line when the planner predicts a faster setting these resources allow (trainers/speed_hint.py)."""
+    from hybridflow.trainers.speed_hint import faster_setting
+
+    line = faster_setting(cfg, load)
+    if line:
+        print(f"hybridflow train: {line}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
@@ -87,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
         config, overrides = split_config_arg(args.config, list(args.overrides))
         cfg = load_config(config, overrides, verl=True if args.verl else None)
         check_this_machine(cfg)
+        say_faster_setting(
+            cfg, lambda extra: load_config(config, [*overrides, *extra], verl=True if args.verl else None)
+        )
     except user_errors() as e:
         print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2
