@@ -11,7 +11,9 @@ bf16 as TRL runs it (autocast over fp32 weights). Both: the same batch, threads 
 
     .venv/bin/python benchmarks/bench_update.py [--sizes small medium] [--precision fp32 bf16] [--profile]
 
---profile prints the engine's top ops by self CPU time (torch.profiler) for one step of each cell.
+--profile prints both sides' top ops by self CPU time (torch.profiler) for one step of each cell;
+--attention only times causal sdpa forward + backward on CPU in fp32, bf16, and bf16 computed in fp32.
+Times are CPU seconds (process time), steadier than wall time on a shared machine.
 """
 
 from __future__ import annotations
@@ -113,6 +115,38 @@ def time_cell(size: str, precision: str, steps: int, profile: bool) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+ATTENTION_SHAPES = ((1, 4, 56, 32), (8, 4, 56, 32), (1, 8, 56, 64), (8, 8, 56, 64), (1, 8, 150, 64),
+                    (8, 14, 56, 64), (1, 14, 400, 64))  # fmt: skip
+
+
+def attention_cpu_seconds(dtype, shape, via_fp32: bool = False, reps: int = 20) -> float:
+    """CPU seconds of one causal sdpa forward + backward of (B, H, n, D) inputs in `dtype` (via_fp32: cast to
+    fp32 for the call and back)."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
+    cast = (lambda t: t.float()) if via_fp32 else (lambda t: t)
+
+    def step():
+        F.scaled_dot_product_attention(cast(q), cast(k), cast(v), is_causal=True).to(dtype).sum().backward()
+
+    for _ in range(3):
+        step()
+    start = time.process_time()
+    for _ in range(reps):
+        step()
+    return (time.process_time() - start) / reps
+
+
+def attention_table() -> str:
+    out = "| B, H, n, D | fp32 ms | bf16 ms | bf16 via fp32 ms | bf16 / via fp32 |\n|---|---|---|---|---|\n"
+    for shape in ATTENTION_SHAPES:
+        a, b = attention_cpu_seconds(torch.float32, shape), attention_cpu_seconds(torch.bfloat16, shape)
+        c = attention_cpu_seconds(torch.bfloat16, shape, via_fp32=True)
+        out += f"| {shape} | {a * 1e3:.2f} | {b * 1e3:.2f} | {c * 1e3:.2f} | {b / c:.2f}x |\n"
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", default=["small", "medium"])
@@ -120,8 +154,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--attention", action="store_true", help="only the CPU sdpa table: bf16 against fp32")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.attention:
+        print(attention_table())
+        return 0
     print(
         "| model | precision | plain loop CPU s | hybridflow CPU s | plain / hybridflow |\n|---|---|---|---|---|"
     )
