@@ -65,10 +65,15 @@ def check_this_machine(cfg) -> None:
 
 
 def say_faster_setting(cfg, load) -> None:
-    """One line when the planner predicts a faster setting these resources allow (trainers/speed_hint.py)."""
+    """One line when the planner predicts a faster setting these resources allow (trainers/speed_hint.py).
+    Advice only: a config the planner cannot price gets no line, never a failed start."""
     from hybridflow.trainers.speed_hint import faster_setting
 
-    line = faster_setting(cfg, load)
+    try:
+        line = faster_setting(cfg, load)
+    except Exception as e:  # noqa: BLE001 - the hint must not stop a run the config allows
+        logging.getLogger(__name__).debug("no speed hint: %s", e)
+        return
     if line:
         print(f"hybridflow train: {line}", flush=True)
 

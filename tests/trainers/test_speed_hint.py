@@ -56,3 +56,19 @@ def test_the_line_names_the_faster_setting_and_its_gain(models, monkeypatch):
     )
     done = overrides(models["medium"], 2, "model.dtype=bfloat16", "trainer.rollout_ahead=1")
     assert faster_setting(load_config(None, done), lambda extra: load_config(None, [*done, *extra])) is None
+
+
+def test_train_prints_the_line_and_never_fails_on_it(models, monkeypatch, capsys):
+    from hybridflow.trainers.cli import say_faster_setting
+
+    monkeypatch.setattr(speed_hint, "cpu_computes_bf16", lambda: True)
+    base = overrides(models["medium"], 1)
+    say_faster_setting(load_config(None, base), lambda extra: load_config(None, [*base, *extra]))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("hybridflow train: hint: model.dtype=bfloat16 is predicted")
+
+    def broken(extra):
+        raise KeyError("a planner bug")
+
+    say_faster_setting(load_config(None, base), broken)  # advice only: nothing printed, nothing raised
+    assert capsys.readouterr().out == ""
