@@ -38,7 +38,7 @@ class AllGatherResharder(Resharder):
         return False
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        full = self.ledger.hold(self._copy(local))  # the whole model is held anyway: the embeddings too
+        full = self.ledger.hold(self._cast_copy(local))  # the whole model is held anyway: the embeddings too
         return full.chunk(self.tg, 0)[self.tp_index] if name in self.vocab else full
 
     def _gather_scope(self) -> tuple[dist.ProcessGroup | None, int]:

@@ -228,9 +228,8 @@ class Resharder:
                 transient += sizes.add(
                     local, self._moved_dtype(local), dim, name in self.vocab, unit is not None
                 )
-                if (
-                    keep
-                ):  # the unit stays unsharded: its own tensors (cast if need be) are the generation weights
+                # keep: the unit stays unsharded, its own tensors (cast if need be) the generation weights
+                if keep:
                     out[name] = self.ledger.hold(self._cast(local))
                 elif (direct := self._direct(name, local, dim)) is not None:
                     out[name] = direct
@@ -255,7 +254,7 @@ class Resharder:
         """The tensor in its generation dtype: itself when already there, else a cast copy."""
         return local.to(self._moved_dtype(local))
 
-    def _copy(self, local: torch.Tensor) -> torch.Tensor:
+    def _cast_copy(self, local: torch.Tensor) -> torch.Tensor:
         """A copy in the generation dtype that never aliases the live (training) tensor."""
         return local.to(self._moved_dtype(local), copy=True)
 
@@ -277,8 +276,8 @@ class Resharder:
         """A weight every TP rank holds whole: a copy, or for the embeddings under split_vocab only this
         generation TP rank's V/tg rows."""
         if name in self.vocab:
-            return self.ledger.hold(self._copy(local.chunk(self.tg, 0)[self.tp_index]))
-        return self.ledger.hold(self._copy(local))
+            return self.ledger.hold(self._cast_copy(local.chunk(self.tg, 0)[self.tp_index]))
+        return self.ledger.hold(self._cast_copy(local))
 
     def _gather_scope(self) -> tuple[dist.ProcessGroup | None, int]:
         """(group, size) the TP-split pieces are all-gathered over: the micro-DP group."""
@@ -293,8 +292,7 @@ class Resharder:
         """This rank's generation tensors for one unit's TP-split weights [(name, local, dim)], with one
         all-gather per dtype over `_gather_scope`: each member packs its pieces, cast to their generation
         dtype, into its slot of a flat buffer, the all-gather fills the others' slots in place, and every
-        weight is copied out as the
-        cat of its n pieces along its split dim. The unit is resharded before the collective (its pieces
+        weight is copied out as the cat of its n pieces along its split dim. The unit is resharded before the collective (its pieces
         are in the slot by then), so at the peak a rank holds either the unsharded unit and its slot, or
         the gathered buffer."""
         group, n = self._gather_scope()
@@ -306,10 +304,13 @@ class Resharder:
         for dtype, items in by_dtype.items():
             numel = sum(local.numel() for _, local, _ in items)
             buf = torch.empty((n, numel), dtype=dtype, device=items[0][1].device)
-            off = 0
-            for _, local, _ in items:  # copy_ casts in place: no full-precision copy in between
-                buf[me, off : off + local.numel()].copy_(local.reshape(-1))
-                off += local.numel()
+            if all(local.dtype == dtype for _, local, _ in items):
+                torch.cat([local.reshape(-1) for _, local, _ in items], out=buf[me])
+            else:  # copy_ casts into the slot: no cast copy in between
+                off = 0
+                for _, local, _ in items:
+                    buf[me, off : off + local.numel()].copy_(local.reshape(-1))
+                    off += local.numel()
             bufs.append((buf, items))
         slots = sum(tensor_bytes(buf[0]) for buf, _ in bufs)
         self.ledger.transient(unsharded + slots)
