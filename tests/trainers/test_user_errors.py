@@ -81,6 +81,9 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
         f = d / name.strip()
         f.write_bytes(damage(f.read_bytes()))
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    weights_only = _model_copy(model, root, "weights_only")  # model.save_pretrained without the tokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (weights_only / name).unlink(missing_ok=True)
     return [
         ("missing data file", [f"data.train_files=[{root}/nope.jsonl]"], "nope.jsonl' does not exist"),
         ("directory as data file", [f"data.train_files=[{root}/dir.jsonl]"], "is a directory"),
@@ -123,6 +126,11 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
             f"{corrupt}/config.json is not a readable JSON file",
         ),
         ("no chat template", [f"model.path={no_template}"], "has no chat template"),
+        (
+            "no tokenizer files",
+            [f"model.path={weights_only}"],
+            f"{weights_only} has no tokenizer files",
+        ),
         *[
             (f"broken {name}", [f"model.path={d}"], f"model.path: {d}/{name.strip()} {expected}")
             for (name, d), expected in zip(
