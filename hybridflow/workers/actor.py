@@ -144,16 +144,17 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             )
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
+            dtype = model_compute_dtype(m.dtype, self.config.device)
             if self.actor is not None:
                 r = self.config.rollout
-                # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md)
+                # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md);
+                # shards move and are held in generation's compute dtype (half the bytes in bf16)
                 self.resharder = build_resharder(
-                    self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin"
+                    self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin", dtype=dtype
                 )
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
-            dtype = model_compute_dtype(m.dtype, self.config.device)
             model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
             self.agent = build_agent_loop(self.config.rollout.multi_turn, self.tokenizer)
