@@ -185,18 +185,14 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
 
 
 def _lora_errors(cfg: HybridFlowConfig) -> list[str]:
-    """LoRA runs where the generation weights are merged on the actor's own ranks (hybrid_engine/resharder.py)."""
+    """LoRA runs where the generation weights are merged on the actor's own ranks (hybrid_engine/resharder.py):
+    the built-in engine reads them, vLLM is streamed them; the rollout pool's sync is not there yet."""
     if not cfg.model.lora.enabled:
         return []
     errors = []
     if importlib.util.find_spec("peft") is None:
         errors.append(
             f"model.lora.rank={cfg.model.lora.rank}: LoRA needs the peft package: pip install 'hybridflow[lora]'"
-        )
-    if cfg.rollout.engine != "builtin":
-        errors.append(
-            f"model.lora.rank={cfg.model.lora.rank}: rollout.engine={cfg.rollout.engine!r} with LoRA is not "
-            "supported yet (its weight updates carry no adapters); use rollout.engine=builtin or rank 0"
         )
     if cfg.trainer.rollout_ahead:
         errors.append(

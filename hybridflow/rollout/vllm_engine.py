@@ -4,7 +4,9 @@ As verl's hybrid worker does, each actor rank holds one `vllm.LLM` in its own pr
 processes, `VLLM_ENABLE_V1_MULTIPROCESSING=0`). Weights never touch disk: the engine is built from the
 model's config alone (`load_format="dummy"`), and before every `generate` the actor's current weights go
 to vLLM as an iterator of (HF name, tensor) through vLLM's in-place `reload_weights`, then the prefix
-cache is reset so no KV computed from old weights is reused. See docs/rollout.md.
+cache is reset so no KV computed from old weights is reused. See docs/rollout.md. A LoRA actor's
+generation weights come from the 3D-HybridEngine with the adapters merged under their HF names, so vLLM
+is streamed the merged weights, every one whole (`sent_bytes` counts them; docs/lora.md).
 
 Output: the same Batch as the built-in engine (`build_rollout_batch`), so nothing downstream knows which
 engine ran. `rollout_log_probs` come from vLLM's "processed_logprobs" mode: log_softmax(logits / T)
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.models.lora import hf_name
 from hybridflow.rollout import vllm_pad
 from hybridflow.rollout.base import GenerationEngine, SamplingParams, build_rollout_batch, check_prompt_batch
 
@@ -108,6 +111,7 @@ class VLLMEngine(GenerationEngine):
         self.device = param.device
         self.gpu = param.device.type == "cuda"
         self.last_stats: dict[str, float] = {}
+        self.sent_bytes = 0  # every tensor load_weights has streamed into vLLM, in the dtype vLLM holds
         self.llm = self._build(cfg, self.config.dtype or param.dtype)
         self._asleep = False
         if self.config.own_weights:
@@ -185,10 +189,16 @@ class VLLMEngine(GenerationEngine):
         """(HF name, full tensor) pairs into vLLM's model in place, then drop the stale prefix cache."""
         if self.config.dtype is not None:  # the actor's fp32 master weights, in the dtype vLLM holds
             weights = ((name, t.to(self.config.dtype)) for name, t in weights)
+        weights = self._counted(weights)
         if self.pad_head_dim:
             weights = vllm_pad.pad_weights(weights, self.model.config, self.pad_head_dim)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
+
+    def _counted(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        for name, t in weights:
+            self.sent_bytes += t.numel() * t.element_size()
+            yield name, t
 
     def set_shard(self, weights, tp=None) -> None:
         """The 3D-HybridEngine's generation weights for the next calls (hybrid_engine/resharder.py): HF
@@ -218,7 +228,9 @@ class VLLMEngine(GenerationEngine):
         if shard is None:
             named = ((n, _full(p.detach())) for n, p in self.model.named_parameters())
         else:
-            shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}  # DTensor: global shape
+            # DTensor: the global shape. A LoRA actor's shard holds merged weights under their HF names
+            # (hybrid_engine/resharder.py), the shapes of the adapted layers' base weights
+            shapes = {hf_name(n): tuple(p.shape) for n, p in self.model.named_parameters()}
             rank = torch.distributed.get_rank(tp.group) if tp is not None else 0
             named = ((n, shard_as_full(n, _full(p.detach()), shapes[n], rank, tp)) for n, p in shard.items())
         self.load_weights(named)

@@ -258,6 +258,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             yield metrics
             return
         rs = self.resharder
+        sent_before = getattr(self.rollout, "sent_bytes", None)  # an engine holding its own copy (vLLM)
         with rs.generation() as (weights, tp):
             self.rollout.set_shard(None if rs.in_place else weights, tp)
             try:
@@ -265,12 +266,16 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             finally:
                 self.rollout.set_shard(None)
         metrics.update(_max_over_ranks(rs.stats.as_metrics(), self.device))
-        metrics["rollout/weight_update_bytes"] = float(self._weight_update_bytes())
+        metrics["rollout/weight_update_bytes"] = float(self._weight_update_bytes(sent_before))
 
-    def _weight_update_bytes(self) -> int:
-        """Bytes of the weights one training step changes, whole: what a rollout engine holding its own copy
-        must be sent per step (every parameter in the compute dtype; with LoRA only the adapters, fp32). The
-        built-in engine here reads them in place (merged by the Resharder), so none travel."""
+    def _weight_update_bytes(self, sent_before: int | None) -> int:
+        """What a rollout engine holding its own copy is sent per step. vLLM: the bytes it was actually
+        streamed in this switch (with LoRA the merged weights: every weight, whole). The built-in engine
+        reads the weights in place (merged by the Resharder), so none travel: the figure is then what one
+        training step changes, whole (every parameter in the compute dtype; with LoRA only the adapters,
+        fp32), i.e. what an adapter-only sync would send."""
+        if sent_before is not None:
+            return self.rollout.sent_bytes - sent_before
         if self.actor.lora_layers:
             return lora.adapter_bytes(self.actor.hf_model)
         dtype = model_compute_dtype(self.config.model.dtype, self.config.device)

@@ -49,7 +49,6 @@ def test_a_lora_run_has_no_reference_model(tiny_model_dir):
     [
         (["model.lora.rank=-1"], "model.lora.rank: must be >= 0, got -1"),
         (["model.lora.rank=4", "model.lora.dropout=1.0"], "model.lora.dropout: must be < 1, got 1.0"),
-        (["model.lora.rank=4", "rollout.engine=vllm"], "rollout.engine='vllm' with LoRA is not supported yet"),
         (["model.lora.rank=4", "trainer.rollout_ahead=1", "resources.n_gpus_per_node=2"],
          "trainer.rollout_ahead=1 with LoRA is not supported yet"),
     ],

@@ -185,3 +185,41 @@ def test_compute_dtype_bf16_runs_vllm_in_bf16(batch):
     err = (out["rollout_log_probs"] - training_log_probs(bf16, out, 1.0))[mask].abs()
     assert err.mean() < 0.02, err.mean()
     assert (out["rollout_log_probs"] - training_log_probs(m, out, 1.0))[mask].abs().max() > 1e-4
+
+
+def test_lora_actor_streams_merged_weights(batch):
+    """A LoRA actor (peft layers in the model) after an update (B nonzero): vLLM is sent the merged weights
+    W + scale * B @ A under their HF names, as the 3D-HybridEngine's switch makes them, and generates what
+    the built-in engine does from the same shard, and what the adapted model itself computes; it was sent
+    every weight, whole (the bytes the actor logs as rollout/weight_update_bytes)."""
+    from hybridflow.models.lora import apply_lora, is_adapter, lora_layers, merge_named
+    from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    for e in _ENGINES.values():
+        e.close()
+    _ENGINES.clear()
+    m = copy.deepcopy(model("llama"))
+    apply_lora(m, rank=4, alpha=8, target_modules=["all-linear"])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if is_adapter(name):  # an update's worth: B @ A moves every adapted weight
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    shard = dict(merge_named(((n, p.detach().clone()) for n, p in m.named_parameters()), lora_layers(m)))
+    assert not any(is_adapter(n) or "base_layer" in n for n in shard)
+    params = SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=())
+    eng = VLLMEngine(m, VLLMEngineConfig(max_model_len=64, max_num_seqs=512))
+    try:
+        eng.set_shard(shard)
+        out = eng.generate(batch, params)
+        assert eng.sent_bytes == sum(t.numel() * 4 for t in shard.values())  # fp32, every weight once
+    finally:
+        eng.close()
+    builtin = BuiltinEngine(m)
+    builtin.set_shard(shard)
+    ref = builtin.generate(batch, params)
+    assert torch.equal(out["responses"], ref["responses"])
+    base = BuiltinEngine(model("llama")).generate(batch, params)["responses"]
+    assert not torch.equal(out["responses"], base), "the adapters should change the greedy answers"
+    # the adapted model's own forward (peft's layers, unmerged) scores vLLM's tokens as vLLM did
+    torch.testing.assert_close(out["rollout_log_probs"], training_log_probs(m, out, 1.0), atol=1e-4, rtol=0)
