@@ -192,6 +192,7 @@ def test_lora_actor_streams_merged_weights(batch):
     W + scale * B @ A under their HF names, as the 3D-HybridEngine's switch makes them, and generates what
     the built-in engine does from the same shard, and what the adapted model itself computes; it was sent
     every weight, whole (the bytes the actor logs as rollout/weight_update_bytes)."""
+    pytest.importorskip("peft", reason="model.lora needs peft (the vllm-cpu extra; `make vllm`)")
     from hybridflow.models.lora import apply_lora, is_adapter, lora_layers, merge_named
     from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 

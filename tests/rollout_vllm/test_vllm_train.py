@@ -140,6 +140,7 @@ def test_grpo_tiny_with_vllm_gains_15_points(warm_start):
 def test_grpo_lora_with_vllm_generates_from_the_merged_adapters(warm_start):
     """model.lora with rollout.engine=vllm: before each generate vLLM is streamed the actor's weights with
     the adapters merged (W + scale * B @ A, hybrid_engine/resharder.py), every weight whole."""
+    pytest.importorskip("peft", reason="model.lora needs peft (the vllm-cpu extra; `make vllm`)")
     lora = ("model.lora.rank=8", "model.lora.alpha=64", "actor.optim.lr=5e-3", "algorithm.use_kl_loss=true")
     rows = grpo(warm_start, "grpo_vllm_lora", "trainer.total_steps=3", "trainer.save_every=0", *lora)
     steps = [r for r in rows if "reward/mean" in r]
