@@ -186,18 +186,13 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
 
 def _lora_errors(cfg: HybridFlowConfig) -> list[str]:
     """LoRA runs where the generation weights are merged on the actor's own ranks (hybrid_engine/resharder.py):
-    the built-in engine reads them, vLLM is streamed them; the rollout pool's sync is not there yet."""
+    the built-in engine reads them, vLLM and the rollout pool of rollout_ahead=1 are sent them."""
     if not cfg.model.lora.enabled:
         return []
     errors = []
     if importlib.util.find_spec("peft") is None:
         errors.append(
             f"model.lora.rank={cfg.model.lora.rank}: LoRA needs the peft package: pip install 'hybridflow[lora]'"
-        )
-    if cfg.trainer.rollout_ahead:
-        errors.append(
-            f"model.lora.rank={cfg.model.lora.rank}: trainer.rollout_ahead=1 with LoRA is not supported yet "
-            "(the rollout pool's weight sync carries no adapters); use rollout_ahead=0 or rank 0"
         )
     return errors
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from hybridflow.controller import Protocol, register
 from hybridflow.hybrid_engine.sync_budget import BUCKET_BYTES, SEND_INFLIGHT_BYTES
+from hybridflow.models.lora import hf_name, is_adapter
 from hybridflow.workers.shard_sync import build_subgroups, send_shards
 
 
@@ -128,8 +129,10 @@ class WeightSyncMixin:
 
     @register(Protocol.RANK_ZERO)
     def weight_shapes(self) -> dict:
-        """The actor's full (unsharded) shape of each state-dict tensor, to check a spec against."""
-        return {n: list(t.shape) for n, t in self._engine("actor").hf_model.state_dict().items()}
+        """The actor's full (unsharded) shape of each tensor a sync can send, to check a spec against: with
+        LoRA the merged weights under their HF names (iter_full_state_dict merges the adapters)."""
+        live = self._engine("actor").hf_model.state_dict().items()
+        return {hf_name(n): list(t.shape) for n, t in live if not is_adapter(n)}
 
     @register(Protocol.ONE_TO_ALL)
     def send_weights(self, spec: list, dims: list | None = None) -> dict:

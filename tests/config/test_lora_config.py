@@ -49,8 +49,6 @@ def test_a_lora_run_has_no_reference_model(tiny_model_dir):
     [
         (["model.lora.rank=-1"], "model.lora.rank: must be >= 0, got -1"),
         (["model.lora.rank=4", "model.lora.dropout=1.0"], "model.lora.dropout: must be < 1, got 1.0"),
-        (["model.lora.rank=4", "trainer.rollout_ahead=1", "resources.n_gpus_per_node=2"],
-         "trainer.rollout_ahead=1 with LoRA is not supported yet"),
     ],
 )  # fmt: skip
 def test_what_lora_cannot_run_is_refused_in_one_line(tiny_model_dir, overrides, message):

@@ -161,3 +161,19 @@ def test_bf16_rollout_pool_holds_and_receives_bf16(ray_cluster, make_config, tin
     assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0] and steps[1]["sync/bytes"] == float(half)
     for h in steps:
         assert math.isfinite(h["actor/pg_loss"]) and 0.5 < h["actor/is_weight_mean"] <= 2.0
+
+
+def test_lora_actor_syncs_merged_weights_to_the_rollout_pool(ray_cluster, make_config, tiny_model_dir):
+    """model.lora with rollout_ahead=1: the sync carries the actor's weights with the adapters merged (the
+    pool's model is the plain HF model), every weight whole; the reference stays the actor's adapters off."""
+    lora = ("model.lora.rank=4", "model.lora.alpha=32", "actor.optim.lr=1e-2", "algorithm.use_kl_loss=true")
+    cfg = make_config(
+        "grpo", *AHEAD, *lora, "trainer.total_steps=3", "trainer.experiment_name=lora", devices=2
+    )
+    with build_trainer(cfg) as trainer:
+        assert "ref" not in trainer.source.frozen_roles  # no base model on the rollout pool
+        steps = trainer.fit()
+        assert_rollout_pool_greedy_equals_actor(trainer, 4)  # the pool's weights are the merged actor's
+    assert [h[LAG] for h in steps] == [0.0, 1.0, 1.0]
+    assert steps[1]["sync/bytes"] == float(_param_bytes(tiny_model_dir))
+    assert steps[-1]["actor/kl_loss"] > 0  # the adapters moved the actor away from the reference (its base)

@@ -155,12 +155,15 @@ class OneStepAheadSource(RolloutSource):
 
     @property
     def frozen_roles(self) -> list[str]:
-        """The frozen models this run has in the rollout pool's processes (resources.frozen_pool)."""
-        trainer = self.trainer
+        """The frozen models this run has in the rollout pool's processes (resources.frozen_pool); not a
+        LoRA run's reference, which is the actor's own group (its adapters off)."""
+        trainer, groups = self.trainer, self.trainer.groups
         return [
             r
             for r in FROZEN_ROLES
-            if r in trainer.groups and trainer.placement.pool_of(r) == trainer.placement.pool_of("rollout")
+            if r in groups
+            and groups[r] is not groups.get("actor_rollout")
+            and trainer.placement.pool_of(r) == trainer.placement.pool_of("rollout")
         ]
 
     # ---- weight sync --------------------------------------------------------------------------------
