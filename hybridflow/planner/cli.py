@@ -2,9 +2,10 @@
 
     hybridflow plan --model-size 13B --gpus 128 --gpu a100-80 [--algorithm ppo] [--explain] [--output plan.yaml]
 
-`--max-pp 1 --tp-whole-heads` restricts the search to layouts hybridflow's built-in engines run (no
-pipeline parallelism; tensor parallelism over whole heads), which a plan file for `hybridflow train`
-needs (`resources.placement: auto` applies them itself).
+By default (`--engines builtin`) it searches only the layouts hybridflow's own engines run (specs.py
+`ENGINE_LIMITS`, the limits `resources.placement: auto` plans under), so every plan it prints runs under
+`hybridflow train`. `--engines any` searches the paper's full space (pipeline parallelism, replicated KV
+heads), for comparison; `--max-pp`, `--max-pg`, `--max-rollout-tg` and `--tp-whole-heads` then narrow it.
 
 `--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
 from hybridflow.planner.ahead_both import explain_frozen_pools
@@ -30,7 +32,17 @@ from hybridflow.planner.dataflow import (
 )
 from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
 from hybridflow.planner.search import bell_number, search
-from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
+from hybridflow.planner.specs import (
+    DEVICES,
+    ENGINE_LIMITS,
+    ClusterSpec,
+    EngineLimits,
+    ModelSpec,
+    WorkloadSpec,
+)
+
+# --engines: whose layouts the search considers
+ENGINES = {"builtin": ENGINE_LIMITS, "any": EngineLimits()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,11 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus", type=int, default=8, help="number of devices")
     c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
     c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
-    e = parser.add_argument_group("engines (defaults: any layout, the paper's search)")
+    e = parser.add_argument_group("engines (default: the layouts hybridflow train runs)")
     e.add_argument(
-        "--max-pp", type=int, default=None, help="largest pipeline size p (1 for the built-in engines)"
+        "--engines",
+        default="builtin",
+        choices=tuple(ENGINES),
+        help=f"builtin: only layouts hybridflow's engines run ({ENGINE_LIMITS.describe()}); any: the paper's "
+        "full search (p > 1, replicated KV heads), plans `hybridflow train` refuses; the flags below override",
     )
-    e.add_argument("--max-pg", type=int, default=None, help="largest generation pipeline size pg")
+    e.add_argument("--max-pp", type=int, default=None, help="largest pipeline size p (builtin: 1)")
+    e.add_argument(
+        "--max-pg", type=int, default=None, help="largest generation pipeline size pg (builtin: 1)"
+    )
     e.add_argument(
         "--max-rollout-tg",
         type=int,
@@ -155,10 +174,18 @@ def _inputs(args):
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
     )
-    limits = EngineLimits(
-        args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg, args.rollout_full_weights
-    )
-    return dataflow, with_old_log_probs(dataflow, old[1]), cluster, wl, limits
+    return dataflow, with_old_log_probs(dataflow, old[1]), cluster, wl, limits_from_args(args)
+
+
+def limits_from_args(args) -> EngineLimits:
+    """`--engines`' limits with the sizes given on the command line in place of its own."""
+    sizes = {
+        k: getattr(args, k) for k in ("max_pp", "max_pg", "max_rollout_tg") if getattr(args, k) is not None
+    }
+    flags = {k: True for k in ("tp_whole_heads", "rollout_full_weights") if getattr(args, k)}
+    if "tp_whole_heads" in flags:
+        flags["tp_shards_whole_heads"] = flags.pop("tp_whole_heads")
+    return replace(ENGINES[args.engines], **sizes, **flags)
 
 
 def _fmt_placement(placement, allocation) -> str:
@@ -182,6 +209,11 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
     )
     if plan.limits != EngineLimits():
         console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
+    if plan.limits != ENGINE_LIMITS:
+        console.print(
+            f"note: searched beyond what `hybridflow train` runs ({ENGINE_LIMITS.describe()}); it refuses this "
+            "plan's layouts outside those (re-plan with --engines builtin to run it)"
+        )
     table = Table(title="models", title_justify="left")
     for col in ("role", "pool", "devices", "train (p,t,d)", "gen (pg,tg)", "ckpt", "offload"):
         table.add_column(col, overflow="fold")
