@@ -63,35 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus", type=int, default=8, help="number of devices")
     c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
     c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
-    e = parser.add_argument_group("engines (default: the layouts hybridflow train runs)")
-    e.add_argument(
-        "--engines",
-        default="builtin",
-        choices=tuple(ENGINES),
-        help=f"builtin: only layouts hybridflow's engines run ({ENGINE_LIMITS.describe()}); any: the paper's "
-        "full search (p > 1, replicated KV heads), plans `hybridflow train` refuses; the flags below override",
-    )
-    e.add_argument("--max-pp", type=int, default=None, help="largest pipeline size p (builtin: 1)")
-    e.add_argument(
-        "--max-pg", type=int, default=None, help="largest generation pipeline size pg (builtin: 1)"
-    )
-    e.add_argument(
-        "--max-rollout-tg",
-        type=int,
-        default=None,
-        help="largest tg of a one-step-ahead rollout pool (1: plain replicas)",
-    )
-    e.add_argument(
-        "--rollout-full-weights",
-        action="store_true",
-        help="each one-step-ahead rollout rank holds and is sent the full weights (an engine that slices them "
-        "itself); default: only its generation shard, as the built-in trainer's rollout pool",
-    )
-    e.add_argument(
-        "--tp-whole-heads",
-        action="store_true",
-        help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
-    )
+    _add_engine_arguments(parser)
     w = parser.add_argument_group("workload (defaults: the paper's setting)")
     defaults = WorkloadSpec()
     w.add_argument("--prompts", type=int, default=defaults.prompts, help="global batch of prompts")
@@ -127,6 +99,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--explain", action="store_true", help="compare with colocate / split / standalone")
     o.add_argument("--top", type=int, default=5, help="alternatives to list")
     o.add_argument("--output", default=None, help="write the plan to this .yaml/.yml or .json file")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    e = parser.add_argument_group("engines (default: the layouts hybridflow train runs)")
+    e.add_argument(
+        "--engines",
+        default="builtin",
+        choices=tuple(ENGINES),
+        help=f"builtin: only layouts hybridflow's engines run ({ENGINE_LIMITS.describe()}); any: the paper's "
+        "full search (p > 1, replicated KV heads), plans `hybridflow train` refuses; the flags below override",
+    )
+    e.add_argument("--max-pp", type=int, default=None, help="largest pipeline size p (builtin: 1)")
+    e.add_argument(
+        "--max-pg", type=int, default=None, help="largest generation pipeline size pg (builtin: 1)"
+    )
+    e.add_argument(
+        "--max-rollout-tg",
+        type=int,
+        default=None,
+        help="largest tg of a one-step-ahead rollout pool (1: plain replicas)",
+    )
+    e.add_argument(
+        "--rollout-full-weights",
+        action="store_true",
+        help="each one-step-ahead rollout rank holds and is sent the full weights (an engine that slices them "
+        "itself); default: only its generation shard, as the built-in trainer's rollout pool",
+    )
+    e.add_argument(
+        "--tp-whole-heads",
+        action="store_true",
+        help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
+    )
 
 
 def plan_from_args(args) -> tuple[Plan, float]:
@@ -192,6 +196,17 @@ def _fmt_placement(placement, allocation) -> str:
     return " | ".join(f"{'+'.join(s)}:{n}" for s, n in zip(placement, allocation))
 
 
+def _print_limits(plan: Plan, console) -> None:
+    """The layouts the search was limited to, and a note when they go beyond what the trainer runs."""
+    if plan.limits != EngineLimits():
+        console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
+    if plan.limits != ENGINE_LIMITS:
+        console.print(
+            f"note: searched beyond what `hybridflow train` runs ({ENGINE_LIMITS.describe()}); it refuses this "
+            "plan's layouts outside those (re-plan with --engines builtin to run it)"
+        )
+
+
 def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None = None) -> None:
     from rich.table import Table
 
@@ -207,13 +222,7 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         f"[bold]{plan.strategy}{schedule}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
         f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
     )
-    if plan.limits != EngineLimits():
-        console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
-    if plan.limits != ENGINE_LIMITS:
-        console.print(
-            f"note: searched beyond what `hybridflow train` runs ({ENGINE_LIMITS.describe()}); it refuses this "
-            "plan's layouts outside those (re-plan with --engines builtin to run it)"
-        )
+    _print_limits(plan, console)
     table = Table(title="models", title_justify="left")
     for col in ("role", "pool", "devices", "train (p,t,d)", "gen (pg,tg)", "ckpt", "offload"):
         table.add_column(col, overflow="fold")

@@ -1,0 +1,122 @@
+"""Pipeline parallelism (engines/pipeline.py): stages cut from an HF model's decoder layers compute what
+the whole model computes.
+
+In one process: every cut's stages chained equal the unsplit forward, with the whole model's parameter
+names. On two gloo ranks (one group shared by every case): GPipe, 1F1B and interleaved 1F1B (two stages a
+rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value loss: forward-only outputs,
+loss, every gradient and the global grad norm (clipped across the stages) equal one process's. fp32 and
+reductions of at most 64 terms: the only differences are summation order, ~1e-7 relative; 1e-5 / 1e-4
+bound them with room.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_workers import run_group
+from pipeline_ranks import loss_inputs, rl_loss, run_pipeline_case
+from rl_data import make_rl_batch
+
+from hybridflow.engines.forward import RLForward
+from hybridflow.engines.optim import clip_grad_norm_
+from hybridflow.engines.pipeline import (
+    StageForward,
+    hf_name,
+    rank_stages,
+    split_stage,
+    stage_layer_ranges,
+)
+from hybridflow.models import load_causal_lm, load_critic, save_hf_model
+from hybridflow.models.tiny import build_tiny_model, save_tiny_model
+
+BATCH = dict(batch_size=8, lp=6, lr=8, seed=4)
+MICRO = 4  # micro-batches of 2 rows
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A 4-layer tiny Llama and a critic on it with a seeded random value head (a zero head, as
+    init_critic_from_causal_lm makes, would leave the backbone without gradients)."""
+    root = tmp_path_factory.mktemp("pipeline_models")
+    actor = str(save_tiny_model(root / "actor", "tiny", "llama", seed=2, num_hidden_layers=4))
+    torch.manual_seed(3)
+    save_hf_model(load_critic(actor), root / "critic")
+    return {"actor": actor, "critic": str(root / "critic")}
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs):
+    return model_dirs["actor"]
+
+
+def test_layers_split_evenly_in_stage_order():
+    assert stage_layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_layer_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(ValueError, match="1 <= stages <= the model's 2 layers"):
+        stage_layer_ranges(2, 3)
+    assert rank_stages(1, 2, 2) == [1, 3] and rank_stages(0, 4) == [0]
+    with pytest.raises(ValueError, match="pipeline parallelism runs .* not 'gpt2'; use pp=1"):
+        split_stage(build_tiny_model("tiny", "gpt2"), 0, 2)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_chained_stages_equal_the_whole_model(model_dir, num_stages):
+    whole = load_causal_lm(model_dir)
+    batch = make_rl_batch(whole.config.vocab_size, **BATCH)
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    lr = batch["responses"].shape[1]
+    with torch.no_grad():
+        want = RLForward(whole, logits_chunk_size=4)(*args, lr)["log_probs"]
+        names = set()
+        x = args  # each stage's outputs are the next one's inputs; the last returns the log-probs
+        for s in range(num_stages):
+            stage = StageForward(split_stage(load_causal_lm(model_dir), s, num_stages), s, num_stages)
+            stage.configure(lr, logits_chunk_size=4)
+            x = stage(*x)
+            names |= {hf_name(stage.model, n) for n, _ in stage.model.named_parameters()}
+    torch.testing.assert_close(x, want, atol=1e-6, rtol=1e-6)
+    assert names == {n for n, _ in whole.named_parameters()}
+
+
+def _reference(model_dirs: dict, kind: str) -> dict:
+    """The case in one process: the unsplit model, the whole batch, the same loss and clipping."""
+    model = load_critic(model_dirs["critic"]) if kind == "critic" else load_causal_lm(model_dirs["actor"])
+    batch = make_rl_batch(model.config.vocab_size, **BATCH)
+    forward = RLForward(model, logits_chunk_size=4)
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"].shape[1])
+    key = "values" if kind == "critic" else "log_probs"
+    with torch.no_grad():
+        outputs = forward(*args)[key]
+    loss = rl_loss(kind, float(batch["response_mask"].sum()))(
+        forward(*args)[key], loss_inputs(outputs, batch)
+    )
+    loss.backward()
+    norm = clip_grad_norm_(list(model.parameters()), 1e-3)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {"outputs": outputs, "loss": float(loss), "grads": grads, "norm": float(norm)}
+
+
+CASES = [
+    dict(name="actor_gpipe", kind="actor", schedule="gpipe"),
+    dict(name="actor_1f1b", kind="actor", schedule="1f1b"),
+    dict(name="actor_interleaved", kind="actor", schedule="interleaved_1f1b", stages_per_rank=2),
+    dict(name="critic_1f1b", kind="critic", schedule="1f1b"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_stage_results(model_dirs, tmp_path_factory):
+    cases = [dict(c, model_dir=model_dirs[c["kind"]], batch=BATCH, microbatches=MICRO) for c in CASES]
+    return run_group(2, cases, tmp_path_factory.mktemp("pipeline_run"), runner=run_pipeline_case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_two_stage_pipeline_equals_one_process(model_dirs, two_stage_results, case):
+    got, want = two_stage_results[case["name"]], _reference(model_dirs, case["kind"])
+    mask = make_rl_batch(64, **BATCH)["response_mask"].bool()
+    torch.testing.assert_close(got["outputs"][mask], want["outputs"][mask], atol=1e-5, rtol=1e-5)
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert got["norm"] == pytest.approx(want["norm"], rel=1e-5) and want["norm"] > 1e-3  # clipped
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, atol=1e-7, rtol=1e-4, msg=name)
