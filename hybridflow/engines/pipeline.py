@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hybridflow.engines.forward import chunked_log_probs
-from hybridflow.engines.parallelize import LLAMA_LIKE, decoder_layers
+from hybridflow.engines.parallelize import LLAMA_LIKE, decoder_layers, parallelize
 from hybridflow.models.hf import model_kind, scalar_head
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -167,6 +167,23 @@ def build_pipeline_stages(stages, num_stages: int, rows: int, seq_len: int, devi
             PipelineStage(stage, index, num_stages, torch.device(device), inputs, outputs, group=group)
         )
     return out
+
+
+def build_pipeline_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu"):
+    """The (pp, dp, tp) DeviceMesh, tp fastest-varying as controller/worker.py lays it out: the first
+    dp * tp ranks run stage 0, each stage's (dp, tp) plane is an ordinary FSDP2 x TP mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def parallelize_stages(stages, mesh, **kwargs) -> None:
+    """Tensor parallel, activation checkpointing and FSDP2 (parallelize.py, torchtitan's order) on each
+    of this rank's stages over the mesh's (dp, tp) plane; the StageForward is the FSDP root, as the
+    RLForward is without a pipeline. kwargs: parallelize's."""
+    plane = mesh["dp", "tp"]
+    for _, stage in stages:
+        parallelize(stage, stage.model, plane, **kwargs)
 
 
 def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn=None):

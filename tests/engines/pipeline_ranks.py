@@ -13,14 +13,16 @@ from rl_data import make_rl_batch
 
 from hybridflow.algorithms.losses import policy_loss, value_loss
 
+BATCH = dict(batch_size=8, lp=6, lr=8, seed=4)  # every case's batch
 NOISE = 0.1  # old log-probs / values = the forward's + NOISE * N(0, 1): ratios off 1, some clipped
 
 
-def loss_inputs(outputs: torch.Tensor, batch) -> torch.Tensor:
+def loss_inputs(outputs: torch.Tensor, batch, rows: slice = slice(None)) -> torch.Tensor:
     """(B, 3, Lr) per-token tensors the last stage's loss reads: old outputs, advantages (the critic's
-    returns), response mask; the old outputs from `outputs` (the forward-only pass) and a seeded noise."""
-    noise = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(7))
-    old = outputs.detach() + NOISE * noise
+    returns), response mask; the old outputs from `outputs` (the forward-only pass) and a seeded noise
+    drawn for the whole batch (BATCH), of which `batch` holds `rows`."""
+    noise = torch.randn(BATCH["batch_size"], outputs.shape[1], generator=torch.Generator().manual_seed(7))
+    old = outputs.detach() + NOISE * noise[rows]
     return torch.stack([old, batch["advantages"], batch["response_mask"].float()], 1)
 
 
@@ -38,37 +40,60 @@ def rl_loss(kind: str, n_tokens: float):
 
 
 def run_pipeline_case(case: dict, out_dir) -> dict:
-    """Forward-only outputs, the loss, every gradient by its HF name and the clipped global grad norm."""
+    """On a (pp, dp, tp) mesh (case dp, tp; pp the rest of the ranks): forward-only outputs, the loss,
+    every gradient by its HF name and the global grad norm after clipping (to 1e-3: it clips)."""
+    from torch.distributed.tensor import DTensor
+
     from hybridflow.engines.optim import clip_grad_norm_
-    from hybridflow.engines.pipeline import build_pipeline_stages, build_schedule, build_stages, hf_name
+    from hybridflow.engines.pipeline import (
+        build_pipeline_mesh,
+        build_pipeline_stages,
+        build_schedule,
+        build_stages,
+        hf_name,
+        parallelize_stages,
+    )
     from hybridflow.models import load_causal_lm, load_critic
 
-    rank, pp, v = dist.get_rank(), dist.get_world_size(), case.get("stages_per_rank", 1)
+    dp, tp, v = case.get("dp", 1), case.get("tp", 1), case.get("stages_per_rank", 1)
+    pp = dist.get_world_size() // (dp * tp)
+    mesh = build_pipeline_mesh(pp, dp, tp)
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = (load_critic if case["kind"] == "critic" else load_causal_lm)(case["model_dir"])
-    batch = make_rl_batch(model.config.vocab_size, **case["batch"])
+    whole = make_rl_batch(model.config.vocab_size, **BATCH)
+    batch = whole.chunk(dp)[dp_rank]
+    shard = whole["input_ids"].shape[0] // dp
+    mine = slice(dp_rank * shard, (dp_rank + 1) * shard)
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     rows, m = ids.shape[0], case["microbatches"]
-    stages = build_stages(model, rank, pp, v)
+    stages = build_stages(model, pp_rank, pp, v)
     for _, stage in stages:
         stage.configure(batch["responses"].shape[1], logits_chunk_size=4)
-    n_tokens = float(batch["response_mask"].sum())
-    pipe = build_pipeline_stages(stages, pp * v, rows // m, ids.shape[1], "cpu")
-    inputs = (ids, mask, pos) if rank == 0 else ()
+    parallelize_stages(stages, mesh)
+    # FSDP2 averages gradients over dp: each rank's token sum is scaled by dp / the global token count
+    normaliser = float(whole["response_mask"].sum()) / dp
+    group = mesh["pp"].get_group()
+    pipe = build_pipeline_stages(stages, pp * v, rows // m, ids.shape[1], "cpu", group=group)
+    inputs = (ids, mask, pos) if pp_rank == 0 else ()
     with torch.no_grad():  # forward-only: a schedule without a loss over the same stages
         outputs = build_schedule(case["schedule"], pipe, m).eval(*inputs)
-    schedule = build_schedule(case["schedule"], pipe, m, rl_loss(case["kind"], n_tokens))
-    target = loss_inputs(outputs, batch) if outputs is not None else None
+    schedule = build_schedule(case["schedule"], pipe, m, rl_loss(case["kind"], normaliser))
+    target = loss_inputs(outputs, batch, mine) if outputs is not None else None
     losses: list[torch.Tensor] = []
     schedule.step(*inputs, target=target, losses=losses)
     params = [p for _, s in stages for p in s.parameters()]
-    norm = clip_grad_norm_(params, 1e-3, pp_group=dist.group.WORLD)  # clips: the norm is ~1
-    grads = {hf_name(s.model, n): p.grad for _, s in stages for n, p in s.model.named_parameters()}
-    shards = [None] * pp
-    dist.all_gather_object(shards, (outputs, sum(float(x) for x in losses), grads))
-    last = next(s for s in shards if s[0] is not None)
+    norm = clip_grad_norm_(params, 1e-3, pp_group=group)
+    grads = {
+        hf_name(s.model, n): p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for _, s in stages
+        for n, p in s.model.named_parameters()
+    }
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, (outputs, sum(float(x.detach()) for x in losses), grads))
+    last = [s for s in shards[::tp] if s[0] is not None]  # one tp rank of each dp rank of the last stage
     return {
-        "outputs": last[0],
-        "loss": last[1],
+        "outputs": torch.cat([s[0] for s in last]),
+        "loss": sum(s[1] for s in last) / dp,
         "grads": {k: g for s in shards for k, g in s[2].items()},
         "norm": float(norm),
     }

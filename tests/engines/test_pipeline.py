@@ -3,8 +3,9 @@ the whole model computes.
 
 In one process: every cut's stages chained equal the unsplit forward, with the whole model's parameter
 names. On two gloo ranks (one group shared by every case): GPipe, 1F1B and interleaved 1F1B (two stages a
-rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value loss: forward-only outputs,
-loss, every gradient and the global grad norm (clipped across the stages) equal one process's. fp32 and
+rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value loss; on four, p = 2 with
+FSDP2 over d = 2 and with t = 2: forward-only outputs, loss, every gradient and the global grad norm
+(clipped across the stages) equal one process's. fp32 and
 reductions of at most 64 terms: the only differences are summation order, ~1e-7 relative; 1e-5 / 1e-4
 bound them with room.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_workers import run_group
-from pipeline_ranks import loss_inputs, rl_loss, run_pipeline_case
+from pipeline_ranks import BATCH, loss_inputs, rl_loss, run_pipeline_case
 from rl_data import make_rl_batch
 
 from hybridflow.engines.forward import RLForward
@@ -29,7 +30,6 @@ from hybridflow.engines.pipeline import (
 from hybridflow.models import load_causal_lm, load_critic, save_hf_model
 from hybridflow.models.tiny import build_tiny_model, save_tiny_model
 
-BATCH = dict(batch_size=8, lp=6, lr=8, seed=4)
 MICRO = 4  # micro-batches of 2 rows
 
 
@@ -106,13 +106,34 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def two_stage_results(model_dirs, tmp_path_factory):
-    cases = [dict(c, model_dir=model_dirs[c["kind"]], batch=BATCH, microbatches=MICRO) for c in CASES]
+    cases = [dict(c, model_dir=model_dirs[c["kind"]], microbatches=MICRO) for c in CASES]
     return run_group(2, cases, tmp_path_factory.mktemp("pipeline_run"), runner=run_pipeline_case)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_two_stage_pipeline_equals_one_process(model_dirs, two_stage_results, case):
-    got, want = two_stage_results[case["name"]], _reference(model_dirs, case["kind"])
+    _assert_equal(two_stage_results[case["name"]], _reference(model_dirs, case["kind"]))
+
+
+MESH_CASES = [
+    dict(name="actor_pp2_dp2", kind="actor", schedule="1f1b", dp=2),
+    dict(name="actor_pp2_tp2", kind="actor", schedule="1f1b", tp=2),
+]
+
+
+@pytest.fixture(scope="module")
+def mesh_results(model_dirs, tmp_path_factory):
+    """Four ranks: p = 2 with FSDP2 over d = 2, and with t = 2, on one (pp, dp, tp) mesh."""
+    cases = [dict(c, model_dir=model_dirs[c["kind"]], microbatches=2) for c in MESH_CASES]
+    return run_group(4, cases, tmp_path_factory.mktemp("pipeline_mesh"), runner=run_pipeline_case)
+
+
+@pytest.mark.parametrize("case", MESH_CASES, ids=[c["name"] for c in MESH_CASES])
+def test_pipeline_with_fsdp_or_tensor_parallel_equals_one_process(model_dirs, mesh_results, case):
+    _assert_equal(mesh_results[case["name"]], _reference(model_dirs, case["kind"]))
+
+
+def _assert_equal(got: dict, want: dict) -> None:
     mask = make_rl_batch(64, **BATCH)["response_mask"].bool()
     torch.testing.assert_close(got["outputs"][mask], want["outputs"][mask], atol=1e-5, rtol=1e-5)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
