@@ -57,6 +57,11 @@ def split_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
         raise ValueError(
             f"pipeline parallelism runs {LLAMA_LIKE} models, not {model.config.model_type!r}; use pp=1"
         )
+    if num_stages > 1 and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError(
+            "pipeline parallelism with tied input and output embeddings (tie_word_embeddings) would train "
+            "two copies on the first and last stages; use pp=1"
+        )
     layers = decoder_layers(model)
     keep = stage_layer_ranges(len(layers), num_stages)[stage]
     base = model.base_model
@@ -77,6 +82,25 @@ def hf_name(stage_model: nn.Module, name: str) -> str:
     stage's first (HF checkpoints, full state dicts and gradients keep the whole model's names)."""
     m = _LAYER.fullmatch(name)
     return name if m is None else f"{m[1]}{int(m[2]) + getattr(stage_model, _FIRST_LAYER_ATTR)}{m[3]}"
+
+
+def stage_state_dict(stage_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's parameters as whole tensors under the whole model's names: the stages' dicts together
+    are the model's state dict, whatever p was (export, or a resume onto another p)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        hf_name(stage_model, n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for n, p in stage_model.named_parameters()
+    }
+
+
+def load_stage_state_dict(stage_model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy the stage's parameters out of a whole model's state dict (by the whole model's names), before
+    parallelize_stages shards them; every parameter of the stage must be there."""
+    with torch.no_grad():
+        for n, p in stage_model.named_parameters():
+            p.copy_(state[hf_name(stage_model, n)])
 
 
 class StageForward(nn.Module):

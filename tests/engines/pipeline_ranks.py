@@ -14,6 +14,7 @@ from rl_data import make_rl_batch
 from hybridflow.algorithms.losses import policy_loss, value_loss
 
 BATCH = dict(batch_size=8, lp=6, lr=8, seed=4)  # every case's batch
+SGD_LR = 10.0  # the clipped gradients are ~1e-3: weights move by ~1e-2
 NOISE = 0.1  # old log-probs / values = the forward's + NOISE * N(0, 1): ratios off 1, some clipped
 
 
@@ -52,6 +53,7 @@ def run_pipeline_case(case: dict, out_dir) -> dict:
         build_stages,
         hf_name,
         parallelize_stages,
+        stage_state_dict,
     )
     from hybridflow.models import load_causal_lm, load_critic
 
@@ -88,12 +90,17 @@ def run_pipeline_case(case: dict, out_dir) -> dict:
         for _, s in stages
         for n, p in s.model.named_parameters()
     }
+    with torch.no_grad():  # one SGD step, so the exported weights differ from the loaded ones
+        for p in params:
+            p.sub_(SGD_LR * p.grad)
+    state = {k: w for _, s in stages for k, w in stage_state_dict(s.model).items()}
     shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, (outputs, sum(float(x.detach()) for x in losses), grads))
+    dist.all_gather_object(shards, (outputs, sum(float(x.detach()) for x in losses), grads, state))
     last = [s for s in shards[::tp] if s[0] is not None]  # one tp rank of each dp rank of the last stage
     return {
         "outputs": torch.cat([s[0] for s in last]),
         "loss": sum(s[1] for s in last) / dp,
         "grads": {k: g for s in shards for k, g in s[2].items()},
+        "state": {k: w for s in shards for k, w in s[3].items()},
         "norm": float(norm),
     }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_workers import run_group
-from pipeline_ranks import BATCH, loss_inputs, rl_loss, run_pipeline_case
+from pipeline_ranks import BATCH, SGD_LR, loss_inputs, rl_loss, run_pipeline_case
 from rl_data import make_rl_batch
 
 from hybridflow.engines.forward import RLForward
@@ -23,6 +23,7 @@ from hybridflow.engines.optim import clip_grad_norm_
 from hybridflow.engines.pipeline import (
     StageForward,
     hf_name,
+    load_stage_state_dict,
     rank_stages,
     split_stage,
     stage_layer_ranges,
@@ -57,6 +58,8 @@ def test_layers_split_evenly_in_stage_order():
     assert rank_stages(1, 2, 2) == [1, 3] and rank_stages(0, 4) == [0]
     with pytest.raises(ValueError, match="pipeline parallelism runs .* not 'gpt2'; use pp=1"):
         split_stage(build_tiny_model("tiny", "gpt2"), 0, 2)
+    with pytest.raises(ValueError, match="tied input and output embeddings .* use pp=1"):
+        split_stage(build_tiny_model("tiny", "llama", tie_word_embeddings=True), 0, 2)
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
@@ -92,8 +95,12 @@ def _reference(model_dirs: dict, kind: str) -> dict:
     )
     loss.backward()
     norm = clip_grad_norm_(list(model.parameters()), 1e-3)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    return {"outputs": outputs, "loss": float(loss), "grads": grads, "norm": float(norm)}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(SGD_LR * p.grad)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    return {"outputs": outputs, "loss": float(loss), "grads": grads, "norm": float(norm), "state": state}
 
 
 CASES = [
@@ -141,3 +148,43 @@ def _assert_equal(got: dict, want: dict) -> None:
     assert set(got["grads"]) == set(want["grads"])
     for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, atol=1e-7, rtol=1e-4, msg=name)
+    assert set(got["state"]) == set(want["state"])
+    for name, weight in want["state"].items():  # moved by SGD_LR * grad: ~1e-2, exact to ~1e-6
+        torch.testing.assert_close(got["state"][name], weight, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_p2_state_exports_to_transformers_and_resumes_on_three_stages(
+    model_dirs, two_stage_results, tmp_path
+):
+    """The 1F1B case's updated weights, gathered from its two stages by name: saved as an HF directory
+    they load in transformers (p = 1) with the logits of the one-process update; cut into three other
+    stages (load_stage_state_dict) they compute the same log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    state = two_stage_results["actor_1f1b"]["state"]
+    model = load_causal_lm(model_dirs["actor"])
+    model.load_state_dict(state, strict=True)
+    save_hf_model(model, tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    want = load_causal_lm(model_dirs["actor"])
+    want.load_state_dict(_reference(model_dirs, "actor")["state"], strict=True)
+    batch = make_rl_batch(want.config.vocab_size, **BATCH)
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    lr = batch["responses"].shape[1]
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        logits = exported(*args[:1], attention_mask=args[1], position_ids=args[2]).logits
+        torch.testing.assert_close(
+            logits[mask],
+            want(*args[:1], attention_mask=args[1], position_ids=args[2]).logits[mask],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        x = args
+        for s in range(3):
+            stage = StageForward(split_stage(load_causal_lm(model_dirs["actor"]), s, 3), s, 3)
+            load_stage_state_dict(stage.model, state)
+            stage.configure(lr, logits_chunk_size=4)
+            x = stage(*x)
+        reference = RLForward(exported, logits_chunk_size=4)(*args, lr)["log_probs"]
+    torch.testing.assert_close(x, reference, atol=1e-6, rtol=1e-6)
