@@ -5,7 +5,8 @@ In one process: every cut's stages chained equal the unsplit forward, with the w
 names. On two gloo ranks (one group shared by every case): GPipe, 1F1B and interleaved 1F1B (two stages a
 rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value loss; on four, p = 2 with
 FSDP2 over d = 2 and with t = 2: forward-only outputs, loss, every gradient and the global grad norm
-(clipped across the stages) equal one process's. fp32 and
+(clipped across the stages) and the weights after one SGD step equal one process's; those weights,
+gathered by name, load in transformers and into three other stages. fp32 and
 reductions of at most 64 terms: the only differences are summation order, ~1e-7 relative; 1e-5 / 1e-4
 bound them with room.
 """
