@@ -15,27 +15,50 @@ from hybridflow.algorithms.losses import policy_loss, value_loss
 
 BATCH = dict(batch_size=8, lp=6, lr=8, seed=4)  # every case's batch
 SGD_LR = 10.0  # the clipped gradients are ~1e-3: weights move by ~1e-2
+GROUP = 4  # GRPO's samples per prompt
 NOISE = 0.1  # old log-probs / values = the forward's + NOISE * N(0, 1): ratios off 1, some clipped
 
 
-def loss_inputs(outputs: torch.Tensor, batch, rows: slice = slice(None)) -> torch.Tensor:
+def loss_inputs(kind: str, outputs: torch.Tensor, batch, rows: slice = slice(None)) -> torch.Tensor:
     """(B, 3, Lr) per-token tensors the last stage's loss reads: old outputs, advantages (the critic's
-    returns), response mask; the old outputs from `outputs` (the forward-only pass) and a seeded noise
-    drawn for the whole batch (BATCH), of which `batch` holds `rows`."""
-    noise = torch.randn(BATCH["batch_size"], outputs.shape[1], generator=torch.Generator().manual_seed(7))
+    returns; GRPO's from seeded scores in groups of GROUP), response mask, for `rows` of the whole batch
+    (BATCH) that `batch` holds; the old outputs from `outputs` (the forward-only pass) and a seeded noise."""
+    from hybridflow.algorithms.advantages import compute_grpo_advantages
+
+    g = torch.Generator().manual_seed(7)
+    noise = torch.randn(BATCH["batch_size"], outputs.shape[1], generator=g)
     old = outputs.detach() + NOISE * noise[rows]
-    return torch.stack([old, batch["advantages"], batch["response_mask"].float()], 1)
+    adv = batch["advantages"]
+    if kind == "grpo":
+        scores, groups = (
+            torch.randn(BATCH["batch_size"], generator=g),
+            torch.arange(BATCH["batch_size"]) // GROUP,
+        )
+        whole = make_rl_batch(64, **BATCH)["response_mask"]  # the mask depends on the seed only
+        adv = compute_grpo_advantages(scores, groups, whole)[0][rows]
+    return torch.stack([old, adv, batch["response_mask"].float()], 1)
 
 
-def rl_loss(kind: str, n_tokens: float):
+def normaliser(kind: str, whole, dp: int) -> float:
+    """What each rank's summed loss is divided by: the whole batch's tokens (GRPO: sequences, its
+    seq-mean-token-mean), over dp, as FSDP2 averages gradients over dp."""
+    mask = whole["response_mask"]
+    return float((mask.sum(-1) > 0).sum() if kind == "grpo" else mask.sum()) / dp
+
+
+def rl_loss(kind: str, norm: float):
     """loss_fn(outputs (B, Lr), target (B, 3, Lr)): the actor's clipped policy loss (dual clip) or the
-    critic's clipped value loss, token-summed over / n_tokens."""
+    critic's clipped value loss, token-summed, over `norm`; GRPO's per-sequence token means, summed over
+    `norm` (each micro-batch's seq-mean-token-mean times its sequences)."""
 
     def loss_fn(outputs, target):
         old, adv, mask = target.unbind(1)
         if kind == "critic":
-            return value_loss(outputs, old, adv, mask, clip_range=0.05, agg="token-sum")[0] / n_tokens
-        return policy_loss(outputs, old, adv, mask, clip_ratio_c=3.0, agg="token-sum")[0] / n_tokens
+            return value_loss(outputs, old, adv, mask, clip_range=0.05, agg="token-sum")[0] / norm
+        if kind == "grpo":
+            seqs = (mask.sum(-1) > 0).sum()
+            return policy_loss(outputs, old, adv, mask, agg="seq-mean-token-mean")[0] * seqs / norm
+        return policy_loss(outputs, old, adv, mask, clip_ratio_c=3.0, agg="token-sum")[0] / norm
 
     return loss_fn
 
@@ -72,15 +95,15 @@ def run_pipeline_case(case: dict, out_dir) -> dict:
     for _, stage in stages:
         stage.configure(batch["responses"].shape[1], logits_chunk_size=4)
     parallelize_stages(stages, mesh)
-    # FSDP2 averages gradients over dp: each rank's token sum is scaled by dp / the global token count
-    normaliser = float(whole["response_mask"].sum()) / dp
     group = mesh["pp"].get_group()
     pipe = build_pipeline_stages(stages, pp * v, rows // m, ids.shape[1], "cpu", group=group)
     inputs = (ids, mask, pos) if pp_rank == 0 else ()
     with torch.no_grad():  # forward-only: a schedule without a loss over the same stages
         outputs = build_schedule(case["schedule"], pipe, m).eval(*inputs)
-    schedule = build_schedule(case["schedule"], pipe, m, rl_loss(case["kind"], normaliser))
-    target = loss_inputs(outputs, batch, mine) if outputs is not None else None
+    schedule = build_schedule(
+        case["schedule"], pipe, m, rl_loss(case["kind"], normaliser(case["kind"], whole, dp))
+    )
+    target = loss_inputs(case["kind"], outputs, batch, mine) if outputs is not None else None
     losses: list[torch.Tensor] = []
     schedule.step(*inputs, target=target, losses=losses)
     params = [p for _, s in stages for p in s.parameters()]

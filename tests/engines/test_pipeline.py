@@ -3,7 +3,8 @@ the whole model computes.
 
 In one process: every cut's stages chained equal the unsplit forward, with the whole model's parameter
 names. On two gloo ranks (one group shared by every case): GPipe, 1F1B and interleaved 1F1B (two stages a
-rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value loss; on four, p = 2 with
+rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value loss and GRPO's loss
+(group-normalised advantages, seq-mean-token-mean); on four, p = 2 with
 FSDP2 over d = 2 and with t = 2: forward-only outputs, loss, every gradient and the global grad norm
 (clipped across the stages) and the weights after one SGD step equal one process's; those weights,
 gathered by name, load in transformers and into three other stages. fp32 and
@@ -16,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_workers import run_group
-from pipeline_ranks import BATCH, SGD_LR, loss_inputs, rl_loss, run_pipeline_case
+from pipeline_ranks import BATCH, SGD_LR, loss_inputs, normaliser, rl_loss, run_pipeline_case
 from rl_data import make_rl_batch
 
 from hybridflow.engines.forward import RLForward
@@ -91,9 +92,7 @@ def _reference(model_dirs: dict, kind: str) -> dict:
     key = "values" if kind == "critic" else "log_probs"
     with torch.no_grad():
         outputs = forward(*args)[key]
-    loss = rl_loss(kind, float(batch["response_mask"].sum()))(
-        forward(*args)[key], loss_inputs(outputs, batch)
-    )
+    loss = rl_loss(kind, normaliser(kind, batch, 1))(forward(*args)[key], loss_inputs(kind, outputs, batch))
     loss.backward()
     norm = clip_grad_norm_(list(model.parameters()), 1e-3)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -109,12 +108,17 @@ CASES = [
     dict(name="actor_1f1b", kind="actor", schedule="1f1b"),
     dict(name="actor_interleaved", kind="actor", schedule="interleaved_1f1b", stages_per_rank=2),
     dict(name="critic_1f1b", kind="critic", schedule="1f1b"),
+    dict(name="grpo_1f1b", kind="grpo", schedule="1f1b"),
 ]
+
+
+def _role(case: dict) -> str:
+    return "critic" if case["kind"] == "critic" else "actor"
 
 
 @pytest.fixture(scope="module")
 def two_stage_results(model_dirs, tmp_path_factory):
-    cases = [dict(c, model_dir=model_dirs[c["kind"]], microbatches=MICRO) for c in CASES]
+    cases = [dict(c, model_dir=model_dirs[_role(c)], microbatches=MICRO) for c in CASES]
     return run_group(2, cases, tmp_path_factory.mktemp("pipeline_run"), runner=run_pipeline_case)
 
 
@@ -132,7 +136,7 @@ MESH_CASES = [
 @pytest.fixture(scope="module")
 def mesh_results(model_dirs, tmp_path_factory):
     """Four ranks: p = 2 with FSDP2 over d = 2, and with t = 2, on one (pp, dp, tp) mesh."""
-    cases = [dict(c, model_dir=model_dirs[c["kind"]], microbatches=2) for c in MESH_CASES]
+    cases = [dict(c, model_dir=model_dirs[_role(c)], microbatches=2) for c in MESH_CASES]
     return run_group(4, cases, tmp_path_factory.mktemp("pipeline_mesh"), runner=run_pipeline_case)
 
 
