@@ -109,8 +109,9 @@ class StageForward(nn.Module):
     first stage: (input_ids, attention_mask, position_ids) (B, L) each
     later stages: (hidden (B, L, H), input_ids, attention_mask, position_ids)
     -> not last: the same four, hidden after this stage's layers
-    -> last: log-probs (B, Lr) (causal LM) or values (B, Lr) (critic), fp32
-    `response_length`, `temperature` and `logits_chunk_size` are set per call (`configure`).
+    -> last: log-probs (B, Lr) (causal LM; with_entropy: log-probs and entropy stacked, (B, 2, Lr)) or
+       values (B, Lr) (critic), fp32
+    `response_length`, `temperature`, `logits_chunk_size` and `with_entropy` are set per call (`configure`).
     """
 
     def __init__(self, model: nn.Module, stage: int, num_stages: int):
@@ -121,10 +122,17 @@ class StageForward(nn.Module):
             raise ValueError("pipeline stages score causal LMs and critics; reward models run pp=1")
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.response_length, self.temperature, self.logits_chunk_size = 1, 1.0, 256
+        self.with_entropy: bool | str = False
 
-    def configure(self, response_length: int, temperature: float = 1.0, logits_chunk_size: int = 256) -> None:
+    def configure(
+        self,
+        response_length: int,
+        temperature: float = 1.0,
+        logits_chunk_size: int = 256,
+        with_entropy: bool | str = False,
+    ) -> None:
         self.response_length, self.temperature = response_length, temperature
-        self.logits_chunk_size = logits_chunk_size
+        self.logits_chunk_size, self.with_entropy = logits_chunk_size, with_entropy
 
     def forward(self, *inputs: torch.Tensor):
         if self.first:
@@ -147,10 +155,10 @@ class StageForward(nn.Module):
         if self.kind == "critic":
             return scalar_head(self.model)(h_resp).squeeze(-1).float()
         lm_head = self.model.get_output_embeddings()
-        log_probs, _ = chunked_log_probs(
-            h_resp, lm_head, input_ids[:, -lr:], self.logits_chunk_size, self.temperature
+        log_probs, entropy = chunked_log_probs(
+            h_resp, lm_head, input_ids[:, -lr:], self.logits_chunk_size, self.temperature, self.with_entropy
         )
-        return log_probs
+        return log_probs if entropy is None else torch.stack([log_probs, entropy], 1)
 
 
 def build_stages(
@@ -175,17 +183,21 @@ def stage_io(stage: StageForward, rows: int, seq_len: int, dtype: torch.dtype) -
     hidden = torch.empty(rows, seq_len, stage.model.config.hidden_size, dtype=dtype, device="meta")
     hidden.requires_grad_(True)
     inputs = ints if stage.first else (hidden, *ints)
-    last = (torch.empty(rows, stage.response_length, device="meta", requires_grad=True),)
+    out_shape = (rows, 2, stage.response_length) if stage.with_entropy else (rows, stage.response_length)
+    last = (torch.empty(out_shape, device="meta", requires_grad=True),)
     return inputs, last if stage.last else (hidden, *ints)
 
 
-def build_pipeline_stages(stages, num_stages: int, rows: int, seq_len: int, device, group=None) -> list:
-    """PipelineStage objects for this rank's (index, StageForward) pairs, micro-batches of `rows` x `seq_len`."""
+def build_pipeline_stages(
+    stages, num_stages: int, rows: int, seq_len: int, device, group=None, dtype=None
+) -> list:
+    """PipelineStage objects for this rank's (index, StageForward) pairs, micro-batches of `rows` x `seq_len`;
+    dtype: the hidden states' (None: the parameters')."""
     from torch.distributed.pipelining import PipelineStage
 
     out = []
     for index, stage in stages:
-        dtype = next(stage.parameters()).dtype
+        dtype = dtype or next(stage.parameters()).dtype
         inputs, outputs = stage_io(stage, rows, seq_len, dtype)
         out.append(
             PipelineStage(stage, index, num_stages, torch.device(device), inputs, outputs, group=group)

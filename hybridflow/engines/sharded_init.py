@@ -54,9 +54,12 @@ def _local_chunk(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, model: nn.Module, device: torch.device, transforms: dict) -> InitStats:
+def materialize(
+    root: nn.Module, model: nn.Module, device: torch.device, transforms: dict, hf_name=None
+) -> InitStats:
     """Allocate this rank's shards of `root`'s meta parameters on `device` and fill them from the
-    safetensors files of the meta-built HF `model` (inside `root`). transforms: hf_layout_transforms."""
+    safetensors files of the meta-built HF `model` (inside `root`). transforms: hf_layout_transforms.
+    hf_name: a parameter's name in the checkpoint (a pipeline stage renumbers its layers), else its own."""
     from safetensors import safe_open
 
     files = weight_files(getattr(model, WEIGHTS_ATTR))
@@ -73,6 +76,7 @@ def materialize(root: nn.Module, model: nn.Module, device: torch.device, transfo
         handles = {}
         zero = set(getattr(model, ZERO_INIT_ATTR, ()))
         for name, p in model.named_parameters():
+            name = hf_name(name) if hf_name is not None else name
             if name in zero:  # a new value head: starts at zero, nothing to read
                 _local_chunk(p)[0].zero_()
                 continue

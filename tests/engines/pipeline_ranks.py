@@ -127,3 +127,36 @@ def run_pipeline_case(case: dict, out_dir) -> dict:
         "state": {k: w for s in shards for k, w in s[3].items()},
         "norm": float(norm),
     }
+
+
+def run_engine_case(case: dict, out_dir) -> dict:
+    """TrainEngine on (pp, dp) = case["pp"], world / pp, the model read as shards (meta): log-probs and
+    entropy of the whole batch, then two train steps of the actor's loss under seq-mean-token-mean
+    (GRPO's), micro-batches of 2 rows; the loss and grad norm of each step, every rank's."""
+    from rl_data import actor_agg_loss
+
+    from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig, TrainEngine
+    from hybridflow.models import load_causal_lm
+
+    pp = case["pp"]
+    dp = dist.get_world_size() // pp
+    config = EngineConfig(
+        parallel=ParallelConfig(pp=pp, dp=dp),
+        optim=OptimConfig(lr=1e-2, grad_clip=1.0, eps=1e-6),
+        logits_chunk_size=4,
+        micro_batch_size_per_device=2,
+    )
+    engine = TrainEngine(load_causal_lm(case["model_dir"], device="meta"), config)
+    whole = make_rl_batch(engine.hf_model.config.vocab_size, **BATCH)
+    local = whole.chunk(dp)[(dist.get_rank()) % dp]
+    log_probs, entropy = engine.compute_log_probs(local, with_entropy=True)
+    loss_fn, weighting = actor_agg_loss("seq-mean-token-mean")
+    steps = [
+        engine.train_step(
+            local, loss_fn, with_entropy="detached", loss_weighting=weighting, global_metrics=True
+        )
+        for _ in range(2)
+    ]
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, (log_probs, entropy, steps))
+    return {"shards": shards}

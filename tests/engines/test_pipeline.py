@@ -17,7 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_workers import run_group
-from pipeline_ranks import BATCH, SGD_LR, loss_inputs, normaliser, rl_loss, run_pipeline_case
+from pipeline_ranks import (
+    BATCH,
+    SGD_LR,
+    loss_inputs,
+    normaliser,
+    rl_loss,
+    run_engine_case,
+    run_pipeline_case,
+)
 from rl_data import make_rl_batch
 
 from hybridflow.engines.forward import RLForward
@@ -193,3 +201,31 @@ def test_a_p2_state_exports_to_transformers_and_resumes_on_three_stages(
             x = stage(*x)
         reference = RLForward(exported, logits_chunk_size=4)(*args, lr)["log_probs"]
     torch.testing.assert_close(x, reference, atol=1e-6, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def engine_results(model_dir, tmp_path_factory):
+    """TrainEngine on two gloo ranks: two pipeline stages (pp = 2), and FSDP over dp = 2 (pp = 1)."""
+    cases = [dict(name=f"pp{pp}", pp=pp, model_dir=model_dir) for pp in (2, 1)]
+    return run_group(2, cases, tmp_path_factory.mktemp("pipeline_engine"), runner=run_engine_case)
+
+
+def test_train_engine_with_two_stages_equals_fsdp(engine_results):
+    """TrainEngine(parallel.pp=2) (engines/pipeline_engine.py) against pp = 1, dp = 2 on the same ranks:
+    log-probs and entropy of the responses, and two steps of GRPO's loss (the mean over ranks of each
+    rank's global_metrics share, as DP_METRICS reports it) and grad norms. fp32, sums of at most 64
+    terms: 1e-5 relative bounds summation order with room; 1e-4 on the second step's norm, taken after
+    one AdamW update."""
+    pp2, pp1 = engine_results["pp2"]["shards"], engine_results["pp1"]["shards"]
+    mask = make_rl_batch(64, **BATCH)["response_mask"].bool()
+    for rank in pp2:  # both stages return the whole batch (dp = 1)
+        for k in (0, 1):
+            torch.testing.assert_close(
+                rank[k][mask], torch.cat([s[k] for s in pp1])[mask], atol=1e-5, rtol=1e-5
+            )
+    for step in (0, 1):
+        want = {k: sum(s[2][step][k] for s in pp1) / 2 for k in ("loss", "entropy")}
+        for rank in pp2:
+            assert rank[2][step]["grad_norm"] == pytest.approx(pp1[0][2][step]["grad_norm"], rel=1e-4)
+            for k, v in want.items():
+                assert rank[2][step][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
