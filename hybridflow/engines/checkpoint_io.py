@@ -37,7 +37,17 @@ def model_tensors(engine) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     prefix = _prefix(engine)
-    return {k.removeprefix(prefix): v for k, v in get_model_state_dict(engine.module).items()}
+    return {_hf_name(engine, k.removeprefix(prefix)): v for k, v in get_model_state_dict(engine.module).items()}
+
+
+def _hf_name(engine, name: str) -> str:
+    """A pipeline stage's parameter under the whole model's name (its layers renumbered), so the stages'
+    files together hold the model by its HF names, whatever p saved them or resumes them."""
+    if getattr(engine, "pipeline", None) is None:
+        return name
+    from hybridflow.engines.pipeline import hf_name
+
+    return hf_name(engine.hf_model, name)
 
 
 def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -50,7 +60,9 @@ def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"optimizer state {fqn}.{key} is a {type(value).__name__}, not a tensor")
-            flat[f"{fqn}.{key}"] = value
+            prefix = _prefix(engine)
+            name = prefix + _hf_name(engine, fqn.removeprefix(prefix)) if fqn.startswith(prefix) else fqn
+            flat[f"{name}.{key}"] = value
     return osd, flat
 
 

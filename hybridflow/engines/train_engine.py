@@ -432,6 +432,8 @@ class TrainEngine:
     def take_shared_prompt_tokens(self) -> int:
         """Prompt tokens this engine's forwards did not compute (shared within a micro-batch, model.share_prompt)
         since the last call (then reset)."""
+        if self.pipeline is not None:  # pipeline stages share no prompts (nothing is packed)
+            return 0
         n, self.module.shared_prompt_tokens = self.module.shared_prompt_tokens, 0
         return n
 

@@ -1,0 +1,68 @@
+"""`hybridflow train` with the actor in two pipeline stages (actor.parallel.pp=2, engines/pipeline_engine.py):
+GRPO on two CPU ranks for two steps equals the same run with pp = 1 (FSDP over dp = 2) on the same ranks.
+
+Both runs generate the same rollouts: each rank is one generation replica with the same sampling seed
+(hybrid_engine/pipeline_switch.py gathers the whole model onto each pp rank; FSDP over dp = 2 unshards
+it), so the rewards, advantages and old log-probs match, and the per-step update metrics must too: fp32,
+sums over at most a few hundred terms, summation order apart: 1e-4 relative bounds them with room.
+The pp = 2 run's switch bytes equal cost.pipeline_switch_cost every step, and its final checkpoint
+holds every stage by the whole model's names, so `hybridflow export` loads in transformers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridflow.cli import main as cli_main
+from tests.trainers.lifecycle_helpers import grpo_config
+
+STEPS = 2
+# the update's metrics and what fed it (rollouts, rewards, advantages, the rollout-vs-training gap)
+COMPARED = ("actor/", "advantages/", "reward/mean", "response_length/", "rollout/", "rollout_corr/")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tiny_model_dir, tmp_path_factory):
+    """{pp: metrics rows} of the two runs, and the pp = 2 run's directory."""
+    tmp = tmp_path_factory.mktemp("pipeline_train")
+    out = {}
+    for pp in (2, 1):
+        config = grpo_config(
+            tmp,
+            tiny_model_dir,
+            data="num_samples: 16, val_size: 2",
+            resources="n_gpus_per_node: 2",
+            trainer=f"experiment_name: pp{pp}, total_steps: {STEPS}, save_every: 0, loggers: [jsonl]",
+        )
+        args = ["train", str(config), f"actor.parallel.pp={pp}", "actor.micro_batch_size_per_device=2"]
+        assert cli_main(args) == 0
+        out[pp] = [json.loads(x) for x in (tmp / f"pp{pp}" / "metrics.jsonl").read_text().splitlines()]
+    out["dir"] = tmp / "pp2"
+    return out
+
+
+def test_two_stage_grpo_equals_one_stage(runs):
+    steps = [r for r in runs[2] if r["step"] >= 1]
+    assert len(steps) == STEPS
+    for got, want in zip(steps, [r for r in runs[1] if r["step"] >= 1]):
+        keys = [k for k in want if k.startswith(COMPARED)]
+        assert {"actor/pg_loss", "actor/grad_norm", "actor/entropy"} <= set(keys) <= set(got)
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), (got["step"], key)
+        assert got["actor/grad_norm"] > 0 and got["actor/pg_clipfrac"] >= 0
+
+
+def test_switch_bytes_equal_the_formula(runs):
+    for row in (r for r in runs[2] if r["step"] >= 1):
+        assert row["reshard/bytes_per_rank"] == row["reshard/formula_bytes_per_rank"] > 0
+        assert row["reshard/gen_weight_bytes_per_rank"] == row["reshard/formula_gen_weight_bytes_per_rank"]
+
+
+def test_a_two_stage_checkpoint_exports_to_transformers(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert cli_main(["export", str(runs["dir"]), "--output", str(tmp_path / "export")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert model.config.num_hidden_layers == len(model.model.layers)
