@@ -37,7 +37,17 @@ def model_tensors(engine) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     prefix = _prefix(engine)
-    return {_hf_name(engine, k.removeprefix(prefix)): v for k, v in get_model_state_dict(engine.module).items()}
+    return {
+        _hf_name(engine, k.removeprefix(prefix)): v for k, v in get_model_state_dict(engine.module).items()
+    }
+
+
+def _local_names(engine) -> dict[str, str]:
+    """{name in model_tensors: the wrapped module's state-dict key}."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    prefix = _prefix(engine)
+    return {_hf_name(engine, k.removeprefix(prefix)): k for k in get_model_state_dict(engine.module)}
 
 
 def _hf_name(engine, name: str) -> str:
@@ -76,6 +86,14 @@ def _json_ready(value):
     return value
 
 
+def _stage_writer(engine) -> bool | None:
+    """Whether this rank writes its pipeline stage's plain (unsharded) tensors: the stage's first rank
+    (dp and tp rank 0); None without stages (rank 0 writes them)."""
+    if getattr(engine, "pipeline", None) is None:
+        return None
+    return engine.mesh["dp"].get_local_rank() == 0 and engine.mesh["tp"].get_local_rank() == 0
+
+
 def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -84,11 +102,12 @@ def save(engine, directory: str | Path) -> None:
     """Collective over the engine's group: every rank writes its shards; rank 0 the JSON."""
     directory = Path(directory)
     with engine.phase(optimizer=True):
-        save_tensors(model_tensors(engine), directory / "model")
+        writes_plain = _stage_writer(engine)
+        save_tensors(model_tensors(engine), directory / "model", writes_plain)
         state = {"global_step": engine.global_step}
         if engine.optimizer is not None:
             osd, flat = _optimizer_state(engine)
-            save_tensors(flat, directory / "optim")
+            save_tensors(flat, directory / "optim", writes_plain)
             state["param_groups"] = _json_ready(osd["param_groups"])
             state["scheduler"] = _json_ready(engine.scheduler.state_dict())
     if _is_rank0():
@@ -104,8 +123,8 @@ def load(engine, directory: str | Path) -> None:
     with engine.phase(optimizer=True):
         tensors = model_tensors(engine)
         load_tensors(tensors, directory / "model")
-        prefix = _prefix(engine)
-        set_model_state_dict(engine.module, {prefix + k: v for k, v in tensors.items()})
+        local = _local_names(engine)  # a pipeline stage's own names for the whole model's
+        set_model_state_dict(engine.module, {local[k]: v for k, v in tensors.items()})
         if engine.optimizer is not None:
             if "param_groups" not in state:
                 raise ValueError(f"{directory} holds no optimizer state (saved from a frozen model)")

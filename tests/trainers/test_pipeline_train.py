@@ -14,8 +14,10 @@ holds every stage by the whole model's names, so `hybridflow export` loads in tr
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+import torch
 
 from hybridflow.cli import main as cli_main
 from tests.trainers.lifecycle_helpers import grpo_config
@@ -34,6 +36,7 @@ COMPARED = ("actor/", "advantages/", "reward/mean", "response_length/", "rollout
 def runs(ray_cluster, tiny_model_dir, tmp_path_factory):
     """{pp: metrics rows} of the two runs, and the pp = 2 run's directory."""
     tmp = tmp_path_factory.mktemp("pipeline_train")
+    (tmp / "varied.py").write_text(REWARD)
     out = {}
     for pp in (2, 1):
         config = grpo_config(
@@ -45,24 +48,48 @@ def runs(ray_cluster, tiny_model_dir, tmp_path_factory):
             f"val_every: {STEPS}, rollout_data_dir: '{tmp / f'pp{pp}' / 'gen'}', "
             f"validation_data_dir: '{tmp / f'pp{pp}' / 'val'}'",
         )
-        (tmp / "varied.py").write_text(REWARD)
-        args = ["train", str(config), f"actor.parallel.pp={pp}", "actor.micro_batch_size_per_device=2",
-                f"reward.fn={tmp / 'varied.py'}:varied"]  # fmt: skip
-        assert cli_main(args) == 0
-        out[pp] = [json.loads(x) for x in (tmp / f"pp{pp}" / "metrics.jsonl").read_text().splitlines()]
+        assert cli_main(_args(config, tmp, pp)) == 0
+        out[pp] = _rows(tmp / f"pp{pp}")
     out["dir"] = tmp / "pp2"
+    # each run's last checkpoint resumed onto the other p for one more step
+    for saved, resumed in ((2, 1), (1, 2)):
+        shutil.copytree(tmp / f"pp{saved}" / "checkpoints", tmp / f"from{saved}" / "checkpoints")
+        args = _args(config, tmp, resumed) + [f"trainer.experiment_name=from{saved}",
+                                              f"trainer.total_steps={STEPS + 1}"]  # fmt: skip
+        assert cli_main(args) == 0
+        out[f"from{saved}"] = _rows(tmp / f"from{saved}")
     return out
+
+
+def _args(config, tmp, pp: int) -> list[str]:
+    return ["train", str(config), f"actor.parallel.pp={pp}", "actor.micro_batch_size_per_device=2",
+            f"reward.fn={tmp / 'varied.py'}:varied"]  # fmt: skip
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_equal_updates(got: dict, want: dict) -> None:
+    keys = [k for k in want if k.startswith(COMPARED)]
+    assert {"actor/pg_loss", "actor/grad_norm", "actor/entropy"} <= set(keys) <= set(got)
+    for key in keys:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+    assert got["actor/grad_norm"] > 0
 
 
 def test_two_stage_grpo_equals_one_stage(runs):
     steps = [r for r in runs[2] if r["step"] >= 1]
     assert len(steps) == STEPS
     for got, want in zip(steps, [r for r in runs[1] if r["step"] >= 1]):
-        keys = [k for k in want if k.startswith(COMPARED)]
-        assert {"actor/pg_loss", "actor/grad_norm", "actor/entropy"} <= set(keys) <= set(got)
-        for key in keys:
-            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
-        assert got["actor/grad_norm"] > 0 and got["actor/pg_clipfrac"] >= 0
+        _assert_equal_updates(got, want)
+
+
+def test_checkpoints_resume_onto_the_other_p(runs):
+    """The p = 2 checkpoint resumed on p = 1 and the p = 1 one on p = 2 (each stage's tensors and AdamW
+    moments saved by the whole model's names, engines/checkpoint_io.py) run the same third step."""
+    (got,), (want,) = ([r for r in runs[f"from{p}"] if r["step"] == STEPS + 1] for p in (2, 1))
+    _assert_equal_updates(got, want)
 
 
 def test_generations_equal_token_for_token(runs):
@@ -84,8 +111,14 @@ def test_switch_bytes_equal_the_formula(runs):
 
 
 def test_a_two_stage_checkpoint_exports_to_transformers(runs, tmp_path):
+    """Every tensor of the export is the one the stages saved (none left at transformers' init)."""
     from transformers import AutoModelForCausalLM
+
+    from hybridflow.checkpoint.shards import read_full, tensor_index
 
     assert cli_main(["export", str(runs["dir"]), "--output", str(tmp_path / "export")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    assert model.config.num_hidden_layers == len(model.model.layers)
+    shards = tensor_index(runs["dir"] / "checkpoints" / f"step_{STEPS}" / "actor" / "model")
+    assert set(shards) == set(model.state_dict()) and "lm_head.weight" in shards
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, read_full(name, shards[name])), name
