@@ -122,3 +122,21 @@ def test_a_two_stage_checkpoint_exports_to_transformers(runs, tmp_path):
     assert set(shards) == set(model.state_dict()) and "lm_head.weight" in shards
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, read_full(name, shards[name])), name
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["model.remove_padding=true"], "model.remove_padding: true with actor.parallel.pp = 2"),
+        (
+            ["actor.parallel.tp=2", "resources.n_gpus_per_node=4"],
+            "actor.parallel.pp > 1 runs with actor.parallel.tp = 1",
+        ),
+        (["ref.parallel.pp=2"], "ref.parallel.pp: 2 is not supported yet"),
+    ],
+)
+def test_what_stages_do_not_run_with_fails_in_one_line(tiny_model_dir, tmp_path, capsys, overrides, expected):
+    config = grpo_config(tmp_path, tiny_model_dir, resources="n_gpus_per_node: 2")
+    assert cli_main(["train", str(config), "actor.parallel.pp=2", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and expected in err, err
