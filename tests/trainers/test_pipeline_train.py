@@ -28,8 +28,9 @@ STEPS = 2
 REWARD = """def varied(data_source, solution_str, ground_truth, extra_info=None):
     return sum(map(ord, solution_str)) % 11 / 10
 """
-# the update's metrics and what fed it (rollouts, rewards, advantages, the rollout-vs-training gap)
-COMPARED = ("actor/", "advantages/", "reward/mean", "response_length/", "rollout/", "rollout_corr/")
+# the update's metrics and what fed it (rewards, advantages, response lengths); not the rollout-vs-training
+# gap statistics (rollout/, rollout_corr/), which measure fp32 noise (~1e-7) by design
+COMPARED = ("actor/", "advantages/", "reward/mean", "response_length/")
 
 
 @pytest.fixture(scope="module")
