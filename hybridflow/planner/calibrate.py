@@ -223,7 +223,7 @@ def run(args) -> int:
     from rich.table import Table
 
     torch.set_num_threads(args.threads)
-    console = Console(width=120)
+    console = Console(width=160)
     start = time.perf_counter()
     profile = None
     if args.out:

@@ -35,20 +35,7 @@ from hybridflow.planner.search import bell_number, search
 from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    m = parser.add_argument_group("models")
-    m.add_argument(
-        "--model-size", default="7B", help="actor size as a parameter count: 7B, 13B, 34B, 70B, 350M"
-    )
-    m.add_argument(
-        "--model-config", default=None, help="HF config.json (or model dir) instead of --model-size"
-    )
-    m.add_argument("--critic-size", default=None, help="critic size (default: the actor's)")
-    m.add_argument("--reward-size", default=None, help="reward (and cost) model size (default: the actor's)")
-    m.add_argument("--algorithm", default="ppo", choices=ALGORITHMS, help="built-in dataflow")
-    m.add_argument(
-        "--no-reward-model", action="store_true", help="rule-based reward: no reward model to place"
-    )
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, default=8, help="number of devices")
     c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
@@ -64,6 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --profile: the compute dtype whose measured entry prices the work",
     )
     c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    m = parser.add_argument_group("models")
+    m.add_argument(
+        "--model-size", default="7B", help="actor size as a parameter count: 7B, 13B, 34B, 70B, 350M"
+    )
+    m.add_argument(
+        "--model-config", default=None, help="HF config.json (or model dir) instead of --model-size"
+    )
+    m.add_argument("--critic-size", default=None, help="critic size (default: the actor's)")
+    m.add_argument("--reward-size", default=None, help="reward (and cost) model size (default: the actor's)")
+    m.add_argument("--algorithm", default="ppo", choices=ALGORITHMS, help="built-in dataflow")
+    m.add_argument(
+        "--no-reward-model", action="store_true", help="rule-based reward: no reward model to place"
+    )
+    _add_cluster_arguments(parser)
     e = parser.add_argument_group("engines (defaults: any layout, the paper's search)")
     e.add_argument(
         "--max-pp", type=int, default=None, help="largest pipeline size p (1 for the built-in engines)"
