@@ -86,7 +86,7 @@ def training_time(
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
     sync = collective_time(dev, grads, d, dp_bandwidth(dev, devices_per_node, p, t, d))
     optimizer_step = 2 * (16 * spec.num_params / (p * t * d)) / (dev.hbm_bandwidth * dev.memory_efficiency)
-    return wl.ppo_epochs * wl.mini_batches * (pipeline + sync + optimizer_step) + dev.call_overhead_s
+    return wl.ppo_epochs * wl.mini_batches * (pipeline + sync + optimizer_step)
 
 
 def inference_time(
@@ -103,7 +103,7 @@ def inference_time(
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + layers * dev.layer_overhead_s
-    return (m + p - 1) * slot + dev.call_overhead_s
+    return (m + p - 1) * slot
 
 
 def generation_time(
@@ -142,7 +142,7 @@ def generation_time(
     comm = 2 * L * collective_time(dev, b * spec.hidden * dev.bytes_per_param, tg, bw_tp)
     comm += (pg - 1) * dev.comm_latency_s
     step = (memory**2 + compute**2) ** 0.5 + comm + L * dev.layer_overhead_s + dev.decode_step_overhead_s
-    return waves * (prefill + lr * step) + dev.call_overhead_s
+    return waves * (prefill + lr * step)
 
 
 SWITCH_METHODS = METHODS  # one vocabulary with rollout.reshard and the worker's counters

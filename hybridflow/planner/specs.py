@@ -155,9 +155,6 @@ class DeviceSpec:
         0.0  # generation engine's fixed cost per decode step (sampling, scheduling)
     )
     usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers
-    # fixed cost of one model's call in a stage: the controller's dispatch to its workers and back, moving
-    # the batch, the worker's per-call bookkeeping (0 in the catalogue: small next to a GPU model's work)
-    call_overhead_s: float = 0.0
     measured: bool = False  # True: from a device profile measured on the machine (profile.py); else datasheet
 
 
