@@ -106,3 +106,14 @@ def test_gemm_fit_recovers_a_known_curve():
     peak, half = fit_gemm(rates)
     assert half == pytest.approx(64, rel=1e-12) and peak == pytest.approx(1e11, rel=1e-9)
     assert fit_gemm({"64": 5e10, "512": 5e10}) == pytest.approx((5e10, 0.0))  # flat: no fall-off
+
+
+def test_resources_planner_profile_is_checked_before_anything_starts(tmp_path):
+    from hybridflow.config.run_config import ResourcesConfig, resources_errors
+
+    path = str(_profile().save(tmp_path / "cpu.yaml"))
+    assert resources_errors(ResourcesConfig(placement="auto", planner_profile=path)) == []
+    (error,) = resources_errors(ResourcesConfig(placement="colocate", planner_profile=path))
+    assert error.startswith("resources.planner_profile: only resources.placement=auto")
+    (error,) = resources_errors(ResourcesConfig(placement="auto", planner_profile=str(tmp_path / "no.yaml")))
+    assert "hybridflow calibrate --out" in error
