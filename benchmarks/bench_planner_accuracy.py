@@ -10,6 +10,7 @@ plan/predicted_s/<stage> and iteration. Prints per case the predicted and measur
 candidate the per-stage error.
 
     .venv/bin/python benchmarks/bench_planner_accuracy.py --profile cpu.yaml [--steps 5] [--devices 2]
+    .venv/bin/python benchmarks/bench_planner_accuracy.py --report run.log   # the tables of a logged run
 
 docs/bench/planner.md has one run's figures.
 """
@@ -215,12 +216,23 @@ def report(rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", required=True, help="device profile from `hybridflow calibrate --out`")
+    parser.add_argument(
+        "--profile", help="device profile from `hybridflow calibrate --out` (required to run)"
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
     parser.add_argument("--cases", default="ppo/tiny,ppo/small,grpo/tiny,grpo/small")
     parser.add_argument("--out", default=None, help="also write the rows as JSON")
+    parser.add_argument(
+        "--report", nargs="+", default=None, help="only print the tables from the rows logged by earlier runs"
+    )
     args = parser.parse_args()
+    if args.report:  # each run prints its row as one JSON line
+        lines = [line for f in args.report for line in Path(f).read_text().splitlines()]
+        report([json.loads(line) for line in lines if line.startswith('{"case"')])
+        return 0
+    if not args.profile:
+        parser.error("--profile is required to run the cases")
     profile = str(Path(args.profile).resolve())
     rows = []
     start = time.perf_counter()
