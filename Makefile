@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym]'
 	touch $(STAMP)
 
 $(VENV)/.bench: $(STAMP)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym,bench]'
 	touch $@
 
 # vLLM in its own virtualenv (constraints-vllm.txt): its transformers pin never touches .venv. Its torchvision,
@@ -63,8 +63,11 @@ format: $(STAMP)
 	$(BIN)/ruff format hybridflow tests benchmarks examples
 	$(BIN)/ruff check --fix hybridflow tests benchmarks examples
 
+# Two pytest workers (one per core), a test file kept on one worker (its module fixtures shared): most of a
+# test's time is process start-up and Ray round trips, which the other worker overlaps (docs/testing.md).
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 	if [ -f $(VSTAMP) ]; then $(MAKE) test-vllm; fi
 
 # The numerics-sensitive tests under other CPUs' kernels: oneDNN capped below AMX (AVX512-BF16 tiles off), at

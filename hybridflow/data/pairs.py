@@ -89,6 +89,12 @@ class PairDataset:
         def parse(row):
             out = parse_row(row, prompt_key)
             out["responses"] = [_response_text(row.get(k), k) for k in keys]
+            # the response columns are the sample's targets, not free columns riding along in extra_info
+            out["extra_info"] = {
+                k: v
+                for k, v in out["extra_info"].items()
+                if k not in keys or k in (row.get("extra_info") or {})
+            }
             return out
 
         eos = tokenizer.eos_token_id

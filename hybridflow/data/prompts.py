@@ -2,7 +2,9 @@
 
 Columns (verl's): `prompt` (chat messages [{role, content}] or plain text; the name is
 data.prompt_key), `data_source` (routes the rule reward), `reward_model.ground_truth` (a top-level
-`ground_truth` is accepted too), `extra_info` (free dict). Any other columns are ignored.
+`ground_truth` is accepted too, and in TRL-style rows without `reward_model` an `answer` or `solution`),
+`extra_info` (free dict). Any other column (not verl's `ability`) joins `extra_info`, from where a
+TRL-convention reward function receives it as a keyword argument (rewards/conventions.py).
 
 Every row is checked when the dataset is built, so a malformed row (file + row number) fails the
 run before any worker starts, or -- with data.on_malformed=skip -- is skipped and reported.
@@ -21,6 +23,7 @@ import numpy as np
 
 from hybridflow.batch import Batch
 from hybridflow.data.collate import left_pad, position_ids_from_mask
+from hybridflow.data.columns import GROUND_TRUTH_COLUMNS
 from hybridflow.data.files import read_rows, where
 from hybridflow.errors import DatasetError
 
@@ -29,6 +32,7 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
 
 logger = logging.getLogger("hybridflow.data")
 
+VERL_COLUMNS = frozenset({"data_source", "reward_model", "ground_truth", "extra_info", "ability"})
 Record = tuple[str, int, Any]  # (source file or dataset name, 1-based row number, row)
 
 
@@ -77,6 +81,8 @@ def parse_row(row: Any, prompt_key: str, missing_ground_truth: str = "ignore") -
             f"'reward_model' must be a mapping like {{'ground_truth': ...}}, got {type(rm).__name__}"
         )
     gt = (rm or {}).get("ground_truth", row.get("ground_truth"))
+    if gt is None and rm is None:  # TRL-style {prompt, answer} rows
+        gt = next((row[c] for c in GROUND_TRUTH_COLUMNS if row.get(c) is not None), None)
     if isinstance(gt, (int, float)) and not isinstance(gt, bool):
         gt = str(gt)
     if gt is None and missing_ground_truth == "error":
@@ -90,6 +96,8 @@ def parse_row(row: Any, prompt_key: str, missing_ground_truth: str = "ignore") -
     extra = row.get("extra_info") or {}
     if not isinstance(extra, dict):
         raise ValueError(f"'extra_info' must be a mapping, got {type(extra).__name__}")
+    columns = {k: v for k, v in row.items() if k not in VERL_COLUMNS and k != prompt_key and k not in extra}
+    extra = {**extra, **columns} if columns else extra
     return {"prompt": prompt, "data_source": source, "ground_truth": gt, "extra_info": extra}
 
 
@@ -217,6 +225,11 @@ class PromptDataset:
         if not samples:
             raise DatasetError(f"dataset {name}: no prompts left ({stats})")
         return cls(samples, _pad_id(tokenizer), stats, name)
+
+    def reward_columns(self) -> set[str]:
+        """What a TRL-convention reward function may ask for by name (rewards/conventions.py): the rows'
+        extra_info keys, ground_truth and data_source."""
+        return {"ground_truth", "data_source"} | {k for s in self.samples for k in s.extra_info}
 
     def collate(self, samples: list[PromptSample], epoch: int = 0) -> Batch:
         """-> Batch: input_ids, attention_mask, position_ids (B, L) left-padded; non-tensors uid

@@ -46,7 +46,7 @@ from hybridflow.config import ConfigError, config_to_dict, resolve_config, valid
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
 from hybridflow.controller.future import hang_timeout
-from hybridflow.data import StatefulDataLoader, build_prompt_dataset
+from hybridflow.data import PromptDataset, StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
@@ -105,7 +105,9 @@ class Trainer(ValidationMixin):
         self.restarts, self.run_lock, self.resume_path = 0, None, None
         if self.owns_run_dir:
             self._claim_run_dir()
-        self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
+        self.rule_reward = (
+            RuleReward(cfg.reward, columns=self.reward_columns()) if cfg.reward.kind == "rule" else None
+        )
         self.tracker = None
         self.owns_groups = groups is None
         if groups is None:
@@ -138,6 +140,11 @@ class Trainer(ValidationMixin):
         return StatefulDataLoader(
             ds, self.cfg.data.train_batch_size, shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed
         )
+
+    def reward_columns(self) -> set[str] | None:
+        """The training prompts' columns a reward function may ask for (None: not a prompt dataset)."""
+        ds = self.train_loader.dataset if self.train_loader is not None else None
+        return ds.reward_columns() if isinstance(ds, PromptDataset) else None
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
         """One iteration on a batch from the loader -> (finished batch, metrics)."""
