@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_DEDUP_LOGS ?= 0
 
-.PHONY: venv demo test test-isa lint format bench clean vllm test-vllm gpu-kit
+.PHONY: venv demo demo-agent test test-isa lint format bench clean vllm test-vllm gpu-kit
 
 venv: $(STAMP)
 
@@ -54,6 +54,9 @@ gpu-kit: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+demo-agent: $(STAMP)
+	$(BIN)/python examples/agent/demo.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check hybridflow tests benchmarks examples

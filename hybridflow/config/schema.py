@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hybridflow.config.agent import MultiTurnConfig, multi_turn_errors
 from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-exported from here
     AlgorithmConfig,
     DPOConfig,  # noqa: F401
@@ -240,6 +241,10 @@ class RolloutConfig:
         "for one call's sequences",
     )
     val: RolloutValConfig = _sub(RolloutValConfig, "validation sampling")
+    multi_turn: MultiTurnConfig = _sub(
+        MultiTurnConfig, "multi-turn rollouts with tools or an environment (response_length bounds the whole "
+        "trajectory: model turns and tool outputs)",
+    )  # fmt: skip
 
 
 @dataclass
@@ -393,7 +398,9 @@ def rollout_errors(r: RolloutConfig) -> list[str]:
         errors += finite_at_least(0, {f"{key}.temperature": sampling.temperature})
         if not 0.0 < sampling.top_p <= 1.0:
             errors.append(f"{key}.top_p: must be in (0, 1], got {sampling.top_p}")
-    return errors  # what each engine uses: rollout/factory.rollout_engine_errors
+    return errors + multi_turn_errors(
+        r.multi_turn
+    )  # what each engine uses: rollout/factory.rollout_engine_errors
 
 
 def critic_errors(c: CriticConfig) -> list[str]:

@@ -101,8 +101,11 @@ def parse_row(row: Any, prompt_key: str, missing_ground_truth: str = "ignore") -
     return {"prompt": prompt, "data_source": source, "ground_truth": gt, "extra_info": extra}
 
 
-def render_prompt(prompt: str | list[dict], tokenizer, apply_chat_template: bool) -> str:
-    """Text the model sees: the tokenizer's chat template (with the generation prompt), or raw text."""
+def render_prompt(
+    prompt: str | list[dict], tokenizer, apply_chat_template: bool, tools: list | None = None
+) -> str:
+    """Text the model sees: the tokenizer's chat template (with the generation prompt; `tools`: the JSON
+    schemas of the tools the rollout may call, rollout.multi_turn), or raw text."""
     if not apply_chat_template:
         return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
     if not getattr(tokenizer, "chat_template", None):
@@ -111,7 +114,7 @@ def render_prompt(prompt: str | list[dict], tokenizer, apply_chat_template: bool
             "set data.apply_chat_template=false to use prompts as plain text"
         )
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 def iter_records(files: Sequence[str | os.PathLike]) -> Iterable[Record]:
@@ -185,6 +188,7 @@ class PromptDataset:
         apply_chat_template: bool = True,
         missing_ground_truth: str = "ignore",
         name: str = "",
+        tools: list | None = None,
     ) -> PromptDataset:
         """missing_ground_truth: a row without one is malformed (error), counted and warned (warn), or
         accepted (ignore); the trainer passes data.missing_ground_truth under a rule reward."""
@@ -200,7 +204,7 @@ class PromptDataset:
                 "dataset %s: %d of %d rows have no ground truth (first: %s); the reward sees None for them",
                 name, stats["no_ground_truth"], len(parsed), first,
             )  # fmt: skip
-        texts = [render_prompt(p["prompt"], tokenizer, apply_chat_template) for _, _, p in parsed]
+        texts = [render_prompt(p["prompt"], tokenizer, apply_chat_template, tools) for _, _, p in parsed]
         # a raw-text prompt gets the tokenizer's special tokens (e.g. BOS); a templated one has them
         encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
         samples = []
@@ -268,10 +272,15 @@ def dataset_records(cfg: DataConfig, split: str) -> tuple[list[Record], str] | N
 
 
 def build_prompt_dataset(
-    cfg: DataConfig, tokenizer, split: str = "train", need_ground_truth: bool = True
+    cfg: DataConfig,
+    tokenizer,
+    split: str = "train",
+    need_ground_truth: bool = True,
+    tools: list | None = None,
 ) -> PromptDataset | None:
     """The prompt dataset of `split` ('train' or 'val') per a DataConfig; None if it has no data.
-    need_ground_truth: the reward reads one (a rule reward), so data.missing_ground_truth applies."""
+    need_ground_truth: the reward reads one (a rule reward), so data.missing_ground_truth applies;
+    tools: JSON schemas given to the chat template (agent.tool_schemas)."""
     found = dataset_records(cfg, split)
     if found is None:
         return None
@@ -286,4 +295,5 @@ def build_prompt_dataset(
         apply_chat_template=cfg.apply_chat_template,
         missing_ground_truth=cfg.missing_ground_truth if need_ground_truth else "ignore",
         name=name,
+        tools=tools,
     )

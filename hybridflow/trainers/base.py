@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridflow.agent import tool_schemas
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (
     CheckpointError,
@@ -90,8 +91,10 @@ class Trainer(ValidationMixin):
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
         )
+        self.tools = tool_schemas(cfg.rollout.multi_turn)  # the chat template lists them in each prompt
         self.train_loader = self.build_train_loader()
-        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
+        rule = cfg.reward.kind == "rule"
+        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", rule, self.tools)
         if cfg.trainer.val_only and self.val_dataset is None:
             raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
         trainer_cfg = cfg.trainer
@@ -134,7 +137,9 @@ class Trainer(ValidationMixin):
         return {}
 
     def build_train_loader(self) -> StatefulDataLoader:
-        ds = build_prompt_dataset(self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule")
+        ds = build_prompt_dataset(
+            self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule", self.tools
+        )
         if ds is None:
             raise ValueError("no training data: set data.train_files or data.dataset")
         return StatefulDataLoader(
