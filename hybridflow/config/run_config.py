@@ -41,6 +41,11 @@ class ResourcesConfig:
         "planner's choice under auto / a plan",
         choices=("auto", "rollout", "training", "both"),
     )
+    planner_profile: str = _f(
+        "",
+        "placement auto: plan with this device profile, the cost model's coefficients measured on the "
+        "machine by `hybridflow calibrate --out FILE` ('' = the device catalogue's datasheet entry)",
+    )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
     ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
     ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
@@ -125,6 +130,16 @@ def resources_errors(r: ResourcesConfig) -> list[str]:
         errors.append(
             f"resources.placement: {r.placement!r} is not colocate|split|auto or an existing plan file"
         )
+    if r.planner_profile and r.placement != "auto":
+        errors.append(
+            f"resources.planner_profile: only resources.placement=auto plans (a plan file was priced when "
+            f"written: `hybridflow plan --profile FILE`); placement is {r.placement!r}, so remove it"
+        )
+    elif r.planner_profile and not os.path.isfile(r.planner_profile):
+        errors.append(
+            f"resources.planner_profile: no file {r.planner_profile!r}; write one with "
+            f"`hybridflow calibrate --out {r.planner_profile}`"
+        )
     return errors
 
 
@@ -140,6 +155,29 @@ def machine_errors(r: ResourcesConfig) -> list[str]:
                 "or resources.ray_address to join a cluster that has GPUs"
             ]
     return []
+
+
+def machine_warnings(r: ResourcesConfig) -> list[str]:
+    """What runs here but slowly: more CPU worker processes than this machine has cores (verl scripts'
+    n_gpus_per_node=8 copied to a laptop). Each device is a process on CPU; they time-share the cores
+    and every collective waits for the one descheduled: more processes than cores only add waiting."""
+    if r.ray_address or r.device == "cuda":
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if r.num_devices <= cores:
+        return []
+    if r.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return []
+    return [
+        f"resources.n_gpus_per_node={r.n_gpus_per_node} x nnodes={r.nnodes}: on CPU each device is a worker "
+        f"process, and {r.num_devices} of them share this machine's {cores} cores ({r.num_devices / cores:.0f} "
+        "per core): they take turns on them and every collective waits for a descheduled rank, so steps run "
+        f"several times slower than with n_gpus_per_node={cores}; set that (or fewer) to use the cores "
+        "without oversubscribing them"
+    ]
 
 
 def trainer_errors(t: TrainerConfig) -> list[str]:

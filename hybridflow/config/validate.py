@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 
 from hybridflow.config.actor_loss import actor_loss_errors
+from hybridflow.config.agent import absolute_specs
 from hybridflow.config.algorithm_config import algorithm_errors
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.dapo import dapo_errors
@@ -90,6 +92,9 @@ def resolve_config(cfg: HybridFlowConfig) -> HybridFlowConfig:
     # derived fields: always recomputed (a user value that disagrees: derived_conflicts)
     cfg.actor.num_mini_batches = _mini_batches(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size)
     cfg.critic.num_mini_batches = _mini_batches(cfg.data.train_batch_size, cfg.critic.ppo_mini_batch_size)
+    absolute_specs(cfg.rollout.multi_turn)  # Ray workers run in another working directory
+    if cfg.data.dataset.startswith("reasoning_gym:") and "reasoning_gym" not in cfg.reward.preload:
+        cfg.reward.preload.append("reasoning_gym")  # its import alone can outlast a sample's timeout
     if cfg.algorithm.sft.max_length == 0:
         cfg.algorithm.sft.max_length = cfg.data.max_prompt_length + cfg.rollout.response_length
     # dp derives where the pool sizes follow from the config (colocate, split); auto / a plan file
@@ -175,6 +180,29 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     errors += data_and_model_errors(cfg, spec, check_model)
     errors += _parallel_errors(cfg, spec)
     errors += _devices_errors(cfg)
+    errors += _lora_errors(cfg)
+    return errors
+
+
+def _lora_errors(cfg: HybridFlowConfig) -> list[str]:
+    """LoRA runs where the generation weights are merged on the actor's own ranks (hybrid_engine/resharder.py)."""
+    if not cfg.model.lora.enabled:
+        return []
+    errors = []
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"model.lora.rank={cfg.model.lora.rank}: LoRA needs the peft package: pip install 'hybridflow[lora]'"
+        )
+    if cfg.rollout.engine != "builtin":
+        errors.append(
+            f"model.lora.rank={cfg.model.lora.rank}: rollout.engine={cfg.rollout.engine!r} with LoRA is not "
+            "supported yet (its weight updates carry no adapters); use rollout.engine=builtin or rank 0"
+        )
+    if cfg.trainer.rollout_ahead:
+        errors.append(
+            f"model.lora.rank={cfg.model.lora.rank}: trainer.rollout_ahead=1 with LoRA is not supported yet "
+            "(the rollout pool's weight sync carries no adapters); use rollout_ahead=0 or rank 0"
+        )
     return errors
 
 
@@ -243,6 +271,9 @@ def _pipeline_errors(cfg: HybridFlowConfig) -> list[str]:
         if getattr(cfg.model, key):
             errors.append(f"model.{key}: true with actor.parallel.pp = {pp}; pipeline stages run padded "
                           "micro-batches of equal shape; set it to null or false")  # fmt: skip
+    if cfg.model.lora.rank:
+        errors.append(f"model.lora.rank: {cfg.model.lora.rank} with actor.parallel.pp = {pp}; adapters are not "
+                      "applied to pipeline stages yet, use pp=1 or full fine-tuning (rank 0)")  # fmt: skip
     if cfg.trainer.rollout_ahead:
         errors.append(f"trainer.rollout_ahead: {cfg.trainer.rollout_ahead} with actor.parallel.pp = {pp}; "
                       "the rollout pool's weight sync gathers an unpipelined actor, use rollout_ahead=0")  # fmt: skip

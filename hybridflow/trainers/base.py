@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridflow.agent import tool_schemas
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (
     CheckpointError,
@@ -46,7 +47,7 @@ from hybridflow.config import ConfigError, config_to_dict, resolve_config, valid
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
 from hybridflow.controller.future import hang_timeout
-from hybridflow.data import StatefulDataLoader, build_prompt_dataset
+from hybridflow.data import PromptDataset, StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
@@ -55,6 +56,7 @@ from hybridflow.trainers.dump import batch_scores, generation_rows, write_genera
 from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import Timers, throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
+from hybridflow.trainers.plan_metrics import plan_metrics
 from hybridflow.trainers.validation import ValidationMixin
 from hybridflow.workers import RuleReward
 
@@ -89,8 +91,10 @@ class Trainer(ValidationMixin):
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
         )
+        self.tools = tool_schemas(cfg.rollout.multi_turn)  # the chat template lists them in each prompt
         self.train_loader = self.build_train_loader()
-        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
+        rule = cfg.reward.kind == "rule"
+        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", rule, self.tools)
         if cfg.trainer.val_only and self.val_dataset is None:
             raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
         trainer_cfg = cfg.trainer
@@ -104,7 +108,9 @@ class Trainer(ValidationMixin):
         self.restarts, self.run_lock, self.resume_path = 0, None, None
         if self.owns_run_dir:
             self._claim_run_dir()
-        self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
+        self.rule_reward = (
+            RuleReward(cfg.reward, columns=self.reward_columns()) if cfg.reward.kind == "rule" else None
+        )
         self.tracker = None
         self.owns_groups = groups is None
         if groups is None:
@@ -131,12 +137,19 @@ class Trainer(ValidationMixin):
         return {}
 
     def build_train_loader(self) -> StatefulDataLoader:
-        ds = build_prompt_dataset(self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule")
+        ds = build_prompt_dataset(
+            self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule", self.tools
+        )
         if ds is None:
             raise ValueError("no training data: set data.train_files or data.dataset")
         return StatefulDataLoader(
             ds, self.cfg.data.train_batch_size, shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed
         )
+
+    def reward_columns(self) -> set[str] | None:
+        """The training prompts' columns a reward function may ask for (None: not a prompt dataset)."""
+        ds = self.train_loader.dataset if self.train_loader is not None else None
+        return ds.reward_columns() if isinstance(ds, PromptDataset) else None
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
         """One iteration on a batch from the loader -> (finished batch, metrics)."""
@@ -253,6 +266,8 @@ class Trainer(ValidationMixin):
             ):
                 self.save_checkpoint()
             metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
+            if self.placement.plan is not None:  # the plan's predictions beside the measured stages
+                metrics.update(plan_metrics(self.placement.plan, metrics))
             metrics["trainer/restarts"] = self.restarts
             self.tracker.log(metrics, self.global_step)
             history.append({"step": self.global_step, **metrics})
