@@ -109,6 +109,17 @@ class PipelinedModel:
         return _masked_padding(batch.pad_to_divisor(rows)).split(rows)
 
 
+def micro_batch_rows(batch: Batch, config, micro_batch_size: int | None, max_tokens: int | None) -> int:
+    """Rows per pipeline micro-batch: the fixed size, or as many full-length rows as the token budget
+    holds (pipeline micro-batches are not trimmed); config: the EngineConfig's defaults for both."""
+    if micro_batch_size is None and max_tokens is None:
+        max_tokens = config.max_tokens_per_micro_batch or None
+        micro_batch_size = None if max_tokens else config.micro_batch_size_per_device
+    if micro_batch_size is None:
+        micro_batch_size = max(1, max_tokens // batch["input_ids"].shape[1])
+    return max(1, min(micro_batch_size, len(batch)))
+
+
 def _masked_padding(batch: Batch) -> Batch:
     """A zero response mask on the rows pad_to_divisor repeated, so they weigh nothing."""
     pad = batch.meta.pad_rows

@@ -48,7 +48,7 @@ from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad
 from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.engines.pipeline import hf_name
-from hybridflow.engines.pipeline_engine import PipelinedModel
+from hybridflow.engines.pipeline_engine import PipelinedModel, micro_batch_rows
 from hybridflow.engines.sharded_init import materialize
 from hybridflow.models import lora
 from hybridflow.models.hf import model_kind, scalar_head
@@ -203,32 +203,21 @@ class TrainEngine:
             return self.module(ids, attn, pos, response_length(mb), temperature, with_entropy,
                                0 if self.remove_padding else None)  # fmt: skip
 
-    def _autocast_ctx(self, fn=None):
-        """Autocast to the compute dtype where FSDP does not cast (one dp rank); around `fn` if given."""
-        if fn is not None:
-            return lambda *a, **kw: _call_in(self._autocast_ctx(), fn, *a, **kw)
+    def _autocast_ctx(self):
+        """Autocast to the compute dtype where FSDP does not cast (one dp rank)."""
         if self._autocast:
             return torch.autocast(self.device.type, dtype=self._autocast)
         return contextlib.nullcontext()
-
-    def _pipeline_rows(self, batch: Batch, micro_batch_size: int | None, max_tokens: int | None) -> int:
-        """Rows per pipeline micro-batch: the fixed size, or as many full-length rows as the token budget
-        holds (pipeline micro-batches are not trimmed)."""
-        if micro_batch_size is None and max_tokens is None:
-            max_tokens = self.config.max_tokens_per_micro_batch or None
-            micro_batch_size = None if max_tokens else self.config.micro_batch_size_per_device
-        if micro_batch_size is None:
-            micro_batch_size = max(1, max_tokens // batch["input_ids"].shape[1])
-        return max(1, min(micro_batch_size, len(batch)))
 
     @torch.no_grad()
     def _infer(self, batch, keys, micro_batch_size, max_tokens, **forward_kwargs) -> dict[str, torch.Tensor]:
         with self.phase():
             self.module.eval()
             if self.pipeline is not None:
-                rows = self._pipeline_rows(batch, micro_batch_size, max_tokens)
+                rows = micro_batch_rows(batch, self.config, micro_batch_size, max_tokens)
                 kw = {"temperature": 1.0, "with_entropy": False, **forward_kwargs}
-                return self._autocast_ctx(self.pipeline.infer)(batch, rows, **kw)
+                with self._autocast_ctx():
+                    return self.pipeline.infer(batch, rows, **kw)
             lr = response_length(batch)
             groups = self._plan(batch, micro_batch_size, max_tokens)
             chunks = defaultdict(list)
@@ -361,7 +350,7 @@ class TrainEngine:
         """forward_backward through the pipeline stages, with the same loss weights (engines/pipeline_engine.py)."""
         with self.phase():
             self.module.train()
-            rows = self._pipeline_rows(batch, micro_batch_size, max_tokens)
+            rows = micro_batch_rows(batch, self.config, micro_batch_size, max_tokens)
             mbs = self.pipeline.micro_batches(batch, rows)
             counts = [self._count(mb, loss_weighting) for mb in mbs]
             local_total = sum(counts)
@@ -373,8 +362,8 @@ class TrainEngine:
             def weigh(i, mb):
                 return counts[i] * self.dp_size / normaliser, counts[i] * per
 
-            run = self._autocast_ctx(self.pipeline.forward_backward)
-            return run(batch, rows, loss_fn, with_entropy, temperature, weigh)
+            with self._autocast_ctx():
+                return self.pipeline.forward_backward(batch, rows, loss_fn, with_entropy, temperature, weigh)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip by the global grad norm, step AdamW (skipped if the norm is not finite) and the LR schedule."""
@@ -476,11 +465,6 @@ def _weighted(v, share: float, device) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v.detach().to(device=device, dtype=torch.float64).reshape(()) * share
     return torch.tensor(float(v), dtype=torch.float64, device=device) * share
-
-
-def _call_in(ctx, fn, *args, **kwargs):
-    with ctx:
-        return fn(*args, **kwargs)
 
 
 def _to_floats(sums: dict[str, torch.Tensor]) -> dict[str, float]:
