@@ -1,0 +1,79 @@
+"""The embedded cluster lost during training (a real `hybridflow train`, its raylet and later its GCS
+SIGKILLed by pid): the supervisor above the driver names each loss in one line, starts a new cluster and
+driver that resume from the last checkpoint, and the run ends with exit 0 and one history in
+metrics.jsonl; no process of the lost drivers survives. One run covers both kinds (docs/operations.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from tests.trainers.lifecycle_helpers import (
+    alive,
+    cmdline,
+    descendants,
+    grpo_config,
+    metric_rows,
+    start_train,
+    wait_for,
+)
+
+
+def _kill_after_row(proc, run: Path, step: int, kind: str) -> tuple[int, set[int]]:
+    """SIGKILL the run's `kind` process (gcs_server / raylet) once metrics row `step` is written (its
+    checkpoint is written before it); -> its pid and the processes below `hybridflow train` then."""
+    wait_for(lambda: any(r["step"] == step for r in metric_rows(run)), proc, poll=0.01)
+    tree = descendants(proc.pid)
+    (victim,) = [p for p in tree if cmdline(p).split(" ")[0].endswith(kind)]
+    os.kill(victim, signal.SIGKILL)
+    return victim, tree
+
+
+def test_raylet_then_gcs_lost_mid_run_each_restart_the_cluster_and_resume(tiny_model_dir, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    config = grpo_config(
+        tmp_path,
+        tiny_model_dir,
+        trainer="experiment_name: run, total_steps: 4, save_every: 1, loggers: [jsonl]",
+    )
+    proc = start_train(config, log=log)
+    raylet, first = _kill_after_row(proc, run, 1, "raylet")
+    wait_for(lambda: "resumed from step" in log.read_text(), proc, poll=0.05)
+    gcs, second = _kill_after_row(proc, run, 3, "gcs_server")
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+
+    text = log.read_text()
+    lines = [
+        x.removeprefix("hybridflow train: ") for x in text.splitlines() if x.startswith("hybridflow train:")
+    ]
+    restarts = [x for x in lines if x.startswith("restart ")]
+    assert len(restarts) == 2, lines
+    pattern = (r"restart {n}/3 at step \d+: the embedded Ray cluster lost its {what}; a new cluster resumes "
+               r"from .*/run/checkpoints/step_(\d+)")  # fmt: skip
+    m1 = re.fullmatch(pattern.format(n=1, what=rf"raylet \(pid {raylet}\).*"), restarts[0])
+    m2 = re.fullmatch(pattern.format(n=2, what=rf"gcs_server \(pid {gcs}\).*"), restarts[1])
+    assert m1 and m2, restarts
+    # each new driver resumed from the checkpoint its line named (the last one before the loss)
+    assert f"resumed from step {m1.group(1)} (restart 1/3:" in text
+    assert f"resumed from step {m2.group(1)} (restart 2/3:" in text
+    assert int(m1.group(1)) >= 1 and int(m2.group(1)) >= 3
+    print("\n".join(lines))
+    assert (
+        lines[-2].startswith("done, 4 steps;") and lines[-1].startswith("report ") and "Traceback" not in text
+    )
+    rows = metric_rows(run)
+    assert [r["step"] for r in rows] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]  # one history: the rows after a checkpoint redone once
+    assert rows[-1]["trainer/restarts"] == 2
+    deadline = time.monotonic() + 10
+    while alive(first | second) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(first | second) == []
