@@ -227,7 +227,6 @@ class Trainer(ValidationMixin):
             if signum := lifecycle.stop_requested():  # after the step (and its checkpoint) in flight
                 raise lifecycle.Preempted(signum, self.global_step, self.latest_checkpoint())
             self.global_step += 1
-            supervised.report(step=self.global_step)
             batch = self.next_prompts()
             batch.meta.global_step = self.global_step
             start = time.perf_counter()

@@ -4,7 +4,7 @@ in a test) every function here is a no-op or returns its default.
 
 Reports are single JSON lines (each write under PIPE_BUF, so atomic), merged by the supervisor into the
 driver's latest state: `max_restarts`, `cluster` (the embedded cluster's gcs_server and raylet pids),
-`step` (the step in flight), `checkpoint` (the last one written or loaded: where a restart resumes),
+`checkpoint` (the last one written or loaded: where a restart resumes),
 `restarts` (the driver's own restarts after a dead worker) and `closing` (the outcome's exit code, with
 `lost`: the cluster processes gone by then), sent before the shutdown.
 """

@@ -8,8 +8,8 @@ answered from inside. So `hybridflow train` runs the driver (`python -m hybridfl
 arguments) as its child and
 - forwards each SIGTERM/SIGINT to it, one for one; the child has its own process group, so a terminal's
   Ctrl-C reaches it once, through here, and the driver's stop semantics are unchanged;
-- reads what the driver reports (supervised.py): its cluster's pids, the step in flight, the last
-  checkpoint it wrote or loaded, its own restarts, and its outcome once decided;
+- reads what the driver reports (supervised.py): its cluster's pids, the last checkpoint it wrote or
+  loaded, its own restarts, and its outcome once decided;
 - on a loss (a GCS or raylet gone while the driver runs, before its outcome; or the driver ended by Ray:
   exit 1 without an outcome): one line, every process below the driver SIGKILLed by pid, then a new
   driver with a fresh embedded cluster resuming from that checkpoint, within trainer.max_restarts
@@ -188,9 +188,7 @@ def supervise(argv: list[str]) -> int:
             return 1
         resume = state.get("checkpoint")
         start = f"from {resume}" if resume else "from the run's start (no checkpoint yet)"
-        _say(
-            f"restart {restarts}/{limit} at step {state.get('step', 0)}: {what}; a new cluster resumes {start}"
-        )
+        _say(f"restart {restarts}/{limit}: {what} during training; a new cluster resumes {start}")
 
 
 def main(argv: list[str]) -> int:
