@@ -68,7 +68,7 @@ def restarts_before() -> int:
 
 
 def resume_from() -> str | None:
-    """The checkpoint a restarted driver resumes from (the last one its predecessor wrote or loaded)."""
+    """trainer.resume of a restarted driver whose predecessor wrote or loaded a checkpoint: "auto"."""
     return _resume
 
 

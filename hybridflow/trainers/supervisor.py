@@ -12,7 +12,8 @@ arguments) as its child and
   loaded, its own restarts, and its outcome once decided;
 - on a loss (a GCS or raylet gone while the driver runs, before its outcome; or the driver ended by Ray:
   exit 1 without an outcome): one line, every process below the driver SIGKILLed by pid, then a new
-  driver with a fresh embedded cluster resuming from that checkpoint, within trainer.max_restarts
+  driver with a fresh embedded cluster resuming from the newest checkpoint (trainer.resume=auto: that
+  one, or a newer one its report had not yet announced), within trainer.max_restarts
   (shared with the driver's restarts after a dead worker);
 - exits with the driver's exit code (128 + signal when a signal killed it).
 Standard library only (as reaper.py): it starts at once and holds no Ray or torch state.
@@ -32,24 +33,27 @@ from hybridflow.reaper import descendants
 from hybridflow.trainers import supervised
 
 POLL_S = 0.05
+# a loss is acted on once it has lasted this long without the driver's outcome: a driver past its last
+# Ray call (the final checkpoint written) reports it within that time and ends on its own (exit 0, `done`)
+OUTCOME_GRACE_S = 2.0
 GONE_TIMEOUT_S = 30.0
 
 
 class Driver:
     """One training driver process and the state it reported."""
 
-    def __init__(self, argv: list[str], restarts: int, resume: str | None):
+    def __init__(self, argv: list[str], restarts: int, checkpoint: str | None):
         read, write = os.pipe()
         env = {**os.environ, supervised.FD_ENV: str(write), supervised.PID_ENV: str(os.getpid()),
                supervised.RESTARTS_ENV: str(restarts)}  # fmt: skip
-        if resume:
-            env[supervised.RESUME_ENV] = resume
+        if checkpoint:  # the newest valid one: never older than the last reported (a report can lag)
+            env[supervised.RESUME_ENV] = "auto"
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         cmd = [sys.executable, "-m", "hybridflow.trainers.cli", *argv]
         self.proc = subprocess.Popen(cmd, env=env, pass_fds=(write,), **group)
         os.close(write)
         self.pipe, self.buffer = read, b""
-        self.state: dict = {"restarts": restarts, "checkpoint": resume}
+        self.state: dict = {"restarts": restarts, "checkpoint": checkpoint}
         self.cluster: dict[int, tuple[str, str]] = {}  # pid -> (kind, start time)
 
     def read(self, timeout: float) -> bool:
@@ -151,13 +155,18 @@ def _say(line: str) -> None:
 
 def run_driver(driver: Driver) -> tuple[int | None, str | None]:
     """Until the driver exits or loses its cluster: -> (its exit code or None, the loss or None)."""
+    since = None
     while True:
         driver.read(POLL_S)
         if (rc := driver.proc.poll()) is not None:
             while driver.read(0):  # its last reports
                 pass
             return rc, driver.loss_at_exit(rc)
-        if (found := driver.loss()) is not None:
+        if (found := driver.loss()) is None:
+            since = None
+        elif since is None:
+            since = time.monotonic()
+        elif time.monotonic() - since >= OUTCOME_GRACE_S:
             return None, found
 
 
@@ -165,9 +174,9 @@ def supervise(argv: list[str]) -> int:
     """Run the training driver with `argv` until it ends without a cluster loss (or restarts run out)."""
     signals = Signals()
     signals.install()
-    restarts, resume = 0, None
+    restarts, checkpoint = 0, None
     while True:
-        driver = signals.driver = Driver(argv, restarts, resume)
+        driver = signals.driver = Driver(argv, restarts, checkpoint)
         if signals.received:  # a signal between the last check and the start: it is this driver's
             os.kill(driver.proc.pid, signals.received)
         rc, loss = run_driver(driver)
@@ -186,9 +195,11 @@ def supervise(argv: list[str]) -> int:
         if restarts > limit:
             _say(f"failed after {restarts - 1} restarts: {what}; latest checkpoint: {state['checkpoint']}")
             return 1
-        resume = state.get("checkpoint")
-        start = f"from {resume}" if resume else "from the run's start (no checkpoint yet)"
-        _say(f"restart {restarts}/{limit}: {what} during training; a new cluster resumes {start}")
+        checkpoint = state.get("checkpoint")
+        start = (
+            "resumes from the newest checkpoint" if checkpoint else "starts the run again (no checkpoint yet)"
+        )
+        _say(f"restart {restarts}/{limit}: {what} during training; a new cluster {start}")
 
 
 def main(argv: list[str]) -> int:
