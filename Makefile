@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_DEDUP_LOGS ?= 0
 
-.PHONY: venv demo test test-isa lint format bench clean vllm test-vllm gpu-kit
+.PHONY: venv demo demo-agent test test-isa lint format bench clean vllm test-vllm gpu-kit
 
 venv: $(STAMP)
 
@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym]'
 	touch $(STAMP)
 
 $(VENV)/.bench: $(STAMP)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym,bench]'
 	touch $@
 
 # vLLM in its own virtualenv (constraints-vllm.txt): its transformers pin never touches .venv. Its torchvision,
@@ -55,6 +55,9 @@ gpu-kit: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+demo-agent: $(STAMP)
+	$(BIN)/python examples/agent/demo.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check hybridflow tests benchmarks examples
 	$(BIN)/ruff format --check hybridflow tests benchmarks examples
@@ -63,8 +66,11 @@ format: $(STAMP)
 	$(BIN)/ruff format hybridflow tests benchmarks examples
 	$(BIN)/ruff check --fix hybridflow tests benchmarks examples
 
+# Two pytest workers (one per core), a test file kept on one worker (its module fixtures shared): most of a
+# test's time is process start-up and Ray round trips, which the other worker overlaps (docs/testing.md).
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 	if [ -f $(VSTAMP) ]; then $(MAKE) test-vllm; fi
 
 # The numerics-sensitive tests under other CPUs' kernels: oneDNN capped below AMX (AVX512-BF16 tiles off), at

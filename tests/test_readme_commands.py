@@ -74,6 +74,8 @@ def test_every_readme_command_runs(ray_cluster, demo_layout, capsys):
         rc = main(argv)
         out = capsys.readouterr()
         assert rc == 0, f"`hybridflow {shlex.join(argv)}` exited {rc}: {out.err[-2000:]}"
+        if argv[0] == "plan":  # its tables and explanations fit a 160-column terminal
+            assert max(map(len, out.out.splitlines())) <= 160, shlex.join(argv)
     assert (demo_layout / "runs" / "grpo_tiny" / "report.png").is_file()
     assert (demo_layout / "runs" / "demo" / "models" / "grpo" / "config.json").is_file()
     assert os.path.isdir(demo_layout / "runs" / "demo" / "sft_tiny")

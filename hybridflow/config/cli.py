@@ -20,7 +20,9 @@ from hybridflow.errors import ConfigError
 
 
 def _scalar(value) -> str:
-    """One YAML flow value (strings quoted only when needed, lists/dicts inline)."""
+    """One YAML flow value (strings quoted only when needed, lists/dicts inline; reward.fns' entries as maps)."""
+    if isinstance(value, list):
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
 
 

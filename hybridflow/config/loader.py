@@ -282,8 +282,10 @@ def load_config(
     check_model: bool = True,
     verl: bool | None = None,
     notes=None,
+    data: dict | None = None,
 ) -> HybridFlowConfig:
-    """defaults <- YAML `path` <- `overrides`, typed, resolved and validated (raises ConfigError).
+    """defaults <- YAML `path` (or the nested mapping `data`) <- `overrides`, typed, resolved and
+    validated (raises ConfigError).
 
     check_model: look at the disk: the model directory (its config.json: lengths against the context)
     and that the data files exist.
@@ -293,7 +295,7 @@ def load_config(
     from hybridflow.config.validate import derived_conflicts, resolve_config, validate_config
     from hybridflow.config.verl import from_verl, is_verl_config
 
-    data = load_yaml(path) if path else {}
+    data = load_yaml(path) if path else dict(data or {})
     if verl or (verl is None and is_verl_config(data, overrides)):
         data, verl_notes = from_verl(data, overrides)
         overrides = ()

@@ -142,6 +142,29 @@ def machine_errors(r: ResourcesConfig) -> list[str]:
     return []
 
 
+def machine_warnings(r: ResourcesConfig) -> list[str]:
+    """What runs here but slowly: more CPU worker processes than this machine has cores (verl scripts'
+    n_gpus_per_node=8 copied to a laptop). Each device is a process on CPU; they time-share the cores
+    and every collective waits for the one descheduled: more processes than cores only add waiting."""
+    if r.ray_address or r.device == "cuda":
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if r.num_devices <= cores:
+        return []
+    if r.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return []
+    return [
+        f"resources.n_gpus_per_node={r.n_gpus_per_node} x nnodes={r.nnodes}: on CPU each device is a worker "
+        f"process, and {r.num_devices} of them share this machine's {cores} cores ({r.num_devices / cores:.0f} "
+        "per core): they take turns on them and every collective waits for a descheduled rank, so steps run "
+        f"several times slower than with n_gpus_per_node={cores}; set that (or fewer) to use the cores "
+        "without oversubscribing them"
+    ]
+
+
 def trainer_errors(t: TrainerConfig) -> list[str]:
     errors = at_least(1, {"trainer.keep_last": t.keep_last, "trainer.max_skipped_steps": t.max_skipped_steps})
     errors += at_least(0, {f"trainer.{k}": getattr(t, k) for k in ("total_steps", "total_epochs", "val_every",

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hybridflow.config.agent import MultiTurnConfig, multi_turn_errors
 from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-exported from here
     AlgorithmConfig,
     DPOConfig,  # noqa: F401
@@ -100,7 +101,11 @@ class DataConfig:
         [], "Parquet/JSONL files with verl columns (prompt, data_source, reward_model, ...)"
     )
     val_files: list[str] = _f([], "validation files (same format)")
-    dataset: str = _f("", "registered dataset used when train_files is empty, e.g. 'synthetic:arithmetic'")
+    dataset: str = _f(
+        "",
+        "registered dataset used when train_files is empty, e.g. 'synthetic:arithmetic', or "
+        "'reasoning_gym:<task>' (reasoning-gym's procedural tasks, scored by their verifiers; its extra)",
+    )
     dataset_kwargs: dict[str, Any] = _f({}, "keyword arguments of the registered dataset (e.g. num_samples)")
     prompt_key: str = _f("prompt", "column holding the prompt: chat messages or plain text")
     response_key: str = _f("response", "SFT: column holding the target response")
@@ -236,6 +241,10 @@ class RolloutConfig:
         "for one call's sequences",
     )
     val: RolloutValConfig = _sub(RolloutValConfig, "validation sampling")
+    multi_turn: MultiTurnConfig = _sub(
+        MultiTurnConfig, "multi-turn rollouts with tools or an environment (response_length bounds the whole "
+        "trajectory: model turns and tool outputs)",
+    )  # fmt: skip
 
 
 @dataclass
@@ -264,6 +273,18 @@ class RefConfig:
 
 
 @dataclass
+class RewardFnConfig:
+    """One of several weighted rule rewards (reward.fns): the run's score is the weighted sum."""
+
+    fn: str = _f(
+        "", "a reward spec, as reward.fn: a registered name, 'file.py:function' or 'module:function'"
+    )
+    weight: float = _f(1.0, "its weight in the run's score (the sum of weight x score over reward.fns)")
+    name: str = _f("", "its metrics' name, reward/<name>/mean ('' = the function's name)")
+    fn_kwargs: dict[str, Any] = _f({}, "extra keyword arguments passed to this function")
+
+
+@dataclass
 class RewardConfig:
     """Rule rewards (read as is by rewards/executor.py's RewardExecutor) or a reward model."""
 
@@ -272,6 +293,11 @@ class RewardConfig:
         "", "rule reward: 'path/to/file.py:function_name' or a registered name ('' = by data_source)"
     )
     fn_kwargs: dict[str, Any] = _f({}, "extra keyword arguments passed to the reward function")
+    fns: list[RewardFnConfig] = _f(
+        [],
+        "several weighted rule rewards, each {fn, weight, name, fn_kwargs}, each logged as reward/<name>/mean "
+        "(instead of reward.fn); the score is their weighted sum",
+    )
     batched: Optional[bool] = _f(None, "fn takes whole lists (true) or one sample (false); null = fn.batched")
     timeout_s: float = _f(
         10.0,
@@ -298,6 +324,11 @@ class RewardConfig:
     startup_timeout_s: float = _f(
         60.0,
         "seconds a reward worker may take to import reward.fn (a hang or exit there is a one-line error)",
+    )
+    preload: list[str] = _f(
+        [],
+        "modules each reward worker imports at start-up, not inside the first sample's timeout "
+        "(data.dataset=reasoning_gym:<task> adds reasoning_gym)",
     )
     micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
@@ -367,7 +398,9 @@ def rollout_errors(r: RolloutConfig) -> list[str]:
         errors += finite_at_least(0, {f"{key}.temperature": sampling.temperature})
         if not 0.0 < sampling.top_p <= 1.0:
             errors.append(f"{key}.top_p: must be in (0, 1], got {sampling.top_p}")
-    return errors  # what each engine uses: rollout/factory.rollout_engine_errors
+    return errors + multi_turn_errors(
+        r.multi_turn
+    )  # what each engine uses: rollout/factory.rollout_engine_errors
 
 
 def critic_errors(c: CriticConfig) -> list[str]:
@@ -393,4 +426,26 @@ def reward_errors(r: RewardConfig) -> list[str]:
     }.items():
         if not v > 0:
             errors.append(f"{key}: must be > 0, got {v}")
-    return errors + sandbox_errors(r.sandbox)
+    return errors + reward_fns_errors(r) + sandbox_errors(r.sandbox)
+
+
+def reward_fns_errors(r: RewardConfig) -> list[str]:
+    """reward.fns replaces reward.fn and its fn_kwargs (each entry has its own), so both set is refused."""
+    import math
+
+    if not r.fns:
+        return []
+    errors = [f"reward.fns and reward.{k} are both set; give each entry its own fn and fn_kwargs"
+              for k, v in (("fn", r.fn), ("fn_kwargs", r.fn_kwargs)) if v]  # fmt: skip
+    errors += [f"reward.fns[{i}].fn: empty; name a reward function" for i, e in enumerate(r.fns) if not e.fn]
+    errors += [f"reward.fns[{i}].weight: must be finite, got {e.weight}"
+               for i, e in enumerate(r.fns) if not math.isfinite(e.weight)]  # fmt: skip
+    names = [reward_fn_name(e) for e in r.fns]
+    errors += [f"reward.fns: two entries are named {n!r}; set reward.fns[i].name" for n in sorted(set(names))
+               if names.count(n) > 1]  # fmt: skip
+    return errors
+
+
+def reward_fn_name(entry: RewardFnConfig) -> str:
+    """reward.fns entry -> its metrics' name: `name`, else the function's name in its spec."""
+    return entry.name or entry.fn.rsplit(":", 1)[-1].rsplit(".", 1)[-1].rsplit("/", 1)[-1]

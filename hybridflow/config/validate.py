@@ -15,6 +15,7 @@ import difflib
 import os
 
 from hybridflow.config.actor_loss import actor_loss_errors
+from hybridflow.config.agent import absolute_specs
 from hybridflow.config.algorithm_config import algorithm_errors
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.dapo import dapo_errors
@@ -90,6 +91,9 @@ def resolve_config(cfg: HybridFlowConfig) -> HybridFlowConfig:
     # derived fields: always recomputed (a user value that disagrees: derived_conflicts)
     cfg.actor.num_mini_batches = _mini_batches(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size)
     cfg.critic.num_mini_batches = _mini_batches(cfg.data.train_batch_size, cfg.critic.ppo_mini_batch_size)
+    absolute_specs(cfg.rollout.multi_turn)  # Ray workers run in another working directory
+    if cfg.data.dataset.startswith("reasoning_gym:") and "reasoning_gym" not in cfg.reward.preload:
+        cfg.reward.preload.append("reasoning_gym")  # its import alone can outlast a sample's timeout
     if cfg.algorithm.sft.max_length == 0:
         cfg.algorithm.sft.max_length = cfg.data.max_prompt_length + cfg.rollout.response_length
     # dp derives where the pool sizes follow from the config (colocate, split); auto / a plan file

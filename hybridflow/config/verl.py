@@ -85,6 +85,17 @@ def _resume_mode(v, out):
     return {"trainer.resume": {"disable": "never", "auto": "auto"}.get(v, v)}
 
 
+def _turns(v, out):
+    return {} if v is None else {"rollout.multi_turn.max_turns": int(v)}  # verl's null: ours (4) stays
+
+
+def _tool_format(v, out):
+    if v != "hermes":
+        raise ConfigError([f"actor_rollout_ref.rollout.multi_turn.format={v!r}: only hermes is built in; give "
+                           "another as rollout.multi_turn.parser=path/file.py:function"])  # fmt: skip
+    return {"rollout.multi_turn.parser": "hermes"}
+
+
 def _keep(v, out):
     return {"trainer.keep_last": 0 if v is None else int(v)}  # verl's null keeps every checkpoint
 
@@ -117,6 +128,10 @@ RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": _offload("actor"),
     "actor_rollout_ref.rollout.name": _engine,
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout.tg",
+    "actor_rollout_ref.rollout.multi_turn.enable": "rollout.multi_turn.enable",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": _turns,
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": "rollout.multi_turn.max_parallel_calls",
+    "actor_rollout_ref.rollout.multi_turn.format": _tool_format,
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "ref.micro_batch_size_per_device",
     "actor_rollout_ref.ref.fsdp_config.param_offload": _offload("ref"),
     "critic.model.path": "model.critic_path",

@@ -6,7 +6,7 @@ applies these tables; docs/verl.md lists every entry, checked by tests/config/te
   refused below). Accepted; each is named in a printed note.
 - REFUSED: keys that would change the job. Accepted with a note only with a value under which verl
   does what runs here; any other value is refused in one line naming the key and why (exit 2 before
-  Ray starts). LoRA, multi-turn and agent loops, Megatron, sandboxed code execution and custom dataset
+  Ray starts). LoRA, verl's own agent loops and tool classes, Megatron, sandboxed code execution and custom dataset
   classes are here until their features land.
 A key in none of the tables nor mapped (config/verl.py's RENAMES and PREFIXES) is refused, as verl's
 own (struct) config refuses a key it does not know: every key of verl's full PPO configs of 0.4.1,
@@ -20,7 +20,10 @@ from typing import Any
 
 OFF = (None, "")  # "not set" in verl's YAMLs
 LORA = "LoRA is not supported yet"
-MULTI_TURN = "multi-turn rollouts, tools and agent loops are not supported yet"
+MULTI_TURN = (
+    "verl's agent loops do not run here; multi-turn rollouts are rollout.multi_turn (docs/rollout.md)"
+)
+VERL_TOOLS = "verl's tool classes do not run here; list typed functions in rollout.multi_turn.tools"
 MEGATRON = "Megatron-LM is not supported; models here train with FSDP2 sharding (strategy fsdp)"
 FSDP = ("fsdp", "fsdp2")
 FP32 = ("fp32", "float32")
@@ -96,13 +99,21 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "actor_rollout_ref.rollout.skip_rollout": ("every step generates", (False,)),
     "actor_rollout_ref.rollout.quantization": ("no quantized rollouts", OFF),
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": ("no MoE router replay", (False,)),
-    "actor_rollout_ref.rollout.multi_turn.enable": (MULTI_TURN, (False,)),
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": (MULTI_TURN, OFF),
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (MULTI_TURN, OFF),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": (VERL_TOOLS, OFF),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (
+        "no simulated-user (interaction) turns",
+        OFF,
+    ),
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": ("no simulated-user (interaction) turns", OFF),
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": (
+        "verl cuts a tool's output by characters; here rollout.multi_turn.max_tool_output_tokens cuts by tokens "
+        "(its default, 256, is taken as that many tokens)",
+        (*OFF, 256),
+    ),
     "actor_rollout_ref.rollout.agent.default_agent_loop": (MULTI_TURN, ("single_turn_agent",)),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, OFF),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": (MULTI_TURN, OFF),
-    "data.tool_config_path": (MULTI_TURN, OFF),
+    "data.tool_config_path": (VERL_TOOLS, OFF),
     # data
     "data.custom_cls.path": (
         "custom dataset classes are not supported yet (data.dataset registers one)",
@@ -279,7 +290,8 @@ NOTED_TREES: dict[str, str] = {
     "*.router_replay.*": "read only with router_replay.mode (refused)",
     "actor_rollout_ref.actor.policy_loss.*": "read only by verl's loss modes refused here",
     "actor_rollout_ref.rollout.engine_kwargs.*": "engine settings, chosen by the engine",
-    "actor_rollout_ref.rollout.multi_turn.*": "read only with multi_turn.enable (refused)",
+    "actor_rollout_ref.rollout.multi_turn.*": "verl's checks of chat-template re-rendering between turns and its "
+    "truncation side: nothing is re-rendered here (token in, token out)",
     "actor_rollout_ref.rollout.agent.*": "read only by agent loops (refused)",
     "actor_rollout_ref.rollout.checkpoint_engine.*": "weights sync in memory (rollout.reshard)",
     "actor_rollout_ref.rollout.trace.*": "tracing",

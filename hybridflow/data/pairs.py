@@ -80,6 +80,7 @@ class PairDataset:
         on_malformed: str = "error",
         apply_chat_template: bool = True,
         name: str = "",
+        tools: list | None = None,
         max_length: int = 0,
     ) -> PairDataset:
         """max_length > 0 also caps prompt + response tokens (SFT: algorithm.sft.max_length), so each
@@ -89,12 +90,18 @@ class PairDataset:
         def parse(row):
             out = parse_row(row, prompt_key)
             out["responses"] = [_response_text(row.get(k), k) for k in keys]
+            # the response columns are the sample's targets, not free columns riding along in extra_info
+            out["extra_info"] = {
+                k: v
+                for k, v in out["extra_info"].items()
+                if k not in keys or k in (row.get("extra_info") or {})
+            }
             return out
 
         eos = tokenizer.eos_token_id
         samples = []
         for source, i, p in check_records(records, parse, on_malformed, stats):
-            text = render_prompt(p["prompt"], tokenizer, apply_chat_template)
+            text = render_prompt(p["prompt"], tokenizer, apply_chat_template, tools)
             ids = tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
             prompt_ids = fit_length(ids, max_prompt_length, truncation, f"{where(source, i)}: prompt")
             responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for r in p["responses"]]
@@ -136,9 +143,11 @@ def build_pair_dataset(
     split: str = "train",
     max_response_length: int = 512,
     max_length: int = 0,
+    tools: list | None = None,
 ):
     """SFT (kind='sft') or DPO (kind='dpo') dataset of a split per a DataConfig; None if no data.
-    max_length > 0 caps prompt + response tokens (see PairDataset.from_records)."""
+    max_length > 0 caps prompt + response tokens (see PairDataset.from_records); tools: the JSON schemas
+    the chat template lists, as in the RL prompts (agent.tool_schemas)."""
     found = dataset_records(cfg, split)
     if found is None:
         return None
@@ -156,4 +165,5 @@ def build_pair_dataset(
         apply_chat_template=cfg.apply_chat_template,
         name=name,
         max_length=max_length,
+        tools=tools,
     )

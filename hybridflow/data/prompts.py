@@ -2,7 +2,9 @@
 
 Columns (verl's): `prompt` (chat messages [{role, content}] or plain text; the name is
 data.prompt_key), `data_source` (routes the rule reward), `reward_model.ground_truth` (a top-level
-`ground_truth` is accepted too), `extra_info` (free dict). Any other columns are ignored.
+`ground_truth` is accepted too, and in TRL-style rows without `reward_model` an `answer` or `solution`),
+`extra_info` (free dict). Any other column (not verl's `ability`) joins `extra_info`, from where a
+TRL-convention reward function receives it as a keyword argument (rewards/conventions.py).
 
 Every row is checked when the dataset is built, so a malformed row (file + row number) fails the
 run before any worker starts, or -- with data.on_malformed=skip -- is skipped and reported.
@@ -21,6 +23,7 @@ import numpy as np
 
 from hybridflow.batch import Batch
 from hybridflow.data.collate import left_pad, position_ids_from_mask
+from hybridflow.data.columns import GROUND_TRUTH_COLUMNS
 from hybridflow.data.files import read_rows, where
 from hybridflow.errors import DatasetError
 
@@ -29,6 +32,7 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
 
 logger = logging.getLogger("hybridflow.data")
 
+VERL_COLUMNS = frozenset({"data_source", "reward_model", "ground_truth", "extra_info", "ability"})
 Record = tuple[str, int, Any]  # (source file or dataset name, 1-based row number, row)
 
 
@@ -77,6 +81,8 @@ def parse_row(row: Any, prompt_key: str, missing_ground_truth: str = "ignore") -
             f"'reward_model' must be a mapping like {{'ground_truth': ...}}, got {type(rm).__name__}"
         )
     gt = (rm or {}).get("ground_truth", row.get("ground_truth"))
+    if gt is None and rm is None:  # TRL-style {prompt, answer} rows
+        gt = next((row[c] for c in GROUND_TRUTH_COLUMNS if row.get(c) is not None), None)
     if isinstance(gt, (int, float)) and not isinstance(gt, bool):
         gt = str(gt)
     if gt is None and missing_ground_truth == "error":
@@ -90,11 +96,16 @@ def parse_row(row: Any, prompt_key: str, missing_ground_truth: str = "ignore") -
     extra = row.get("extra_info") or {}
     if not isinstance(extra, dict):
         raise ValueError(f"'extra_info' must be a mapping, got {type(extra).__name__}")
+    columns = {k: v for k, v in row.items() if k not in VERL_COLUMNS and k != prompt_key and k not in extra}
+    extra = {**extra, **columns} if columns else extra
     return {"prompt": prompt, "data_source": source, "ground_truth": gt, "extra_info": extra}
 
 
-def render_prompt(prompt: str | list[dict], tokenizer, apply_chat_template: bool) -> str:
-    """Text the model sees: the tokenizer's chat template (with the generation prompt), or raw text."""
+def render_prompt(
+    prompt: str | list[dict], tokenizer, apply_chat_template: bool, tools: list | None = None
+) -> str:
+    """Text the model sees: the tokenizer's chat template (with the generation prompt; `tools`: the JSON
+    schemas of the tools the rollout may call, rollout.multi_turn), or raw text."""
     if not apply_chat_template:
         return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
     if not getattr(tokenizer, "chat_template", None):
@@ -103,7 +114,7 @@ def render_prompt(prompt: str | list[dict], tokenizer, apply_chat_template: bool
             "set data.apply_chat_template=false to use prompts as plain text"
         )
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 def iter_records(files: Sequence[str | os.PathLike]) -> Iterable[Record]:
@@ -177,6 +188,7 @@ class PromptDataset:
         apply_chat_template: bool = True,
         missing_ground_truth: str = "ignore",
         name: str = "",
+        tools: list | None = None,
     ) -> PromptDataset:
         """missing_ground_truth: a row without one is malformed (error), counted and warned (warn), or
         accepted (ignore); the trainer passes data.missing_ground_truth under a rule reward."""
@@ -192,7 +204,7 @@ class PromptDataset:
                 "dataset %s: %d of %d rows have no ground truth (first: %s); the reward sees None for them",
                 name, stats["no_ground_truth"], len(parsed), first,
             )  # fmt: skip
-        texts = [render_prompt(p["prompt"], tokenizer, apply_chat_template) for _, _, p in parsed]
+        texts = [render_prompt(p["prompt"], tokenizer, apply_chat_template, tools) for _, _, p in parsed]
         # a raw-text prompt gets the tokenizer's special tokens (e.g. BOS); a templated one has them
         encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
         samples = []
@@ -217,6 +229,11 @@ class PromptDataset:
         if not samples:
             raise DatasetError(f"dataset {name}: no prompts left ({stats})")
         return cls(samples, _pad_id(tokenizer), stats, name)
+
+    def reward_columns(self) -> set[str]:
+        """What a TRL-convention reward function may ask for by name (rewards/conventions.py): the rows'
+        extra_info keys, ground_truth and data_source."""
+        return {"ground_truth", "data_source"} | {k for s in self.samples for k in s.extra_info}
 
     def collate(self, samples: list[PromptSample], epoch: int = 0) -> Batch:
         """-> Batch: input_ids, attention_mask, position_ids (B, L) left-padded; non-tensors uid
@@ -255,10 +272,15 @@ def dataset_records(cfg: DataConfig, split: str) -> tuple[list[Record], str] | N
 
 
 def build_prompt_dataset(
-    cfg: DataConfig, tokenizer, split: str = "train", need_ground_truth: bool = True
+    cfg: DataConfig,
+    tokenizer,
+    split: str = "train",
+    need_ground_truth: bool = True,
+    tools: list | None = None,
 ) -> PromptDataset | None:
     """The prompt dataset of `split` ('train' or 'val') per a DataConfig; None if it has no data.
-    need_ground_truth: the reward reads one (a rule reward), so data.missing_ground_truth applies."""
+    need_ground_truth: the reward reads one (a rule reward), so data.missing_ground_truth applies;
+    tools: JSON schemas given to the chat template (agent.tool_schemas)."""
     found = dataset_records(cfg, split)
     if found is None:
         return None
@@ -273,4 +295,5 @@ def build_prompt_dataset(
         apply_chat_template=cfg.apply_chat_template,
         missing_ground_truth=cfg.missing_ground_truth if need_ground_truth else "ignore",
         name=name,
+        tools=tools,
     )

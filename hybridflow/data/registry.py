@@ -7,6 +7,7 @@ same verl format the files hold, so it goes through the same parsing and tokenis
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -27,11 +28,19 @@ def register_dataset(name: str):
 
 def get_dataset(name: str) -> Callable[..., list[dict]]:
     import hybridflow.data.synthetic  # noqa: F401  (registers the built-in datasets)
+    from hybridflow.data import reasoning_tasks
 
+    if name.startswith(reasoning_tasks.PREFIX):  # one generator per task, named by reasoning-gym
+        task = name.removeprefix(reasoning_tasks.PREFIX)
+        reasoning_tasks.check_task(task)
+        return functools.partial(reasoning_tasks.rows, task)
     if name not in _REGISTRY:
         near = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise DatasetError(f"data.dataset: unknown dataset {name!r}{hint}; registered: {sorted(_REGISTRY)}")
+        raise DatasetError(
+            f"data.dataset: unknown dataset {name!r}{hint}; registered: {sorted(_REGISTRY)} and "
+            f"{reasoning_tasks.PREFIX}<task> (reasoning-gym's tasks)"
+        )
     return _REGISTRY[name]
 
 

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from hybridflow.errors import UserError
+
 # metrics shown on the console line / progress bar, first match wins (verl names as fallbacks)
 REWARD_KEYS = ("reward/mean", "critic/score/mean", "critic/rewards/mean")
 THROUGHPUT_KEYS = ("perf/throughput",)
@@ -21,8 +23,8 @@ THROUGHPUT_KEYS = ("perf/throughput",)
 GAP_KEYS = ("rollout/log_prob_diff_mean",)
 
 
-class TrackerError(RuntimeError):
-    pass
+class TrackerError(UserError, RuntimeError):
+    """A logger the config names cannot start here (package missing, wandb refusing): one line, exit 2."""
 
 
 def _first(metrics: dict, keys) -> float | None:
@@ -181,15 +183,45 @@ def _require(package: str, extra: str | None = None):
         ) from None
 
 
+_WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")
+
+
+def wandb_has_no_key() -> bool:
+    """No wandb API key here and no local mode asked for: neither WANDB_API_KEY, nor the netrc entry
+    `wandb login` writes for the server (WANDB_BASE_URL), nor WANDB_MODE=offline/disabled."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in _WANDB_LOCAL_MODES:
+        return False
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is None
+    except (OSError, netrc.NetrcParseError):  # no netrc file, or one wandb could not read either
+        return True
+
+
 class WandbBackend:
-    """wandb; WANDB_MODE=offline works without network, and its files go to WANDB_DIR when set (else
-    the run directory)."""
+    """wandb; its files go to WANDB_DIR when set (else the run directory). Without an API key it logs
+    offline, saying so in one line, instead of failing the run at its start: `wandb sync` uploads later."""
 
     def __init__(self, run_dir, project: str, name: str, config: dict | None):
         self.wandb = _require("wandb")
         where = os.environ.get("WANDB_DIR") or str(run_dir)
         Path(where).mkdir(parents=True, exist_ok=True)
-        self.run = self.wandb.init(project=project, name=name, config=config, dir=where)
+        mode = None  # wandb's own choice: WANDB_MODE, its settings
+        if wandb_has_no_key():
+            mode = "offline"
+            print(
+                "hybridflow: warning: trainer.loggers has wandb but no API key is set here (WANDB_API_KEY or "
+                f"`wandb login`): logging offline under {where}/wandb; `wandb sync` uploads it later "
+                "(WANDB_MODE=offline says this is meant)",
+                file=sys.stderr,
+            )
+        try:
+            self.run = self.wandb.init(project=project, name=name, config=config, dir=where, mode=mode)
+        except self.wandb.errors.Error as e:  # a refused key, an unreachable server: wandb's own words
+            raise TrackerError(f"trainer.loggers: wandb could not start: {e}") from None
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
@@ -202,6 +234,9 @@ class WandbBackend:
 
     def close(self) -> None:
         self.run.finish()
+        # Stop wandb's service process now, while it runs: at interpreter exit the run's processes are
+        # gone (trainers/lifecycle.py) and wandb's own atexit teardown would print a ConnectionResetError.
+        self.wandb.teardown()
 
 
 class MlflowBackend:

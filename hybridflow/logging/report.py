@@ -61,11 +61,22 @@ def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def panel_series(series: dict, patterns: list[str]) -> list[str]:
-    """Metric names matching a panel, in pattern order (the first patterns are the preferred names)."""
+    """Metric names matching a panel, in pattern order (the first patterns are the preferred names).
+    Past MAX_SERIES the largest series stay (mean |value|; ties by that order): a step's phases are
+    a dozen or more, and the one that dominates it (update_actor) must not fall off the panel."""
     out = []
     for p in patterns:
         out += sorted(k for k in series if re.search(p, k) and k not in out)
-    return out[:MAX_SERIES]
+    if len(out) > MAX_SERIES:
+        keep = set(sorted(out, key=lambda k: -_size(series[k]))[:MAX_SERIES])
+        out = [k for k in out if k in keep]
+    return out
+
+
+def _size(points) -> float:
+    """Mean |value| of a series of (step, value) points; 0 for a name without points."""
+    values = [abs(v) for _, v in points or ()]
+    return sum(values) / len(values) if values else 0.0
 
 
 def empty_panels(names) -> list[str]:

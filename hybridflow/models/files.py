@@ -98,6 +98,26 @@ def model_dir_errors(directory: str, key: str) -> list[str]:
     return errors
 
 
+# files a Hugging Face tokenizer loads from; a directory with none of them has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")  # fmt: skip
+
+
+def tokenizer_files_error(directory: str | os.PathLike) -> str | None:
+    """One line when `directory` (an existing model or tokenizer directory) holds no tokenizer file: a
+    weights-only save (`model.save_pretrained` without the tokenizer) would otherwise load as something
+    else (transformers falls back on the config) and fail later with a chat-template hint beside the point."""
+    if not os.path.isdir(directory) or any(
+        os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES
+    ):
+        return None
+    return (
+        f"{directory} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, ...); save the "
+        "tokenizer beside the weights (tokenizer.save_pretrained(dir)) or set model.tokenizer_path to a "
+        "directory that has them"
+    )
+
+
 # model types whose attention builds a per-sequence (block-diagonal) causal mask from position_ids
 # restarts, so model.remove_padding can pack them (engines/packing.py; checked numerically against the
 # padded forward in tests/engines/test_packing.py). GPT-2 ignores the restarts: its sequences would mix.

@@ -65,11 +65,15 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     """The tokenizer (with its chat template) saved next to the model. Left padding, as prompts need.
     trust_remote_code: run custom code shipped in the directory (model.trust_remote_code)."""
+    from hybridflow.errors import ModelFileError
+    from hybridflow.models.files import tokenizer_files_error
+
+    missing = tokenizer_files_error(path)
+    if missing:
+        raise ModelFileError(missing)
     try:
         tok = AutoTokenizer.from_pretrained(_check_dir(path), trust_remote_code=trust_remote_code)
     except Exception as e:  # the files parse (models/files.py checked them) but do not make a tokenizer
-        from hybridflow.errors import ModelFileError
-
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise ModelFileError(f"{path}: its tokenizer files do not load ({why})") from e
     tok.padding_side = "left"

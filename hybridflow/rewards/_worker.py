@@ -8,9 +8,9 @@ the parent *thread* that started the worker, so an executor belongs to a long-li
 trainer's main thread).
 
 Protocol on the duplex connection FD:
-  parent -> worker: (spec, fn_kwargs) once; then per chunk ("seq", items, timeout_s) |
+  parent -> worker: (spec, fn_kwargs, batched, registered, sandbox, workdir) once; then per chunk ("seq", items, timeout_s) |
                     ("fork", items, timeout_s) | ("batch", items); None to stop.
-  worker -> parent: ("ready", pid, declared_batched, containment) | ("init_error", one_line, traceback); then per sample
+  worker -> parent: ("ready", pid, (convention, required columns), containment) | ("init_error", one_line, traceback); then per sample
                     ("ok", i, score) | ("err", i, traceback) | ("timeout", i, message, started) |
                     ("died", i, message); ("spill", i) when sample i is slow enough that it may hang;
                     per batched chunk ("batch", [i...], [scores] | None, traceback | None).
@@ -19,11 +19,12 @@ always answers (`Scheduler`): "seq" scores a chunk's samples one after another i
 gives every sample a child of its own; a slow "seq" sample makes the rest of its chunk "fork" (see
 pool.py). The worker kills a child whose sample passed timeout_s. Only a batched call runs here (the
 parent times it and kills this worker).
-An item is (index, data_source, solution_str, ground_truth, extra_info).
+An item is (index, data_source, solution_str, ground_truth, extra_info, prompt).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import signal
@@ -77,25 +78,42 @@ def summary(error: BaseException) -> str:
 def serve(conn, parent_pid: int) -> None:
     import traceback
 
-    from hybridflow.rewards.registry import load_reward_fn
     from hybridflow.rewards.sandbox import Sandbox
 
-    spec, fn_kwargs, sandbox_cfg, workdir = conn.recv()
+    spec, fn_kwargs, batched, registered, preload, sandbox_cfg, workdir = conn.recv()
     sandbox = Sandbox(sandbox_cfg, workdir)
     try:
         sandbox.enter()
-        fn, declared_batched = load_reward_fn(spec)
+        for module in preload:
+            importlib.import_module(module)
+        fn, convention, required = load(spec, fn_kwargs, batched, registered)
         sandbox.after_import()
     except BaseException as e:  # SystemExit / KeyboardInterrupt at import too: reported, not a silent exit
         conn.send(("init_error", summary(e), traceback.format_exc()))
         sandbox.close(set())
         return
-    conn.send(("ready", os.getpid(), declared_batched, sandbox.mode))
-    scheduler = Scheduler(conn, fn, fn_kwargs, sandbox)
+    conn.send(("ready", os.getpid(), (convention, required), sandbox.mode))
+    scheduler = Scheduler(conn, fn, fn_kwargs, sandbox, convention)
     try:
         scheduler.serve()
     finally:
         scheduler.close()
+
+
+def load(spec: str, fn_kwargs: dict, batched: bool | None, registered: bytes | None) -> tuple:
+    """The reward function of `spec` and its calling convention (rewards/conventions.py); `registered`:
+    the user-registered functions it may name, pickled by value in the trainer (cloudpickle)."""
+    from hybridflow.rewards.conventions import calling_convention
+    from hybridflow.rewards.registry import load_reward_fn, register_reward
+
+    if registered is not None:
+        import cloudpickle
+
+        for name, user_fn in cloudpickle.loads(registered).items():
+            register_reward(name)(user_fn)
+    fn, declared = load_reward_fn(spec)
+    convention, required = calling_convention(fn, declared if batched is None else batched, fn_kwargs)
+    return fn, convention, required
 
 
 def score_one(run_per_sample, fn, item, fn_kwargs, sandbox) -> tuple:
@@ -219,10 +237,11 @@ class Scheduler:
     "fork" chunks too: every sample of a batch that hangs starts within about spill_after() of the
     first, so the batch costs about timeout_s. A child whose sample passes timeout_s is killed."""
 
-    def __init__(self, conn, fn, fn_kwargs: dict, sandbox):
+    def __init__(self, conn, fn, fn_kwargs: dict, sandbox, convention: str):
         from collections import deque
 
         self.conn, self.fn, self.fn_kwargs, self.sandbox = conn, fn, fn_kwargs, sandbox
+        self.convention = convention
         self.swept = 0.0  # when orphans were last looked for (rewards/sandbox.py)
         self.children: dict[int, _Child] = {}  # read fd -> child
         self.runner: _Child | None = None  # the child that takes "seq" chunks
@@ -274,7 +293,9 @@ class Scheduler:
         if mode == "batch":  # one call on the whole chunk, here (the parent's clock kills this worker)
             idx = [it[0] for it in items]
             try:
-                self.conn.send(("batch", idx, run_batched(self.fn, items, self.fn_kwargs), None))
+                self.conn.send(
+                    ("batch", idx, run_batched(self.fn, items, self.fn_kwargs, self.convention), None)
+                )
             except BaseException:
                 self.conn.send(("batch", idx, None, traceback.format_exc()))
             return True

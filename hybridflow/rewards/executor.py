@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybridflow.config.schema import RewardConfig  # the config tree's `reward` section, read as is
-from hybridflow.errors import RewardFailureError, RewardFunctionError
+from hybridflow.errors import RewardFailureError, RewardFunctionError, RewardSpecError
+from hybridflow.rewards.conventions import VERL, calling_convention, missing_columns
 from hybridflow.rewards.pool import RewardError, WorkerPool
 from hybridflow.rewards.registry import (
     Item,
@@ -37,7 +38,9 @@ from hybridflow.rewards.registry import (
     check_spec,
     is_builtin_spec,
     load_reward_fn,
+    run_batched,
     run_per_sample,
+    user_registered,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +99,21 @@ def extra_metrics(extras: list[dict]) -> dict[str, float]:
     return {f"reward/extra/{k}/mean": sum(v) / len(v) for k, v in values.items()}
 
 
+def _pickled(fns: dict) -> bytes | None:
+    """User-registered reward functions, by value, for the worker processes (None: none needed)."""
+    if not fns:
+        return None
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(fns)
+    except Exception as e:
+        raise RewardSpecError(
+            f"reward functions {sorted(fns)} cannot be sent to the reward worker processes "
+            f"({type(e).__name__}: {e}); keep what they use picklable (no open files, locks or sockets)"
+        ) from None
+
+
 def timeout_waits(starts: list[float], timeout_s: float) -> int:
     """How many timeout_s periods the batch waited out one after another: timed-out samples that
     started while an earlier counted one was still running share its wait (1 when they all ran at
@@ -129,7 +147,8 @@ class RewardExecutor:
             result = ex.score(data_sources, responses, ground_truths)   # -> RewardResult
     """
 
-    def __init__(self, config: RewardConfig | None = None, **overrides: Any):
+    def __init__(self, config: RewardConfig | None = None, columns: set[str] | None = None, **overrides: Any):
+        """columns: the dataset's columns, when known, against which a TRL function's are checked now."""
         cfg = config or RewardConfig()
         # Workers get an absolute path: they resolve the spec themselves, possibly after a chdir.
         cfg = RewardConfig(**{**cfg.__dict__, **overrides, "fn": absolute_spec(overrides.get("fn", cfg.fn))})
@@ -146,13 +165,20 @@ class RewardExecutor:
         self.cfg = cfg
         self.in_process = cfg.num_workers == 0 and is_builtin_spec(cfg.fn)
         self._pool: WorkerPool | None = None
+        self._registered = _pickled(user_registered(cfg.fn))
         if is_builtin_spec(cfg.fn):  # our own code: resolved here, so a typo fails now
             self.fn, declared = load_reward_fn(cfg.fn)
+            batched = declared if cfg.batched is None else cfg.batched
+            self.convention, required = calling_convention(self.fn, batched, cfg.fn_kwargs)
         else:  # user code: imported only in the workers, started now so that a bad module fails now
             check_spec(cfg.fn)
-            self.fn, self._pool = None, WorkerPool(cfg, max(1, cfg.num_workers))
-            declared = self._pool.wait_ready()
-        self.batched = declared if cfg.batched is None else cfg.batched
+            self.fn, self._pool = None, WorkerPool(cfg, max(1, cfg.num_workers), self._registered)
+            self.convention, required = self._pool.wait_ready()
+        self.batched = self.convention != VERL
+        refusal = missing_columns(cfg.fn, required, columns)
+        if refusal:
+            self.close()
+            raise RewardSpecError(f"reward.fn={cfg.fn!r}: {refusal}")
 
     # ---- public --------------------------------------------------------------------------------
     def score(
@@ -162,20 +188,27 @@ class RewardExecutor:
         ground_truths: Sequence,
         extra_infos: Sequence | None = None,
         sample_ids: Sequence | None = None,
+        prompts: Sequence[str] | None = None,
     ) -> RewardResult:
-        """Score B samples. data_sources may be one string for all. Returns scores (B,), errors, metrics."""
+        """Score B samples. data_sources may be one string for all. Returns scores (B,), errors, metrics.
+        prompts: the rendered prompt texts (a TRL-convention function's `prompts`)."""
         n = len(solution_strs)
         if isinstance(data_sources, str):
             data_sources = [data_sources] * n
         extra_infos = [None] * n if extra_infos is None else extra_infos
+        prompts = [""] * n if prompts is None else prompts
         lengths = {
             "data_sources": len(data_sources),
             "ground_truths": len(ground_truths),
             "extra_infos": len(extra_infos),
+            "prompts": len(prompts),
         }
         if any(v != n for v in lengths.values()):
             raise ValueError(f"reward inputs disagree on the batch size: solution_strs={n}, {lengths}")
-        items = [(i, data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i]) for i in range(n)]
+        items = [
+            (i, data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i], prompts[i])
+            for i in range(n)
+        ]
         start = time.perf_counter()
         scores_by_idx, errors = self._run_in_process(items) if self.in_process else self._run_in_pool(items)
         elapsed = time.perf_counter() - start
@@ -228,7 +261,8 @@ class RewardExecutor:
         sources = list(nt["data_source"]) if "data_source" in nt else [""] * n
         extras = list(nt["extra_info"]) if "extra_info" in nt else None
         ids = [f"{i} (uid={u})" for i, u in enumerate(nt["uid"])] if "uid" in nt else None
-        return self.score(sources, list(nt["response_text"]), truths, extras, ids)
+        prompts = list(nt["prompt_text"]) if "prompt_text" in nt else None
+        return self.score(sources, list(nt["response_text"]), truths, extras, ids, prompts)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -244,6 +278,16 @@ class RewardExecutor:
     # ---- internals -----------------------------------------------------------------------------
     def _run_in_process(self, items: list[Item]) -> tuple[dict[int, float], list[RewardError]]:
         scores, errors = {}, []
+        if self.batched:
+            try:
+                return dict(
+                    zip(
+                        (it[0] for it in items),
+                        run_batched(self.fn, items, self.cfg.fn_kwargs, self.convention),
+                    )
+                ), []
+            except Exception:
+                return {}, [RewardError(it[0], "", "exception", traceback.format_exc()) for it in items]
         for item in items:
             try:
                 scores[item[0]] = run_per_sample(self.fn, item, self.cfg.fn_kwargs)
@@ -266,7 +310,7 @@ class RewardExecutor:
         if not items:
             return {}, []
         if self._pool is None:
-            self._pool = WorkerPool(self.cfg, max(1, self.cfg.num_workers))
+            self._pool = WorkerPool(self.cfg, max(1, self.cfg.num_workers), self._registered)
         try:
             return self._pool.run(items, self.batched)
         except BaseException:

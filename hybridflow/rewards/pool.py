@@ -46,7 +46,6 @@ from hybridflow.rewards.sandbox import remove_cgroup
 BACKSTOP_S = 10.0  # beyond the worker's own timing: how long a worker may stay silent before it is killed
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
-    from hybridflow.config.sandbox import SandboxConfig
     from hybridflow.config.schema import RewardConfig
 
 
@@ -64,7 +63,7 @@ class RewardError:
 class _Worker:
     """One reward worker process and the chunk it is working on."""
 
-    def __init__(self, spec: str, fn_kwargs: dict, sandbox: SandboxConfig):
+    def __init__(self, cfg: RewardConfig, registered: bytes | None):
         parent, child = Pipe(duplex=True)
         self.workdir = tempfile.mkdtemp(prefix="hybridflow-reward-")  # its working dir and TMPDIR
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,10 +78,15 @@ class _Worker:
         )
         child.close()
         self.conn = parent
-        self.conn.send((spec, fn_kwargs, sandbox, self.workdir))
+        self.conn.send(
+            (cfg.fn, cfg.fn_kwargs, cfg.batched, registered, cfg.preload, cfg.sandbox, self.workdir)
+        )
         self.started = time.monotonic()
         self.ready = False
-        self.declared_batched: bool | None = None
+        self.convention: tuple[str, tuple[str, ...]] = (
+            "",
+            (),
+        )  # conventions.py: (convention, required columns)
         self.containment = (
             ""  # "pid_namespace" | "subreaper": how reward code's processes are kept (sandbox.py)
         )
@@ -137,15 +141,16 @@ def _shutdown(workers: list[_Worker]) -> None:
 class WorkerPool:
     """Persistent workers; `run` feeds them chunks and enforces the per-sample timeout."""
 
-    def __init__(self, cfg: RewardConfig, n: int):
-        self.cfg = cfg
+    def __init__(self, cfg: RewardConfig, n: int, registered: bytes | None = None):
+        """registered: the user-registered functions cfg.fn may name, pickled by value (registry.py)."""
+        self.cfg, self.registered = cfg, registered
         self.pending: deque = deque()  # (mode, chunk) not yet sent, of the batch being scored
         self.batched = False
         self.workers = [self._spawn() for _ in range(n)]
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.cfg.fn, self.cfg.fn_kwargs, self.cfg.sandbox)
+        return _Worker(self.cfg, self.registered)
 
     def close(self) -> None:
         self._finalizer()
@@ -154,8 +159,9 @@ class WorkerPool:
         w.kill()
         self.workers[self.workers.index(w)] = self._spawn()
 
-    def wait_ready(self) -> bool:
-        """Block until every worker has imported the reward function; -> its declared `batched`.
+    def wait_ready(self) -> tuple[str, tuple[str, ...]]:
+        """Block until every worker has imported the reward function; -> its calling convention and
+        the dataset columns it requires (rewards/conventions.py).
         An import that raises, exits or outlasts reward.startup_timeout_s is a RewardSpecError."""
         while not all(w.ready for w in self.workers):
             starting = [w for w in self.workers if not w.ready]
@@ -164,7 +170,7 @@ class WorkerPool:
                 w = next(w for w in starting if w.conn is conn)
                 self._receive(w, {}, [])
             self._check_startup()
-        return bool(self.workers[0].declared_batched)
+        return self.workers[0].convention
 
     def _check_startup(self) -> None:
         for w in self.workers:
@@ -239,7 +245,7 @@ class WorkerPool:
     def _handle(self, w: _Worker, msg: tuple, scores: dict, errors: list) -> None:
         kind = msg[0]
         if kind == "ready":
-            w.ready, w.declared_batched, w.containment = True, msg[2], msg[3]
+            w.ready, w.convention, w.containment = True, tuple(msg[2]), msg[3]
         elif kind == "init_error":
             self.close()
             raise RewardSpecError(f"reward.fn={self.cfg.fn!r}: {msg[1]}")

@@ -6,10 +6,14 @@ The calling convention is verl's, so reward files written for verl work unchange
 A function is batched when it carries `batched = True` (the `batched_reward` decorator sets it) or the
 reward config says so. Arguments are passed by keyword.
 
+TRL's convention (prompts, completions, **columns) is accepted too (conventions.py tells them apart).
+
 A reward spec (RewardConfig.fn) is one of: "" (dispatch on each sample's data_source), a registered
 name ("gsm8k", "math", "synthetic:arithmetic", ...), "path/to/file.py:function_name", or
-"package.module:function_name". Specs are strings so worker processes can resolve them themselves
-(user functions need not be picklable).
+"package.module:function_name". File and module specs are resolved by the worker processes themselves
+(such functions need not be picklable). A function the user registers (`@register_reward`, or a callable
+given to hybridflow.api) exists only in the process that registered it: the executor sends it to its
+workers by value (cloudpickle), so it works from a notebook or a `python -c` script too.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridflow.errors import RewardSpecError
-from hybridflow.rewards import arithmetic, gsm8k, math_answer
+from hybridflow.rewards import arithmetic, gsm8k, math_answer, reasoning_tasks
+from hybridflow.rewards.conventions import TRL, VERL_BATCHED, call_trl
 from hybridflow.rewards.formats import format_reward
 
 __all__ = [
@@ -37,6 +42,8 @@ __all__ = [
     "absolute_spec",
     "check_spec",
     "is_builtin_spec",
+    "is_registered",
+    "user_registered",
     "RewardSpecError",
     "to_score",
     "run_per_sample",
@@ -46,9 +53,10 @@ __all__ = [
 RewardFn = Callable[..., Any]
 
 
-# (index, data_source, solution_str, ground_truth, extra_info): one sample as the executor passes it.
-Item = tuple[int, Any, str, Any, Any]
+# (index, data_source, solution_str, ground_truth, extra_info, prompt): one sample as the executor passes it.
+Item = tuple[int, Any, str, Any, Any, str]
 _REGISTRY: dict[str, RewardFn] = {}
+_BUILTIN: set[str] = set()  # names registered by hybridflow's own modules: trusted, may run in-process
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -58,6 +66,10 @@ def register_reward(*names: str):
     def deco(fn: RewardFn) -> RewardFn:
         for name in names:
             _REGISTRY[name] = fn
+            if getattr(fn, "__module__", "").startswith("hybridflow."):
+                _BUILTIN.add(name.lower())
+            else:  # the user's function under a built-in's name replaces it, and is user code
+                _BUILTIN.discard(name.lower())
         return fn
 
     return deco
@@ -91,12 +103,19 @@ def _format(data_source, solution_str, ground_truth, extra_info=None, fmt="think
     return format_reward(solution_str, fmt)
 
 
+def _reasoning_gym(data_source, solution_str, ground_truth, extra_info=None):
+    return reasoning_tasks.compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
 def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The registered per-sample reward function for a data_source (case-insensitive), or a clear error."""
+    """The registered per-sample reward function for a data_source (case-insensitive), or a clear error.
+    `reasoning_gym:<task>` sources are scored by reasoning-gym's verifier of the task."""
+    if name.startswith(reasoning_tasks.PREFIX):
+        return _reasoning_gym
     if name in _REGISTRY:
         return _REGISTRY[name]
     lowered = {k.lower(): v for k, v in _REGISTRY.items()}
@@ -116,8 +135,22 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 
 def is_builtin_spec(spec: str) -> bool:
-    """True for "" and registered names: trusted code that may run in-process without a timeout guard."""
-    return spec == "" or spec in _REGISTRY or spec.lower() in {k.lower() for k in _REGISTRY}
+    """True for "" and hybridflow's registered names: trusted code that may run in-process without a
+    timeout guard (a name the user registered is user code: it runs in the workers)."""
+    return spec == "" or spec.lower() in _BUILTIN or spec.startswith(reasoning_tasks.PREFIX)
+
+
+def is_registered(spec: str) -> bool:
+    return spec in _REGISTRY or spec.lower() in {k.lower() for k in _REGISTRY}
+
+
+def user_registered(spec: str) -> dict[str, RewardFn]:
+    """The user-registered functions a worker needs for `spec` (sent there by value): the one it names,
+    or for "" (dispatch by data_source) all of them; {} for built-ins and file/module specs."""
+    users = {k: fn for k, fn in _REGISTRY.items() if k.lower() not in _BUILTIN}
+    if spec == "":
+        return users
+    return {k: fn for k, fn in users.items() if k.lower() == spec.lower()}
 
 
 def _split_spec(spec: str) -> tuple[str, str, bool]:
@@ -129,7 +162,7 @@ def _split_spec(spec: str) -> tuple[str, str, bool]:
 def check_spec(spec: str) -> None:
     """Check the form of a user spec without importing anything: 'path/to/file.py:function_name' naming
     an existing .py file, or 'package.module:function_name'. Raises RewardSpecError in one line."""
-    if is_builtin_spec(spec):
+    if is_builtin_spec(spec) or is_registered(spec):
         return
     if ":" not in spec:
         near = difflib.get_close_matches(spec, list(_REGISTRY), n=1)
@@ -180,7 +213,7 @@ def absolute_spec(spec: str) -> str:
 
     Resolve specs on the driver before they travel: Ray workers run in another working directory.
     """
-    if is_builtin_spec(spec) or ":" not in spec:
+    if is_registered(spec) or ":" not in spec:
         return spec
     target, name = spec.rsplit(":", 1)
     if target.endswith(".py") or os.sep in target or os.path.isfile(target):
@@ -193,8 +226,9 @@ def load_reward_fn(spec: str) -> tuple[RewardFn, bool]:
     code: the executor calls it only in its worker processes for user specs (hybridflow/rewards/pool.py)."""
     if spec == "":
         return default_compute_score, False
-    if is_builtin_spec(spec):
-        return get_reward_fn(spec), False
+    if is_registered(spec):
+        fn = get_reward_fn(spec)
+        return fn, bool(getattr(fn, "batched", False))
     check_spec(spec)
     target, name, is_file = _split_spec(spec)
     if is_file:
@@ -237,7 +271,7 @@ def to_score(value: Any) -> float:
 
 
 def run_per_sample(fn, item: Item, fn_kwargs: dict) -> float:
-    _, data_source, solution_str, ground_truth, extra_info = item
+    _, data_source, solution_str, ground_truth, extra_info = item[:5]
     return to_score(
         fn(
             data_source=data_source,
@@ -249,14 +283,18 @@ def run_per_sample(fn, item: Item, fn_kwargs: dict) -> float:
     )
 
 
-def run_batched(fn, items: list[Item], fn_kwargs: dict) -> list[float]:
-    out = fn(
-        data_sources=[it[1] for it in items],
-        solution_strs=[it[2] for it in items],
-        ground_truths=[it[3] for it in items],
-        extra_infos=[it[4] for it in items],
-        **fn_kwargs,
-    )
+def run_batched(fn, items: list[Item], fn_kwargs: dict, convention: str = VERL_BATCHED) -> list[float]:
+    """One call on a batch, in verl's batched convention or TRL's (conventions.py)."""
+    if convention == TRL:
+        out = call_trl(fn, items, fn_kwargs)
+    else:
+        out = fn(
+            data_sources=[it[1] for it in items],
+            solution_strs=[it[2] for it in items],
+            ground_truths=[it[3] for it in items],
+            extra_infos=[it[4] for it in items],
+            **fn_kwargs,
+        )
     out = list(out)
     if len(out) != len(items):
         raise ValueError(f"batched reward function returned {len(out)} scores for {len(items)} samples")

@@ -9,9 +9,10 @@ Output batch (B * n rows, samples of one prompt adjacent: a, a, b, b):
   prompts (B*n, Lp)            the input_ids, left-padded
   responses (B*n, Lr)          generated ids, right-padded with pad id, Lr = max_new_tokens
   input_ids (B*n, Lp + Lr)     cat(prompts, responses)
-  attention_mask (B*n, Lp+Lr)  cat(prompt mask, response_mask)
+  attention_mask (B*n, Lp+Lr)  cat(prompt mask, 1 up to the response's length)
   position_ids (B*n, Lp + Lr)  cumsum of the prompt mask - 1, then +1 per response slot (verl)
-  response_mask (B*n, Lr)      1 up to and including the stop token, 0 after
+  response_mask (B*n, Lr)      1 up to and including the stop token, 0 after; in a multi-turn response
+                               (agent/) also 0 on the tool outputs inserted between turns
   rollout_log_probs (B*n, Lr)  float32 log-prob of each sampled token (see sampling.py), 0 on padding
 plus every other input field repeated n times, and meta.temperature = the log-prob temperature;
 an engine may add meta.rollout_metrics, {name: float} that the trainer logs with the step's metrics.
@@ -134,6 +135,7 @@ def build_rollout_batch(
     rollout_log_probs: torch.Tensor,
     params: SamplingParams,
     pad_token_id: int,
+    loss_mask: torch.Tensor | None = None,
 ) -> Batch:
     """Assemble the verl-named output batch.
 
@@ -142,6 +144,9 @@ def build_rollout_batch(
                        overwritten with pad_token_id here
     response_lengths:  (B*n,) number of valid tokens per row (stop token included)
     rollout_log_probs: (B*n, Lr) float; zeroed past the length here
+    loss_mask:         (B*n, Lr) 1 on the model's own tokens, 0 on tokens inserted between turns (a tool's
+                       output, agent/): `response_mask` is then 1 on model tokens only, while attention
+                       covers every token up to the length. None: every token up to the length is the model's.
     """
     n = params.n
     prompts = batch["input_ids"].repeat_interleave(n, 0)
@@ -151,10 +156,11 @@ def build_rollout_batch(
         raise ValueError(
             f"build_rollout_batch: {bn} response rows for {prompts.shape[0]} prompt rows (n={n})"
         )
-    response_mask = torch.arange(lr, device=responses.device)[None, :] < response_lengths[:, None]
-    responses = responses.masked_fill(~response_mask, pad_token_id)
+    valid = torch.arange(lr, device=responses.device)[None, :] < response_lengths[:, None]
+    responses = responses.masked_fill(~valid, pad_token_id)
+    response_mask = valid if loss_mask is None else valid & loss_mask.bool()
     rollout_log_probs = rollout_log_probs.float().masked_fill(~response_mask, 0.0)
-    response_mask = response_mask.to(prompt_mask.dtype)
+    response_mask, valid = response_mask.to(prompt_mask.dtype), valid.to(prompt_mask.dtype)
     prompt_pos = position_ids_from_mask(prompt_mask)
     response_pos = prompt_pos[:, -1:] + torch.arange(1, lr + 1, device=prompt_pos.device)[None, :]
 
@@ -168,13 +174,19 @@ def build_rollout_batch(
         prompts=prompts,
         responses=responses,
         input_ids=torch.cat([prompts, responses], dim=1),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        attention_mask=torch.cat([prompt_mask, valid], dim=1),
         position_ids=torch.cat([prompt_pos, response_pos], dim=1),
         response_mask=response_mask,
         rollout_log_probs=rollout_log_probs,
     )
     rest.meta.temperature = params.logprob_temperature
     return Batch(tensors, rest.non_tensors, rest.meta)
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """(B,) tokens in each response: the model's and, in a multi-turn response, the tool outputs between
+    its turns (attention covers both; `response_mask` only the model's)."""
+    return batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
 
 
 def load_named_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridflow.agent import tool_schemas
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (
     CheckpointError,
@@ -46,7 +47,7 @@ from hybridflow.config import ConfigError, config_to_dict, resolve_config, valid
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
 from hybridflow.controller.future import hang_timeout
-from hybridflow.data import StatefulDataLoader, build_prompt_dataset
+from hybridflow.data import PromptDataset, StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
@@ -89,8 +90,10 @@ class Trainer(ValidationMixin):
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
         )
+        self.tools = tool_schemas(cfg.rollout.multi_turn)  # the chat template lists them in each prompt
         self.train_loader = self.build_train_loader()
-        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", cfg.reward.kind == "rule")
+        rule = cfg.reward.kind == "rule"
+        self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", rule, self.tools)
         if cfg.trainer.val_only and self.val_dataset is None:
             raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
         trainer_cfg = cfg.trainer
@@ -104,7 +107,9 @@ class Trainer(ValidationMixin):
         self.restarts, self.run_lock, self.resume_path = supervised.restarts_before(), None, None
         if self.owns_run_dir:
             self._claim_run_dir()
-        self.rule_reward = RuleReward(cfg.reward) if cfg.reward.kind == "rule" else None
+        self.rule_reward = (
+            RuleReward(cfg.reward, columns=self.reward_columns()) if cfg.reward.kind == "rule" else None
+        )
         self.tracker = None
         self.owns_groups = groups is None
         if groups is None:
@@ -131,12 +136,19 @@ class Trainer(ValidationMixin):
         return {}
 
     def build_train_loader(self) -> StatefulDataLoader:
-        ds = build_prompt_dataset(self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule")
+        ds = build_prompt_dataset(
+            self.cfg.data, self.tokenizer, "train", self.cfg.reward.kind == "rule", self.tools
+        )
         if ds is None:
             raise ValueError("no training data: set data.train_files or data.dataset")
         return StatefulDataLoader(
             ds, self.cfg.data.train_batch_size, shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed
         )
+
+    def reward_columns(self) -> set[str] | None:
+        """The training prompts' columns a reward function may ask for (None: not a prompt dataset)."""
+        ds = self.train_loader.dataset if self.train_loader is not None else None
+        return ds.reward_columns() if isinstance(ds, PromptDataset) else None
 
     def train_step(self, batch: Batch) -> tuple[Batch, dict]:
         """One iteration on a batch from the loader -> (finished batch, metrics)."""

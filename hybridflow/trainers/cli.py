@@ -55,13 +55,16 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 
 def check_this_machine(cfg) -> None:
-    """The devices the run asks for exist here (config/run_config.py machine_errors), before Ray starts."""
-    from hybridflow.config.run_config import machine_errors
+    """The devices the run asks for exist here (config/run_config.py machine_errors), before Ray starts;
+    what runs but slowly here (machine_warnings) is one line each on stderr."""
+    from hybridflow.config.run_config import machine_errors, machine_warnings
     from hybridflow.errors import ConfigError
 
     errors = machine_errors(cfg.resources)
     if errors:
         raise ConfigError(errors)
+    for warning in machine_warnings(cfg.resources):
+        print(f"hybridflow train: warning: {warning}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

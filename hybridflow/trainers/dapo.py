@@ -37,6 +37,7 @@ from hybridflow.algorithms.dynamic_sampling import (
 from hybridflow.batch import Batch
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.errors import RunStopped
+from hybridflow.rollout.base import response_lengths
 from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.grpo import GRPOTrainer
 
@@ -110,7 +111,7 @@ class DAPOTrainer(GRPOTrainer):
         ob = self.cfg.reward.overlong_buffer
         if not ob.enable:
             return scores.float()
-        lengths = rollout["response_mask"].sum(-1)
+        lengths = response_lengths(rollout)
         penalty = overlong_penalty(lengths, self.cfg.rollout.response_length, ob.len, ob.penalty_factor)
         return (scores.double() + penalty).float()
 
@@ -142,7 +143,7 @@ class DAPOTrainer(GRPOTrainer):
         }
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
-            lengths = out["response_mask"].sum(-1)
+            lengths = response_lengths(out)
             penalty = overlong_penalty(lengths, self.cfg.rollout.response_length, ob.len, ob.penalty_factor)
             metrics["dapo/overlong_penalty_mean"] = float(penalty.mean())
         return metrics
@@ -170,7 +171,9 @@ def make_dapo_experience(cap: int, advantage_fn, algo, kl_coef: float, state: di
     nothing in any aggregation mode. Runs on the actor's rank 0; dapo/masked_truncated is their share."""
     batch = make_experience(advantage_fn, algo, kl_coef, state, *parts)
     if cap:
-        rows = truncated_rows(batch["response_mask"], cap)
+        rows = truncated_rows(
+            batch["attention_mask"][:, -batch["responses"].shape[1] :], cap
+        )  # tool tokens too
         batch["response_mask"] = batch["response_mask"] * (~rows).to(batch["response_mask"].dtype)[:, None]
         batch.meta.call_info["dapo/masked_truncated"] = float(rows.float().mean())
     return batch

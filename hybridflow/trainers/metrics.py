@@ -20,6 +20,7 @@ import torch
 
 from hybridflow.algorithms import explained_variance, masked_mean
 from hybridflow.batch import Batch
+from hybridflow.rollout.base import response_lengths
 
 
 class Timers:
@@ -114,8 +115,9 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
 def data_metrics(batch: Batch, scores_key: str = "scores") -> dict[str, float]:
     """Metrics of a finished RL batch (fields per the project conventions)."""
     mask = batch["response_mask"].float()
-    lengths = mask.sum(-1)
     limit = batch["responses"].shape[1]
+    # every response token, tool outputs of a multi-turn response included (response_mask: the model's)
+    lengths = response_lengths(batch).float()
     out = _stats("response_length", lengths)
     out["response_length/clip_ratio"] = float((lengths >= limit).float().mean())
     prompt_lengths = batch["attention_mask"][:, : batch["attention_mask"].shape[1] - limit].sum(-1).float()
@@ -133,6 +135,20 @@ def data_metrics(batch: Batch, scores_key: str = "scores") -> dict[str, float]:
     if "values" in batch and "returns" in batch:
         out["critic/vf_explained_var"] = float(explained_variance(batch["values"], batch["returns"], mask))
         out["critic/values_mean"] = float(masked_mean(batch["values"].float(), mask))
+    if "agent_turns" in batch:
+        out.update(agent_metrics(batch, lengths, mask.sum(-1)))
+    return out
+
+
+def agent_metrics(batch: Batch, lengths: torch.Tensor, model_tokens: torch.Tensor) -> dict[str, float]:
+    """agent/*: a multi-turn batch's turns, tool calls, errors, timeouts and seconds per trajectory (means;
+    tool seconds also summed), and its model vs tool tokens (agent/trajectory.py's STAT_FIELDS)."""
+    out = {f"agent/{k.removeprefix('agent_')}/mean": float(batch[k].float().mean())
+           for k in ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts", "agent_tool_time_s")}  # fmt: skip
+    out["agent/turns/max"] = float(batch["agent_turns"].max())
+    out["agent/tool_time_s/sum"] = float(batch["agent_tool_time_s"].sum())
+    out["agent/model_tokens/mean"] = float(model_tokens.mean())
+    out["agent/tool_tokens/mean"] = float((lengths - model_tokens).mean())
     return out
 
 

@@ -20,7 +20,7 @@ class _PairTrainer(Trainer):
         d = self.cfg.data
         cap = self.max_length()  # SFT: a response gets what its prompt leaves of max_length
         ds = build_pair_dataset(
-            d, self.tokenizer, self.kind, "train", cap or self.cfg.rollout.response_length, cap
+            d, self.tokenizer, self.kind, "train", cap or self.cfg.rollout.response_length, cap, self.tools
         )
         if ds is None:
             raise ValueError(f"{self.name}: no training data; set data.train_files or data.dataset")

@@ -17,7 +17,8 @@ from hybridflow.trainers.dump import generation_rows, write_generations
 class ValidationMixin:
     def validate(self) -> dict:
         """Generate for every validation prompt (rollout.val sampling) and score. With a rule reward:
-        val/{data_source}/acc@1 (the first sample of each prompt) and, when rollout.val.n > 1,
+        val/{data_source}/acc@1 (the first sample of each prompt: the reward fn's 'acc' when it returns
+        one, else its score) and, when rollout.val.n > 1,
         mean@n (all samples), best@n (any sample right), maj@n (the majority answer right) and the
         unbiased pass@k for k = 2, 4, ... < n (algorithms/eval_metrics.py); with a reward model
         val/{data_source}/reward. Also val/reward/mean, a table of sample generations, and with
@@ -28,6 +29,7 @@ class ValidationMixin:
         sampling = {"n": v.n, "temperature": v.temperature, "top_k": v.top_k, "top_p": v.top_p}
         size = self.cfg.data.val_batch_size or len(self.val_dataset)
         per_source, rows, dumped = defaultdict(list), [], []  # source -> [(n,) scores of one prompt]
+        first = defaultdict(list)  # source -> each prompt's first sample right (its 'acc', else its score)
         votes = defaultdict(list)  # source -> [(answers, correct) of one prompt], for maj@n / pass@k
         with self.timers("validate"):
             for start in range(0, len(self.val_dataset), size):
@@ -39,6 +41,7 @@ class ValidationMixin:
                 extras = self.rule_reward.last_extras if self.rule_reward is not None else []
                 for i, s in enumerate(scores.view(-1, v.n)):  # rows come interleaved: prompt i's n samples
                     per_source[gen["data_source"][i * v.n]].append(s)
+                    first[gen["data_source"][i * v.n]].append(_acc(extras[i * v.n] if extras else {}, s[0]))
                     if extras:
                         votes[gen["data_source"][i * v.n]].append(_votes(gen, s, extras, i * v.n, v.n))
                 rows += self._generation_rows(
@@ -56,7 +59,7 @@ class ValidationMixin:
             if self.rule_reward is None:
                 out[f"val/{src}/reward"] = float(s.mean())
                 continue
-            out[f"val/{src}/acc@1"] = float(s[:, 0].mean())
+            out[f"val/{src}/acc@1"] = float(np.mean(first[src]))
             if v.n > 1:
                 out[f"val/{src}/mean@{v.n}"] = float(s.mean())
                 out[f"val/{src}/best@{v.n}"] = float(s.max(1).mean())
@@ -76,6 +79,13 @@ class ValidationMixin:
             }
             for i in range(max(0, min(limit, len(batch))))
         ]
+
+
+def _acc(extra: dict, score) -> float:
+    """A sample's accuracy: the reward fn's 'acc' when it returns a number or bool, else its score (a
+    shaped score, e.g. 0.1 for the format, is not an accuracy when the function says what is)."""
+    acc = extra.get("acc")
+    return float(acc) if isinstance(acc, (bool, int, float)) else float(score)
 
 
 def _votes(batch: Batch, scores, extras: list[dict], first: int, n: int) -> tuple[list, list[bool]]:

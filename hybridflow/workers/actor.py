@@ -32,6 +32,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from hybridflow.agent import build_agent_loop
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.config.roles import ActorWorkerConfig
@@ -42,6 +43,7 @@ from hybridflow.hybrid_engine.resharder import build_resharder, generation_layou
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
+from hybridflow.rollout.base import response_lengths
 from hybridflow.rollout.factory import build_generation_engine
 from hybridflow.rollout.pool_tp import keep_shard, load_shard, param_bytes, pool_tp_group
 from hybridflow.workers.common import (
@@ -80,7 +82,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 f"ActorRolloutRefWorker roles must be a non-empty subset of {ROLES}, got {roles}"
             )
         self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
-        self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = None
+        self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = self.agent = None
         self._gen_calls = 0
         seed = config.seed
         pack = {"remove_padding": config.model.remove_padding, "share_prompt": config.model.share_prompt}
@@ -150,6 +152,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             dtype = model_compute_dtype(m.dtype, self.config.device)
             model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
+            self.agent = build_agent_loop(self.config.rollout.multi_turn, self.tokenizer)
             if own and self.config.rollout.engine == "vllm":
                 model.to("meta")  # vLLM holds the weights; the HF model only names their shapes now
         return info
@@ -211,17 +214,24 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         with self._generation_weights() as reshard_metrics:
             # each chunk its own seed: the same one would repeat the same random draws chunk after chunk
             outs = [
-                self.rollout.generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
+                self._generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
                 for i, chunk in enumerate(prompts.split(per_call))
             ]
         out = outs[0] if len(outs) == 1 else Batch.concat(outs)  # rollout_metrics: the max over chunks
-        out["response_text"] = self.decode(out["responses"], out["response_mask"])
+        # the whole response, tool outputs included (response_mask is the model's tokens only)
+        out["response_text"] = self.decode(out["responses"], response_lengths(out))
         out.meta.reshard_metrics = reshard_metrics
         return out
 
-    def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """One call of the engine, or of the agent loop driving it (rollout.multi_turn)."""
+        if self.agent is not None:
+            return self.agent.generate(self.rollout, prompts, params)
+        return self.rollout.generate(prompts, params)
+
+    def decode(self, responses: torch.Tensor, lengths: torch.Tensor) -> list[str]:
         rows = [
-            r[:n] for r, n in zip(responses.tolist(), mask.sum(-1).long().tolist())
+            r[:n] for r, n in zip(responses.tolist(), lengths.long().tolist())
         ]  # 2 conversions, not 2 per row
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 

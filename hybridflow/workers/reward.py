@@ -6,7 +6,7 @@ It assumes the reward model shares the policy's tokenizer (the batch's input_ids
 are); re-tokenising for a different reward tokenizer is not implemented.
 
 RuleReward runs in the driver: it hands decoded responses to hybridflow.rewards.RewardExecutor (a
-process pool with per-sample timeouts) and places each score on the response's last token.
+process pool with per-sample timeouts), one per function of reward.fns, and sums their weighted scores.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from hybridflow.algorithms import place_score_on_last_token
 from hybridflow.batch import Batch
 from hybridflow.config.roles import RewardWorkerConfig
+from hybridflow.config.schema import RewardConfig, reward_fn_name
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.models import load_reward_model
@@ -54,23 +55,59 @@ class RewardModelWorker(Worker):
 
 
 class RuleReward:
-    """Scores rollouts with a rule function (per data_source, or reward.fn) in the driver process.
+    """Scores rollouts with rule functions in the driver process: reward.fn (or `fn`, e.g. Safe-RLHF's
+    cost_fn), or the weighted sum of reward.fns, each component logged as reward/<name>/mean.
 
-    spec / fn_kwargs / timeout_s / num_workers / on_error / error_score as in the `reward` config.
+    columns: the dataset's columns, against which a TRL-convention function's are checked at start-up.
     """
 
-    def __init__(self, reward_cfg, fn: str | None = None):
-        self.executor = RewardExecutor(reward_cfg, **({} if fn is None else {"fn": fn}))
+    def __init__(self, reward_cfg: RewardConfig, fn: str | None = None, columns: set[str] | None = None):
+        self.parts: list[tuple[str, float, RewardExecutor]] = []  # (name, weight, executor)
+        try:
+            if fn is not None or not reward_cfg.fns:
+                self.parts.append(
+                    ("", 1.0, RewardExecutor(reward_cfg, columns, **({} if fn is None else {"fn": fn})))
+                )
+            for e in [] if fn is not None else reward_cfg.fns:
+                executor = RewardExecutor(reward_cfg, columns, fn=e.fn, fn_kwargs=e.fn_kwargs)
+                self.parts.append((reward_fn_name(e), e.weight, executor))
+        except BaseException:
+            self.close()  # the workers of the functions already started
+            raise
         self.last_extras: list[dict] = []
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,) float32, metrics). Needs non_tensors response_text and ground_truth."""
-        result = self.executor.score_batch(batch)
-        self.last_extras = result.extras  # per sample, for the generations table and maj@n
-        return torch.from_numpy(np.asarray(result.scores, dtype=np.float32)), result.metrics
+        results = [(name, weight, ex.score_batch(batch)) for name, weight, ex in self.parts]
+        total = sum(weight * r.scores.astype(np.float64) for _, weight, r in results)
+        metrics: dict[str, float] = {}
+        for name, _, r in results:
+            metrics = merge_metrics(metrics, r.metrics)
+            if name:
+                metrics[f"reward/{name}/mean"] = float(r.scores.mean())
+        # per sample, for the generations table and maj@n: each function's other returned keys
+        self.last_extras = [
+            {k: v for _, _, r in results for k, v in r.extras[i].items()} for i in range(len(total))
+        ]
+        return torch.from_numpy(np.asarray(total, dtype=np.float32)), metrics
 
     def close(self) -> None:
-        self.executor.close()
+        for _, _, executor in self.parts:
+            executor.close()
+
+
+def merge_metrics(into: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """Several functions' executor metrics as one: counts and times add up, the error fraction is the
+    largest, reward/extra/* means are kept as the first function that returned the key reported them."""
+    out = dict(into)
+    for k, v in more.items():
+        if k not in out:
+            out[k] = v
+        elif k == "reward/error_fraction":
+            out[k] = max(out[k], v)
+        elif not k.startswith("reward/extra/"):
+            out[k] += v
+    return out
 
 
 def token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

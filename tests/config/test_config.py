@@ -183,15 +183,17 @@ def test_choices_match_the_algorithms():
 def test_reward_section_is_what_the_reward_executor_reads():
     """One RewardConfig: the executor takes the config tree's `reward` section as is."""
     from hybridflow.rewards import RewardConfig as ExecutorRewardConfig
-    from hybridflow.rewards import RewardExecutor
+    from hybridflow.rewards import RewardExecutor, RewardSpecError
 
-    cfg = load_config(
-        None, [*BASE, "reward.batched=true", "reward.on_error=raise", "reward.timeout_s=2"], check_model=False
-    )
+    cfg = load_config(None, [*BASE, "reward.on_error=raise", "reward.timeout_s=2"], check_model=False)
     assert ExecutorRewardConfig is type(cfg.reward)
     with RewardExecutor(cfg.reward, fn="gsm8k") as ex:
-        assert (ex.batched, ex.fallback, ex.cfg.timeout_s, ex.cfg.fn) == (True, None, 2.0, "gsm8k")
+        assert (ex.batched, ex.fallback, ex.cfg.timeout_s, ex.cfg.fn) == (False, None, 2.0, "gsm8k")
     assert cfg.reward.fn == ""  # the executor's overrides do not write into the config
+    # reward.batched is read too: true for a per-sample function is refused at the start, not on every sample
+    batched = load_config(None, [*BASE, "reward.batched=true"], check_model=False)
+    with pytest.raises(RewardSpecError, match="declared batched"):
+        RewardExecutor(batched.reward, fn="gsm8k")
     assert load_config(None, [*BASE, "reward.batched=null"], check_model=False).reward.batched is None
 
 

@@ -77,3 +77,27 @@ def test_collect_errors_runs_each_sections_check():
                           validate=False, check_model=False)  # fmt: skip
         errors = collect_errors(cfg, check_model=False)
         assert any(e.startswith(f"{section}.") for e in errors), (override, errors)
+
+
+def test_more_cpu_ranks_than_cores_is_one_warning_line(monkeypatch, capsys):
+    """verl scripts' n_gpus_per_node=8 on a 2-core machine: it runs, but `hybridflow train` says before Ray
+    starts that 8 rank processes share 2 cores, and what to set instead."""
+    import os
+
+    from hybridflow.config.run_config import ResourcesConfig, machine_warnings
+    from hybridflow.trainers.cli import check_this_machine
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert machine_warnings(ResourcesConfig(device="cpu", n_gpus_per_node=2)) == []
+    (warning,) = machine_warnings(ResourcesConfig(device="cpu", n_gpus_per_node=8))
+    assert "8 of them share this machine's 2 cores (4 per core)" in warning
+    assert "than with n_gpus_per_node=2; set that" in warning
+    assert machine_warnings(ResourcesConfig(device="cpu", n_gpus_per_node=4, ray_address="auto")) == []
+    cfg = load_config(
+        None, ["model.path=m", "data.dataset=synthetic:arithmetic", "resources.device=cpu",
+               "resources.n_gpus_per_node=8", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
+        check_model=False,
+    )  # fmt: skip
+    check_this_machine(cfg)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("hybridflow train: warning: resources.n_gpus_per_node=8 x nnodes=1")

@@ -41,9 +41,8 @@ def needs(key: str):
 REFUSALS = [
     ("actor_rollout_ref.model.lora_rank=8", "LoRA is not supported yet; remove it or set 0"),
     ("critic.model.lora_rank=16", "LoRA is not supported yet; remove it or set 0"),
-    (R + "multi_turn.enable=True", "multi-turn rollouts, tools and agent loops are not supported yet; remove it or set False"),
-    (R + "multi_turn.tool_config_path=tools.yaml", "multi-turn rollouts, tools and agent loops are not supported yet; remove it or set None"),
-    (R + "agent.default_agent_loop=tool_agent", "multi-turn rollouts, tools and agent loops are not supported yet; remove it or set 'single_turn_agent'"),
+    (R + "multi_turn.tool_config_path=tools.yaml", "verl's tool classes do not run here; list typed functions in rollout.multi_turn.tools; remove it or set None"),
+    (R + "agent.default_agent_loop=tool_agent", "verl's agent loops do not run here; multi-turn rollouts are rollout.multi_turn (docs/rollout.md); remove it or set 'single_turn_agent'"),
     (A + "strategy=megatron", "Megatron-LM is not supported; models here train with FSDP2 sharding (strategy fsdp); remove it or set 'fsdp'"),
     ("critic.strategy=megatron", "Megatron-LM is not supported; models here train with FSDP2 sharding (strategy fsdp); remove it or set 'fsdp'"),
     (A + "fsdp_config.model_dtype=bf16", "verl keeps this model's parameters in that dtype; here trained models keep float32 ones; remove it or set 'fp32'"),
@@ -67,12 +66,12 @@ def test_a_key_that_changes_the_job_is_refused_in_one_line(override, why):
 def test_verl_values_that_keep_its_behaviour_are_accepted_with_a_note():
     notes = []
     load("actor_rollout_ref.model.lora_rank=0", A + "strategy=fsdp", A + "fsdp_config.model_dtype=fp32",
-         "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16", R + "mode=async", R + "multi_turn.enable=False",
+         "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16", R + "mode=async", R + "multi_turn.tool_config_path=null",
          "reward_model.sandbox_fusion.url=null", "actor_rollout_ref.model.lora_alpha=32",
          "global_profiler.tool=nsys", A + "profiler.enable=True", notes=notes)  # fmt: skip
     text = "\n".join(notes)
     for key in ("lora_rank=0", "actor.strategy='fsdp'", "actor.fsdp_config.model_dtype='fp32'",
-                "ref.fsdp_config.model_dtype='bf16'", "rollout.mode='async'", "multi_turn.enable=False",
+                "ref.fsdp_config.model_dtype='bf16'", "rollout.mode='async'", "multi_turn.tool_config_path=None",
                 "sandbox_fusion.url=None", "lora_alpha=32"):  # fmt: skip
         assert f"{key}" in text, key
     assert "verl keys global_profiler.* (1) have no effect on results here" in text
@@ -80,9 +79,23 @@ def test_verl_values_that_keep_its_behaviour_are_accepted_with_a_note():
     assert "not known here" not in text
 
 
+def test_verl_multi_turn_keys_map_to_rollout_multi_turn():
+    cfg = load(R + "multi_turn.enable=False", R + "multi_turn.max_assistant_turns=3", R + "multi_turn.format=hermes",
+               R + "multi_turn.max_parallel_calls=2", R + "multi_turn.max_user_turns=null")  # fmt: skip
+    m = cfg.rollout.multi_turn
+    assert (m.enable, m.max_turns, m.parser, m.max_parallel_calls) == (False, 3, "hermes", 2)
+    # enabled, it needs our tools (verl's tool classes do not run here): one line
+    assert refused(R + "multi_turn.enable=True")[0].endswith(
+        "needs rollout.multi_turn.tools or rollout.multi_turn.environment"
+    )
+    assert refused(R + "multi_turn.format=gpt-oss")[0].endswith(
+        "only hermes is built in; give another as rollout.multi_turn.parser=path/file.py:function"
+    )
+
+
 @pytest.mark.parametrize("cli_args", [
     ["actor_rollout_ref.model.lora_rank=8"],
-    [A + "strategy=megatron", R + "multi_turn.enable=True"],
+    [A + "strategy=megatron", R + "multi_turn.tool_config_path=tools.yaml"],
 ])  # fmt: skip
 def test_the_cli_refuses_in_one_line_before_ray_starts(cli_args, tmp_path):
     """The real `hybridflow train --verl ...`, as a user runs it: exit 2, one line on stderr, no Ray."""
@@ -284,7 +297,7 @@ def test_the_doc_lists_every_rename():
 # each key of the issue ("noted and ignored while it changes the job") -> the doc section saying what it does
 ISSUE_KEYS = {
     "actor_rollout_ref.model.lora_rank": "Refused unless verl would do what runs here",
-    "actor_rollout_ref.rollout.multi_turn.enable": "Refused unless verl would do what runs here",
+    "actor_rollout_ref.rollout.multi_turn.enable": "Renamed or converted",
     "actor_rollout_ref.rollout.mode": "Refused unless verl would do what runs here",
     "actor_rollout_ref.actor.strategy": "Refused unless verl would do what runs here",
     "actor_rollout_ref.actor.fsdp_config.model_dtype": "Refused unless verl would do what runs here",

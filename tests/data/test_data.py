@@ -51,6 +51,22 @@ def test_jsonl_and_parquet_same_samples(tmp_path, tok):
     assert raw[0].prompt_text == "1+1="
 
 
+def test_trl_style_rows_answer_and_columns(tmp_path, tok):
+    """{prompt, answer, ...} rows: `answer` is the ground truth, every other column joins extra_info (where a
+    TRL-convention reward reads it); verl's own columns stay where they are."""
+    rows = [
+        {"prompt": "1+1=", "answer": 2, "level": "easy"},
+        {"prompt": "2+2=", "solution": "4"},
+        {**_row("3+3=", "6"), "ability": "math", "answer": "x", "extra_info": {"answer": "kept"}},
+    ]
+    (tmp_path / "trl.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    a = build_prompt_dataset(DataConfig(train_files=[str(tmp_path / "trl.jsonl")]), tok)
+    assert [s.ground_truth for s in a] == ["2", "4", "6"]  # reward_model.ground_truth wins in verl rows
+    assert a[0].extra_info == {"answer": 2, "level": "easy"} and a[1].extra_info == {"solution": "4"}
+    assert a[2].extra_info == {"answer": "kept"}  # extra_info's own key is not overwritten; ability stays out
+    assert a.reward_columns() == {"ground_truth", "data_source", "answer", "level", "solution"}
+
+
 def test_malformed_rows_name_file_and_row(tmp_path, tok):
     path = tmp_path / "bad.jsonl"
     lines = [

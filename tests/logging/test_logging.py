@@ -124,3 +124,13 @@ def test_report_panels_read_the_names_the_trainers_write():
         "dpo/loss",
         "sft/loss",
     ]
+
+
+def test_phase_panel_keeps_the_largest_phases():
+    """More phases than a panel holds: the smallest go, not the last alphabetically (update_actor)."""
+    phases = ["adv", "gen", "old_log_prob", "ref", "reshard", "reward", "save", "step", "update_actor"]
+    sizes = {"adv": 0.01, "save": 0.02, "update_actor": 9.0}  # the rest: 1.0 s each
+    series = {f"timing_s/{p}": [(1, sizes.get(p, 1.0)), (2, sizes.get(p, 1.0))] for p in phases}
+    kept = panel_series(series, dict(PANELS)["Time per phase (s)"])
+    assert len(kept) == 8 and "timing_s/update_actor" in kept and "timing_s/adv" not in kept
+    assert kept == sorted(kept)  # still in name order on the panel

@@ -66,3 +66,53 @@ def test_wandb_and_mlflow_through_train(ray_cluster, tiny_model_dir, tmp_path, m
     assert mlrun.data.params["algorithm.name"] == "grpo" and mlrun.info.status == "FINISHED"
     artifacts = [a.path for a in client.list_artifacts(mlrun.info.run_id, "val/generations")]
     assert "val/generations/step_0.json" in artifacts
+
+
+# A run's end as `hybridflow train` has it: the backend closed, then the process's children (wandb's
+# service among them) killed by the run's cleanup before the interpreter exits.
+_CLOSE_THEN_EXIT = """
+import os, signal, sys
+from hybridflow.logging.backends import WandbBackend
+backend = WandbBackend(sys.argv[1], "proj", "run", {"a": 1})
+backend.log({"x": 1.0}, 1)
+backend.close()
+for stat in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{stat}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        continue
+    if ppid == os.getpid():
+        os.kill(int(stat), signal.SIGKILL)
+"""
+
+
+def test_wandb_without_an_api_key_logs_offline_and_exits_quietly(tmp_path, monkeypatch):
+    """No key (no WANDB_API_KEY, no netrc entry) and no WANDB_MODE: one warning line and an offline run,
+    not wandb's UsageError; and after close() no atexit teardown of wandb's is left to find its service
+    process gone (a ConnectionResetError traceback after every run's last line)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hybridflow.logging.backends import wandb_has_no_key
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(NETRC=str(tmp_path / "netrc"), WANDB_CONFIG_DIR=str(tmp_path / "config"), WANDB_SILENT="true")
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for key in [k for k in os.environ if k.startswith("WANDB_") and k not in env]:
+        monkeypatch.delenv(key)
+    assert wandb_has_no_key()
+    (tmp_path / "netrc").write_text(f"machine api.wandb.ai login user password {'k' * 40}\n")
+    assert not wandb_has_no_key()  # what `wandb login` writes
+    (tmp_path / "netrc").unlink()
+
+    out = subprocess.run([sys.executable, "-c", _CLOSE_THEN_EXIT, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "trainer.loggers has wandb but no API key is set here" in out.stderr
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-2000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))

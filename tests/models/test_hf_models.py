@@ -110,6 +110,21 @@ def test_missing_directory_error_names_the_path(tmp_path):
         ).compute_log_probs(make_rl_batch(40, batch_size=2))
 
 
+def test_a_weights_only_directory_has_no_tokenizer_in_one_line(tmp_path):
+    """model.save_pretrained without the tokenizer: named as such where the driver loads the tokenizer
+    (before Ray), not as a missing chat template later."""
+    from hybridflow.errors import ModelFileError
+
+    model_dir = save_tiny_model(tmp_path / "m", "tiny", "llama")
+    assert load_tokenizer(model_dir).chat_template  # the full directory loads
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (Path(model_dir) / name).unlink(missing_ok=True)
+    with pytest.raises(
+        ModelFileError, match=f"{model_dir} has no tokenizer files .* set model.tokenizer_path"
+    ):
+        load_tokenizer(model_dir)
+
+
 _REMOTE_CONFIG = """from transformers import LlamaConfig
 
 

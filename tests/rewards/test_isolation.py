@@ -54,6 +54,31 @@ def test_user_module_is_imported_only_in_the_workers(reward_file):
     assert not [m for m in sys.modules if m.startswith("hybridflow_user_reward_")]
 
 
+def test_preloaded_modules_are_imported_before_the_first_samples_timeout(reward_file, tmp_path, monkeypatch):
+    """A library the reward imports on first use (reasoning_gym: seconds) fails every first sample inside
+    timeout_s unless reward.preload imports it at start-up; resolve_config adds reasoning_gym itself."""
+    (tmp_path / "slow_library.py").write_text("import time\ntime.sleep(3)\n")
+    lazy = tmp_path / "lazy_reward.py"
+    lazy.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    import slow_library\n    return float(solution_str == ground_truth)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = dict(fn=f"{lazy}:score", num_workers=1, timeout_s=1.5, max_error_fraction=1.0, error_score=-1)
+    with RewardExecutor(RewardConfig(**base)) as ex:
+        assert ex.score("src", ["a"], ["a"]).scores.tolist() == [-1]
+    with RewardExecutor(RewardConfig(**base, preload=["slow_library"])) as ex:
+        assert ex.score("src", ["a", "b"], ["a", "a"]).scores.tolist() == [1, 0]
+
+    from hybridflow.config import HybridFlowConfig
+    from hybridflow.config.validate import resolve_config
+
+    cfg = HybridFlowConfig()
+    cfg.data.dataset = "reasoning_gym:chain_sum"
+    assert resolve_config(cfg).reward.preload == ["reasoning_gym"]
+
+
 def test_a_reward_worker_does_not_import_torch():
     """What a worker imports (rewards/_worker.py + registry.py): light, so workers start and fork fast."""
     code = (

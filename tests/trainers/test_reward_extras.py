@@ -12,9 +12,12 @@ import pytest
 from hybridflow.algorithms.eval_metrics import maj_at_n, mean_pass_at_k
 from hybridflow.cli import main
 
+# a shaped score (0.5 for answering at all, 1 more when right) whose 'acc' says right or wrong:
+# validation's acc@1 must be the acc, not the score
 REWARD = """def score(data_source, solution_str, ground_truth, extra_info=None):
     pred = solution_str.strip()
-    return {"score": float(pred == ground_truth), "acc": pred == ground_truth, "pred": pred, "length": len(pred)}
+    right = pred == ground_truth
+    return {"score": 0.5 + right, "acc": right, "pred": pred, "length": len(pred)}
 """
 
 
@@ -38,7 +41,7 @@ def test_reward_extra_keys_and_vote_metrics(ray_cluster, tiny_model_dir, tmp_pat
     assert step1["perf/tflops_per_device/update_actor"] > 0 and step1["perf/tflops_per_device/gen"] > 0
     assert "perf/mfu/gen" not in step1  # no peak is claimed for a CPU
     assert 0.0 <= step1["reward/extra/acc/mean"] <= 1.0 and step1["reward/extra/length/mean"] > 0
-    assert step1["reward/extra/acc/mean"] == pytest.approx(step1["reward/mean"])  # acc == score here
+    assert step1["reward/extra/acc/mean"] + 0.5 == pytest.approx(step1["reward/mean"])  # score = acc + 0.5
     # the table carries the extra keys; 4 prompts x 4 samples per validation, in prompt order
     for step in (0, 1):
         table = [g for g in gens if g["step"] == step]
@@ -49,4 +52,5 @@ def test_reward_extra_keys_and_vote_metrics(ray_cluster, tiny_model_dir, tmp_pat
         src = "val/synthetic:arithmetic"
         assert rows[step][f"{src}/maj@4"] == pytest.approx(maj_at_n(answers, correct))
         assert rows[step][f"{src}/pass@2"] == pytest.approx(mean_pass_at_k(correct, 2))
-        assert rows[step][f"{src}/mean@4"] == pytest.approx(sum(map(sum, correct)) / 16)
+        assert rows[step][f"{src}/mean@4"] == pytest.approx(sum(map(sum, correct)) / 16 + 0.5)
+        assert rows[step][f"{src}/acc@1"] == pytest.approx(sum(c[0] for c in correct) / 4)

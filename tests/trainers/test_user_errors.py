@@ -81,6 +81,9 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
         f = d / name.strip()
         f.write_bytes(damage(f.read_bytes()))
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    weights_only = _model_copy(model, root, "weights_only")  # model.save_pretrained without the tokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (weights_only / name).unlink(missing_ok=True)
     return [
         ("missing data file", [f"data.train_files=[{root}/nope.jsonl]"], "nope.jsonl' does not exist"),
         ("directory as data file", [f"data.train_files=[{root}/dir.jsonl]"], "is a directory"),
@@ -110,10 +113,15 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
         ),
         ("reward spec not python", ["reward.fn=/etc/passwd:fn"], "/etc/passwd is not a Python file"),
         ("reward missing file", [f"reward.fn={root}/none.py:fn"], "none.py does not exist"),
-        ("reward exits at import", [f"reward.fn={exits}:fn"], "importing it called sys.exit(5) (exits.py:2)"),
+        # startup_timeout_s: 3 (the YAML) is for the hang case; a loaded machine may take longer to start a worker
+        (
+            "reward exits at import",
+            [f"reward.fn={exits}:fn", "reward.startup_timeout_s=60"],
+            "importing it called sys.exit(5) (exits.py:2)",
+        ),
         (
             "reward raises at import",
-            [f"reward.fn={raises}:fn"],
+            [f"reward.fn={raises}:fn", "reward.startup_timeout_s=60"],
             "ZeroDivisionError: division by zero (raises.py:2)",
         ),
         ("reward hangs at import", [f"reward.fn={hangs}:fn"], "did not finish importing it within 3s"),
@@ -123,6 +131,11 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
             f"{corrupt}/config.json is not a readable JSON file",
         ),
         ("no chat template", [f"model.path={no_template}"], "has no chat template"),
+        (
+            "no tokenizer files",
+            [f"model.path={weights_only}"],
+            f"{weights_only} has no tokenizer files",
+        ),
         *[
             (f"broken {name}", [f"model.path={d}"], f"model.path: {d}/{name.strip()} {expected}")
             for (name, d), expected in zip(

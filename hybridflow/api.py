@@ -1,0 +1,211 @@
+"""The Python API: a run from a model, reward callables and a dataset, as TRL's trainers take them.
+
+    from hybridflow import Run
+
+    def exact(completions, answer, **kw):            # TRL's convention: one score per completion
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    run = Run("grpo", model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=[exact, "format"],
+              reward_weights=[1.0, 0.1], train_dataset=rows, args={"trainer.total_steps": 100})
+    history = run.train()                            # per-step metrics, as `hybridflow train` logs them
+
+It builds the config tree `hybridflow train` reads (config/schema.py; `args` is a dict of dotted keys, a
+nested dict, a HybridFlowConfig or a YAML file) and runs the same trainer on it: `Run(...).config` is
+that config, checked at construction, before Ray starts. What the API adds:
+- reward_funcs: callables in TRL's convention (prompts, completions, **columns) or verl's
+  (data_source, solution_str, ground_truth, extra_info), told apart and checked against the dataset's
+  columns now (rewards/conventions.py), and reward specs by name ('gsm8k', 'file.py:function'). They
+  become reward.fns entries with reward_weights; a callable is registered by its qualified name and
+  reaches the reward worker processes by value (cloudpickle), so functions defined in a notebook or
+  `python -c` work.
+- train_dataset / eval_dataset: a datasets.Dataset, a list of dicts or a file, mapped to verl rows
+  (data/columns.py) and written under the run directory, which data.train_files then names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridflow.config import ConfigError, HybridFlowConfig, config_to_dict, load_config
+from hybridflow.config.loader import config_from_dict, load_yaml
+from hybridflow.data.columns import ground_truth_column, rows_of, to_prompt_rows
+from hybridflow.data.files import write_jsonl
+from hybridflow.errors import RewardSpecError
+from hybridflow.rewards.conventions import calling_convention, describe, missing_columns
+from hybridflow.rewards.registry import register_reward
+
+__all__ = ["Run"]
+
+Reward = Callable[..., Any] | str
+
+
+class Run:
+    """One training run. algorithm: config/algorithms.py's names (grpo, ppo, dapo, rloo, remax,
+    reinforce_plus_plus, safe_rlhf, dpo, sft); model: a directory or a Hub id in the local cache;
+    reward_funcs: one or a list of callables / reward specs, weighted by reward_weights (default 1 each);
+    prompt_column: the prompt (text or chat messages); ground_truth_column: default the first of
+    ground_truth, answer, solution the rows have. Every other column reaches TRL-convention rewards."""
+
+    def __init__(
+        self,
+        algorithm: str = "grpo",
+        *,
+        model: str | os.PathLike | None = None,
+        reward_funcs: Reward | Sequence[Reward] = (),
+        reward_weights: Sequence[float] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        args: dict | HybridFlowConfig | str | os.PathLike | None = None,
+        prompt_column: str = "prompt",
+        ground_truth_column: str | None = None,
+    ):
+        data = config_data(args)
+        _set(data, "algorithm.name", algorithm)
+        if model is not None:
+            _set_once(data, "model.path", str(model), "model")
+        datasets = {"train": train_dataset, "val": eval_dataset}
+        rows = {split: _prompt_rows(ds, prompt_column, ground_truth_column, f"{split}_dataset")
+                for split, ds in datasets.items() if ds is not None}  # fmt: skip
+        funcs = (
+            [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
+        )
+        if funcs:
+            columns = reward_columns(rows.get("train"))
+            _set_once(data, "reward.fns", reward_entries(funcs, reward_weights, columns), "reward_funcs")
+        run_dir = config_from_dict(data).run_dir  # bad keys in args fail here, before any file is written
+        for split, prompt_rows in rows.items():
+            _set_once(
+                data, f"data.{split}_files", [write_rows(prompt_rows, run_dir, split)], f"{split}_dataset"
+            )
+            if not any(r["reward_model"]["ground_truth"] is not None for r in prompt_rows):
+                data.setdefault("data", {}).setdefault(
+                    "missing_ground_truth", "ignore"
+                )  # rewards needing none
+        self.config = load_config(data=data)
+
+    @property
+    def run_dir(self) -> str:
+        return self.config.run_dir
+
+    def train(self) -> list[dict]:
+        """Train as `hybridflow train` does (an embedded Ray cluster unless one is running or
+        resources.ray_address names one; the report written at the end) -> the per-step metrics."""
+        import ray
+
+        from hybridflow.compat.versions import log_and_check_versions
+        from hybridflow.trainers import build_trainer
+        from hybridflow.trainers.cli import check_this_machine, write_report_if_logged
+
+        log_and_check_versions()  # a too-old torch / transformers: one line, before Ray starts
+        check_this_machine(self.config)
+        embedded = not self.config.resources.ray_address and not ray.is_initialized()
+        trainer = None
+        try:
+            trainer = build_trainer(self.config)
+            history = trainer.fit()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            if embedded and ray.is_initialized():
+                ray.shutdown()
+        write_report_if_logged(self.config)
+        return history
+
+
+def config_data(args) -> dict:
+    """args -> the nested mapping load_config takes: dotted keys ({'actor.optim.lr': 1e-5}) are nested."""
+    if args is None:
+        return {}
+    if isinstance(args, HybridFlowConfig):
+        return config_to_dict(args)
+    if isinstance(args, (str, os.PathLike)):
+        return load_yaml(args)
+    if not isinstance(args, dict):
+        raise ConfigError(
+            [
+                f"args: expected a dict of config keys, a HybridFlowConfig or a YAML file, got {type(args).__name__}"
+            ]
+        )
+    data: dict = {}
+    for key, value in args.items():
+        _set(data, str(key), value)
+    return data
+
+
+def _set(data: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+        if not isinstance(data, dict):
+            raise ConfigError([f"args: {dotted!r} sets a key inside {part!r}, which args gives a value"])
+    if isinstance(value, dict) and isinstance(data.get(leaf), dict):
+        for k, v in value.items():
+            _set(data[leaf], k, v)
+    else:
+        data[leaf] = value
+
+
+def _set_once(data: dict, dotted: str, value: Any, argument: str) -> None:
+    """An argument of Run sets a config key; args setting it too (to something else) is refused."""
+    node = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if node not in (None, "", [], value):
+        raise ConfigError([f"{argument} and args' {dotted}={node!r} both say it; give one"])
+    _set(data, dotted, value)
+
+
+def _prompt_rows(source, prompt_column: str, truth_column: str | None, what: str) -> list[dict]:
+    rows = rows_of(source, what)
+    return to_prompt_rows(rows, prompt_column, ground_truth_column(rows, truth_column), what)
+
+
+def reward_columns(rows: list[dict] | None) -> set[str] | None:
+    """What a TRL-convention reward may ask for, as the trainer passes it (data/prompts.py reward_columns)."""
+    if rows is None:
+        return None
+    return {"ground_truth", "data_source"} | {k for r in rows for k in (r.get("extra_info") or {})}
+
+
+def reward_entries(
+    funcs: list[Reward], weights: Sequence[float] | None, columns: set[str] | None
+) -> list[dict]:
+    """reward.fns entries: a callable is checked against its convention and the columns, then registered
+    under its qualified name; a string is a reward spec as reward.fn takes it."""
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    if len(weights) != len(funcs):
+        raise ConfigError([f"reward_weights: {len(weights)} weights for {len(funcs)} reward_funcs"])
+    entries, names = [], set()
+    for i, (fn, weight) in enumerate(zip(funcs, weights)):
+        if isinstance(fn, str):
+            entries.append({"fn": fn, "weight": float(weight)})
+            continue
+        if not callable(fn):
+            raise RewardSpecError(f"reward_funcs[{i}]: {fn!r} is neither a callable nor a reward spec")
+        _, required = calling_convention(fn, bool(getattr(fn, "batched", False)), {})
+        refusal = missing_columns(describe(fn), required, columns)
+        if refusal:
+            raise RewardSpecError(refusal)
+        name = getattr(fn, "__name__", "")
+        name = name if name.isidentifier() and name not in names else f"reward_{i}"
+        names.add(name)
+        key = f"{getattr(fn, '__module__', None) or 'api'}.{getattr(fn, '__qualname__', name)}#{i}"
+        register_reward(key)(fn)
+        entries.append({"fn": key, "weight": float(weight), "name": name})
+    return entries
+
+
+def write_rows(rows: list[dict], run_dir: str, split: str) -> str:
+    """run_dir/data/<split>-<digest>.jsonl: named by content, so a rerun with the same rows writes the
+    same file and a run still reading an earlier file never sees it change."""
+    text = "\n".join(json.dumps(r, sort_keys=True) for r in rows)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = os.path.abspath(os.path.join(run_dir, "data", f"{split}-{digest}.jsonl"))
+    if not os.path.exists(path):
+        write_jsonl(rows, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return path
