@@ -147,7 +147,10 @@ def shut_down(trainer, embedded: bool, rc: int) -> None:
     from hybridflow.trainers import cluster_loss, supervised
     from hybridflow.trainers.lifecycle import reaper_pid, stop_reaper
 
-    supervised.report(closing=rc, lost=cluster_loss.lost_processes() if embedded else [])
+    lost = cluster_loss.lost_processes() if embedded else []
+    supervised.report(closing=rc, lost=lost)
+    if rc == 1 and lost and supervised.active():
+        supervised.await_kill()  # the supervisor kills this run's processes, names the loss, restarts
     sys.stdout.flush()
     # a lost GCS or raylet: kill by pid and leave with rc instead (trainers/cluster_loss.py); not
     # around ray.shutdown, which stops the GCS and raylet itself (one check just before it)

@@ -72,6 +72,14 @@ def resume_from() -> str | None:
     return _resume
 
 
+def await_kill() -> None:
+    """Wait for the supervisor to kill this process and all below it (it reported a lost cluster)."""
+    import time
+
+    while True:
+        time.sleep(60)
+
+
 def report(**fields) -> None:
     if _fd is None:
         return

@@ -164,6 +164,8 @@ def run_driver(driver: Driver) -> tuple[int | None, str | None]:
             return rc, driver.loss_at_exit(rc)
         if (found := driver.loss()) is None:
             since = None
+        elif "closing" in driver.state:  # the driver's own report of the loss: nothing to wait for
+            return None, found
         elif since is None:
             since = time.monotonic()
         elif time.monotonic() - since >= OUTCOME_GRACE_S:
