@@ -1,10 +1,12 @@
 """`hybridflow plan`: run the auto-mapping planner from the command line and print the plan.
 
     hybridflow plan --model-size 13B --gpus 128 --gpu a100-80 [--algorithm ppo] [--explain] [--output plan.yaml]
+    hybridflow plan --profile cpu.yaml --gpus 4 ...   # priced with this machine's measured coefficients
 
-`--max-pp 1 --tp-whole-heads` restricts the search to layouts hybridflow's built-in engines run (no
-pipeline parallelism; tensor parallelism over whole heads), which a plan file for `hybridflow train`
-needs (`resources.placement: auto` applies them itself).
+By default (`--engines builtin`) it searches only the layouts hybridflow's own engines run (specs.py
+`ENGINE_LIMITS`, the limits `resources.placement: auto` plans under), so every plan it prints runs under
+`hybridflow train`. `--engines any` searches the paper's full space (pipeline parallelism, replicated KV
+heads), for comparison; `--max-pp`, `--max-pg`, `--max-rollout-tg` and `--tp-whole-heads` then narrow it.
 
 `--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
 from hybridflow.planner.ahead_both import explain_frozen_pools
@@ -29,8 +32,37 @@ from hybridflow.planner.dataflow import (
     with_old_log_probs,
 )
 from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
+from hybridflow.planner.profile import DTYPES, DeviceProfile
 from hybridflow.planner.search import bell_number, search
-from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
+from hybridflow.planner.specs import (
+    DEVICES,
+    ENGINE_LIMITS,
+    ClusterSpec,
+    EngineLimits,
+    ModelSpec,
+    WorkloadSpec,
+)
+
+# --engines: whose layouts the search considers
+ENGINES = {"builtin": ENGINE_LIMITS, "any": EngineLimits()}
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=8, help="number of devices")
+    c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
+    c.add_argument(
+        "--profile",
+        default=None,
+        help="a device profile measured by `hybridflow calibrate --out FILE`: plan with it instead of --gpu",
+    )
+    c.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="with --profile: the compute dtype whose measured entry prices the work",
+    )
+    c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,32 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--no-reward-model", action="store_true", help="rule-based reward: no reward model to place"
     )
-    c = parser.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, default=8, help="number of devices")
-    c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
-    c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
-    e = parser.add_argument_group("engines (defaults: any layout, the paper's search)")
-    e.add_argument(
-        "--max-pp", type=int, default=None, help="largest pipeline size p (1 for the built-in engines)"
-    )
-    e.add_argument("--max-pg", type=int, default=None, help="largest generation pipeline size pg")
-    e.add_argument(
-        "--max-rollout-tg",
-        type=int,
-        default=None,
-        help="largest tg of a one-step-ahead rollout pool (1: plain replicas)",
-    )
-    e.add_argument(
-        "--rollout-full-weights",
-        action="store_true",
-        help="each one-step-ahead rollout rank holds and is sent the full weights (an engine that slices them "
-        "itself); default: only its generation shard, as the built-in trainer's rollout pool",
-    )
-    e.add_argument(
-        "--tp-whole-heads",
-        action="store_true",
-        help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
-    )
+    _add_cluster_arguments(parser)
+    _add_engine_arguments(parser)
     w = parser.add_argument_group("workload (defaults: the paper's setting)")
     defaults = WorkloadSpec()
     w.add_argument("--prompts", type=int, default=defaults.prompts, help="global batch of prompts")
@@ -110,6 +118,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--output", default=None, help="write the plan to this .yaml/.yml or .json file")
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    e = parser.add_argument_group("engines (default: the layouts hybridflow train runs)")
+    e.add_argument(
+        "--engines",
+        default="builtin",
+        choices=tuple(ENGINES),
+        help=f"builtin: only layouts hybridflow's engines run ({ENGINE_LIMITS.describe()}); any: the paper's "
+        "full search (p > 1, replicated KV heads), plans `hybridflow train` refuses; the flags below override",
+    )
+    e.add_argument("--max-pp", type=int, default=None, help="largest pipeline size p (builtin: 1)")
+    e.add_argument(
+        "--max-pg", type=int, default=None, help="largest generation pipeline size pg (builtin: 1)"
+    )
+    e.add_argument(
+        "--max-rollout-tg",
+        type=int,
+        default=None,
+        help="largest tg of a one-step-ahead rollout pool (1: plain replicas)",
+    )
+    e.add_argument(
+        "--rollout-full-weights",
+        action="store_true",
+        help="each one-step-ahead rollout rank holds and is sent the full weights (an engine that slices them "
+        "itself); default: only its generation shard, as the built-in trainer's rollout pool",
+    )
+    e.add_argument(
+        "--tp-whole-heads",
+        action="store_true",
+        help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
+    )
+
+
 def plan_from_args(args) -> tuple[Plan, float]:
     """(plan, search seconds) for parsed CLI arguments."""
     dataflow, ahead_df, cluster, wl, limits = _inputs(args)
@@ -132,7 +172,8 @@ def _inputs(args):
         actor = ModelSpec.from_param_count(args.model_size)
     critic = ModelSpec.from_param_count(args.critic_size) if args.critic_size else None
     reward = ModelSpec.from_param_count(args.reward_size) if args.reward_size else None
-    cluster = ClusterSpec.build(args.gpu, args.gpus, args.devices_per_node)
+    device = DeviceProfile.load(args.profile).device(args.dtype) if args.profile else args.gpu
+    cluster = ClusterSpec.build(device, args.gpus, args.devices_per_node)
     # where the trainer takes old log-probs, per schedule (trainers/sources/base.py old_log_prob_source): the
     # catalogue's 4-byte entry (cpu) computes in fp32, as model.dtype=auto does on CPU; the built-in
     # rollout's log-probs are exact
@@ -155,14 +196,33 @@ def _inputs(args):
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
     )
-    limits = EngineLimits(
-        args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg, args.rollout_full_weights
-    )
-    return dataflow, with_old_log_probs(dataflow, old[1]), cluster, wl, limits
+    return dataflow, with_old_log_probs(dataflow, old[1]), cluster, wl, limits_from_args(args)
+
+
+def limits_from_args(args) -> EngineLimits:
+    """`--engines`' limits with the sizes given on the command line in place of its own."""
+    sizes = {
+        k: getattr(args, k) for k in ("max_pp", "max_pg", "max_rollout_tg") if getattr(args, k) is not None
+    }
+    flags = {k: True for k in ("tp_whole_heads", "rollout_full_weights") if getattr(args, k)}
+    if "tp_whole_heads" in flags:
+        flags["tp_shards_whole_heads"] = flags.pop("tp_whole_heads")
+    return replace(ENGINES[args.engines], **sizes, **flags)
 
 
 def _fmt_placement(placement, allocation) -> str:
     return " | ".join(f"{'+'.join(s)}:{n}" for s, n in zip(placement, allocation))
+
+
+def _print_limits(plan: Plan, console) -> None:
+    """The layouts the search was limited to, and a note when they go beyond what the trainer runs."""
+    if plan.limits != EngineLimits():
+        console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
+    if plan.limits != ENGINE_LIMITS:
+        console.print(
+            f"note: searched beyond what `hybridflow train` runs ({ENGINE_LIMITS.describe()}); it refuses this "
+            "plan's layouts outside those (re-plan with --engines builtin to run it)"
+        )
 
 
 def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None = None) -> None:
@@ -176,12 +236,12 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         f" + rollout pool one step ahead ({plan.ahead.n_devices} devices)" if plan.rollout_ahead else ""
     )
     console.print(
-        f"[bold]{plan.algorithm.upper()}[/] {models} on {plan.num_devices} x {plan.device}: "
+        f"[bold]{plan.algorithm.upper()}[/] {models} on {plan.num_devices} x {plan.device} "
+        f"({'measured profile' if plan.device_measured else 'catalogue entry, not measured'}): "
         f"[bold]{plan.strategy}{schedule}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
         f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
     )
-    if plan.limits != EngineLimits():
-        console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
+    _print_limits(plan, console)
     table = Table(title="models", title_justify="left")
     for col in ("role", "pool", "devices", "train (p,t,d)", "gen (pg,tg)", "ckpt", "offload"):
         table.add_column(col, overflow="fold")
