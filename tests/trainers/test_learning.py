@@ -152,7 +152,8 @@ def test_lora_grpo_raises_held_out_accuracy(demo_sft_model, tmp_path):
     """The demo recipe training LoRA adapters on every linear layer (rank 32, alpha 64, lr 5e-3; docs/lora.md)
     with a KL loss, 150 steps, held to a 15-point floor. The reference is the actor with its adapters off:
     no reference worker, and a KL above zero (the adapters moved the policy away from the base). Measured
-    gains +18.3, +20.3, SEED3 points (seeds 1-3, one CPU; 3 se 11.2..11.9). The sweep (docs/bench/lora.md,
+    gains +18.3, +20.3, +20.0 points (seeds 1-3, one CPU; 3 se 10.9..11.9;
+    smallest gain / 3 se 1.63). The sweep (docs/bench/lora.md,
     "Learning"): at 100 steps this recipe gained +15.7 / +13.7 (seeds 1, 2); rank 8 (alpha 64, lr 5e-3)
     +13.0; lr 7e-3 or 1e-2 at rank 32 collapse the format (reward -> 0)."""
     lora = ("model.lora.rank=32", "model.lora.alpha=64", "actor.optim.lr=5e-3", "algorithm.use_kl_loss=true")
