@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym,lora]'
 	touch $(STAMP)
 
 $(VENV)/.bench: $(STAMP)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,wandb,mlflow,reasoning-gym,lora,bench]'
 	touch $@
 
 # vLLM in its own virtualenv (constraints-vllm.txt): its transformers pin never touches .venv. Its torchvision,

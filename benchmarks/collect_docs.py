@@ -21,6 +21,7 @@ ORDER = [
     "planner",
     "rewards",
     "memory",
+    "lora",
     "chaos",
     "vs_trl",
     "cli",
@@ -46,6 +47,7 @@ baseline each section names. Regenerate a section with its command, then `python
 | generation | `transformers` `generate`; vLLM 0.32 (CPU build) | batch 64, random stops: tiny 3.56x, ~25M 3.02x HF (goal 3x: met, at 25M within ~3% noise); vs vLLM at ~25M/64 1.04x CPU time (goal 1.0x: at parity within noise; 0.97x and 1.09x in earlier runs); bf16 (model.dtype=bfloat16) at ~25M/32, natural EOS: 2.46x the fp32 engine, 3.68x HF fp32 |
 | 3D-HybridEngine | all-gather (DeepSpeed-Chat style) switch, inside `hybridflow train` | bytes = formula exactly; generation weights 0.515x; reshard time 0.49x (8 ranks) / 1.67x (4 ranks, not met) |
 | planner | the paper's search time (up to 30 min at 70B/128) | 70B/128 GPUs in 0.62 s |
+| planner accuracy (2 CPU ranks, profile measured here) | the measured median of every candidate run through `hybridflow train` | load 18-45: first choice fastest in 2 of 4 cases, 2 of 62 stage/iteration figures within +-15%; rerun of the small cases at load 11-30: first choice fastest / +11%, iterations 0.74-0.83x predicted (goals: every case within 5%, every figure within +-15%: not met) |
 | rule rewards | per-sample timeouts one after another (computed) | 64 hanging samples, timeout 2 s: 5.4 s instead of 128 s (23.9x) |
 | memory (4 ranks, 106M) | the code before sharded checkpoints (2b42e07) | save adds 0 MiB vs 811 (2.0 M); export peaks at one tensor; init, resume equal on CPU |
 | fault recovery | the same run without a kill | random worker SIGKILLed: 3/3 runs complete, 0 steps lost beyond the last checkpoint, metrics equal |

@@ -51,7 +51,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_trl_eos import headline_table, natural_rows, natural_table, variants_table  # noqa: E402
+from machine_limits import measure  # noqa: E402
+from vs_trl_eos import headline_table, natural_rows, natural_table, summarize_eos, variants_table  # noqa: E402
+from vs_trl_limits import REAL_SIZE, real_rows  # noqa: E402
+from vs_trl_limits import report as limits_report  # noqa: E402
 
 PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
@@ -258,19 +261,33 @@ def main(argv=None) -> int:
     p.add_argument(
         "--eos-steps", type=int, default=5, help="iterations per natural-EOS run (warm-up included)"
     )
+    p.add_argument(
+        "--real-row",
+        choices=("yes", "no", "only"),
+        default="yes",
+        help="the realistic row: Qwen2.5-0.5B's shape through `hybridflow train` (vs_trl_limits.py); "
+        "only = nothing else",
+    )
+    p.add_argument("--real-size", default=REAL_SIZE, help="model size of the realistic row (models/tiny.py)")
+    p.add_argument("--real-precision", nargs="+", choices=("bf16", "fp32"), default=["bf16"])
+    p.add_argument("--real-length", type=int, default=32, help="max response tokens, realistic row")
+    p.add_argument("--real-steps", type=int, default=3, help="steps of the realistic row (warm-up included)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workdir", default="", help="where models and logs go (default: a temp dir)")
     p.add_argument("--json", default="", help="also write all raw results here")
     args = p.parse_args(argv)
 
     from hybridflow.models.tiny import save_tiny_model
+    from hybridflow.trainers.perf import count_params
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vs_trl_"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     rows, curves, raw, eos_rows = [], {}, [], []
-    if args.natural_eos == "only":
+    if args.natural_eos == "only" or args.real_row == "only":
         args.sizes, args.learn_steps = [], 0
+    if args.real_row == "only":
+        args.natural_eos = "no"
     for i_size, size in enumerate(args.sizes):
         model = str(save_tiny_model(workdir / f"model_{size}", size))
         for i_len, length in enumerate(args.lengths):
@@ -292,17 +309,23 @@ def main(argv=None) -> int:
             rows.append(row)
     if args.natural_eos != "no":
         eos_rows = natural_rows(args, workdir, run_grpo_side, common_args, summarize)
+    real = []
+    if args.real_row != "no":
+        real = real_rows(args, workdir, run_grpo_side, common_args, summarize_eos, summarize)
     if args.learn_steps > 0:
         curves = learning_curves(args, workdir)
+    limits = measure() if eos_rows or real else {}
+    params = {size: count_params(workdir / f"model_{size}") for size in args.eos_sizes}
 
-    print(report(args, rows, curves, time.time() - started, eos_rows))
+    print(report(args, rows, curves, time.time() - started, eos_rows, limits, real, params))
     if args.json:
-        raw_out = {"rows": rows, "curves": curves, "raw": raw, "natural_eos": eos_rows}
+        raw_out = {"rows": rows, "curves": curves, "raw": raw, "natural_eos": eos_rows, "real": real,
+                   "limits": limits}  # fmt: skip
         Path(args.json).write_text(json.dumps(raw_out, indent=1))
     return 0
 
 
-def report(args, rows: list[dict], curves: dict, seconds: float, eos_rows=()) -> str:
+def report(args, rows, curves, seconds, eos_rows=(), limits=None, real=(), params=None) -> str:
     try:
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
@@ -335,6 +358,8 @@ def report(args, rows: list[dict], curves: dict, seconds: float, eos_rows=()) ->
             "",
             variants_table(eos_rows, PHASES),
         ]
+    if limits:
+        out += limits_report(limits, list(eos_rows), list(real), params or {})
     if any(not r[s]["tokens_equal"] for r in rows for s in ("trl", "hybridflow")):
         out.append("WARNING: token counts varied between iterations of a row.\n")
     if any(r["trl"]["tokens"] != r["hybridflow"]["tokens"] for r in rows):

@@ -42,6 +42,7 @@ SYNC_VARIANTS = {
     "dp=1, padded (model.remove_padding=false)": (1, ["model.remove_padding=false"]),
     "dp=2 (2 workers, 1 thread each)": (2, []),
 }
+DEFAULT_SYNC = "dp=1 (1 worker, 2 threads)"  # the synchronous default: one worker, padding removed
 AHEAD = ("rollout_ahead=1 (rollout pool 1 | actor pool 1)", 2, ["trainer.rollout_ahead=1"])
 AHEAD_TRAINING = (
     "rollout_ahead=1, ref in the training pool (resources.frozen_pool=training)",
@@ -206,10 +207,11 @@ def ideal_bound(s: dict) -> tuple[float, float, float]:
 
 def natural_table(rows: list[dict]) -> str:
     head = (
-        "| model | Lr (max) | precision | resp. tokens TRL / hf | TRL tok/s | hybridflow sync tok/s | **sync / TRL** | "
+        "| model | Lr (max) | precision | resp. tokens TRL / hf | TRL tok/s | sync default tok/s (/ TRL) | "
+        "hybridflow sync tok/s | **sync / TRL** | "
         "best sync setting | rollout_ahead=1 tok/s | **ahead / TRL** | best ahead setting | gen s / rest s (sync) | "
         "ideal overlap tok/s (/ TRL) | CPU tokens/s: TRL, hybridflow sync (ratio) | TRL runs tok/s |\n"
-        + "|---" * 15
+        + "|---" * 16
         + "|\n"
     )
     body = ""
@@ -224,9 +226,11 @@ def natural_table(rows: list[dict]) -> str:
         else:
             ahead, ahead_ratio, ahead_name = "n/a (rollout_ahead not built)", "n/a", ""
         trl_runs = ", ".join(f"{_rate(t):.0f}" for t in r.get("trl_runs", [trl]))
+        default = r["sync"].get(DEFAULT_SYNC)  # what `hybridflow train` runs unless told otherwise
+        default = f"{_rate(default):.0f} ({_rate(default) / _rate(trl):.2f}x)" if default else "-"
         body += (
             f"| {r['size']} | {r['length']} | {_precision(r)} | {trl['response_mean']:.1f} / {hf['response_mean']:.1f} | "
-            f"{_rate(trl):.0f} | {_rate(hf):.0f} | **{_rate(hf) / _rate(trl):.2f}x** | {name} | {ahead} | "
+            f"{_rate(trl):.0f} | {default} | {_rate(hf):.0f} | **{_rate(hf) / _rate(trl):.2f}x** | {name} | {ahead} | "
             f"{ahead_ratio} | {ahead_name} | {gen:.2f} / {rest:.2f} | {ideal:.0f} ({ideal / _rate(trl):.2f}x) | "
             f"{trl['cpu_rate']:.0f}, {hf['cpu_rate']:.0f} ({hf['cpu_rate'] / trl['cpu_rate']:.2f}x) | {trl_runs} |\n"
         )
@@ -267,4 +271,5 @@ def summarize_eos(result: dict, warmup: int, summarize) -> dict:
     )
     out["response_mean"] = statistics.fmean(s.get("response_len", 0.0) for s in steps)
     out["policy_lag"] = statistics.fmean(s.get("policy_lag", 0.0) for s in steps)
+    out["steps"] = steps  # per-step perf/ metrics, for the limit table (vs_trl_limits.py)
     return out

@@ -199,6 +199,8 @@ def run_cli(args) -> dict:
             row["tokens"] = m["perf/total_tokens"]
             row["response_len"] = m.get("response_length/mean", 0.0)
             row["policy_lag"] = m.get("rollout/policy_lag", 0.0)
+            row["response_max"] = m.get("response_length/max", 0.0)  # decode steps (machine_limits.py)
+            row["perf"] = {k: v for k, v in m.items() if k.startswith("perf/")}
             steps.append(row)
             rewards.append(m.get("reward/mean", 0.0))
     return {

@@ -20,9 +20,13 @@ PACKAGE = ROOT / "hybridflow"
 DESIGN = ROOT / "docs" / "design.md"
 # The planner is pure (docs/planner.md): besides itself, only these modules, which import nothing but the
 # standard library. calibrate.py is the `hybridflow calibrate` command, which times real models on this
-# machine beside the planner's predictions; no planner module imports it.
+# machine beside the planner's predictions, and microbench.py its micro-benchmarks; no other planner module
+# imports them.
 PLANNER_MAY_IMPORT = {"hybridflow.hybrid_engine.cost", "hybridflow.hybrid_engine.sync_budget"}
-PLANNER_MEASURES = {"hybridflow.planner.calibrate": {"hybridflow.models.tiny"}}
+PLANNER_MEASURES = {
+    "hybridflow.planner.calibrate": {"hybridflow.models.tiny"},
+    "hybridflow.planner.microbench": {"hybridflow.models.tiny"},
+}
 
 
 def layers() -> list[list[str]]:

@@ -1,6 +1,7 @@
 """A role's part of a checkpoint, written by every rank of its worker group (a collective call).
 
-    <step>/<role>/model/           parameters, each rank its own shards (sharded safetensors; shards.py)
+    <step>/<role>/model/           parameters, each rank its own shards (sharded safetensors; shards.py);
+                                   with LoRA only the adapters (engine.json "lora" names the base)
     <step>/<role>/optim/           AdamW moments and step counts, sharded the same way (trainable models)
     <step>/<role>/train_state.json global_step, LR scheduler, optimizer param_groups
     <step>/<role>/hf_config/       the model's config.json (+ generation config, + tokenizer when given)
@@ -76,9 +77,27 @@ def save_engine_state(
             "trainable": engine.optimizer is not None,
             "format": FORMAT,
         }
+        if engine.lora_layers:  # the shards hold only the adapters: export needs the rest (export.py)
+            info["lora"] = lora_info(engine)
         atomic_write_text(directory / ENGINE_JSON, json.dumps(info, indent=1))
     _barrier()
     return directory
+
+
+def lora_info(engine) -> dict:
+    """What `hybridflow export` needs of a LoRA engine: the adapters' settings and the base weights' dir."""
+    from hybridflow.models.meta import WEIGHTS_ATTR
+
+    cfg, model = engine.config.lora, engine.hf_model
+    base = getattr(model, WEIGHTS_ATTR, None) or getattr(model.config, "_name_or_path", "")
+    return {
+        "rank": cfg.rank,
+        "alpha": cfg.alpha,
+        "dropout": cfg.dropout,
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name in engine.lora_layers}),
+        "fan_in_fan_out": any(fan for _, fan in engine.lora_layers.values()),
+        "base_model": str(Path(base).resolve()) if base else "",
+    }
 
 
 def read_engine_info(directory: str | os.PathLike) -> dict:

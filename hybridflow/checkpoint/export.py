@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.checkpoint.engine_state import HF_CONFIG, read_engine_info
+from hybridflow.checkpoint.export_lora import read_lora, write_adapter, write_merged
 from hybridflow.checkpoint.manager import CheckpointError, find_checkpoint, fsync_tree, read_manifest
 from hybridflow.checkpoint.shards import read_full, tensor_index
 from hybridflow.checkpoint.stream_write import DEFAULT_MAX_FILE_BYTES, write_safetensors
@@ -55,12 +56,15 @@ def export_hf(
     role: str = "actor",
     overwrite: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    merge: bool = False,
 ) -> Path:
     """Write the `role` model of a checkpoint to `out_dir` as an HF directory; returns out_dir.
 
     source: a run directory, its checkpoints/ directory, or a step directory; `step` picks a step
     (default: the latest). tokenizer_dir: where the tokenizer comes from (default: the checkpoint's own
-    copy, then the `tokenizer_dir` recorded in the manifest meta by the driver).
+    copy, then the `tokenizer_dir` recorded in the manifest meta by the driver). A LoRA checkpoint
+    exports as a PEFT adapter directory, or with `merge` as the base model's weights with the adapters
+    merged in (export_lora.py).
     """
     step_dir = find_checkpoint(source, step)
     manifest = read_manifest(step_dir, require=[role])
@@ -78,7 +82,16 @@ def export_hf(
     tmp = out.with_name(f".tmp-{out.name}-{uuid.uuid4().hex[:8]}")
     try:
         tmp.mkdir()
-        if sharded:
+        lora = read_lora(read_engine_info(role_dir), merge) if sharded else None
+        if lora is not None and not merge:
+            write_adapter(role_dir, lora, tmp)
+            _copy_tokenizer(tok, config_dir, tmp)
+            return _publish(tmp, out)
+        if lora is not None:
+            write_merged(
+                role_dir, lora, json.loads((config_dir / "config.json").read_text()), tmp, max_file_bytes
+            )
+        elif sharded:
             _stream_weights(role_dir, config_dir, tmp, max_file_bytes)
         else:
             for f in [*legacy.glob("*.safetensors"), legacy / "model.safetensors.index.json"]:
@@ -90,21 +103,35 @@ def export_hf(
         config = json.loads((tmp / "config.json").read_text())
         config["use_cache"] = True
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if tok != config_dir:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tok).save_pretrained(tmp)
-        else:
-            for f in config_dir.iterdir():
-                if f.is_file() and not (tmp / f.name).exists() and f.suffix != ".safetensors":
-                    shutil.copy2(f, tmp / f.name)
-        fsync_tree(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        _copy_tokenizer(tok, config_dir, tmp)
+        return _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _copy_tokenizer(tok: Path, config_dir: Path, tmp: Path) -> None:
+    if tok != config_dir:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tok).save_pretrained(tmp)
+        return
+    for f in config_dir.iterdir():
+        if (
+            f.is_file()
+            and not (tmp / f.name).exists()
+            and f.suffix != ".safetensors"
+            and f.name != "config.json"
+        ):
+            shutil.copy2(f, tmp / f.name)
+
+
+def _publish(tmp: Path, out: Path) -> Path:
+    """The finished temp dir renamed to `out` (replacing it), durable."""
+    fsync_tree(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)
     return out
 
 

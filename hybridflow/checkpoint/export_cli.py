@@ -1,4 +1,4 @@
-"""`hybridflow export RUN_DIR_or_CKPT --output DIR [--step N] [--role actor|critic]`."""
+"""`hybridflow export RUN_DIR_or_CKPT --output DIR [--step N] [--role actor|critic] [--merge]`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer", default=None, help="tokenizer directory (default: the one saved with the checkpoint)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA checkpoint as plain HF weights with the adapters merged (default: a PEFT adapter directory)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,10 +32,18 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = export_hf(
-            args.source, args.output, args.tokenizer, step=args.step, role=args.role, overwrite=args.overwrite
+            args.source,
+            args.output,
+            args.tokenizer,
+            step=args.step,
+            role=args.role,
+            overwrite=args.overwrite,
+            merge=args.merge,
         )
     except (CheckpointError, FileExistsError) as e:
         print(f"hybridflow export: {e}", file=sys.stderr)
         return 2
-    print(f"exported {args.role} to {out} (loads with transformers from_pretrained)")
+    adapter = (out / "adapter_config.json").is_file()
+    loads = "peft PeftModel.from_pretrained(base, dir)" if adapter else "transformers from_pretrained"
+    print(f"exported {args.role} to {out} (loads with {loads})")
     return 0

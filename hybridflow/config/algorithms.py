@@ -38,7 +38,8 @@ class AlgorithmSpec:
         """The worker roles a run of this algorithm with `cfg` starts."""
         wanted = {
             "actor_rollout": True,
-            "ref": self.uses_reference(cfg),
+            # with LoRA the reference is the actor with its adapters off: no model of its own (models/lora.py)
+            "ref": self.uses_reference(cfg) and not cfg.model.lora.enabled,
             "critic": self.critic,
             "cost_critic": self.cost,
             "reward": self.generation and cfg.reward.kind == "model",

@@ -80,8 +80,25 @@ def data_and_model_errors(cfg, spec, check_model: bool) -> list[str]:
             errors += [
                 e for e in model_dir_errors(getattr(cfg.model, key), f"model.{key}") if e not in errors
             ]
-        errors += tp_shape_errors(cfg)
+        errors += tp_shape_errors(cfg) + lora_model_errors(cfg)
     return errors
+
+
+# model types whose generation reads merged LoRA weights: the built-in engine's functional decoder
+# (rollout/llama_decoder.py FAMILY), which takes weights by HF name from the 3D-HybridEngine
+LORA_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def lora_model_errors(cfg) -> list[str]:
+    """model.lora on a policy whose generation could not read the merged weights: one line before Ray."""
+    config = _read_json(os.path.join(cfg.model.path, "config.json")) if cfg.model.lora.enabled else None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind is None or kind in LORA_MODEL_TYPES:
+        return []
+    return [
+        f"model.lora.rank={cfg.model.lora.rank}: LoRA generation supports model types {list(LORA_MODEL_TYPES)} "
+        f"(the built-in engine's functional decoder), not {kind!r} ({cfg.model.path}/config.json); use rank 0"
+    ]
 
 
 # what tensor parallelism splits (engines/parallelize.py), per model family, and how a user calls it

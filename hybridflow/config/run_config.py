@@ -41,6 +41,11 @@ class ResourcesConfig:
         "planner's choice under auto / a plan",
         choices=("auto", "rollout", "training", "both"),
     )
+    planner_profile: str = _f(
+        "",
+        "placement auto: plan with this device profile, the cost model's coefficients measured on the "
+        "machine by `hybridflow calibrate --out FILE` ('' = the device catalogue's datasheet entry)",
+    )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
     ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
     ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
@@ -124,6 +129,16 @@ def resources_errors(r: ResourcesConfig) -> list[str]:
     if r.placement not in ("colocate", "split", "auto") and not os.path.isfile(r.placement):
         errors.append(
             f"resources.placement: {r.placement!r} is not colocate|split|auto or an existing plan file"
+        )
+    if r.planner_profile and r.placement != "auto":
+        errors.append(
+            f"resources.planner_profile: only resources.placement=auto plans (a plan file was priced when "
+            f"written: `hybridflow plan --profile FILE`); placement is {r.placement!r}, so remove it"
+        )
+    elif r.planner_profile and not os.path.isfile(r.planner_profile):
+        errors.append(
+            f"resources.planner_profile: no file {r.planner_profile!r}; write one with "
+            f"`hybridflow calibrate --out {r.planner_profile}`"
         )
     return errors
 

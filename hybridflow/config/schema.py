@@ -34,7 +34,7 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
 from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
 from hybridflow.config.sandbox import SandboxConfig, sandbox_errors
-from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors
+from hybridflow.engines.config import LoraConfig, OptimConfig, ParallelConfig, lora_errors, optim_errors
 from hybridflow.fields import at_least, finite_at_least, section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
@@ -92,6 +92,11 @@ class ModelConfig:
         "once: each response attends to the one copy, outputs and gradients unchanged (docs/design.md §7). "
         "Saves the repeated prompt tokens in the reference, old-log-prob, value and update forwards. "
         "null = wherever padding is removed; true needs padding removal (rejected with remove_padding=false)",
+    )
+    lora: LoraConfig = _sub(
+        LoraConfig,
+        "LoRA: low-rank adapters on the actor (and the critic) over frozen base weights; the reference is the "
+        "actor with its adapters off (docs/lora.md)",
     )
 
 
@@ -367,12 +372,13 @@ class HybridFlowConfig:
 # ---- each section's own checks, one line per problem naming its key (config/validate.collect_errors runs
 # them; a check that needs another section lives there). Choices are checked from the field metadata.
 def model_errors(m: ModelConfig) -> list[str]:
+    errors = lora_errors(m.lora, "model.lora")
     if m.share_prompt is True and m.remove_padding is False:
-        return [
+        errors.append(
             "model.share_prompt: true needs padding removal (shared prompts live in packed rows), but "
             "model.remove_padding is false; set share_prompt to null or false, or remove_padding to null or true"
-        ]
-    return []
+        )
+    return errors
 
 
 def data_errors(d: DataConfig) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 
 from hybridflow.config.actor_loss import actor_loss_errors
@@ -179,6 +180,29 @@ def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]
     errors += data_and_model_errors(cfg, spec, check_model)
     errors += _parallel_errors(cfg, spec)
     errors += _devices_errors(cfg)
+    errors += _lora_errors(cfg)
+    return errors
+
+
+def _lora_errors(cfg: HybridFlowConfig) -> list[str]:
+    """LoRA runs where the generation weights are merged on the actor's own ranks (hybrid_engine/resharder.py)."""
+    if not cfg.model.lora.enabled:
+        return []
+    errors = []
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"model.lora.rank={cfg.model.lora.rank}: LoRA needs the peft package: pip install 'hybridflow[lora]'"
+        )
+    if cfg.rollout.engine != "builtin":
+        errors.append(
+            f"model.lora.rank={cfg.model.lora.rank}: rollout.engine={cfg.rollout.engine!r} with LoRA is not "
+            "supported yet (its weight updates carry no adapters); use rollout.engine=builtin or rank 0"
+        )
+    if cfg.trainer.rollout_ahead:
+        errors.append(
+            f"model.lora.rank={cfg.model.lora.rank}: trainer.rollout_ahead=1 with LoRA is not supported yet "
+            "(the rollout pool's weight sync carries no adapters); use rollout_ahead=0 or rank 0"
+        )
     return errors
 
 

@@ -8,7 +8,7 @@ reward_model, custom_reward_function, algorithm, data, trainer); `from_verl` rew
   keys whose meaning depends on other keys (clip_ratio vs clip_ratio_low/high, val_kwargs.do_sample,
   DAPO, rollout correction) are read together by config/verl_rules.py;
 - without an equivalent here (config/verl_keys.py): noted when it cannot change the results, refused
-  in one line when its value would make verl do something other than what runs here (lora_rank=8,
+  in one line when its value would make verl do something other than what runs here (lora_adapter_path=a dir,
   strategy=megatron, trainer.critic_warmup=5, ...). A key in none of the tables is refused, as verl's
   struct config refuses it. Nothing is dropped silently.
 docs/verl.md is the table for users (tests/config/test_verl_keys.py checks it against these tables);
@@ -100,8 +100,27 @@ def _keep(v, out):
     return {"trainer.keep_last": 0 if v is None else int(v)}  # verl's null keeps every checkpoint
 
 
+def _target_modules(v, out):
+    return {
+        "model.lora.target_modules": [v] if isinstance(v, str) else list(v)
+    }  # verl: "all-linear" or a list
+
+
+def _critic_lora(v, out):
+    """verl's critic rank: here the critic's adapters are model.lora's (same rank) or none."""
+    actor = out.get("model.lora.rank")
+    if v and actor is not None and int(v) != int(actor):
+        raise ConfigError([f"verl key critic.model.lora_rank={v!r}: the critic's adapters take the actor's rank "
+                           f"here (actor_rollout_ref.model.lora_rank={actor}); set the same rank or 0"])  # fmt: skip
+    return {"model.lora.critic": bool(v)}
+
+
 # verl key -> our key (str) or a converter (value, mapped so far) -> {our key: value}
 RENAMES: dict[str, str | Callable[[Any, dict], dict]] = {
+    "actor_rollout_ref.model.lora_rank": "model.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "model.lora.alpha",
+    "actor_rollout_ref.model.target_modules": _target_modules,
+    "critic.model.lora_rank": _critic_lora,
     "algorithm.adv_estimator": _estimator,
     "algorithm.kl_ctrl.kl_coef": "algorithm.kl.coef",
     "algorithm.kl_ctrl.type": "algorithm.kl.controller",

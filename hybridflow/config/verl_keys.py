@@ -6,7 +6,8 @@ applies these tables; docs/verl.md lists every entry, checked by tests/config/te
   refused below). Accepted; each is named in a printed note.
 - REFUSED: keys that would change the job. Accepted with a note only with a value under which verl
   does what runs here; any other value is refused in one line naming the key and why (exit 2 before
-  Ray starts). LoRA, verl's own agent loops and tool classes, Megatron, sandboxed code execution and custom dataset
+  Ray starts). Starting from a saved LoRA adapter, verl's own agent loops and tool classes, Megatron, sandboxed
+  code execution and custom dataset
   classes are here until their features land.
 A key in none of the tables nor mapped (config/verl.py's RENAMES and PREFIXES) is refused, as verl's
 own (struct) config refuses a key it does not know: every key of verl's full PPO configs of 0.4.1,
@@ -19,7 +20,8 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 OFF = (None, "")  # "not set" in verl's YAMLs
-LORA = "LoRA is not supported yet"
+LORA_ADAPTER = "starting from a saved LoRA adapter is not supported yet (model.lora trains new ones)"
+CRITIC_LORA = "the critic's adapters take model.lora's settings (verl's default here)"
 MULTI_TURN = (
     "verl's agent loops do not run here; multi-turn rollouts are rollout.multi_turn (docs/rollout.md)"
 )
@@ -34,9 +36,14 @@ COMPUTE_DTYPE = "the compute dtype is model.dtype (auto = bfloat16 on GPU, as ve
 # verl key -> (why, the values accepted: those under which verl does what runs here)
 REFUSED: dict[str, tuple[str, tuple]] = {
     # models
-    "actor_rollout_ref.model.lora_rank": (LORA, (0,)),
-    "actor_rollout_ref.model.lora_adapter_path": (LORA, OFF),
-    "critic.model.lora_rank": (LORA, (0,)),
+    "actor_rollout_ref.model.lora_adapter_path": (LORA_ADAPTER, OFF),
+    "actor_rollout_ref.model.exclude_modules": (
+        "LoRA adapters go on model.lora.target_modules, none left out",
+        OFF,
+    ),
+    # the critic's adapters are model.lora's (model.lora.critic switches them; config/verl.py maps lora_rank)
+    "critic.model.lora_alpha": (CRITIC_LORA, (16, 16.0)),
+    "critic.model.target_modules": (CRITIC_LORA, ("all-linear", ["all-linear"])),
     "actor_rollout_ref.model.external_lib": ("import it in a reward or model module", OFF),
     "actor_rollout_ref.model.custom_chat_template": ("prompts use the tokenizer's own chat template", OFF),
     "actor_rollout_ref.model.override_config": ("the model's config.json is used as is", ({}, None)),
@@ -157,9 +164,6 @@ NOTED: dict[str, str] = {
     "actor_rollout_ref.model.use_fused_kernels": "no fused kernels",
     "actor_rollout_ref.model.use_shm": "models load from disk",
     "actor_rollout_ref.model.enable_activation_offload": "activations stay on the device",
-    "actor_rollout_ref.model.lora_alpha": "read only with lora_rank > 0 (refused)",
-    "actor_rollout_ref.model.target_modules": "read only with lora_rank > 0 (refused)",
-    "actor_rollout_ref.model.exclude_modules": "read only with lora_rank > 0 (refused)",
     "actor_rollout_ref.nccl_timeout": "collective timeouts are the worker groups' own",
     "actor_rollout_ref.actor.ppo_micro_batch_size": "deprecated in verl; set ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.fsdp_config.grad_offload": "deprecated in verl; gradients stay on device",
@@ -230,8 +234,6 @@ NOTED: dict[str, str] = {
     "critic.model.trust_remote_code": "see model.trust_remote_code",
     "critic.model.use_shm": "models load from disk",
     "critic.model.enable_activation_offload": "activations stay on the device",
-    "critic.model.lora_alpha": "read only with lora_rank > 0 (refused)",
-    "critic.model.target_modules": "read only with lora_rank > 0 (refused)",
     "critic.optim.optimizer_impl": "torch's AdamW",
     "critic.optim.total_training_steps": "filled in by the trainer, as in verl",
     "critic.optim.num_cycles": "read only by verl's cosine schedule with restarts",

@@ -1,6 +1,7 @@
 """A TrainEngine's resumable state on disk, without pickle (TrainEngine.save_checkpoint / load_checkpoint).
 
-    <dir>/model/shard-*.safetensors   parameters by HF name, each rank's own shards (checkpoint/shards.py)
+    <dir>/model/shard-*.safetensors   parameters by HF name, each rank's own shards (checkpoint/shards.py);
+                                      with LoRA only the adapters (+ a critic's value head): adapter-sized
     <dir>/optim/shard-*.safetensors   AdamW moments and step counts by "<param fqn>.<key>", sharded likewise
     <dir>/train_state.json            global_step, LR scheduler state, optimizer param_groups (rank 0)
 
@@ -33,11 +34,16 @@ def _prefix(engine) -> str:
 
 
 def model_tensors(engine) -> dict[str, torch.Tensor]:
-    """{HF name: parameter or buffer (DTensor shard or plain tensor)} as it lives on this rank."""
+    """{HF name: parameter or buffer (DTensor shard or plain tensor)} as it lives on this rank; with
+    LoRA only what trains (adapters, a critic's value head): the frozen base is model.path's, as loaded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     prefix = _prefix(engine)
-    return {k.removeprefix(prefix): v for k, v in get_model_state_dict(engine.module).items()}
+    tensors = {k.removeprefix(prefix): v for k, v in get_model_state_dict(engine.module).items()}
+    if engine.lora_layers:
+        trained = {n for n, p in engine.hf_model.named_parameters() if p.requires_grad}
+        tensors = {k: v for k, v in tensors.items() if k in trained}
+    return tensors
 
 
 def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -85,7 +91,11 @@ def save(engine, directory: str | Path) -> None:
 
 def load(engine, directory: str | Path) -> None:
     """Collective: fill this rank's shards from `directory` (any saved dp/tp layout), then the JSON state."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     directory = Path(directory)
     state = json.loads((directory / TRAIN_STATE_JSON).read_text())
@@ -93,7 +103,9 @@ def load(engine, directory: str | Path) -> None:
         tensors = model_tensors(engine)
         load_tensors(tensors, directory / "model")
         prefix = _prefix(engine)
-        set_model_state_dict(engine.module, {prefix + k: v for k, v in tensors.items()})
+        # with LoRA the dict holds only the trained tensors: the base stays as model.path loaded it
+        options = StateDictOptions(strict=not engine.lora_layers)
+        set_model_state_dict(engine.module, {prefix + k: v for k, v in tensors.items()}, options=options)
         if engine.optimizer is not None:
             if "param_groups" not in state:
                 raise ValueError(f"{directory} holds no optimizer state (saved from a frozen model)")

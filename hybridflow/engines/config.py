@@ -77,6 +77,39 @@ class OptimConfig:
             )
 
 
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (peft's LoRA) on the actor and the critic: the base weights frozen, only the
+    adapters (and a critic's value head) trained. models/lora.py applies them; docs/lora.md."""
+
+    rank: int = setting(0, "adapter rank r (0 = no LoRA: full fine-tuning)")
+    alpha: float = setting(16.0, "adapter scale numerator: the update is (alpha / rank) * B @ A")
+    target_modules: list[str] = setting(
+        ["all-linear"],
+        "module names the adapters wrap (peft's target_modules, e.g. [q_proj, v_proj]); [all-linear] = "
+        "every linear layer of the decoder (not lm_head nor a value head)",
+    )
+    dropout: float = setting(0.0, "dropout on the adapters' input while training")
+    critic: bool = setting(True, "the critic gets adapters too (its value head stays fully trained)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+def lora_errors(c: LoraConfig, key: str) -> list[str]:
+    """The section at `key` (model.lora), one line per bad value."""
+    errors = at_least(0, {f"{key}.rank": c.rank})
+    errors += finite_at_least(0, {f"{key}.alpha": c.alpha, f"{key}.dropout": c.dropout})
+    if not c.dropout < 1:
+        errors.append(f"{key}.dropout: must be < 1, got {c.dropout}")
+    if not c.target_modules or not all(isinstance(m, str) and m for m in c.target_modules):
+        errors.append(
+            f"{key}.target_modules: expected a non-empty list of module names, got {c.target_modules}"
+        )
+    return errors
+
+
 def parallel_errors(p: ParallelConfig, key: str) -> list[str]:
     """The section at `key` (e.g. "actor.parallel") as the user wrote it: dp may still be 0 (derive)."""
     if p.tp < 1 or p.pp < 1 or p.dp < 0:
@@ -136,3 +169,5 @@ class EngineConfig:
     # Move params + optimizer state to CPU after each phase (GPU only; colocated models take turns).
     offload: bool = False
     seed: int = 0
+    # Low-rank adapters (models/lora.py); rank 0 trains every weight.
+    lora: LoraConfig = field(default_factory=LoraConfig)

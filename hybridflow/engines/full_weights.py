@@ -15,17 +15,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engines.parallelize import hf_layout_transforms
+from hybridflow.models.lora import ADAPTER, adapted_part, hf_name, merge_named
 
 if TYPE_CHECKING:
     from hybridflow.engines.train_engine import TrainEngine
 
 
 def iter_full_state_dict(engine: TrainEngine, device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs; names and layouts are those of the HF checkpoint."""
+    """(HF name, full tensor) pairs; names and layouts are those of the HF checkpoint. With LoRA each
+    adapted weight is merged (W + scale * B @ A) as it streams by: the HF model the adapters make."""
     transforms = hf_layout_transforms(engine.hf_model)
     with engine.phase():
-        for name, t in engine.hf_model.state_dict().items():
-            yield name, gather(name, t, transforms, device)
+        live = engine.hf_model.state_dict().items()
+        gathered = ((name, gather(name, t, transforms, device)) for name, t in live)
+        yield from merge_named(gathered, engine.lora_layers) if engine.lora_layers else gathered
 
 
 def iter_full_grads(engine: TrainEngine, device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,6 +53,8 @@ def save_hf(engine: TrainEngine, path, tokenizer=None) -> None:
             live.pop("lm_head.weight", None)  # save_pretrained leaves the tied copy out too
         specs = {n: (tuple(t.shape), t.dtype) for n, t in live.items()}
         produce = lambda name: gather(name, live[name], transforms, "cpu")  # noqa: E731
+        if engine.lora_layers:  # merged weights under HF names: each gathers its base, A and B
+            specs, produce = _merged_specs(specs, live, transforms, engine.lora_layers)
         if engine.mesh is None or dist.get_rank() == 0:
             write_safetensors(path, specs, produce)
             model.config.save_pretrained(path)
@@ -62,6 +67,29 @@ def save_hf(engine: TrainEngine, path, tokenizer=None) -> None:
                 produce(name)
     if engine.mesh is not None:
         dist.barrier()
+
+
+def _merged_specs(specs: dict, live: dict, transforms: dict, layers: dict):
+    """(specs, produce) of the merged HF tensors of a LoRA model: adapters left out, base weights renamed
+    and merged when produced (in stored order, so every rank gathers the same tensors in turn)."""
+    sources = {}
+    for name in specs:
+        layer, part = adapted_part(name, layers)
+        if layer is None or part == ".bias":  # a plain tensor or an adapted layer's bias, by its HF name
+            sources[hf_name(name)] = [name]
+        elif part == "base":
+            sources[f"{layer}.weight"] = [
+                name,
+                f"{layer}.lora_A.{ADAPTER}.weight",
+                f"{layer}.lora_B.{ADAPTER}.weight",
+            ]
+    out_specs = {hf: (specs[src[0]][0], specs[src[0]][1]) for hf, src in sources.items()}
+
+    def produce(hf: str) -> torch.Tensor:
+        items = [(n, gather(n, live[n], transforms, "cpu")) for n in sources[hf]]
+        return next(iter(merge_named(items, layers)))[1]
+
+    return out_specs, produce
 
 
 def gather(name: str, t: torch.Tensor, transforms: dict, device) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Parallelism applied by a function to a plain HF model, in torchtitan's order:
-tensor parallel (DTensor plans over the "tp" mesh axis) -> activation checkpointing -> FSDP2
+"""Parallelism applied by a function to a plain HF model (after its LoRA adapters, if any: models/lora.py),
+in torchtitan's order: tensor parallel (DTensor plans over the "tp" mesh axis) -> activation checkpointing -> FSDP2
 `fully_shard` over the "dp" axis. Model code stays parallelism-free (docs/design.md §7).
 
 Where this departs from torchtitan:
@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hybridflow.compat.hf import enable_activation_checkpointing
 from hybridflow.models.fused_qkv import fused_qkv_permutation
+from hybridflow.models.lora import ADAPTER, is_adapter
 
 # Attribute set on the HF model: {param name: (dim, permutation)} applied to HF-layout tensors.
 _LAYOUT_ATTR = "_hybridflow_layout_permutations"
@@ -117,8 +118,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "mlp.down_proj": RowwiseParallel(),
         }
         for layer in layers:
-            parallelize_module(layer, tp_mesh, plan)
+            parallelize_module(layer, tp_mesh, with_adapters(plan, layer))
     elif kind == "gpt2":
+        if any(is_adapter(n) for n, _ in model.named_parameters()):
+            raise NotImplementedError(
+                "LoRA under tensor parallel needs a Llama-like model; use tp=1 for GPT-2"
+            )
         _check_divisible(config, tp, ("n_head", "n_embd"))
         perm = fused_qkv_permutation(config.n_embd, tp)
         layout = {}
@@ -141,6 +146,23 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         raise NotImplementedError(
             f"no tensor-parallel plan for model_type {kind!r} (have {LLAMA_LIKE + ('gpt2',)}); use tp=1"
         )
+
+
+def with_adapters(plan: dict, layer: nn.Module) -> dict:
+    """The plan for a layer whose projections may carry LoRA adapters (models/lora.py): the frozen base
+    takes the projection's style; a column-parallel one's B (out, r) is split by output rows too (A whole),
+    a row-parallel one's A (r, in) by input columns (B whole), so B @ A is split as the base weight is."""
+    out = {}
+    for path, style in plan.items():
+        if not hasattr(layer.get_submodule(path), "base_layer"):
+            out[path] = style
+            continue
+        out[f"{path}.base_layer"] = style
+        if isinstance(style, RowwiseParallel):
+            out[f"{path}.lora_A.{ADAPTER}"] = RowwiseParallel()
+        else:
+            out[f"{path}.lora_B.{ADAPTER}"] = ColwiseParallel()
+    return out
 
 
 def hf_layout_transforms(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:

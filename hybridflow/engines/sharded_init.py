@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hybridflow.models import lora
 from hybridflow.models.meta import WEIGHTS_ATTR, ZERO_INIT_ATTR, weight_files
 
 
@@ -54,9 +55,12 @@ def _local_chunk(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, model: nn.Module, device: torch.device, transforms: dict) -> InitStats:
+def materialize(
+    root: nn.Module, model: nn.Module, device: torch.device, transforms: dict, seed: int = 0
+) -> InitStats:
     """Allocate this rank's shards of `root`'s meta parameters on `device` and fill them from the
-    safetensors files of the meta-built HF `model` (inside `root`). transforms: hf_layout_transforms."""
+    safetensors files of the meta-built HF `model` (inside `root`). transforms: hf_layout_transforms.
+    LoRA adapters (models/lora.py) get their seeded initial values; a base layer reads its HF name."""
     from safetensors import safe_open
 
     files = weight_files(getattr(model, WEIGHTS_ATTR))
@@ -76,11 +80,16 @@ def materialize(root: nn.Module, model: nn.Module, device: torch.device, transfo
             if name in zero:  # a new value head: starts at zero, nothing to read
                 _local_chunk(p)[0].zero_()
                 continue
-            path = files[name]
+            local, shape, offset = _local_chunk(p)
+            if lora.is_adapter(name):  # this rank's slice of the whole initial value
+                whole = lora.initial_adapter(name, tuple(p.shape), seed)
+                local.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+                continue
+            stored = lora.hf_name(name)
+            path = files[stored]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-            local, shape, offset = _local_chunk(p)
-            sl = handles[path].get_slice(name)
+            sl = handles[path].get_slice(stored)
             perm = transforms.get(name)
             index = tuple(
                 slice(None) if perm is not None and d == perm[0] else slice(o, o + s)

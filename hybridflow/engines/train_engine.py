@@ -48,7 +48,8 @@ from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad
 from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.engines.sharded_init import materialize
-from hybridflow.models.hf import model_kind
+from hybridflow.models import lora
+from hybridflow.models.hf import model_kind, scalar_head
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -78,8 +79,13 @@ class TrainEngine:
         self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type == "cuda")
         fsdp = uses_fsdp(self.mesh)
         param_dtype = None
+        # adapters first, on the plain model: one more function applied before TP and FSDP2 (lora.py)
+        self.lora_layers = self._apply_lora(model) if trainable and self.config.lora.enabled else {}
         if self.compute_dtype is not None and not trainable:
             cast_parameters(model, self.compute_dtype)  # frozen: stored in it (half the bytes for bf16)
+        elif self.compute_dtype is not None and self.lora_layers:
+            cast_parameters(model, self.compute_dtype, frozen_only=True)  # the base; adapters stay fp32
+            param_dtype = self.compute_dtype
         elif self.compute_dtype is not None:
             param_dtype = self.compute_dtype  # fp32 master weights, low-precision compute
         # Without FSDP (one process, or one dp rank) mixed precision comes from autocast instead of the
@@ -106,7 +112,7 @@ class TrainEngine:
         self.init_stats = None
         if on_meta:
             transforms = hf_layout_transforms(model)
-            self.init_stats = materialize(self.module, model, self.device, transforms)
+            self.init_stats = materialize(self.module, model, self.device, transforms, self.config.seed)
         strict_device.mark_device(self.module)  # device-strict mode (CPU tests of the GPU path)
         self.optimizer = self.scheduler = None
         if trainable:
@@ -117,6 +123,23 @@ class TrainEngine:
         self._offload = Offloader(self) if self.config.offload else None
         if self._offload is not None:
             self.offload()
+
+    def _apply_lora(self, model: torch.nn.Module) -> dict[str, tuple[float, bool]]:
+        """Adapters on the plain model (a critic's value head stays trainable); their initial values."""
+        heads = ()
+        if self.kind == "critic":
+            head = scalar_head(model)
+            heads = tuple(n for n, m in model.named_modules() if m is head)
+        c = self.config.lora
+        lora.apply_lora(model, c.rank, c.alpha, c.target_modules, c.dropout, keep_trainable=heads)
+        lora.init_adapters(model, self.config.seed)
+        return lora.lora_layers(model)
+
+    def adapters_disabled(self):
+        """Context: the model computes as its base (the reference model of a LoRA actor)."""
+        if not self.lora_layers:
+            raise RuntimeError("adapters_disabled: this engine has no LoRA adapters (model.lora.rank = 0)")
+        return lora.adapters_disabled(self.hf_model)
 
     # ---- process-group helpers -------------------------------------------------------------------
     @property
@@ -397,12 +420,13 @@ def _to_floats(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(sums, torch.stack(list(sums.values())).tolist()))
 
 
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Parameters (not buffers: rotary tables stay fp32, as HF keeps them) to `dtype`, ties kept."""
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype, frozen_only: bool = False) -> None:
+    """Parameters (not buffers: rotary tables stay fp32, as HF keeps them) to `dtype`, ties kept;
+    frozen_only: only those that need no grad (a LoRA model's base)."""
     new: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is not None and p.is_floating_point():
+            if p is not None and p.is_floating_point() and not (frozen_only and p.requires_grad):
                 if id(p) not in new:
                     new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                 module._parameters[name] = new[id(p)]

@@ -38,7 +38,7 @@ class AllGatherResharder(Resharder):
         return False
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        full = self.ledger.hold(local.clone())  # the whole model is held anyway: the embeddings too
+        full = self.ledger.hold(self._cast_copy(local))  # the whole model is held anyway: the embeddings too
         return full.chunk(self.tg, 0)[self.tp_index] if name in self.vocab else full
 
     def _gather_scope(self) -> tuple[dist.ProcessGroup | None, int]:
@@ -59,8 +59,8 @@ class TwoCopyResharder(Resharder):
 
     method = "two_copy"
 
-    def __init__(self, engine, tg: int = 1, split_vocab: bool = False):
-        super().__init__(engine, tg, split_vocab)
+    def __init__(self, engine, tg: int = 1, split_vocab: bool = False, dtype: torch.dtype | None = None):
+        super().__init__(engine, tg, split_vocab, dtype)
         self._copy: dict[str, torch.Tensor] = {}
 
     @property
@@ -76,7 +76,7 @@ class TwoCopyResharder(Resharder):
     def _direct(self, name: str, local: torch.Tensor, dim: int | None) -> torch.Tensor:
         """Global rank 0 gathers the weight from its TP group and broadcasts it whole; every rank copies
         its generation shard out of it into its resident copy."""
-        full = self._broadcast_full(local, dim)
+        full = self._broadcast_full(self._cast(local), dim)
         if dim is None:
             piece = full.chunk(self.tg, 0)[self.tp_index] if name in self.vocab else full
         else:

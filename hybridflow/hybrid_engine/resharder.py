@@ -17,10 +17,20 @@ the "tp" mesh axis (Shard(k)) is TP-split along k; anything else is whole on eve
 norms, lm_head: engines/parallelize.py keeps them so). The generation shard of a TP-split weight is
 pieces g*tp/tg .. (g+1)*tp/tg - 1 concatenated along k, since pieces are contiguous.
 
-Bytes are counted at the collectives (FSDP's all-gather: (dp-1) padded shards; ours: (n-1) input slots);
-the formula they must equal is hybrid_engine/cost.fsdp_switch_cost (docs/hybrid_engine.md derives it).
+Generation weights move and are held in the generation engine's compute dtype (`dtype`, e.g. bf16 under
+model.dtype=bfloat16 over fp32 master weights): each shard is cast as it is packed, before any gather, so
+half the bytes move and are held, and the decoder finds them ready. Bytes are counted at the collectives
+(FSDP's all-gather: (dp-1) padded shards; ours: (n-1) input slots), in the dtype that moves; the formula
+they must equal is hybrid_engine/cost.fsdp_switch_cost (docs/hybrid_engine.md derives it).
 Generation-weight bytes are the peak of what the switch holds for generation: kept unsharded units,
 gathered shards or full copies, plus the one unit being processed.
+
+LoRA (models/lora.py): each adapted weight of a unit is merged (W + scale * B @ A) into the unit's
+generation tensors as they are produced, under its HF name. B is split like W's output rows and A like
+its input columns (engines/parallelize.py), so the pieces gathered for a generation shard multiply into
+that shard's own update. Merging writes into gathered or FSDP-unsharded tensors, which are freed after
+the call, so no second copy of the model is made; only a layout whose units are the live parameters
+(dp = 1, tg = tp) merges into new tensors, one per adapted weight.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from hybridflow.engines.parallelize import decoder_layers
 from hybridflow.hybrid_engine.comm import CountedComm, MemoryLedger, tensor_bytes
 from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost
 from hybridflow.hybrid_engine.layout import GenLayout, TrainLayout
+from hybridflow.models.lora import merge_into
 from hybridflow.rollout.tp_group import TPGroup
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -76,27 +87,35 @@ def generation_layout(method: str, tp: int, dp: int, tg: int) -> GenLayout:
     )
 
 
-def build_resharder(engine, method: str = "hybridflow", tg: int = 1, split_vocab: bool = False) -> Resharder:
+def build_resharder(
+    engine,
+    method: str = "hybridflow",
+    tg: int = 1,
+    split_vocab: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Resharder:
     """The Resharder `rollout.reshard` names. The baselines are imported only when asked for, so the
     core never depends on them (they depend on it)."""
     if method == "hybridflow":
-        return Resharder(engine, tg, split_vocab)
+        return Resharder(engine, tg, split_vocab, dtype)
     from hybridflow.hybrid_engine.baselines import BASELINES
 
     if method not in BASELINES:
         raise ValueError(f"rollout.reshard: unknown method {method!r}; choose one of {METHODS}")
-    return BASELINES[method](engine, tg, split_vocab)
+    return BASELINES[method](engine, tg, split_vocab, dtype)
 
 
 class Resharder:
     """Owns the actor's generation weights. `with r.generation() as (weights, gen_group): ...` gives this
     rank's generation shard (HF name -> tensor) and its TPGroup (None when tg == 1); `r.stats` then holds
-    the round's counters. engine: the actor's TrainEngine, whose ("dp", "tp") mesh spans all ranks."""
+    the round's counters. engine: the actor's TrainEngine, whose ("dp", "tp") mesh spans all ranks.
+    dtype: the generation engine's compute dtype (None: the weights' own), the dtype shards move in."""
 
     method = "hybridflow"
 
-    def __init__(self, engine, tg: int = 1, split_vocab: bool = False):
+    def __init__(self, engine, tg: int = 1, split_vocab: bool = False, dtype: torch.dtype | None = None):
         self.engine = engine
+        self.dtype = dtype
         mesh = engine.mesh
         self.tp_size = mesh["tp"].size() if mesh is not None else 1
         self.dp_size = mesh["dp"].size() if mesh is not None else 1
@@ -110,6 +129,7 @@ class Resharder:
         self.vocab = self._vocab_names() if split_vocab and self.gen_group is not None else frozenset()
         self.train_tp = mesh["tp"].get_group() if mesh is not None and self.tp_size > 1 else None
         self.units = self._units()
+        self.lora_layers = engine.lora_layers  # adapted layers: merged into the generation weights
         self.comm, self.ledger = CountedComm(), MemoryLedger()
         self.stats = ReshardStats()
         self._formula: tuple[int, int] | None = None  # (bytes, held): fixed by the layout and the weights
@@ -132,8 +152,9 @@ class Resharder:
     @property
     def in_place(self) -> bool:
         """Whether the generation weights are the model's own (FSDP-unsharded) parameters: tp = 1, so an
-        engine reading the model needs no shard (the HF fallback decoder relies on it)."""
-        return self.tp_size == 1
+        engine reading the model needs no shard (the HF fallback decoder relies on it). Not with LoRA: the
+        generation weights are the merged ones, under the HF names the model's own no longer have."""
+        return self.tp_size == 1 and not self.lora_layers
 
     def _units(self) -> list[tuple[torch.nn.Module | None, list[str]]]:
         """(FSDP unit or None, parameter names) in forward order: each decoder layer, then the root."""
@@ -214,9 +235,12 @@ class Resharder:
             transient, bucket = 0, []
             for name in names:
                 local, dim = _local(params[name])
-                transient += sizes.add(local, dim, name in self.vocab, unit is not None)
-                if keep:  # the unit stays unsharded: its own tensors are the generation weights
-                    out[name] = self.ledger.hold(local)
+                transient += sizes.add(
+                    local, self._moved_dtype(local), dim, name in self.vocab, unit is not None
+                )
+                # keep: the unit stays unsharded, its own tensors (cast if need be) the generation weights
+                if keep:
+                    out[name] = self.ledger.hold(self._cast(local))
                 elif (direct := self._direct(name, local, dim)) is not None:
                     out[name] = direct
                 else:
@@ -225,12 +249,27 @@ class Resharder:
                 out.update(self._gather_unit(bucket, unit, transient))
             elif not keep:  # the unsharded unit was a transient: peak while this unit's tensors exist
                 self.ledger.transient(transient)
+            if self.lora_layers:  # W + scale * B @ A on this rank's pieces, which are split alike
+                # in place, except on live parameters: a unit kept whole without FSDP is the model itself
+                merge_into(out, self.lora_layers, names, in_place=not (keep and unit is None))
             if unit is not None:
                 if keep:
                     self._kept.append(unit)
                 else:
                     unit.reshard()
         return out, sizes
+
+    def _moved_dtype(self, local: torch.Tensor) -> torch.dtype:
+        """The dtype a weight moves and is held in for generation: the compute dtype, for floating weights."""
+        return self.dtype if self.dtype is not None and local.is_floating_point() else local.dtype
+
+    def _cast(self, local: torch.Tensor) -> torch.Tensor:
+        """The tensor in its generation dtype: itself when already there, else a cast copy."""
+        return local.to(self._moved_dtype(local))
+
+    def _cast_copy(self, local: torch.Tensor) -> torch.Tensor:
+        """A copy in the generation dtype that never aliases the live (training) tensor."""
+        return local.to(self._moved_dtype(local), copy=True)
 
     # ---- hooks the baselines (baselines.py) override --------------------------------------------------
     def _resident_bytes(self) -> int:
@@ -250,8 +289,8 @@ class Resharder:
         """A weight every TP rank holds whole: a copy, or for the embeddings under split_vocab only this
         generation TP rank's V/tg rows."""
         if name in self.vocab:
-            return self.ledger.hold(local.chunk(self.tg, 0)[self.tp_index].clone())
-        return self.ledger.hold(local.clone())
+            return self.ledger.hold(self._cast_copy(local.chunk(self.tg, 0)[self.tp_index]))
+        return self.ledger.hold(self._cast_copy(local))
 
     def _gather_scope(self) -> tuple[dist.ProcessGroup | None, int]:
         """(group, size) the TP-split pieces are all-gathered over: the micro-DP group."""
@@ -264,21 +303,27 @@ class Resharder:
     # ---- the gather -----------------------------------------------------------------------------------
     def _gather_unit(self, bucket, unit, unsharded: int) -> dict[str, torch.Tensor]:
         """This rank's generation tensors for one unit's TP-split weights [(name, local, dim)], with one
-        all-gather per dtype over `_gather_scope`: each member packs its pieces into its slot of a flat
-        buffer, the all-gather fills the others' slots in place, and every weight is copied out as the
-        cat of its n pieces along its split dim. The unit is resharded before the collective (its pieces
+        all-gather per dtype over `_gather_scope`: each member packs its pieces, cast to their generation
+        dtype, into its slot of a flat buffer, the all-gather fills the others' slots in place, and every
+        weight is copied out as the cat of its n pieces along its split dim. The unit is resharded before the collective (its pieces
         are in the slot by then), so at the peak a rank holds either the unsharded unit and its slot, or
         the gathered buffer."""
         group, n = self._gather_scope()
         me = dist.get_rank(group) if n > 1 else 0
         by_dtype: dict[torch.dtype, list] = {}
         for item in bucket:
-            by_dtype.setdefault(item[1].dtype, []).append(item)
+            by_dtype.setdefault(self._moved_dtype(item[1]), []).append(item)
         bufs = []
         for dtype, items in by_dtype.items():
             numel = sum(local.numel() for _, local, _ in items)
             buf = torch.empty((n, numel), dtype=dtype, device=items[0][1].device)
-            torch.cat([local.reshape(-1) for _, local, _ in items], out=buf[me])
+            if all(local.dtype == dtype for _, local, _ in items):
+                torch.cat([local.reshape(-1) for _, local, _ in items], out=buf[me])
+            else:  # copy_ casts into the slot: no cast copy in between
+                off = 0
+                for _, local, _ in items:
+                    buf[me, off : off + local.numel()].copy_(local.reshape(-1))
+                    off += local.numel()
             bufs.append((buf, items))
         slots = sum(tensor_bytes(buf[0]) for buf, _ in bufs)
         self.ledger.transient(unsharded + slots)
@@ -308,18 +353,22 @@ class _Sizes:
     vocab: int = 0  # of those, the embeddings split over the vocabulary
     fsdp: int = 0  # received by FSDP2's unit all-gathers
 
-    def add(self, local: torch.Tensor, dim: int | None, vocab: bool, fsdp_unit: bool) -> int:
-        """Count one weight; returns its local bytes."""
-        nbytes = tensor_bytes(local)
+    def add(
+        self, local: torch.Tensor, moved: torch.dtype, dim: int | None, vocab: bool, fsdp_unit: bool
+    ) -> int:
+        """Count one weight, moved and held in dtype `moved`; returns its local bytes (as stored)."""
+        nbytes = local.numel() * moved.itemsize
         if dim is None:
             self.whole += nbytes
             self.vocab += nbytes if vocab else 0
         else:
             self.split += nbytes * self.tp_size
-        if fsdp_unit:  # FSDP2 all-gathers a dim-0 shard (padded to dp equal rows) per rank
+        if (
+            fsdp_unit
+        ):  # FSDP2 all-gathers a dim-0 shard (padded to dp equal rows) per rank, in its param dtype
             rows = -(-local.shape[0] // self.dp_size)
-            self.fsdp += (self.dp_size - 1) * rows * (nbytes // max(local.shape[0], 1))
-        return nbytes
+            self.fsdp += (self.dp_size - 1) * rows * (tensor_bytes(local) // max(local.shape[0], 1))
+        return tensor_bytes(local)
 
 
 def _local(p: torch.Tensor) -> tuple[torch.Tensor, int | None]:

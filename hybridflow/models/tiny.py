@@ -31,12 +31,17 @@ CHAT_TEMPLATE = (
 )
 
 # name -> (hidden, layers, heads, kv_heads, intermediate). "tiny" is ~0.1M params, "small" ~1M,
-# "medium" ~25M: the sizes the benchmarks name.
+# "medium" ~25M: the sizes the benchmarks name. "qwen2.5-0.5b" is Qwen2.5-0.5B's shape (494M parameters
+# with its vocabulary and tied embeddings, SIZE_CONFIG), random weights: speed measured where users'
+# models live.
 SIZES = {
     "tiny": (64, 2, 4, 2, 128),
     "small": (128, 4, 4, 2, 384),
     "medium": (512, 8, 8, 4, 1536),
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864),
 }
+# config fields a size fixes beyond SIZES (the caller's overrides still win)
+SIZE_CONFIG = {"qwen2.5-0.5b": {"vocab_size": 151_936, "tie_word_embeddings": True}}
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -63,7 +68,9 @@ def build_tiny_config(size: str = "tiny", arch: str = "llama", vocab_size: int |
     if size not in SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
     hidden, layers, heads, kv_heads, inter = SIZES[size]
-    vocab_size = vocab_size or len(SPECIAL_TOKENS) + len(set(CHARS))
+    vocab_size = (
+        vocab_size or SIZE_CONFIG.get(size, {}).get("vocab_size") or len(SPECIAL_TOKENS) + len(set(CHARS))
+    )
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "gpt2":
         kw = dict(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024, n_inner=inter)
@@ -79,6 +86,7 @@ def build_tiny_config(size: str = "tiny", arch: str = "llama", vocab_size: int |
         )
         if arch == "qwen3":  # its config defaults head_dim to 128 whatever the width
             kw["head_dim"] = hidden // heads
+    kw.update(SIZE_CONFIG.get(size, {}))
     kw.update(common)
     kw.update(overrides)
     return AutoConfig.for_model(arch, **kw)

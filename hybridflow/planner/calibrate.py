@@ -6,6 +6,11 @@ kinds of work of an RL iteration on a plain transformers model on one CPU worker
 inference = forward without gradients, generation = HF `generate` with a KV cache - and prints
 predicted seconds (the same simulator functions the planner uses, p = t = d = 1) beside the median
 of a few measured repeats, with the ratio measured / predicted. It finishes well within a minute.
+
+`--out FILE` first runs the micro-benchmarks (microbench.py) and writes a device profile (profile.py):
+the catalogue entry `--device` with every coefficient they measure replaced, per compute dtype (float32,
+bfloat16); the table then shows the profile's predictions too. `--on cuda` measures a GPU's compute
+figures (the links stay the entry's). `--profile FILE` compares an existing profile instead.
 """
 
 from __future__ import annotations
@@ -17,18 +22,93 @@ import time
 from dataclasses import replace
 
 from hybridflow.planner import simulate as sim
-from hybridflow.planner.specs import ModelSpec, WorkloadSpec, get_device
+from hybridflow.planner.profile import DeviceProfile
+from hybridflow.planner.specs import DeviceSpec, ModelSpec, WorkloadSpec, get_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="tiny", choices=("tiny", "small", "medium"), help="tiny model size")
-    parser.add_argument("--device", default="cpu", help="catalogue entry to predict with")
+    parser.add_argument(
+        "--device", default="cpu", help="catalogue entry to predict with (and the profile's starting point)"
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences per stage")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="measurements per stage (median is reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a CPU 'device' is one worker)")
-    parser.add_argument("--output", default=None, help="also write the results as JSON")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="run the micro-benchmarks and write a device profile here (YAML/JSON) for `hybridflow plan "
+        "--profile` and resources.planner_profile; the table then adds its predictions",
+    )
+    parser.add_argument(
+        "--on", default="cpu", choices=("cpu", "cuda"), help="with --out: the torch device measured"
+    )
+    parser.add_argument("--profile", default=None, help="a device profile to predict with beside --device")
+    parser.add_argument("--results", default=None, help="also write the table's figures as JSON")
+
+
+def measure_profile(
+    base: str = "cpu", device: str = "cpu", dtypes=("float32",), repeats: int = 5
+) -> DeviceProfile:
+    """Run the micro-benchmarks (microbench.py) and write their figures into `base`'s catalogue entry: a
+    DeviceSpec per dtype with measured GEMM rate and fall-off, bandwidth, overheads and (on CPU) links."""
+    import platform
+
+    import torch
+
+    from hybridflow.planner import microbench as mb
+
+    raw: dict = {"startup_s": mb.startup_seconds(), "memory_bandwidth": mb.memory_bandwidth(device, repeats)}
+    links = {}
+    if device == "cpu":  # two-rank gloo between processes of this machine: what its collectives run on
+        raw["collectives"] = links = mb.collectives()
+    devices = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        rates = mb.gemm_rates(dtype, device, repeats)
+        peak, half = mb.fit_gemm(rates)
+        per_layer = mb.layer_overhead(dtype, device, repeats)
+        per_step = mb.decode_step_overhead(dtype, per_layer, device)
+        raw[name] = {
+            "gemm_flops_by_width": rates,
+            "layer_overhead_s": per_layer,
+            "decode_step_overhead_s": per_step,
+        }
+        entry = get_device(base if name == "float32" or device != "cpu" else "cpu-bf16")
+        devices[name] = replace(
+            entry,
+            name=f"{entry.name}-measured",
+            peak_flops=peak,
+            compute_efficiency=1.0,  # the fitted peak is what this stack reaches
+            gemm_half_width=half,
+            hbm_bandwidth=raw["memory_bandwidth"],
+            memory_efficiency=1.0,
+            layer_overhead_s=per_layer,
+            decode_step_overhead_s=per_step,
+            bytes_per_param=dtype.itemsize,
+            measured=True,
+            **({"intra_node_bandwidth": links["bandwidth"], "comm_latency_s": links["latency_s"],
+                "comm_efficiency": 1.0} if links else {}),
+        )  # fmt: skip
+    host = {
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+        "torch": str(torch.__version__),
+        "threads": torch.get_num_threads(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    return DeviceProfile(f"{get_device(base).name}-measured", devices, host, raw)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -85,9 +165,9 @@ def measure(size: str, batch: int, prompt_len: int, response_len: int, repeats: 
     }
 
 
-def predict(spec: ModelSpec, device: str, wl: WorkloadSpec) -> dict:
+def predict(spec: ModelSpec, device: str | DeviceSpec, wl: WorkloadSpec) -> dict:
     """Simulated seconds for the same work on one device (p = t = d = 1)."""
-    dev = get_device(device)
+    dev = get_device(device) if isinstance(device, str) else device
     return {
         "training": sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False),
         "inference": sim.inference_time(spec, dev, wl, 1, 1, 1, 1),
@@ -95,8 +175,11 @@ def predict(spec: ModelSpec, device: str, wl: WorkloadSpec) -> dict:
     }
 
 
-def calibrate(size="tiny", device="cpu", batch=8, prompt_len=32, response_len=32, repeats=3) -> dict:
-    """{"model", "device", "stages": {stage: {"predicted_s", "measured_s", "ratio"}}}."""
+def calibrate(
+    size="tiny", device="cpu", batch=8, prompt_len=32, response_len=32, repeats=3, profile=None
+) -> dict:
+    """{"model", "device", "stages": {stage: {"predicted_s", "measured_s", "ratio"}}}; with a
+    DeviceProfile also "profile_stages", the same predicted with its float32 entry."""
     from hybridflow.models.tiny import build_tiny_config
 
     spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
@@ -110,19 +193,28 @@ def calibrate(size="tiny", device="cpu", batch=8, prompt_len=32, response_len=32
         micro_batch_size=batch,
         inference_micro_batch_size=batch,
     )
-    predicted = predict(spec, device, wl)
     measured = measure(size, batch, prompt_len, response_len, repeats)
-    stages = {
-        k: {"predicted_s": predicted[k], "measured_s": measured[k], "ratio": measured[k] / predicted[k]}
-        for k in ("training", "inference", "generation")
-    }
-    return {
-        "model": spec.name,
-        "params": spec.num_params,
-        "device": device,
-        "workload": vars(wl),
-        "stages": stages,
-    }
+
+    def compare(dev) -> dict:
+        predicted = predict(spec, dev, wl)
+        return {
+            k: {"predicted_s": predicted[k], "measured_s": measured[k], "ratio": measured[k] / predicted[k]}
+            for k in ("training", "inference", "generation")
+        }
+
+    result = {"model": spec.name, "params": spec.num_params, "device": device, "workload": vars(wl)}
+    result["stages"] = compare(device)
+    if profile is not None:
+        result["profile"] = profile.name
+        result["profile_stages"] = compare(profile.device("float32"))
+    return result
+
+
+WORK = {
+    "training": "forward + backward + AdamW step",
+    "inference": "forward, no grad (log-probs)",
+    "generation": "HF generate, KV cache",
+}
 
 
 def run(args) -> int:
@@ -131,32 +223,45 @@ def run(args) -> int:
     from rich.table import Table
 
     torch.set_num_threads(args.threads)
+    console = Console(width=160)
     start = time.perf_counter()
-    result = calibrate(args.size, args.device, args.batch, args.prompt_len, args.response_len, args.repeats)
-    console = Console(width=120)
+    profile = None
+    if args.out:
+        profile = measure_profile(args.device, args.on, ("float32", "bfloat16"), args.repeats + 2)
+        console.print(
+            f"device profile written to {profile.save(args.out)} ({time.perf_counter() - start:.0f} s)"
+        )
+    elif args.profile:
+        try:
+            profile = DeviceProfile.load(args.profile)
+        except (ValueError, FileNotFoundError) as e:
+            console.print(f"[red]hybridflow calibrate: {e}[/]")
+            return 2
+    result = calibrate(
+        args.size, args.device, args.batch, args.prompt_len, args.response_len, args.repeats, profile
+    )
     table = Table(
         title=(
             f"{result['model']} ({result['params']:,} params), batch {args.batch} x "
-            f"({args.prompt_len} + {args.response_len}) tokens, {args.threads} thread(s), "
-            f"predicted with the '{args.device}' entry"
+            f"({args.prompt_len} + {args.response_len}) tokens, {args.threads} thread(s)"
         ),
         title_justify="left",
     )
-    for col in ("stage", "work", "predicted s", "measured s", "measured / predicted"):
+    columns = ["stage", "work", "measured s", f"'{args.device}' entry s", "measured / predicted"]
+    if profile is not None:
+        columns += [f"profile {profile.name} s", "measured / predicted"]
+    for col in columns:
         table.add_column(col, justify="left" if col in ("stage", "work") else "right")
-    work = {
-        "training": "forward + backward + AdamW step",
-        "inference": "forward, no grad (log-probs)",
-        "generation": f"HF generate, {args.response_len} new tokens, KV cache",
-    }
     for stage, r in result["stages"].items():
-        table.add_row(
-            stage, work[stage], f"{r['predicted_s']:.4f}", f"{r['measured_s']:.4f}", f"{r['ratio']:.2f}x"
-        )
+        row = [stage, WORK[stage], f"{r['measured_s']:.4f}", f"{r['predicted_s']:.4f}", f"{r['ratio']:.2f}x"]
+        if profile is not None:
+            q = result["profile_stages"][stage]
+            row += [f"{q['predicted_s']:.4f}", f"{q['ratio']:.2f}x"]
+        table.add_row(*row)
     console.print(table)
     console.print(f"calibration took {time.perf_counter() - start:.1f} s")
-    if args.output:
-        with open(args.output, "w") as f:
+    if args.results:
+        with open(args.results, "w") as f:
             json.dump(result, f, indent=2)
-        console.print(f"written to {args.output}")
+        console.print(f"results written to {args.results}")
     return 0

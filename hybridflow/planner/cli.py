@@ -1,6 +1,7 @@
 """`hybridflow plan`: run the auto-mapping planner from the command line and print the plan.
 
     hybridflow plan --model-size 13B --gpus 128 --gpu a100-80 [--algorithm ppo] [--explain] [--output plan.yaml]
+    hybridflow plan --profile cpu.yaml --gpus 4 ...   # priced with this machine's measured coefficients
 
 `--max-pp 1 --tp-whole-heads` restricts the search to layouts hybridflow's built-in engines run (no
 pipeline parallelism; tensor parallelism over whole heads), which a plan file for `hybridflow train`
@@ -29,8 +30,27 @@ from hybridflow.planner.dataflow import (
     with_old_log_probs,
 )
 from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
+from hybridflow.planner.profile import DTYPES, DeviceProfile
 from hybridflow.planner.search import bell_number, search
 from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=8, help="number of devices")
+    c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
+    c.add_argument(
+        "--profile",
+        default=None,
+        help="a device profile measured by `hybridflow calibrate --out FILE`: plan with it instead of --gpu",
+    )
+    c.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="with --profile: the compute dtype whose measured entry prices the work",
+    )
+    c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,10 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--no-reward-model", action="store_true", help="rule-based reward: no reward model to place"
     )
-    c = parser.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, default=8, help="number of devices")
-    c.add_argument("--gpu", default="a100-80", choices=sorted(DEVICES), help="device type from the catalogue")
-    c.add_argument("--devices-per-node", type=int, default=None, help="default: the catalogue's (8 for GPUs)")
+    _add_cluster_arguments(parser)
     e = parser.add_argument_group("engines (defaults: any layout, the paper's search)")
     e.add_argument(
         "--max-pp", type=int, default=None, help="largest pipeline size p (1 for the built-in engines)"
@@ -132,7 +149,8 @@ def _inputs(args):
         actor = ModelSpec.from_param_count(args.model_size)
     critic = ModelSpec.from_param_count(args.critic_size) if args.critic_size else None
     reward = ModelSpec.from_param_count(args.reward_size) if args.reward_size else None
-    cluster = ClusterSpec.build(args.gpu, args.gpus, args.devices_per_node)
+    device = DeviceProfile.load(args.profile).device(args.dtype) if args.profile else args.gpu
+    cluster = ClusterSpec.build(device, args.gpus, args.devices_per_node)
     # where the trainer takes old log-probs, per schedule (trainers/sources/base.py old_log_prob_source): the
     # catalogue's 4-byte entry (cpu) computes in fp32, as model.dtype=auto does on CPU; the built-in
     # rollout's log-probs are exact
@@ -176,7 +194,8 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         f" + rollout pool one step ahead ({plan.ahead.n_devices} devices)" if plan.rollout_ahead else ""
     )
     console.print(
-        f"[bold]{plan.algorithm.upper()}[/] {models} on {plan.num_devices} x {plan.device}: "
+        f"[bold]{plan.algorithm.upper()}[/] {models} on {plan.num_devices} x {plan.device} "
+        f"({'measured profile' if plan.device_measured else 'catalogue entry, not measured'}): "
         f"[bold]{plan.strategy}{schedule}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
         f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
     )

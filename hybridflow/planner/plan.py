@@ -123,6 +123,8 @@ class Plan:
     ahead: RolloutPlan | None = None  # the best one-step-ahead plan (None: not searched or no fit)
     synchronous_seconds: float = 0.0  # the best synchronous plan's iteration (0: none fits)
     old_log_probs: str = "actor"  # the synchronous schedule's: "free" = no actor preparation forward priced
+    # priced with a device profile measured on the machine (profile.py); False: the catalogue's datasheet entry
+    device_measured: bool = False
 
     @property
     def limits(self) -> EngineLimits:
@@ -310,6 +312,7 @@ def build_plan(
         ahead=_rollout_plan(ahead) if ahead else None,
         synchronous_seconds=sync_best or 0.0,
         old_log_probs=dataflow.old_log_probs,
+        device_measured=cluster.device.measured,
     )
 
 

@@ -155,6 +155,7 @@ class DeviceSpec:
         0.0  # generation engine's fixed cost per decode step (sampling, scheduling)
     )
     usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers
+    measured: bool = False  # True: from a device profile measured on the machine (profile.py); else datasheet
 
 
 _A100 = dict(

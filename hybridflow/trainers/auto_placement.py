@@ -9,8 +9,9 @@ turns that into a `Placement`: one pool per colocated set plus each role's paral
     dataflow   the configured algorithm's models, shapes read from their HF config.json (ModelSpec), the
                actor's old-log-prob forward priced only where the trainer runs one (trainers/rl.py
                old_log_prob_source on this config, per schedule: `planner_old_log_probs`)
-    cluster    resources.n_gpus_per_node x nnodes devices; the catalogue's "cpu" entry on CPU, on GPU
-               the entry matching torch.cuda's device name
+    cluster    resources.n_gpus_per_node x nnodes devices: resources.planner_profile's measured entry
+               (`hybridflow calibrate --out FILE`) where set, else the catalogue's "cpu" entry on CPU, on
+               GPU the entry matching torch.cuda's device name
     workload   data.train_batch_size prompts x rollout.n samples, max prompt / response lengths,
                actor epochs, mini-batches and micro-batch sizes
 
@@ -58,8 +59,9 @@ from hybridflow.planner import (
 from hybridflow.planner.ahead import ROLLOUT_POOL, search_ahead
 from hybridflow.planner.dataflow import with_old_log_probs
 from hybridflow.planner.plan import build_plan
+from hybridflow.planner.profile import DeviceProfile
 from hybridflow.planner.search import search
-from hybridflow.planner.specs import DEVICES
+from hybridflow.planner.specs import DEVICES, DeviceSpec, get_device
 from hybridflow.trainers.plan_schedule import (
     REPLAN_FLAGS,
     check_schedule,
@@ -208,9 +210,24 @@ def device_entry(name: str, memory_gib: float) -> str:
     )
 
 
+def planner_device(cfg) -> DeviceSpec:
+    """The device the planner prices this run's work on: resources.planner_profile's measured entry for
+    the compute dtype, else the catalogue's entry (detect_device)."""
+    path = cfg.resources.planner_profile
+    if not path:
+        return get_device(detect_device(cfg))
+    try:
+        profile = DeviceProfile.load(path)
+        kind = "cpu" if detect_device(cfg).startswith("cpu") else "cuda"
+        dtype = "float32" if computes_in_fp32(cfg.model.dtype, kind) else "bfloat16"
+        return profile.device(dtype)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError([f"resources.planner_profile: {e}"]) from e
+
+
 def build_planner_cluster(cfg) -> ClusterSpec:
     r = cfg.resources
-    return ClusterSpec.build(detect_device(cfg), r.num_devices, r.n_gpus_per_node)
+    return ClusterSpec.build(planner_device(cfg), r.num_devices, r.n_gpus_per_node)
 
 
 def plan_for_config(cfg) -> Plan:
@@ -355,6 +372,6 @@ def report_plan(p: Plan, placement, cfg, source: str, stream) -> None:
 
 def _device_or_none(cfg) -> str | None:
     try:
-        return detect_device(cfg)
+        return planner_device(cfg).name
     except ConfigError:
         return None

@@ -56,6 +56,7 @@ from hybridflow.trainers.dump import batch_scores, generation_rows, write_genera
 from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import Timers, throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
+from hybridflow.trainers.plan_metrics import plan_metrics
 from hybridflow.trainers.validation import ValidationMixin
 from hybridflow.workers import RuleReward
 
@@ -265,6 +266,8 @@ class Trainer(ValidationMixin):
             ):
                 self.save_checkpoint()
             metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
+            if self.placement.plan is not None:  # the plan's predictions beside the measured stages
+                metrics.update(plan_metrics(self.placement.plan, metrics))
             metrics["trainer/restarts"] = self.restarts
             self.tracker.log(metrics, self.global_step)
             history.append({"step": self.global_step, **metrics})

@@ -67,6 +67,20 @@ def check_this_machine(cfg) -> None:
         print(f"hybridflow train: warning: {warning}", file=sys.stderr)
 
 
+def say_faster_setting(cfg, load) -> None:
+    """One line when the planner predicts a faster setting these resources allow (trainers/speed_hint.py).
+    Advice only: a config the planner cannot price gets no line, never a failed start."""
+    from hybridflow.trainers.speed_hint import faster_setting
+
+    try:
+        line = faster_setting(cfg, load)
+    except Exception as e:  # noqa: BLE001 - the hint must not stop a run the config allows
+        logging.getLogger(__name__).debug("no speed hint: %s", e)
+        return
+    if line:
+        print(f"hybridflow train: {line}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
@@ -90,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         config, overrides = split_config_arg(args.config, list(args.overrides))
         cfg = load_config(config, overrides, verl=True if args.verl else None)
         check_this_machine(cfg)
+        say_faster_setting(
+            cfg, lambda extra: load_config(config, [*overrides, *extra], verl=True if args.verl else None)
+        )
     except user_errors() as e:
         print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2

@@ -54,6 +54,7 @@ def resolve_source(source: str, step: int | None, scratch: str | None = None) ->
     """-> (HF model directory, the run's config.yaml or None). A checkpoint's sharded actor is exported
     (streamed, checkpoint/export.py) into `scratch` first."""
     from hybridflow.checkpoint import CheckpointError, export_hf, find_checkpoint, read_manifest
+    from hybridflow.checkpoint.engine_state import read_engine_info
 
     path = Path(source)
     if not path.exists():  # a Hub id such as Qwen/Qwen2.5-0.5B-Instruct: its local cache snapshot
@@ -74,7 +75,8 @@ def resolve_source(source: str, step: int | None, scratch: str | None = None) ->
     if not (hf / "config.json").is_file():
         if scratch is None:
             raise CheckpointError(f"{step_dir}/actor needs exporting first (hybridflow export)")
-        hf = export_hf(step_dir, Path(scratch) / "actor")
+        lora = "lora" in read_engine_info(step_dir / "actor")  # adapters only: evaluate the merged model
+        hf = export_hf(step_dir, Path(scratch) / "actor", merge=lora)
     run_config = step_dir.parent.parent / "config.yaml"
     return hf, run_config if run_config.is_file() else None
 

@@ -63,13 +63,21 @@ def phase_flops(n_actor: int, n_critic: int, tokens: float, actor_epochs: int, c
     return out
 
 
+MIN_RATE_SECONDS = 1e-3
+"""A phase's time below which no rate is logged: the timers' own resolution in practice. A phase that
+issued no call reads the driver's bookkeeping (~10 us: timers.phase), and a rate over it is no
+measurement (2 N x tokens over 10 us reads 10^5 TFLOP/s for a 0.5B model); any real forward of a
+model in a step takes longer."""
+
+
 def flops_metrics(flops: dict[str, float], times: dict[str, float], devices: dict[str, int],
                   peak: float | None) -> dict[str, float]:  # fmt: skip
-    """perf/tflops_per_device/<phase> (and perf/mfu/<phase> when the device's peak is known)."""
+    """perf/tflops_per_device/<phase> (and perf/mfu/<phase> when the device's peak is known), for the
+    phases timed for at least MIN_RATE_SECONDS."""
     out = {}
     for phase, f in flops.items():
         seconds = times.get(f"timing_s/{phase}")
-        if not seconds or not f:
+        if not seconds or seconds < MIN_RATE_SECONDS or not f:
             continue
         per_device = f / seconds / max(devices.get(phase, 1), 1)
         out[f"perf/tflops_per_device/{phase}"] = per_device / 1e12
@@ -117,6 +125,8 @@ def step_resource_metrics(trainer, batch) -> dict[str, float]:
     source = getattr(trainer, "source", None)
     if source is not None and not source.times_generation:
         flops.pop("gen")
+    if not getattr(trainer, "uses_ref", True):  # its phase timer ran, around no forward
+        flops.pop("ref")
     role = {"values": "critic", "update_critic": "critic", "ref": "ref"}
     devices = {p: trainer.groups.get(role.get(p, "actor_rollout"), trainer.actor).world_size for p in flops}
     out.update(flops_metrics(flops, trainer.timers.times, devices, peak_flops(device_name)))

@@ -211,7 +211,8 @@ def build_worker_groups(
     """Create pools and worker groups for `roles` (role -> extra init kwargs), then init every model.
 
     Returns (groups by role, pools). groups["ref"] is groups["actor_rollout"] (or groups["rollout"]) when
-    they share a pool: the reference joins that ActorRolloutRefWorker instance. With
+    they share a pool: the reference joins that ActorRolloutRefWorker instance; with LoRA it is always
+    groups["actor_rollout"], whose actor computes it with the adapters off. With
     placement.ref_on_training a second reference joins the actor's instance: groups["ref_training"].
     """
     unknown = [r for r in roles if r not in ROLES]
@@ -249,6 +250,8 @@ def build_worker_groups(
             groups.update(made)
         if host:
             groups["ref"] = groups[host]
+        if cfg.model.lora.enabled and "actor_rollout" in groups:
+            groups["ref"] = groups["actor_rollout"]  # the actor with its adapters off (workers/actor.py)
         if placement.ref_on_training and "ref" in roles:
             groups["ref_training"] = groups["actor_rollout"]
         for role in ROLES:  # actor first: colocated models are built in a fixed order on every rank

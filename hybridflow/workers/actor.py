@@ -1,4 +1,5 @@
-"""ActorRolloutRefWorker: the policy's roles — actor (trains), rollout (generates), ref (frozen copy).
+"""ActorRolloutRefWorker: the policy's roles — actor (trains), rollout (generates), ref (frozen copy; with
+LoRA the actor itself with its adapters off, models/lora.py).
 
 Any subset of the roles runs in one process (verl's hybrid worker). With "actor" and "rollout"
 together, generation runs on the actor's own HF model object, so there is no weight copy: a
@@ -41,7 +42,7 @@ from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.engines.train_engine import cast_parameters
 from hybridflow.hybrid_engine.resharder import build_resharder, generation_layout
-from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models import load_causal_lm, load_tokenizer, lora
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
 from hybridflow.rollout.base import response_lengths
@@ -101,9 +102,12 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self.actor_cfg = self.ref_cfg = None
         if "actor" in roles:
             self.actor_cfg = engine_config(
-                config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps, **pack
-            )
+                config.actor, self.world_size, "actor", seed, config.model.dtype, total_optim_steps, **pack,
+                lora=config.model.lora,
+            )  # fmt: skip
             set_train_layout(self, "train", self.actor_cfg.parallel)
+            if config.model.lora.enabled:  # the reference is the actor with its adapters off
+                set_train_layout(self, "ref", self.actor_cfg.parallel)
         if "ref" in roles:
             self.ref_cfg = engine_config(config.ref, self.world_size, "ref", seed, config.model.dtype, **pack)
             set_train_layout(self, "ref", self.ref_cfg.parallel)
@@ -150,16 +154,17 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             )
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
+            dtype = model_compute_dtype(m.dtype, self.config.device)
             if self.actor is not None:
                 r = self.config.rollout
-                # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md)
+                # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md);
+                # shards move and are held in generation's compute dtype (half the bytes in bf16)
                 self.resharder = build_resharder(
-                    self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin"
+                    self.actor, r.reshard, r.tg, split_vocab=r.engine == "builtin", dtype=dtype
                 )
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
-            dtype = model_compute_dtype(m.dtype, self.config.device)
             model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
             install_agent_objects(self.agent_objects)
@@ -271,6 +276,17 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             finally:
                 self.rollout.set_shard(None)
         metrics.update(_max_over_ranks(rs.stats.as_metrics(), self.device))
+        metrics["rollout/weight_update_bytes"] = float(self._weight_update_bytes())
+
+    def _weight_update_bytes(self) -> int:
+        """Bytes of the weights one training step changes, whole: what a rollout engine holding its own copy
+        must be sent per step (every parameter in the compute dtype; with LoRA only the adapters, fp32). The
+        built-in engine here reads them in place (merged by the Resharder), so none travel."""
+        if self.actor.lora_layers:
+            return lora.adapter_bytes(self.actor.hf_model)
+        dtype = model_compute_dtype(self.config.model.dtype, self.config.device)
+        size = dtype.itemsize if dtype is not None else 4
+        return self.actor.num_params() * size
 
     # ---- inference ---------------------------------------------------------------------------------
     @register(Protocol.THREE_D, layout="train")
@@ -282,8 +298,13 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     @register(Protocol.THREE_D, layout="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Log-probs under the frozen reference: Batch(ref_log_probs (B, Lr)). At the rollout's
-        temperature, like the old and new log-probs (as verl), so the KL compares like with like."""
-        lp, _ = self._engine("ref").compute_log_probs(batch, temperature=_temperature(batch))
+        temperature, like the old and new log-probs (as verl), so the KL compares like with like. With
+        LoRA the reference is the actor with its adapters off: the base weights, no second model."""
+        if self.ref is None and self.actor is not None and self.actor.lora_layers:
+            with self.actor.adapters_disabled():
+                lp, _ = self.actor.compute_log_probs(batch, temperature=_temperature(batch))
+        else:
+            lp, _ = self._engine("ref").compute_log_probs(batch, temperature=_temperature(batch))
         return Batch({"ref_log_probs": lp})
 
     # ---- training ----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig
-from hybridflow.engines.config import compute_dtype
+from hybridflow.engines.config import LoraConfig, compute_dtype
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import ActorConfig, CriticConfig, RefConfig, RewardConfig
@@ -64,9 +64,10 @@ def engine_config(
     micro_batch_size_per_device: int | None = None,
     remove_padding: bool | None = None,
     share_prompt: bool | None = None,
+    lora: LoraConfig | None = None,
 ) -> EngineConfig:
     """An EngineConfig from an actor / critic / ref / reward config section (remove_padding, share_prompt:
-    model.remove_padding, model.share_prompt)."""
+    model.remove_padding, model.share_prompt; lora: model.lora for a model that trains adapters)."""
     optim = getattr(section, "optim", None)
     return EngineConfig(
         parallel=engine_parallel(section.parallel, world_size, what),
@@ -79,6 +80,7 @@ def engine_config(
         mixed_precision=_MIXED_PRECISION[model_dtype],
         offload=getattr(section, "offload", False),
         seed=seed,
+        lora=lora or LoraConfig(),
     )
 
 

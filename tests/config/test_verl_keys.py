@@ -39,8 +39,8 @@ def needs(key: str):
 
 # the keys that used to be noted and ignored while they changed the job, and the one line each gets now
 REFUSALS = [
-    ("actor_rollout_ref.model.lora_rank=8", "LoRA is not supported yet; remove it or set 0"),
-    ("critic.model.lora_rank=16", "LoRA is not supported yet; remove it or set 0"),
+    ("actor_rollout_ref.model.lora_adapter_path=adapter", "starting from a saved LoRA adapter is not supported yet (model.lora trains new ones); remove it or set None"),
+    ("critic.model.lora_alpha=32", "the critic's adapters take model.lora's settings (verl's default here); remove it or set 16"),
     (R + "multi_turn.tool_config_path=tools.yaml", "verl's tool classes do not run here; list typed functions in rollout.multi_turn.tools; remove it or set None"),
     (R + "agent.default_agent_loop=tool_agent", "verl's agent loops do not run here; multi-turn rollouts are rollout.multi_turn (docs/rollout.md); remove it or set 'single_turn_agent'"),
     (A + "strategy=megatron", "Megatron-LM is not supported; models here train with FSDP2 sharding (strategy fsdp); remove it or set 'fsdp'"),
@@ -65,14 +65,14 @@ def test_a_key_that_changes_the_job_is_refused_in_one_line(override, why):
 
 def test_verl_values_that_keep_its_behaviour_are_accepted_with_a_note():
     notes = []
-    load("actor_rollout_ref.model.lora_rank=0", A + "strategy=fsdp", A + "fsdp_config.model_dtype=fp32",
+    load("actor_rollout_ref.model.lora_adapter_path=null", A + "strategy=fsdp", A + "fsdp_config.model_dtype=fp32",
          "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16", R + "mode=async", R + "multi_turn.tool_config_path=null",
-         "reward_model.sandbox_fusion.url=null", "actor_rollout_ref.model.lora_alpha=32",
+         "reward_model.sandbox_fusion.url=null", "critic.model.lora_alpha=16",
          "global_profiler.tool=nsys", A + "profiler.enable=True", notes=notes)  # fmt: skip
     text = "\n".join(notes)
-    for key in ("lora_rank=0", "actor.strategy='fsdp'", "actor.fsdp_config.model_dtype='fp32'",
+    for key in ("lora_adapter_path=None", "actor.strategy='fsdp'", "actor.fsdp_config.model_dtype='fp32'",
                 "ref.fsdp_config.model_dtype='bf16'", "rollout.mode='async'", "multi_turn.tool_config_path=None",
-                "sandbox_fusion.url=None", "lora_alpha=32"):  # fmt: skip
+                "sandbox_fusion.url=None", "lora_alpha=16"):  # fmt: skip
         assert f"{key}" in text, key
     assert "verl keys global_profiler.* (1) have no effect on results here" in text
     assert "verl keys *.profiler.* (1) have no effect on results here" in text
@@ -94,7 +94,7 @@ def test_verl_multi_turn_keys_map_to_rollout_multi_turn():
 
 
 @pytest.mark.parametrize("cli_args", [
-    ["actor_rollout_ref.model.lora_rank=8"],
+    ["actor_rollout_ref.model.lora_adapter_path=adapter"],
     [A + "strategy=megatron", R + "multi_turn.tool_config_path=tools.yaml"],
 ])  # fmt: skip
 def test_the_cli_refuses_in_one_line_before_ray_starts(cli_args, tmp_path):
@@ -296,7 +296,7 @@ def test_the_doc_lists_every_rename():
 
 # each key of the issue ("noted and ignored while it changes the job") -> the doc section saying what it does
 ISSUE_KEYS = {
-    "actor_rollout_ref.model.lora_rank": "Refused unless verl would do what runs here",
+    "actor_rollout_ref.model.lora_rank": "Renamed or converted",
     "actor_rollout_ref.rollout.multi_turn.enable": "Renamed or converted",
     "actor_rollout_ref.rollout.mode": "Refused unless verl would do what runs here",
     "actor_rollout_ref.actor.strategy": "Refused unless verl would do what runs here",

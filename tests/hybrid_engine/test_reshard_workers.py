@@ -35,6 +35,10 @@ LAYOUTS = {
     "tp4_tg2_two_copy": (4, 2, "two_copy"),
     "qwen2_tp1": (1, 1, "hybridflow"),  # Qwen2: q/k/v biases, split over TP like their weights
     "qwen2_tp4_tg2": (4, 2, "hybridflow"),
+    # model.dtype=bfloat16 (fp32 master weights): tp = 4 has dp = 1, so no FSDP casts for it; the switch
+    # must move and hold the shards in bf16 all the same
+    "bf16_tp1": (1, 1, "hybridflow"),
+    "bf16_tp4_tg1": (4, 1, "hybridflow"),
 }
 GREEDY = {"n": 1, "temperature": 0.0}
 
@@ -47,9 +51,10 @@ def setup(ray_cluster, tmp_path_factory):
     qwen2 = save_tiny_model(tmp / "qwen2", arch="qwen2", num_key_value_heads=4, initializer_range=0.2)
     roles = {}
     for name, (tp, tg, method) in LAYOUTS.items():
+        dtype = ["model.dtype=bfloat16"] if name.startswith("bf16") else []
         cfg = tiny_config(qwen2 if name.startswith("qwen2") else model, tmp / "runs", "grpo", f"actor.parallel.tp={tp}", f"rollout.tg={tg}",
                           f"rollout.reshard={method}", "rollout.response_length=6", "actor.optim.lr=5e-2",
-                          "actor.micro_batch_size_per_device=64", devices=4)  # fmt: skip
+                          "actor.micro_batch_size_per_device=64", *dtype, devices=4)  # fmt: skip
         roles[name] = (
             ActorRolloutRefWorker,
             {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout")},
@@ -66,17 +71,21 @@ def setup(ray_cluster, tmp_path_factory):
 
 def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
     groups, prompts = setup
-    refs = {a: groups[f"{a}tp1"].generate_sequences(prompts, sampling=GREEDY) for a in ("", "qwen2_")}
+    refs = {
+        a: groups[f"{a}tp1"].generate_sequences(prompts, sampling=GREEDY) for a in ("", "qwen2_", "bf16_")
+    }
     assert refs[""]["responses"].shape == (6, 6)
     assert not torch.equal(refs[""]["responses"], refs["qwen2_"]["responses"])
     vocab = build_tiny_config("tiny").vocab_size
+    moved = {}
     for name, (tp, tg, method) in LAYOUTS.items():
-        ref = refs["qwen2_" if name.startswith("qwen2") else ""]
+        ref = refs[next((a for a in ("qwen2_", "bf16_") if name.startswith(a)), "")]
+        itemsize = 2 if name.startswith("bf16") else 4  # the generation dtype's bytes per element
         out = groups[name].generate_sequences(prompts, sampling=GREEDY)
         assert torch.equal(out["responses"], ref["responses"]), name
         assert torch.equal(out["response_mask"], ref["response_mask"]), name
         torch.testing.assert_close(out["rollout_log_probs"], ref["rollout_log_probs"], atol=1e-5, rtol=0)
-        m = out.meta.reshard_metrics
+        m = moved[name] = out.meta.reshard_metrics
         assert m["reshard/bytes_per_rank"] == m["reshard/formula_bytes_per_rank"], (name, m)
         held, formula = m["reshard/gen_weight_bytes_per_rank"], m["reshard/formula_gen_weight_bytes_per_rank"]
         assert formula <= held <= formula + unit_bytes(tp, tg, method, vocab), (name, m)
@@ -84,14 +93,17 @@ def test_greedy_rollouts_equal_tp1_and_bytes_equal_formula(setup):
         # allgather and vanilla hold the whole model M
         share = 1 if method in ("allgather", "vanilla") else tg
         split = 4 * 64 * 64 + 3 * 64 * 128 + 3 * 64 * name.startswith("qwen2")  # q/k/v biases
-        assert formula == 4 * (2 * split // share + 5 * 64 + 2 * vocab * 64 // share), (name, m)
+        assert formula == itemsize * (2 * split // share + 5 * 64 + 2 * vocab * 64 // share), (name, m)
         if tp > 1 or method != "hybridflow":
             assert m["reshard/bytes_per_rank"] > 0, name
         # one bucketed all-gather per decoder layer (2 layers) where TP pieces move, plus FSDP's own
         # all-gather per unit (2 layers + root) where dp = 4 / tp > 1; two_copy moves weight by weight
         if method != "two_copy":
-            moved = tp > 1 and (method != "hybridflow" or tg < tp)
-            assert m["reshard/collectives_per_rank"] == 2 * moved + 3 * (tp < 4), (name, m)
+            moves = tp > 1 and (method != "hybridflow" or tg < tp)
+            assert m["reshard/collectives_per_rank"] == 2 * moves + 3 * (tp < 4), (name, m)
+    # bf16 generation: half the fp32 bytes moved and held (shards cast before the gather)
+    for key in ("reshard/bytes_per_rank", "reshard/gen_weight_bytes_per_rank"):
+        assert 2 * moved["bf16_tp4_tg1"][key] == moved["tp4_tg1"][key] > 0, key
     # the layouts' measured costs order as Table 2 says: hybridflow moves and holds the least
     cost = {
         n: groups[n].generate_sequences(prompts, sampling=GREEDY).meta.reshard_metrics

@@ -18,6 +18,7 @@ from hybridflow.planner import (
     plan_to_resources,
     strategy_name,
 )
+from hybridflow.planner.profile import DeviceProfile
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -110,13 +111,26 @@ def test_plan_command_reports_what_does_not_fit(capsys):
     assert "add devices" in capsys.readouterr().out
 
 
-def test_calibrate_reports_predicted_measured_and_ratio(tmp_path, capsys):
-    out = tmp_path / "cal.json"
+def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp_path, capsys):
+    """One run of the micro-benchmarks: the profile they write loads back equal and carries what they
+    measured; the table sets the catalogue's and the profile's predictions beside the measured seconds."""
+    out, profile_path = tmp_path / "cal.json", tmp_path / "cpu.yaml"
     args = ["calibrate", "--batch", "2", "--prompt-len", "8", "--response-len", "4", "--repeats", "1"]
-    assert main([*args, "--output", str(out)]) == 0
+    assert main([*args, "--out", str(profile_path), "--results", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["stages"]) == {"training", "inference", "generation"}
-    for r in result["stages"].values():
-        assert r["predicted_s"] > 0 and r["measured_s"] > 0
-        assert r["ratio"] == pytest.approx(r["measured_s"] / r["predicted_s"])
+    for key in ("stages", "profile_stages"):
+        assert set(result[key]) == {"training", "inference", "generation"}
+        for r in result[key].values():
+            assert r["predicted_s"] > 0 and r["measured_s"] > 0
+            assert r["ratio"] == pytest.approx(r["measured_s"] / r["predicted_s"])
     assert "measured / predicted" in capsys.readouterr().out
+    profile = DeviceProfile.load(profile_path)
+    assert DeviceProfile.load(profile.save(tmp_path / "again.json")) == profile
+    raw, fp32, bf16 = profile.measurements, profile.device("float32"), profile.device("bfloat16")
+    assert fp32.measured and (fp32.bytes_per_param, bf16.bytes_per_param) == (4, 2)
+    assert fp32.hbm_bandwidth == raw["memory_bandwidth"] > 0 and raw["startup_s"] > 0
+    assert fp32.comm_latency_s == raw["collectives"]["latency_s"] > 0
+    assert fp32.intra_node_bandwidth == raw["collectives"]["bandwidth"] > 0
+    assert fp32.layer_overhead_s == raw["float32"]["layer_overhead_s"] >= 0
+    assert fp32.peak_flops >= 0.9 * min(raw["float32"]["gemm_flops_by_width"].values())
+    assert result["profile"] == profile.name == "cpu-measured"

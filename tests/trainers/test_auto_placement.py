@@ -19,6 +19,8 @@ import pytest
 
 from hybridflow.config import ConfigError, validate_config
 from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
+from hybridflow.planner.profile import DeviceProfile
+from hybridflow.planner.specs import get_device
 from hybridflow.trainers import Placement, build_trainer
 from hybridflow.trainers.auto_placement import (
     ENGINE_LIMITS,
@@ -229,12 +231,32 @@ def test_plan_file_runs_on_four_cpu_devices(ray_cluster, make_config, tiny_model
     assert Plan.load(Path(cfg.run_dir) / "plan.yaml") == p  # the run records the plan it ran
 
 
-def test_auto_placement_plans_and_runs(ray_cluster, make_config):
-    """One CPU device keeps the run cheap; what `auto` chooses on more is checked without Ray above."""
-    cfg = make_config("grpo", DIGITS, KL_LOSS, "resources.placement=auto", devices=1)
+def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
+    """One CPU device keeps the run cheap; what `auto` chooses on more is checked without Ray above. The
+    plan is priced with a device profile (resources.planner_profile), and each step logs its predicted
+    stage seconds beside the measured ones."""
+    cpu = replace(get_device("cpu"), name="cpu-measured", measured=True, layer_overhead_s=2e-3)
+    profile = DeviceProfile("cpu-measured", {"float32": cpu}).save(tmp_path / "cpu.yaml")
+    overrides = (
+        "resources.placement=auto",
+        f"resources.planner_profile={profile}",
+        "trainer.val_before_train=false",
+    )
+    cfg = make_config("grpo", DIGITS, KL_LOSS, *overrides, devices=1)
     with build_trainer(cfg) as trainer:
         planned = trainer.placement.plan
-        assert planned is not None and (planned.device, planned.num_devices) == ("cpu", 1)
+        assert planned is not None and (planned.device, planned.num_devices) == ("cpu-measured", 1)
+        assert planned.device_measured
         assert [pool.n_devices for pool in trainer.pools] == [1]
         assert trainer.groups["ref"] is trainer.groups["actor_rollout"]  # colocated: one process
-        _one_step(trainer)
+        (step,) = trainer.fit(stop_after=1)
+    assert math.isfinite(step["actor/pg_loss"]) and math.isfinite(step["actor/kl_loss"])
+    for stage in ("generation", "preparation", "training"):
+        assert step[f"plan/predicted_s/{stage}"] == planned.stage_seconds[stage] > 0
+        assert step[f"timing_s/stage/{stage}"] > 0
+    assert step["plan/predicted_s/iteration"] == planned.iteration_seconds
+    # the stages run one after another inside the step (one pool): their sum fits in it
+    assert (
+        sum(step[f"timing_s/stage/{s}"] for s in ("generation", "preparation", "training"))
+        <= step["timing_s/step"]
+    )

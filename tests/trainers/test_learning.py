@@ -146,3 +146,20 @@ def test_dapo_raises_held_out_accuracy(demo_sft_model, tmp_path):
     generated = [v for _, v in series["dapo/gen_score_mean"]]
     assert max(v for _, v in series["dapo/num_gen_batches"]) >= 2  # groups were dropped and refilled
     _assert_learns("dapo (dapo_tiny.yaml)", cfg, generated)
+
+
+def test_lora_grpo_raises_held_out_accuracy(demo_sft_model, tmp_path):
+    """The demo recipe training LoRA adapters (rank 8, alpha 64, lr 5e-3; docs/lora.md) with a KL loss, 100
+    steps. The reference is the actor with its adapters off: no reference worker, and a KL above zero (the
+    adapters moved the policy away from the base). Held to a 10-point floor: this run measured +13.0 points
+    (se 3.0, one CPU); the same recipe without the KL loss +15.7 (seed 1), +10.3 (seed 2), +12.0 at 150
+    steps; lr 1e-2 / alpha 32 +12.7, lr 7e-3 / alpha 64 +6.0, and larger steps (lr x alpha/r >= 0.08) collapse
+    the format (reward -> 0). LoRA learns about half what full fine-tuning does on this 0.1M model."""
+    lora = ("model.lora.rank=8", "model.lora.alpha=64", "actor.optim.lr=5e-3", "algorithm.use_kl_loss=true")
+    cfg, rewards = _run(demo_sft_model, tmp_path, 1, 100, *lora)
+    series = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert series["actor/kl_loss"][-1][1] > 0
+    # what a rollout engine with its own copy would be sent: the adapters only. Per layer of the tiny model
+    # (hidden 64, k/v 32, MLP 128), r * (in + out) each: q, o 8*128; k, v 8*96; gate, up, down 8*192; 2 layers
+    assert series["rollout/weight_update_bytes"][-1][1] == 2 * 8 * (2 * 128 + 2 * 96 + 3 * 192) * 4
+    _assert_learns("grpo lora (demo recipe)", cfg, rewards, floor=0.10)

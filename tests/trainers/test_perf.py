@@ -34,6 +34,12 @@ def test_phase_flops_and_rates_by_hand():
     assert m["perf/tflops_per_device/update_actor"] == pytest.approx(2.0)
     assert m["perf/mfu/gen"] == pytest.approx(1.0) and m["perf/mfu/update_actor"] == pytest.approx(2.0)
     assert not any("ref" in k for k in m)  # no timer, no figure
+    # a phase that ran nothing reads the timers' bookkeeping (~10 us): no rate over it, nor just under 1 ms
+    tiny = {"timing_s/gen": 2.0, "timing_s/ref": 1.4e-5, "timing_s/update_actor": 0.99e-3}
+    m = flops_metrics({"gen": 4e12, "update_actor": 1e12, "ref": 1e12}, tiny, {"gen": 2}, None)
+    assert set(m) == {"perf/tflops_per_device/gen"} and m["perf/tflops_per_device/gen"] == pytest.approx(1.0)
+    m = flops_metrics({"ref": 1e9}, {"timing_s/ref": 1e-3}, {}, None)
+    assert m == {"perf/tflops_per_device/ref": pytest.approx(1.0)}  # 1e9 FLOP / 1e-3 s: at the floor, logged
     assert "perf/mfu/gen" not in flops_metrics({"gen": 1.0}, {"timing_s/gen": 1.0}, {}, None)
 
 

@@ -1,0 +1,169 @@
+"""The micro-benchmarks behind a device profile (profile.py): each coefficient of the cost model, timed alone.
+
+    gemm            (rows x w) @ (w x w) at widths 32..1024: FLOP/s per width, fitted to the simulator's
+                    rate(w) = peak * w / (w + half_width) (least squares on 1/rate = 1/peak + half/peak / w)
+    bandwidth       a 128 MiB copy: bytes read + written per second (what a decode step's weight reads see)
+    layer overhead  a tiny Llama's forward on one token with 9 layers minus with 1, per layer: the fixed
+                    Python and dispatch cost a layer adds beyond its FLOPs
+    decode step     HF generate's seconds per new token on a 1-layer model, less that layer's overhead:
+                    sampling, cache bookkeeping and the generate loop
+    collectives     gloo all-reduce between two processes: 4 bytes (latency) and 8 MiB (bandwidth)
+    start-up        a fresh Python importing torch and transformers (recorded; paid once per run, so the
+                    per-iteration model does not price it)
+
+Each timing is the fastest of a few repeats after a warm-up, on `threads` torch threads (a CPU "device" is
+one worker process with HYBRIDFLOW_CPU_THREADS threads). On a GPU the compute figures are the GPU's; the
+links keep the catalogue's (two-rank NCCL needs two GPUs; docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+WIDTHS = (32, 64, 128, 256, 512, 1024)
+GEMM_ROWS = 1024
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def best_seconds(fn, repeats: int = 5, device: str = "cpu", min_s: float = 0.02) -> float:
+    """Seconds of one call of `fn`: the fastest of `repeats` samples, each looping until `min_s` passed
+    (short calls average). The fastest, not the median: on a shared machine the others are other
+    processes' time, which no coefficient of this device should carry."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_s:
+                break
+        samples.append(elapsed / n)
+    return min(samples)
+
+
+def gemm_rates(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of (GEMM_ROWS x w) @ (w x w) per width w (keys are strings: a profile's JSON keeps them so)."""
+    rates = {}
+    for w in WIDTHS:
+        a = torch.randn(GEMM_ROWS, w, device=device).to(dtype)
+        b = torch.randn(w, w, device=device).to(dtype)
+        seconds = best_seconds(lambda a=a, b=b: a @ b, repeats, device)
+        rates[str(w)] = 2.0 * GEMM_ROWS * w * w / seconds
+    return rates
+
+
+def fit_gemm(rates: dict[str, float]) -> tuple[float, float]:
+    """(peak FLOP/s, half width) of rate(w) = peak * w / (w + half) closest to `rates` in log space: for
+    each half width on a geometric grid (0 and 1..4096) the best peak is the geometric mean of
+    rate * (w + half) / w, and the pair with the least squared log error wins."""
+    best = (math.inf, 0.0, 0.0)
+    for half in [0.0] + [2 ** (k / 4) for k in range(49)]:
+        logs = [math.log(r * (int(w) + half) / int(w)) for w, r in rates.items()]
+        log_peak = sum(logs) / len(logs)
+        err = sum((x - log_peak) ** 2 for x in logs)
+        best = min(best, (err, math.exp(log_peak), half))
+    return best[1], best[2]
+
+
+def memory_bandwidth(device: str = "cpu", repeats: int = 5, mib: int = 128) -> float:
+    """Bytes per second of a large copy (each byte read once and written once)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = best_seconds(lambda: dst.copy_(src), repeats, device)
+    return 2 * src.numel() * 4 / seconds
+
+
+def _tiny(layers: int, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.tiny import build_tiny_config
+
+    cfg = build_tiny_config("tiny", "llama", num_hidden_layers=layers)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def layer_overhead(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) -> float:
+    """Seconds a layer adds to a one-token forward beyond its (negligible) FLOPs."""
+    ids = torch.ones(1, 1, dtype=torch.long, device=device)
+    times = {
+        n: best_seconds(lambda m=_tiny(n, dtype, device): m(input_ids=ids), repeats, device) for n in (1, 9)
+    }
+    return max(0.0, (times[9] - times[1]) / 8)
+
+
+@torch.no_grad()
+def decode_step_overhead(
+    dtype: torch.dtype, per_layer: float, device: str = "cpu", repeats: int = 3
+) -> float:
+    """HF generate's seconds per new token on a 1-layer model, less that layer's overhead."""
+    model = _tiny(1, dtype, device)
+    ids = torch.ones(1, 4, dtype=torch.long, device=device)
+
+    def gen(new: int):
+        return lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+            do_sample=True, pad_token_id=0,
+        )  # fmt: skip
+
+    t1, t33 = (best_seconds(gen(n), repeats, device) for n in (1, 33))
+    return max(0.0, (t33 - t1) / 32 - per_layer)
+
+
+def _all_reduce_child(rank: int, init_file: str, out: str, repeats: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    result = {}
+    for label, numel in (("latency", 1), ("bandwidth", 2 * 2**20)):
+        buf = torch.ones(numel)
+        for _ in range(3):
+            dist.all_reduce(buf)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            samples.append(time.perf_counter() - start)
+        result[label] = min(samples)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(f"{result['latency']} {result['bandwidth']}")
+    dist.destroy_process_group()
+
+
+def collectives(repeats: int = 20) -> dict[str, float]:
+    """Two-rank gloo all-reduce: latency_s (4 bytes) and bandwidth (bytes/s, from 8 MiB, which a
+    two-rank ring moves once per rank, less the latency)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(_all_reduce_child, args=(init, out, repeats), nprocs=2, join=True)
+        latency, big = (float(x) for x in open(out).read().split())
+    nbytes = 2 * 2**20 * 4
+    return {"latency_s": latency, "bandwidth": nbytes / max(big - latency, 1e-9)}
+
+
+def startup_seconds() -> float:
+    """A fresh Python importing torch and transformers: what each worker process pays once."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, transformers"], check=True, capture_output=True)
+    return time.perf_counter() - start

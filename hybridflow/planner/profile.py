@@ -1,0 +1,115 @@
+"""A device profile: the cost model's coefficients measured on one machine (`hybridflow calibrate --out FILE`).
+
+The catalogue's entries (specs.py DEVICES) are datasheet numbers and a guessed efficiency: good enough to
+plan hardware one does not have, not to trust an iteration time. A profile replaces them with what short
+micro-benchmarks measured (planner/microbench.py): GEMM rate and its fall-off on narrow matrices per
+compute dtype, memory bandwidth, the fixed cost per layer and per decode step, collective latency and
+bandwidth between two ranks, process start-up. It is a small versioned YAML/JSON file, one per machine
+kind, that users can share; `hybridflow plan --profile FILE` and `resources.planner_profile` plan with it.
+
+    version: 1
+    name: cpu-measured           # the device name plans made with it carry
+    host: {...}                  # where it was measured (CPU model, torch version, threads)
+    devices: {float32: {DeviceSpec fields}, bfloat16: {...}}   # one entry per compute dtype measured
+    measurements: {...}          # the raw figures the coefficients came from, for the record
+
+Pure: no torch here, so the planner reads a profile without loading it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from hybridflow.planner.specs import DeviceSpec
+
+PROFILE_VERSION = 1
+DTYPES = ("float32", "bfloat16")
+_DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Measured DeviceSpecs per compute dtype, and where and from what they were measured."""
+
+    name: str
+    devices: dict[str, DeviceSpec]  # compute dtype -> its measured spec
+    host: dict = field(default_factory=dict)
+    measurements: dict = field(default_factory=dict)
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self):
+        if not self.devices:
+            raise ValueError("a device profile needs at least one dtype's device entry")
+        unknown = sorted(set(self.devices) - set(DTYPES))
+        if unknown:
+            raise ValueError(f"device profile: dtypes {unknown} are not among {DTYPES}")
+
+    def device(self, dtype: str = "float32") -> DeviceSpec:
+        """The measured spec for `dtype` (float32 or bfloat16); a dtype it lacks is an error, not a guess."""
+        if dtype not in self.devices:
+            raise ValueError(
+                f"device profile {self.name!r} has no {dtype} measurements (it has {sorted(self.devices)}); "
+                f"re-run `hybridflow calibrate` on a machine that computes in {dtype}"
+            )
+        return self.devices[dtype]
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "name": self.name,
+            "host": dict(self.host),
+            "devices": {k: asdict(v) for k, v in self.devices.items()},
+            "measurements": dict(self.measurements),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "profile") -> DeviceProfile:
+        if not isinstance(data, dict) or "devices" not in data:
+            raise ValueError(f"{source}: not a device profile (no `devices` section)")
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise ValueError(
+                f"{source}: device profile version {version!r}, this build reads version {PROFILE_VERSION}; "
+                "re-run `hybridflow calibrate --out FILE`"
+            )
+        devices = {}
+        for dtype, spec in data["devices"].items():
+            unknown = sorted(set(spec) - _DEVICE_FIELDS)
+            if unknown:
+                raise ValueError(f"{source}: devices.{dtype} has unknown fields {unknown}")
+            devices[dtype] = replace(DeviceSpec(**spec), measured=True)
+        return cls(
+            name=str(data["name"]),
+            devices=devices,
+            host=dict(data.get("host") or {}),
+            measurements=dict(data.get("measurements") or {}),
+            version=version,
+        )
+
+    def save(self, path: str | Path) -> Path:
+        """YAML (.yaml/.yml) or JSON (anything else)."""
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        else:
+            path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceProfile:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no device profile at {path}; write one with `hybridflow calibrate --out {path}`"
+            )
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text())  # JSON is YAML too
+            return cls.from_dict(data, str(path))
+        except (yaml.YAMLError, TypeError) as e:
+            raise ValueError(f"{path}: not a device profile ({e})") from e

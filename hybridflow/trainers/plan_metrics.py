@@ -1,0 +1,50 @@
+"""A plan's predictions beside what the run measured, per step (runs with resources.placement=auto or a plan file).
+
+The planner prices an iteration as three stages one after another (planner/dataflow.py STAGES); the trainer
+times phases (trainers/metrics.py Timers). A stage's measured seconds are the wall time of its phases'
+busy intervals (the earliest start to the latest end of `STAGE_PHASES[stage]`, from timing_s/timeline/),
+which is what the plan's stage time predicts: the models of one pool take turns, pools run at once.
+
+    plan/predicted_s/<stage>    the plan's seconds for generation / preparation / training
+    plan/predicted_s/iteration  the plan's iteration seconds; measured: timing_s/step
+    timing_s/stage/<stage>      the measured wall seconds of the stage's phases
+
+Left out of both: the advantage computation (`adv`, on the actor's rank 0 between preparation and training)
+and the driver's own work between phases, which the planner does not price; they are the difference
+between timing_s/step and the sum of the stages. One step ahead (plan rollout_ahead: 1) generation runs
+on its own pool during the step, and the step's `gen` phase is the wait for it, so that stage's measured
+figure is not logged.
+"""
+
+from __future__ import annotations
+
+STAGE_PHASES = {
+    "generation": ("gen",),
+    "preparation": ("old_log_prob", "values", "ref", "reward"),
+    "training": ("update_critic", "update_actor"),
+}
+
+
+def stage_seconds(times: dict[str, float], phases: tuple[str, ...]) -> float | None:
+    """Wall seconds from the first of `phases` to start to the last to end; None if none ran."""
+    spans = [
+        (times[f"timing_s/timeline/{p}/start"], times[f"timing_s/timeline/{p}/end"])
+        for p in phases
+        if f"timing_s/timeline/{p}/start" in times
+    ]
+    if not spans:
+        return None
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+def plan_metrics(plan, times: dict[str, float]) -> dict[str, float]:
+    """plan/predicted_s/* from `plan` (a planner Plan) and timing_s/stage/* from a step's `times`."""
+    out = {f"plan/predicted_s/{stage}": float(s) for stage, s in plan.stage_seconds.items()}
+    out["plan/predicted_s/iteration"] = float(plan.iteration_seconds)
+    for stage, phases in STAGE_PHASES.items():
+        if stage == "generation" and plan.rollout_ahead:
+            continue
+        measured = stage_seconds(times, phases)
+        if measured is not None:
+            out[f"timing_s/stage/{stage}"] = measured
+    return out

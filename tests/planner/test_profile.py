@@ -1,0 +1,119 @@
+"""Device profiles (planner/profile.py): the file round-trips and refuses what it cannot read, a plan made
+with one differs from the catalogue's exactly where its coefficients do, and the GEMM fit recovers a known
+curve. `hybridflow calibrate --out` writing a real one is tested with the command (test_plan.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from hybridflow.cli import main
+from hybridflow.planner import ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec, build_dataflow, plan
+from hybridflow.planner.microbench import fit_gemm
+from hybridflow.planner.profile import DeviceProfile
+from hybridflow.planner.specs import get_device
+
+# the tiny "small" Llama (hybridflow.models.tiny) and a batch like examples/configs/grpo_tiny.yaml's
+SMALL = ModelSpec(
+    "small", num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, ffn_hidden=384, vocab_size=64
+)
+WORKLOAD = WorkloadSpec(
+    prompts=64, samples_per_prompt=8, prompt_len=16, response_len=4, mini_batches=1,
+    micro_batch_size=256, inference_micro_batch_size=256,
+)  # fmt: skip
+LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
+
+
+def _profile(**changes) -> DeviceProfile:
+    cpu = replace(get_device("cpu"), name="cpu-measured", measured=True, **changes)
+    bf16 = replace(cpu, name="cpu-bf16-measured", bytes_per_param=2, peak_flops=3 * cpu.peak_flops)
+    return DeviceProfile(
+        "cpu-measured", {"float32": cpu, "bfloat16": bf16}, {"threads": 1}, {"startup_s": 2.5}
+    )
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_profile_round_trips(tmp_path, suffix):
+    profile = _profile(layer_overhead_s=2e-4)
+    loaded = DeviceProfile.load(profile.save(tmp_path / f"cpu{suffix}"))
+    assert loaded == profile
+    assert loaded.device("bfloat16").bytes_per_param == 2 and loaded.device("float32").measured
+
+
+def test_profile_refuses_what_it_cannot_read(tmp_path):
+    good = _profile().to_dict()
+    with pytest.raises(FileNotFoundError, match="hybridflow calibrate --out"):
+        DeviceProfile.load(tmp_path / "none.yaml")
+    cases = {
+        "version": ({**good, "version": 0}, "version 0"),
+        "field": ({**good, "devices": {"float32": {**good["devices"]["float32"], "tflops": 1}}}, "tflops"),
+        "dtype": ({**good, "devices": {"fp8": good["devices"]["float32"]}}, "fp8"),
+        "shape": ([1, 2], "no `devices` section"),
+    }
+    for name, (data, message) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=message):
+            DeviceProfile.load(path)
+    only_fp32 = DeviceProfile("x", {"float32": get_device("cpu")})
+    with pytest.raises(ValueError, match="no bfloat16 measurements"):
+        only_fp32.device("bfloat16")
+
+
+def _grpo_plan(device):
+    return plan(
+        build_dataflow("grpo", SMALL, reward_model=False), ClusterSpec.build(device, 4, 4), WORKLOAD, LIMITS
+    )
+
+
+def test_a_plan_with_a_profile_differs_where_the_profile_does():
+    """The catalogue's cpu entry makes tensor parallelism cheap (0.1 ms per collective hop), so GRPO's actor
+    takes t = 2 with the reference colocated; a profile that measured 50 ms per hop prices those
+    collectives out: no model keeps t > 1. A profile equal to the entry plans the same placement, and
+    says it was measured."""
+    catalogue = _grpo_plan(get_device("cpu"))
+    assert catalogue.strategy == "colocate" and catalogue.model("actor").t == 2
+    assert not catalogue.device_measured
+    slow_links = _grpo_plan(_profile(comm_latency_s=0.05).device("float32"))
+    assert all(m.t == 1 for m in slow_links.models) and slow_links.device_measured
+    assert slow_links.iteration_seconds > catalogue.iteration_seconds
+    same = _grpo_plan(_profile().device("float32"))
+    assert [(m.pool, m.t, m.d) for m in same.models] == [(m.pool, m.t, m.d) for m in catalogue.models]
+    assert same.iteration_seconds == pytest.approx(catalogue.iteration_seconds, rel=1e-12)
+
+
+def test_plan_command_plans_with_a_profile(tmp_path, capsys):
+    path = _profile(comm_latency_s=0.05).save(tmp_path / "cpu.yaml")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "intermediate_size": 384, "vocab_size": 64}))  # fmt: skip
+    args = ["plan", "--model-config", str(config), "--gpus", "4", "--algorithm", "grpo", "--no-reward-model"]
+    args += ["--max-pp", "1", "--tp-whole-heads", "--prompts", "64", "--samples-per-prompt", "8"]
+    args += ["--prompt-len", "16", "--response-len", "4", "--mini-batches", "1"]
+    assert main([*args, "--profile", str(path), "--output", str(tmp_path / "plan.json")]) == 0
+    assert "x cpu-measured (measured profile)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "plan.json").read_text())["device_measured"] is True
+    assert main([*args, "--gpu", "cpu"]) == 0
+    assert "x cpu (catalogue entry, not measured)" in capsys.readouterr().out
+    assert main([*args, "--profile", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_gemm_fit_recovers_a_known_curve():
+    """rate(w) = 1e11 * w / (w + 64): 64 = 2^(24/4) lies on the fit's grid, so both come back exactly."""
+    rates = {str(w): 1e11 * w / (w + 64) for w in (32, 64, 128, 256, 512, 1024)}
+    peak, half = fit_gemm(rates)
+    assert half == pytest.approx(64, rel=1e-12) and peak == pytest.approx(1e11, rel=1e-9)
+    assert fit_gemm({"64": 5e10, "512": 5e10}) == pytest.approx((5e10, 0.0))  # flat: no fall-off
+
+
+def test_resources_planner_profile_is_checked_before_anything_starts(tmp_path):
+    from hybridflow.config.run_config import ResourcesConfig, resources_errors
+
+    path = str(_profile().save(tmp_path / "cpu.yaml"))
+    assert resources_errors(ResourcesConfig(placement="auto", planner_profile=path)) == []
+    (error,) = resources_errors(ResourcesConfig(placement="colocate", planner_profile=path))
+    assert error.startswith("resources.planner_profile: only resources.placement=auto")
+    (error,) = resources_errors(ResourcesConfig(placement="auto", planner_profile=str(tmp_path / "no.yaml")))
+    assert "hybridflow calibrate --out" in error

@@ -1,0 +1,38 @@
+"""trainers/plan_metrics.py: a plan's predicted stage seconds beside the measured stage wall times, on
+hand-made timelines (the run that logs them: test_auto_placement.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hybridflow.trainers.plan_metrics import plan_metrics
+
+
+def _times(**spans) -> dict[str, float]:
+    out = {}
+    for phase, (start, end) in spans.items():
+        out[f"timing_s/timeline/{phase}/start"], out[f"timing_s/timeline/{phase}/end"] = start, end
+    return out
+
+
+def test_stages_are_the_wall_time_of_their_phases():
+    plan = SimpleNamespace(
+        stage_seconds={"generation": 1.0, "preparation": 0.5, "training": 2.0}, iteration_seconds=3.5,
+        rollout_ahead=0,
+    )  # fmt: skip
+    # generation 0..1.2; values 1.3..1.9 and ref 1.25..1.6 ran at once (split pools); adv 1.9..2.0 is not
+    # a priced stage; the critic's update 2.0..3.0 and the actor's 2.0..3.5 ran at once
+    times = _times(gen=(0.0, 1.2), values=(1.3, 1.9), ref=(1.25, 1.6), adv=(1.9, 2.0),
+                   update_critic=(2.0, 3.0), update_actor=(2.0, 3.5))  # fmt: skip
+    out = plan_metrics(plan, times)
+    assert out["plan/predicted_s/generation"] == 1.0 and out["plan/predicted_s/iteration"] == 3.5
+    assert out["timing_s/stage/generation"] == pytest.approx(1.2)
+    assert out["timing_s/stage/preparation"] == pytest.approx(1.9 - 1.25)
+    assert out["timing_s/stage/training"] == pytest.approx(1.5)
+    # one step ahead the step's gen phase is the wait for the rollout pool, not the generation priced
+    ahead = plan_metrics(SimpleNamespace(**{**vars(plan), "rollout_ahead": 1}), times)
+    assert "timing_s/stage/generation" not in ahead and "plan/predicted_s/generation" in ahead
+    # a stage none of whose phases ran is not reported as 0
+    assert "timing_s/stage/training" not in plan_metrics(plan, _times(gen=(0.0, 1.0)))
