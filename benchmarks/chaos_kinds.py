@@ -1,6 +1,7 @@
 """Fault kinds of benchmarks/chaos.py beyond a killed worker: a hung worker (SIGSTOP, caught by
-trainer.hang_timeout_s), the raylet killed mid-run, the GCS killed after the last checkpoint, and the
-newest checkpoint's manifest deleted before a resume. One real `hybridflow train` run per kind (the
+trainer.hang_timeout_s), the raylet and the GCS each killed mid-run (recovered by `hybridflow train`'s
+supervisor with a new embedded cluster), the GCS killed after the last checkpoint, and the newest
+checkpoint's manifest deleted before a resume. One real `hybridflow train` run per kind (the
 config of chaos.py); reported: exit code, steps done, restarts, steps lost beyond the last checkpoint
 before the fault, and the time to recover (MTTR: from the fault to the `resumed from step` line, or to
 the exit for the GCS kind)."""
@@ -71,13 +72,18 @@ def hung_worker(config: Path, steps: int, save_every: int) -> dict:
     return _finish(proc, log, run, steps, save_every, mttr, FAULT_AFTER)
 
 
-def raylet_kill(config: Path, steps: int, save_every: int) -> dict:
-    run, log = config.parent / "raylet", config.parent / "raylet.log"
-    proc = start_train(config, "trainer.experiment_name=raylet", log=log)
-    _after_row(run, FAULT_AFTER, proc)
-    os.kill(_node_process(proc, "raylet"), signal.SIGKILL)
-    mttr = _time_to_line(log, r"resumed from step \d+ \(restart", proc, time.monotonic())
-    return _finish(proc, log, run, steps, save_every, mttr, FAULT_AFTER)
+def node_process_kill(kind: str):
+    """The embedded cluster's `kind` process (raylet, gcs_server) SIGKILLed mid-run."""
+
+    def inject(config: Path, steps: int, save_every: int) -> dict:
+        run, log = config.parent / kind, config.parent / f"{kind}.log"
+        proc = start_train(config, f"trainer.experiment_name={kind}", log=log)
+        _after_row(run, FAULT_AFTER, proc)
+        os.kill(_node_process(proc, kind), signal.SIGKILL)
+        mttr = _time_to_line(log, r"resumed from step \d+ \(restart", proc, time.monotonic())
+        return _finish(proc, log, run, steps, save_every, mttr, FAULT_AFTER)
+
+    return inject
 
 
 def gcs_after_last_checkpoint(config: Path, steps: int, save_every: int) -> dict:
@@ -105,7 +111,8 @@ def manifest_deleted(config: Path, steps: int, save_every: int) -> dict:
 
 KINDS = {
     "hung worker (SIGSTOP, hang_timeout_s=10)": hung_worker,
-    "raylet killed mid-run": raylet_kill,
+    "raylet killed mid-run": node_process_kill("raylet"),
+    "GCS killed mid-run": node_process_kill("gcs_server"),
     "GCS killed after the last checkpoint": gcs_after_last_checkpoint,
     "newest manifest deleted, then resume=auto": manifest_deleted,
 }

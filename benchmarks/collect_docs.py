@@ -19,6 +19,7 @@ ORDER = [
     "generation",
     "hybrid_engine",
     "planner",
+    "pipeline",
     "rewards",
     "memory",
     "lora",

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"hybridflow {args.command}: not available in this build ({args._missing})", file=sys.stderr)
         return 2
+    args._own_command_line = argv is None  # this process is the command the user ran (not a call from Python)
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

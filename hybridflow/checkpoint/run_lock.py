@@ -27,9 +27,10 @@ class RunDirLocked(CheckpointError):
 
 
 class RunLock:
-    """RunLock(run_dir): held from construction until release() (or process exit)."""
+    """RunLock(run_dir): held from construction until release() (or process exit). pid: the owner named
+    to a second run (`hybridflow train`'s own pid when it supervises this process)."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, pid: int | None = None):
         self.fd: int | None = None  # set before anything can fail: __del__ releases
         self.path = Path(run_dir) / LOCK_FILE
         try:
@@ -51,7 +52,7 @@ class RunLock:
                 "choose another trainer.experiment_name / trainer.output_dir"
             ) from None
         info = {
-            "pid": os.getpid(),
+            "pid": pid or os.getpid(),
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

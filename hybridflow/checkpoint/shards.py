@@ -44,11 +44,15 @@ ST_DTYPES = {
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
-def save_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
+def save_tensors(
+    state: dict[str, torch.Tensor], directory: str | os.PathLike, writes_plain: bool | None = None
+) -> None:
     """Write a flat {name: tensor or DTensor} dict, each rank its own chunks, streamed tensor by tensor
     (no copy of the rank's state in memory, unlike DCP's own safetensors writer, which builds each file
     in memory first). Collective over the default group if there is one. A chunk replicated over ranks
-    (a Replicate mesh dimension, or a plain tensor) is written by the first of its holders only."""
+    (a Replicate mesh dimension, or a plain tensor) is written by the first of its holders only.
+    writes_plain: whether this rank writes its plain tensors (None: rank 0 only; a pipeline stage's
+    first rank writes its stage's)."""
     from hybridflow.checkpoint.stream_write import write_safetensors
 
     directory = Path(directory)
@@ -56,7 +60,7 @@ def save_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     mine: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
     for name, t in state.items():
-        chunk = _own_chunk(t, rank)
+        chunk = _own_chunk(t, rank == 0 if writes_plain is None else writes_plain)
         if chunk is not None:
             mine[name] = chunk
     specs = {n: (tuple(c.shape), c.dtype) for n, (c, _) in mine.items()}
@@ -72,12 +76,12 @@ def save_tensors(state: dict[str, torch.Tensor], directory: str | os.PathLike) -
         dist.barrier()
 
 
-def _own_chunk(t: torch.Tensor, rank: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+def _own_chunk(t: torch.Tensor, writes_plain: bool) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """(this rank's chunk, its global offset) if this rank is the one that writes it, else None."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(t, DTensor):
-        return (t, (0,) * t.dim()) if rank == 0 else None
+        return (t, (0,) * t.dim()) if writes_plain else None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     coord = t.device_mesh.get_coordinate()

@@ -39,11 +39,31 @@ def model_tensors(engine) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     prefix = _prefix(engine)
-    tensors = {k.removeprefix(prefix): v for k, v in get_model_state_dict(engine.module).items()}
+    tensors = {
+        _hf_name(engine, k.removeprefix(prefix)): v for k, v in get_model_state_dict(engine.module).items()
+    }
     if engine.lora_layers:
         trained = {n for n, p in engine.hf_model.named_parameters() if p.requires_grad}
         tensors = {k: v for k, v in tensors.items() if k in trained}
     return tensors
+
+
+def _local_names(engine) -> dict[str, str]:
+    """{name in model_tensors: the wrapped module's state-dict key}."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    prefix = _prefix(engine)
+    return {_hf_name(engine, k.removeprefix(prefix)): k for k in get_model_state_dict(engine.module)}
+
+
+def _hf_name(engine, name: str) -> str:
+    """A pipeline stage's parameter under the whole model's name (its layers renumbered), so the stages'
+    files together hold the model by its HF names, whatever p saved them or resumes them."""
+    if getattr(engine, "pipeline", None) is None:
+        return name
+    from hybridflow.engines.pipeline import hf_name
+
+    return hf_name(engine.hf_model, name)
 
 
 def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -56,7 +76,9 @@ def _optimizer_state(engine) -> tuple[dict, dict[str, torch.Tensor]]:
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"optimizer state {fqn}.{key} is a {type(value).__name__}, not a tensor")
-            flat[f"{fqn}.{key}"] = value
+            prefix = _prefix(engine)
+            name = prefix + _hf_name(engine, fqn.removeprefix(prefix)) if fqn.startswith(prefix) else fqn
+            flat[f"{name}.{key}"] = value
     return osd, flat
 
 
@@ -70,6 +92,14 @@ def _json_ready(value):
     return value
 
 
+def _stage_writer(engine) -> bool | None:
+    """Whether this rank writes its pipeline stage's plain (unsharded) tensors: the stage's first rank
+    (dp and tp rank 0); None without stages (rank 0 writes them)."""
+    if getattr(engine, "pipeline", None) is None:
+        return None
+    return engine.mesh["dp"].get_local_rank() == 0 and engine.mesh["tp"].get_local_rank() == 0
+
+
 def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -78,11 +108,12 @@ def save(engine, directory: str | Path) -> None:
     """Collective over the engine's group: every rank writes its shards; rank 0 the JSON."""
     directory = Path(directory)
     with engine.phase(optimizer=True):
-        save_tensors(model_tensors(engine), directory / "model")
+        writes_plain = _stage_writer(engine)
+        save_tensors(model_tensors(engine), directory / "model", writes_plain)
         state = {"global_step": engine.global_step}
         if engine.optimizer is not None:
             osd, flat = _optimizer_state(engine)
-            save_tensors(flat, directory / "optim")
+            save_tensors(flat, directory / "optim", writes_plain)
             state["param_groups"] = _json_ready(osd["param_groups"])
             state["scheduler"] = _json_ready(engine.scheduler.state_dict())
     if _is_rank0():
@@ -102,10 +133,10 @@ def load(engine, directory: str | Path) -> None:
     with engine.phase(optimizer=True):
         tensors = model_tensors(engine)
         load_tensors(tensors, directory / "model")
-        prefix = _prefix(engine)
+        local = _local_names(engine)  # a pipeline stage's own names for the whole model's
         # with LoRA the dict holds only the trained tensors: the base stays as model.path loaded it
         options = StateDictOptions(strict=not engine.lora_layers)
-        set_model_state_dict(engine.module, {prefix + k: v for k, v in tensors.items()}, options=options)
+        set_model_state_dict(engine.module, {local[k]: v for k, v in tensors.items()}, options=options)
         if engine.optimizer is not None:
             if "param_groups" not in state:
                 raise ValueError(f"{directory} holds no optimizer state (saved from a frozen model)")

@@ -26,7 +26,7 @@ class ParallelConfig:
     """How one model is laid out over its worker group (world size = pp * tp * dp)."""
 
     tp: int = setting(1, "tensor-parallel size (DTensor column/row shards inside each layer)")
-    pp: int = setting(1, "pipeline-parallel size (only 1 is implemented)")
+    pp: int = setting(1, "pipeline-parallel size (stages of decoder layers; > 1 for the actor only)")
     dp: int = setting(0, "data-parallel size, FSDP2-sharded (0 = derive: the group's devices / (tp * pp))")
 
     @property
@@ -34,14 +34,10 @@ class ParallelConfig:
         return self.pp * self.tp * self.dp
 
     def check(self) -> None:
-        """Raise unless this is a concrete layout the engine can build (dp resolved, pp = 1)."""
+        """Raise unless this is a concrete layout the engine can build (dp resolved)."""
         for name in ("tp", "pp", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.pp != 1:
-            raise NotImplementedError(
-                f"pipeline parallelism is not implemented (pp={self.pp}); use pp=1 and raise tp or dp instead"
-            )
 
 
 @dataclass

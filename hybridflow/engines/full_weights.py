@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 def iter_full_state_dict(engine: TrainEngine, device) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs; names and layouts are those of the HF checkpoint. With LoRA each
     adapted weight is merged (W + scale * B @ A) as it streams by: the HF model the adapters make."""
+    _whole_model_only(engine)
     transforms = hf_layout_transforms(engine.hf_model)
     with engine.phase():
         live = engine.hf_model.state_dict().items()
@@ -45,6 +46,7 @@ def save_hf(engine: TrainEngine, path, tokenizer=None) -> None:
     so no rank holds the whole model."""
     from hybridflow.checkpoint.stream_write import write_safetensors
 
+    _whole_model_only(engine)
     model = engine.hf_model
     transforms = hf_layout_transforms(model)
     with engine.phase():
@@ -67,6 +69,14 @@ def save_hf(engine: TrainEngine, path, tokenizer=None) -> None:
                 produce(name)
     if engine.mesh is not None:
         dist.barrier()
+
+
+def _whole_model_only(engine: TrainEngine) -> None:
+    if engine.pipeline is not None:
+        raise NotImplementedError(
+            "the whole model's weights of a pipelined engine (parallel.pp > 1) are not gathered here; export "
+            "from its checkpoint (`hybridflow export`), which holds every stage by the whole model's names"
+        )
 
 
 def _merged_specs(specs: dict, live: dict, transforms: dict, layers: dict):

@@ -1,8 +1,9 @@
-"""The device mesh of a worker group: a 2-D ("dp", "tp") DeviceMesh over the default process group.
+"""The device mesh of a worker group: a ("dp", "tp") DeviceMesh over the default process group, or
+("pp", "dp", "tp") with pipeline stages (pp > 1).
 
 Layout: tp is the fastest-varying axis, so consecutive ranks form a TP group (the paper's
-convention: with 8 ranks and tp=4, TP groups are [0-3] and [4-7]). pp is kept in ParallelConfig
-but must be 1, so the mesh is 2-D. gloo on CPU, NCCL on GPU: the backend is whatever the default
+convention: with 8 ranks and tp=4, TP groups are [0-3] and [4-7]); pp the slowest, so the first dp * tp
+ranks run stage 0. gloo on CPU, NCCL on GPU: the backend is whatever the default
 group was initialised with (`init_process_group`), usually by the worker group.
 """
 
@@ -15,7 +16,7 @@ from hybridflow.engines.config import ParallelConfig
 
 
 def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh | None:
-    """A ("dp", "tp") mesh over the default group, or None when no process group is initialised
+    """A ("dp", "tp") mesh (("pp", "dp", "tp") when pp > 1) over the default group, or None when no process group is initialised
     (single-process use: the model then runs unsharded). device_type: the engine's device ("cpu" / "cuda"),
     the one its worker was given."""
     parallel.check()
@@ -32,4 +33,7 @@ def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh
             f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}, dp={parallel.dp}) covers {parallel.world_size} "
             f"ranks but the process group has {world}; make tp * pp * dp equal the world size"
         )
+    if parallel.pp > 1:
+        shape, names = (parallel.pp, parallel.dp, parallel.tp), ("pp", "dp", "tp")
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
     return init_device_mesh(device_type, (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))

@@ -11,6 +11,7 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engines.config import OptimConfig
@@ -54,8 +55,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
-def global_grad_norm(params) -> torch.Tensor:
-    """L2 norm of all gradients together, as a plain scalar tensor equal on every rank."""
+def global_grad_norm(params, pp_group=None) -> torch.Tensor:
+    """L2 norm of all gradients together, as a plain scalar tensor equal on every rank. pp_group: the
+    pipeline ranks holding the model's other stages (engines/pipeline.py), whose squares are summed in."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is None:
@@ -69,14 +71,20 @@ def global_grad_norm(params) -> torch.Tensor:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total_sq = total_sq + norm.detach().float().cpu() ** 2
+    if pp_group is not None:  # on the grads' device: NCCL reduces device tensors only
+        device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+        total_sq = total_sq.to(device)
+        dist.all_reduce(total_sq, group=pp_group)
+        total_sq = total_sq.cpu()
     return total_sq.sqrt()
 
 
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most max_norm (<= 0: only measure). Returns the
-    norm before clipping. Non-finite norms leave gradients untouched (the caller skips the step)."""
+def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Scale gradients so their global L2 norm (across pipeline stages with pp_group) is at most max_norm
+    (<= 0: only measure). Returns the norm before clipping. Non-finite norms leave gradients untouched
+    (the caller skips the step)."""
     params = list(params)
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, pp_group)
     if max_norm > 0 and torch.isfinite(norm):
         coef = float(max_norm / (norm + 1e-6))
         if coef < 1.0:

@@ -56,11 +56,12 @@ def _local_chunk(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[
 
 @torch.no_grad()
 def materialize(
-    root: nn.Module, model: nn.Module, device: torch.device, transforms: dict, seed: int = 0
+    root: nn.Module, model: nn.Module, device: torch.device, transforms: dict, seed: int = 0, renumber=None
 ) -> InitStats:
     """Allocate this rank's shards of `root`'s meta parameters on `device` and fill them from the
     safetensors files of the meta-built HF `model` (inside `root`). transforms: hf_layout_transforms.
-    LoRA adapters (models/lora.py) get their seeded initial values; a base layer reads its HF name."""
+    LoRA adapters (models/lora.py) get their seeded initial values; a base layer reads its HF name.
+    renumber: a parameter's name in the whole model (a pipeline stage renumbers its layers), else its own."""
     from safetensors import safe_open
 
     files = weight_files(getattr(model, WEIGHTS_ATTR))
@@ -77,6 +78,7 @@ def materialize(
         handles = {}
         zero = set(getattr(model, ZERO_INIT_ATTR, ()))
         for name, p in model.named_parameters():
+            name = renumber(name) if renumber is not None else name
             if name in zero:  # a new value head: starts at zero, nothing to read
                 _local_chunk(p)[0].zero_()
                 continue

@@ -47,6 +47,8 @@ from hybridflow.engines.offload import Offloader
 from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
+from hybridflow.engines.pipeline import hf_name
+from hybridflow.engines.pipeline_engine import PipelinedModel, micro_batch_rows
 from hybridflow.engines.sharded_init import materialize
 from hybridflow.models import lora
 from hybridflow.models.hf import model_kind, scalar_head
@@ -96,15 +98,28 @@ class TrainEngine:
         # only its own shards from disk (sharded_init.py); a loaded one is moved, then sharded.
         on_meta = any(p.is_meta for p in model.parameters())
         self.hf_model = model if on_meta else model.to(self.device)
-        self.remove_padding = resolve_remove_padding(self.config.remove_padding, model.config.model_type)
+        # pipeline stages run padded rows (a PipelineStage has one micro-batch shape): nothing is packed
+        pipelined = self.config.parallel.pp > 1
+        self.remove_padding = not pipelined and resolve_remove_padding(
+            self.config.remove_padding, model.config.model_type
+        )
         self.share_prompt = resolve_share_prompt(self.config.share_prompt, self.remove_padding)
-        self.module = RLForward(model, self.config.logits_chunk_size, self.share_prompt)
+        self.pipeline = None
+        if pipelined and self.kind != "causal_lm":
+            raise ValueError(f"parallel.pp = {self.config.parallel.pp}: pipeline stages train causal LMs "
+                             f"(actor, reference); a {self.kind} model runs pp=1")  # fmt: skip
+        if pipelined:  # this rank's stage of the model (engines/pipeline_engine.py)
+            self.pipeline = PipelinedModel(model, self.mesh, self.device)
+            self.pipeline.hidden_dtype = param_dtype if fsdp else None
+            self.module = self.pipeline.stage
+        else:
+            self.module = RLForward(model, self.config.logits_chunk_size, self.share_prompt)
         if self.remove_padding:  # packed micro-batches: one row, attention per sequence (engines/varlen.py)
             varlen.install(model)
         parallelize(
             self.module,
             model,
-            self.mesh,
+            self.mesh["dp", "tp"] if self.pipeline is not None else self.mesh,
             gradient_checkpointing=self.config.gradient_checkpointing,
             param_dtype=param_dtype if fsdp else None,
             reduce_dtype=torch.float32 if param_dtype is not None and fsdp else None,
@@ -112,7 +127,10 @@ class TrainEngine:
         self.init_stats = None
         if on_meta:
             transforms = hf_layout_transforms(model)
-            self.init_stats = materialize(self.module, model, self.device, transforms, self.config.seed)
+            names = (lambda n: hf_name(model, n)) if self.pipeline is not None else None
+            self.init_stats = materialize(
+                self.module, model, self.device, transforms, self.config.seed, names
+            )
         strict_device.mark_device(self.module)  # device-strict mode (CPU tests of the GPU path)
         self.optimizer = self.scheduler = None
         if trainable:
@@ -181,19 +199,25 @@ class TrainEngine:
             if "position_ids" in mb.tensors
             else position_ids_from_mask(attn)
         )
-        ctx = (
-            torch.autocast(self.device.type, dtype=self._autocast)
-            if self._autocast
-            else contextlib.nullcontext()
-        )
-        with ctx:
+        with self._autocast_ctx():
             return self.module(ids, attn, pos, response_length(mb), temperature, with_entropy,
                                0 if self.remove_padding else None)  # fmt: skip
+
+    def _autocast_ctx(self):
+        """Autocast to the compute dtype where FSDP does not cast (one dp rank)."""
+        if self._autocast:
+            return torch.autocast(self.device.type, dtype=self._autocast)
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def _infer(self, batch, keys, micro_batch_size, max_tokens, **forward_kwargs) -> dict[str, torch.Tensor]:
         with self.phase():
             self.module.eval()
+            if self.pipeline is not None:
+                rows = micro_batch_rows(batch, self.config, micro_batch_size, max_tokens)
+                kw = {"temperature": 1.0, "with_entropy": False, **forward_kwargs}
+                with self._autocast_ctx():
+                    return self.pipeline.infer(batch, rows, **kw)
             lr = response_length(batch)
             groups = self._plan(batch, micro_batch_size, max_tokens)
             chunks = defaultdict(list)
@@ -289,6 +313,11 @@ class TrainEngine:
             )
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(
+                batch, loss_fn, with_entropy, temperature, loss_weighting, micro_batch_size, max_tokens,
+                global_metrics,
+            )  # fmt: skip
         with self.phase():
             self.module.train()
             groups = self._plan(batch, micro_batch_size, max_tokens)
@@ -314,10 +343,33 @@ class TrainEngine:
                     sums[k] = _weighted(v, share, self.device) + sums.get(k, 0.0)
             return _to_floats(sums)
 
+    def _pipeline_forward_backward(
+        self, batch, loss_fn, with_entropy, temperature, loss_weighting, micro_batch_size, max_tokens,
+        global_metrics,
+    ) -> dict[str, float]:  # fmt: skip
+        """forward_backward through the pipeline stages, with the same loss weights (engines/pipeline_engine.py)."""
+        with self.phase():
+            self.module.train()
+            rows = micro_batch_rows(batch, self.config, micro_batch_size, max_tokens)
+            mbs = self.pipeline.micro_batches(batch, rows)
+            counts = [self._count(mb, loss_weighting) for mb in mbs]
+            local_total = sum(counts)
+            global_total = max(self._all_reduce(local_total, dist.ReduceOp.SUM, self.dp_group()), 1e-8)
+            normaliser = 1.0 if loss_weighting == "token-sum" else global_total
+            per = self.dp_size / global_total if global_metrics else 1 / max(local_total, 1e-8)
+            self.optimizer.zero_grad(set_to_none=True)
+
+            def weigh(i, mb):
+                return counts[i] * self.dp_size / normaliser, counts[i] * per
+
+            with self._autocast_ctx():
+                return self.pipeline.forward_backward(batch, rows, loss_fn, with_entropy, temperature, weigh)
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip by the global grad norm, step AdamW (skipped if the norm is not finite) and the LR schedule."""
         with self.phase(optimizer=True):
-            grad_norm = clip_grad_norm_(self.module.parameters(), self.config.optim.grad_clip)
+            pp_group = self.pipeline.group if self.pipeline is not None else None
+            grad_norm = clip_grad_norm_(self.module.parameters(), self.config.optim.grad_clip, pp_group)
             finite = bool(torch.isfinite(grad_norm))
             if finite:
                 self.optimizer.step()
@@ -394,6 +446,8 @@ class TrainEngine:
     def take_shared_prompt_tokens(self) -> int:
         """Prompt tokens this engine's forwards did not compute (shared within a micro-batch, model.share_prompt)
         since the last call (then reset)."""
+        if self.pipeline is not None:  # pipeline stages share no prompts (nothing is packed)
+            return 0
         n, self.module.shared_prompt_tokens = self.module.shared_prompt_tokens, 0
         return n
 

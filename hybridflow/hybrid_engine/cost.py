@@ -90,6 +90,19 @@ def fsdp_switch_cost(
     return round(received), round(held)
 
 
+def pipeline_switch_cost(model_bytes: int, stage_bytes: int, d: int) -> tuple[int, int]:
+    """(bytes received, generation-weight bytes held) per rank for one train -> generate switch of an
+    actor in p pipeline stages (t = 1) x d-way FSDP2, generating with pg = tg = 1 (pipeline_switch.py).
+
+    stage_bytes: the weights of this rank's stage (M/p for an even cut; the first and last stages also
+    hold the embeddings, final norm and lm_head). FSDP's all-gather brings the stage whole ((d-1)/d of it
+    received), then every other stage arrives whole: received (d-1)/d M_s + M - M_s, held M. For an even
+    cut that is Table 2's hybridflow row, (dg-1)/(tp) M with dg = p (t = tg = pg = 1), plus the FSDP
+    gather of M/p that the paper's Megatron replicas do not need."""
+    m, s = Fraction(model_bytes), Fraction(stage_bytes)
+    return round((d - 1) * s / d + m - s), int(model_bytes)
+
+
 # (name, params, N, p, t, d, pg, tg). 70B follows the issue (T8 P8 Tg8 on 128 GPUs); the smaller models use
 # the paper's GPU counts (16/32/64) with parallel sizes chosen here, as the paper's exact ones are not given.
 PAPER_SETTINGS = (

@@ -184,8 +184,8 @@ def generation_layout_errors(
     validation). model_dir: an HF directory whose config.json gives the head counts, or None."""
     tp, pp = actor_parallel.tp, actor_parallel.pp
     errors = []
-    if pp != 1:
-        errors.append(f"actor.parallel.pp = {pp}: pipeline parallelism does not exist yet; use pp = 1")
+    if pp > 1:
+        errors += _pipeline_errors(tp, tg, reshard, _read_config(model_dir))
     if pg != 1:
         errors.append(f"rollout.pg = {pg}: generation pipeline parallelism does not exist yet; use pg = 1")
     if tg < 1 or tp % tg:
@@ -209,6 +209,22 @@ def generation_layout_errors(
             f"forward, in place on the actor's whole weights; that needs tp = 1 and reshard = hybridflow "
             f"(resharded generation runs {LLAMA_FAMILY} models)"
         )
+    return errors
+
+
+def _pipeline_errors(tp: int, tg: int, reshard: str, hf: dict | None) -> list[str]:
+    """What actor.parallel.pp > 1 runs with: tp = tg = 1 and the hybridflow switch (each rank gathers the
+    whole model, hybrid_engine/pipeline_switch.py), a Llama-family model without tied embeddings."""
+    errors = []
+    if tp != 1 or tg != 1 or reshard != "hybridflow":
+        errors.append(f"actor.parallel.pp > 1 runs with actor.parallel.tp = 1, rollout.tg = 1 and "
+                      f"rollout.reshard = hybridflow, got tp = {tp}, tg = {tg}, reshard = {reshard}")  # fmt: skip
+    if hf is not None and hf.get("model_type") not in LLAMA_FAMILY:
+        errors.append(f"actor.parallel.pp > 1: pipeline stages are cut from {LLAMA_FAMILY} models, not "
+                      f"{hf.get('model_type')!r}; use pp = 1")  # fmt: skip
+    if hf is not None and hf.get("tie_word_embeddings"):
+        errors.append("actor.parallel.pp > 1: the model ties its input and output embeddings "
+                      "(tie_word_embeddings), which the first and last stages would train as two copies; use pp = 1")  # fmt: skip
     return errors
 
 

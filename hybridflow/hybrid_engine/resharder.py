@@ -78,12 +78,12 @@ class ReshardStats:
         }
 
 
-def generation_layout(method: str, tp: int, dp: int, tg: int) -> GenLayout:
+def generation_layout(method: str, tp: int, dp: int, tg: int, pp: int = 1) -> GenLayout:
     """The generation layout a method runs: consecutive groups for "vanilla", strided otherwise."""
     if method not in METHODS:
         raise ValueError(f"rollout.reshard: unknown method {method!r}; choose one of {METHODS}")
     return GenLayout(
-        TrainLayout(1, tp, dp), pg=1, tg=tg, style="vanilla" if method == "vanilla" else "hybridflow"
+        TrainLayout(pp, tp, dp), pg=1, tg=tg, style="vanilla" if method == "vanilla" else "hybridflow"
     )
 
 

@@ -5,8 +5,8 @@ A pure function from (dataflow, cluster, workload) to a `Plan`; nothing here nee
     from hybridflow.planner import ClusterSpec, ModelSpec, WorkloadSpec, build_dataflow, plan
     p = plan(build_dataflow("ppo", ModelSpec.from_param_count("13B")), ClusterSpec.build("a100-80", 128))
     print(p.strategy, p.iteration_seconds); p.save("plan.yaml")
-    # only layouts an engine without pipeline parallelism that shards whole heads can run:
-    plan(..., limits=EngineLimits(max_pp=1, tp_shards_whole_heads=True))
+    # the paper's search by default; only the layouts hybridflow's engines run (`hybridflow plan`'s default):
+    plan(..., limits=ENGINE_LIMITS)
 
 Files, in the order data flows: specs (models, devices, workload) -> dataflow (which model does what
 in which stage) -> memory, simulate (bytes and seconds of one model under one layout) -> parallel
@@ -36,6 +36,7 @@ from hybridflow.planner.plan import (
 from hybridflow.planner.search import bell_number, search, set_partitions, split_placement, strategy_name
 from hybridflow.planner.specs import (
     DEVICES,
+    ENGINE_LIMITS,
     ClusterSpec,
     DeviceSpec,
     EngineLimits,
@@ -47,6 +48,7 @@ from hybridflow.planner.specs import (
 __all__ = [
     "ALGORITHMS",
     "DEVICES",
+    "ENGINE_LIMITS",
     "STAGES",
     "Alternative",
     "ClusterSpec",

@@ -3,9 +3,10 @@
     hybridflow plan --model-size 13B --gpus 128 --gpu a100-80 [--algorithm ppo] [--explain] [--output plan.yaml]
     hybridflow plan --profile cpu.yaml --gpus 4 ...   # priced with this machine's measured coefficients
 
-`--max-pp 1 --tp-whole-heads` restricts the search to layouts hybridflow's built-in engines run (no
-pipeline parallelism; tensor parallelism over whole heads), which a plan file for `hybridflow train`
-needs (`resources.placement: auto` applies them itself).
+By default (`--engines builtin`) it searches only the layouts hybridflow's own engines run (specs.py
+`ENGINE_LIMITS`, the limits `resources.placement: auto` plans under), so every plan it prints runs under
+`hybridflow train`. `--engines any` searches the paper's full space (pipeline parallelism, replicated KV
+heads), for comparison; `--max-pp`, `--max-pg`, `--max-rollout-tg` and `--tp-whole-heads` then narrow it.
 
 `--explain` sets the winner beside the paper's three fixed strategies (colocate all; split
 actor+reference | critic+reward; standalone), each with its own best device allocation, and says in
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from hybridflow.planner.ahead import FROZEN_POOLS, search_ahead
 from hybridflow.planner.ahead_both import explain_frozen_pools
@@ -32,7 +34,17 @@ from hybridflow.planner.dataflow import (
 from hybridflow.planner.plan import SCHEDULES, Plan, build_plan
 from hybridflow.planner.profile import DTYPES, DeviceProfile
 from hybridflow.planner.search import bell_number, search
-from hybridflow.planner.specs import DEVICES, ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec
+from hybridflow.planner.specs import (
+    DEVICES,
+    ENGINE_LIMITS,
+    ClusterSpec,
+    EngineLimits,
+    ModelSpec,
+    WorkloadSpec,
+)
+
+# --engines: whose layouts the search considers
+ENGINES = {"builtin": ENGINE_LIMITS, "any": EngineLimits()}
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,28 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-reward-model", action="store_true", help="rule-based reward: no reward model to place"
     )
     _add_cluster_arguments(parser)
-    e = parser.add_argument_group("engines (defaults: any layout, the paper's search)")
-    e.add_argument(
-        "--max-pp", type=int, default=None, help="largest pipeline size p (1 for the built-in engines)"
-    )
-    e.add_argument("--max-pg", type=int, default=None, help="largest generation pipeline size pg")
-    e.add_argument(
-        "--max-rollout-tg",
-        type=int,
-        default=None,
-        help="largest tg of a one-step-ahead rollout pool (1: plain replicas)",
-    )
-    e.add_argument(
-        "--rollout-full-weights",
-        action="store_true",
-        help="each one-step-ahead rollout rank holds and is sent the full weights (an engine that slices them "
-        "itself); default: only its generation shard, as the built-in trainer's rollout pool",
-    )
-    e.add_argument(
-        "--tp-whole-heads",
-        action="store_true",
-        help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
-    )
+    _add_engine_arguments(parser)
     w = parser.add_argument_group("workload (defaults: the paper's setting)")
     defaults = WorkloadSpec()
     w.add_argument("--prompts", type=int, default=defaults.prompts, help="global batch of prompts")
@@ -125,6 +116,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--explain", action="store_true", help="compare with colocate / split / standalone")
     o.add_argument("--top", type=int, default=5, help="alternatives to list")
     o.add_argument("--output", default=None, help="write the plan to this .yaml/.yml or .json file")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    e = parser.add_argument_group("engines (default: the layouts hybridflow train runs)")
+    e.add_argument(
+        "--engines",
+        default="builtin",
+        choices=tuple(ENGINES),
+        help=f"builtin: only layouts hybridflow's engines run ({ENGINE_LIMITS.describe()}); any: the paper's "
+        "full search (p > 1, replicated KV heads), plans `hybridflow train` refuses; the flags below override",
+    )
+    e.add_argument("--max-pp", type=int, default=None, help="largest pipeline size p (builtin: 1)")
+    e.add_argument(
+        "--max-pg", type=int, default=None, help="largest generation pipeline size pg (builtin: 1)"
+    )
+    e.add_argument(
+        "--max-rollout-tg",
+        type=int,
+        default=None,
+        help="largest tg of a one-step-ahead rollout pool (1: plain replicas)",
+    )
+    e.add_argument(
+        "--rollout-full-weights",
+        action="store_true",
+        help="each one-step-ahead rollout rank holds and is sent the full weights (an engine that slices them "
+        "itself); default: only its generation shard, as the built-in trainer's rollout pool",
+    )
+    e.add_argument(
+        "--tp-whole-heads",
+        action="store_true",
+        help="t must divide the heads, KV heads and MLP width (the built-in engines; no replicated KV heads)",
+    )
 
 
 def plan_from_args(args) -> tuple[Plan, float]:
@@ -173,14 +196,33 @@ def _inputs(args):
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
     )
-    limits = EngineLimits(
-        args.max_pp, args.max_pg, args.tp_whole_heads, args.max_rollout_tg, args.rollout_full_weights
-    )
-    return dataflow, with_old_log_probs(dataflow, old[1]), cluster, wl, limits
+    return dataflow, with_old_log_probs(dataflow, old[1]), cluster, wl, limits_from_args(args)
+
+
+def limits_from_args(args) -> EngineLimits:
+    """`--engines`' limits with the sizes given on the command line in place of its own."""
+    sizes = {
+        k: getattr(args, k) for k in ("max_pp", "max_pg", "max_rollout_tg") if getattr(args, k) is not None
+    }
+    flags = {k: True for k in ("tp_whole_heads", "rollout_full_weights") if getattr(args, k)}
+    if "tp_whole_heads" in flags:
+        flags["tp_shards_whole_heads"] = flags.pop("tp_whole_heads")
+    return replace(ENGINES[args.engines], **sizes, **flags)
 
 
 def _fmt_placement(placement, allocation) -> str:
     return " | ".join(f"{'+'.join(s)}:{n}" for s, n in zip(placement, allocation))
+
+
+def _print_limits(plan: Plan, console) -> None:
+    """The layouts the search was limited to, and a note when they go beyond what the trainer runs."""
+    if plan.limits != EngineLimits():
+        console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
+    if plan.limits != ENGINE_LIMITS:
+        console.print(
+            f"note: searched beyond what `hybridflow train` runs ({ENGINE_LIMITS.describe()}); it refuses this "
+            "plan's layouts outside those (re-plan with --engines builtin to run it)"
+        )
 
 
 def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None = None) -> None:
@@ -199,8 +241,7 @@ def print_plan(plan: Plan, console, top: int = 5, search_seconds: float | None =
         f"[bold]{plan.strategy}{schedule}[/], predicted iteration {plan.iteration_seconds:.1f} s, "
         f"{plan.throughput_tokens_per_s:,.0f} tokens/s{took}"
     )
-    if plan.limits != EngineLimits():
-        console.print(f"layouts limited to what the engines run: {plan.limits.describe()}")
+    _print_limits(plan, console)
     table = Table(title="models", title_justify="left")
     for col in ("role", "pool", "devices", "train (p,t,d)", "gen (pg,tg)", "ckpt", "offload"):
         table.add_column(col, overflow="fold")

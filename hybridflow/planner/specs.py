@@ -1,5 +1,5 @@
 """What the planner plans for: model shapes, devices and clusters, the RL workload, and the layouts
-the executing engines support (`EngineLimits`).
+the executing engines support (`EngineLimits`; `ENGINE_LIMITS`: those hybridflow's own engines run).
 
 Everything here is a frozen dataclass so a spec can key the planner's caches and a plan can be
 reproduced from its inputs. Model shapes come from a parameter count ("13B", using the Llama-2 /
@@ -298,3 +298,11 @@ class EngineLimits:
         if self.rollout_full_weights:
             parts.append("rollout ranks hold full weights")
         return ", ".join(parts) or "unconstrained"
+
+
+# What hybridflow's own engines run, the one definition `hybridflow plan` (its default, `--engines builtin`),
+# `resources.placement=auto` and the plan-file check read: the training engine has no pipeline parallelism
+# (p = 1, so generation pg = 1, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
+# columns. A one-step-ahead rollout pool runs any tg dividing the heads, each rank holding and sent only its
+# generation shard (rollout/pool_tp.py). `hybridflow plan --engines any` searches the paper's full space.
+ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)

@@ -22,10 +22,10 @@ layout. Plan models the config does not use (a reward model when the reward is a
 when no KL term needs one) are skipped, and a pool left with no model is not started.
 
 Departures: the training engine has no pipeline parallelism and shards whole heads, KV heads and MLP
-columns, so `auto` plans under `ENGINE_LIMITS` (p = pg = 1, t dividing all three; the paper's
-auto_parallel allows p > 1 and replicated KV heads). A plan file may come from an unconstrained
-`hybridflow plan`: one with p > 1, or a t that does not divide the heads, is refused with what to
-change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg (the 3D-HybridEngine runs them,
+columns, so `auto` plans under planner/specs.py's `ENGINE_LIMITS` (p = pg = 1, t dividing all three; the
+paper's auto_parallel allows p > 1 and replicated KV heads), as `hybridflow plan` does by default. A plan
+file may come from `hybridflow plan --engines any`: one with p > 1, or a t that does not divide the heads,
+is refused with what to change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg (the 3D-HybridEngine runs them,
 docs/hybrid_engine.md); a model the plan checkpoints or offloads gets gradient_checkpointing / offload
 turned on (a setting the user turned on stays on).
 
@@ -49,7 +49,6 @@ from hybridflow.config.algorithms import ALGORITHM_SPECS, algorithm_spec
 from hybridflow.planner import (
     ClusterSpec,
     Dataflow,
-    EngineLimits,
     ModelSpec,
     Plan,
     WorkloadSpec,
@@ -61,7 +60,7 @@ from hybridflow.planner.dataflow import with_old_log_probs
 from hybridflow.planner.plan import build_plan
 from hybridflow.planner.profile import DeviceProfile
 from hybridflow.planner.search import search
-from hybridflow.planner.specs import DEVICES, DeviceSpec, get_device
+from hybridflow.planner.specs import DEVICES, ENGINE_LIMITS, DeviceSpec, get_device
 from hybridflow.trainers.plan_schedule import (
     REPLAN_FLAGS,
     check_schedule,
@@ -71,13 +70,6 @@ from hybridflow.trainers.plan_schedule import (
     report_schedule,
 )
 from hybridflow.workers.common import computes_in_fp32
-
-# What the built-in engines run: TrainEngine has no pipeline parallelism (ParallelConfig pp must be 1,
-# and so generation pg, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
-# columns. `hybridflow plan --max-pp 1 --tp-whole-heads` plans under the same limits.
-# A one-step-ahead rollout pool runs any tg dividing the heads, each rank holding and sent only its
-# generation shard (rollout/pool_tp.py, the planner's default). `... --max-pg 1` adds these (plan_schedule.py).
-ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
 
 # trainer role -> planner role
 PLANNER_ROLE = {
@@ -311,12 +303,8 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             errors.append(
                 f"{where}: p*t*d = {m.p * m.t * m.d} is not its {m.n_devices} devices; fix the plan"
             )
-        if m.p != 1:
-            errors.append(
-                f"{where}: the training engine has no pipeline parallelism; edit the plan to p: 1 "
-                f"(and t*d = {m.n_devices}), or re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
-            )
-        if m.t > 1 and os.path.isdir(dirs[m.role]):
+        errors += _layout_errors(where, m)
+        if m.t > 1 and ENGINE_LIMITS.tp_shards_whole_heads and os.path.isdir(dirs[m.role]):
             spec = ModelSpec.from_hf_config(dirs[m.role])
             bad = {k: v for k, v in (("heads", spec.num_heads), ("kv_heads", spec.num_kv_heads),
                                      ("ffn_hidden", spec.ffn_hidden)) if v % m.t}  # fmt: skip
@@ -328,6 +316,22 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
                 )
         if m.role == "actor" and (m.p * m.t) % (m.pg * m.tg):
             errors.append(f"{where}: generation pg*tg = {m.pg * m.tg} must divide p*t; fix the plan")
+    return errors
+
+
+def _layout_errors(where: str, m) -> list[str]:
+    """The model's pipeline sizes beyond the engines' (planner/specs.py ENGINE_LIMITS)."""
+    max_pp, max_pg, errors = ENGINE_LIMITS.max_pp, ENGINE_LIMITS.max_pg, []
+    if max_pp is not None and m.p > max_pp:
+        errors.append(
+            f"{where}: the training engine runs pipelines of p <= {max_pp}; edit the plan to p: {max_pp} "
+            f"(and t*d = {m.n_devices // max_pp}), or re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
+        )
+    if m.role == "actor" and max_pg is not None and m.pg > max_pg:
+        errors.append(
+            f"{where}: generation runs pipelines of pg <= {max_pg}; edit the plan to pg: {max_pg}, or "
+            f"re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
+        )
     return errors
 
 

@@ -51,7 +51,7 @@ from hybridflow.data import PromptDataset, StatefulDataLoader, build_prompt_data
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
-from hybridflow.trainers import lifecycle
+from hybridflow.trainers import cluster_loss, lifecycle, supervised
 from hybridflow.trainers.dump import batch_scores, generation_rows, write_generations
 from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import Timers, throughput_metrics
@@ -105,7 +105,7 @@ class Trainer(ValidationMixin):
             os.path.abspath(cfg.run_dir), keep_last=trainer_cfg.keep_last, config=_hashed_config(cfg)
         )
         self.timers = Timers()
-        self.restarts, self.run_lock, self.resume_path = 0, None, None
+        self.restarts, self.run_lock, self.resume_path = supervised.restarts_before(), None, None
         if self.owns_run_dir:
             self._claim_run_dir()
         self.rule_reward = (
@@ -205,6 +205,8 @@ class Trainer(ValidationMixin):
                     self._loop(history, min(stop_after or self.total_steps, self.total_steps))
                 return history
             except Exception as e:
+                if self.owns_groups and (lost := cluster_loss.lost_processes()):
+                    raise cluster_loss.ClusterLost(lost, self.global_step) from e
                 if not self._may_restart(e):
                     raise
                 error = e
@@ -324,6 +326,7 @@ class Trainer(ValidationMixin):
                      "extra": self.extra_state(), "rng": capture_rng_state()}  # fmt: skip
             save_trainer_state(tmp, state)
         self._restore_point, self._last_save = self.ckpt.step_dir(self.global_step), time.monotonic()
+        supervised.report(checkpoint=str(self._restore_point))
         return self._restore_point
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -350,7 +353,7 @@ class Trainer(ValidationMixin):
         return self.ckpt.latest()
 
     def _claim_run_dir(self) -> None:
-        self.run_lock = RunLock(self.cfg.run_dir)
+        self.run_lock = RunLock(self.cfg.run_dir, pid=supervised.owner_pid())
         try:
             self.resume_path = lifecycle.check_run_dir(self)
         except BaseException:
@@ -365,10 +368,20 @@ class Trainer(ValidationMixin):
             path = self.ckpt.resolve(
                 self.cfg.trainer.resume, require=[*self.checkpoint_parts(), "trainer_state.json"]
             )
-        if path is None or self.global_step != 0:
+        if self.global_step != 0:
             return None
-        self.load_checkpoint(path)
-        print(f"hybridflow train: resumed from step {self.global_step} ({path})", file=sys.stderr, flush=True)
+        if path is not None:
+            self.load_checkpoint(path)
+            supervised.report(checkpoint=str(path))
+        if path is not None or self.restarts:
+            what = str(path) if path is not None else "no checkpoint yet: the run's start"
+            if self.restarts:  # a new driver after a lost cluster (supervisor.py)
+                what = f"restart {self.restarts}/{self.cfg.trainer.max_restarts}: {what}"
+            print(
+                f"hybridflow train: resumed from step {self.global_step} ({what})",
+                file=sys.stderr,
+                flush=True,
+            )
         return path
 
     def checkpoint_parts(self) -> list[str]:

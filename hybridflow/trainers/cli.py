@@ -82,40 +82,44 @@ def say_faster_setting(cfg, load) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`hybridflow train` typed by a user supervises a driver (supervisor.py) that runs `train` below."""
+    if getattr(args, "_own_command_line", False):
+        from hybridflow.trainers import supervisor
+
+        return supervisor.main([*(["--verl"] if args.verl else []), args.config, *args.overrides])
+    return train(args)
+
+
+def train(args: argparse.Namespace) -> int:
     import ray
 
     from hybridflow.compat.versions import log_and_check_versions
     from hybridflow.config import load_config
     from hybridflow.controller import WorkerDiedError
-    from hybridflow.trainers import build_trainer, cluster_loss
+    from hybridflow.trainers import build_trainer, cluster_loss, supervised
     from hybridflow.trainers.elastic import DevicesLost
-    from hybridflow.trainers.lifecycle import (
-        Abandoned,
-        Preempted,
-        RunFinished,
-        StopSignals,
-        reaper_pid,
-        stop_reaper,
-    )
+    from hybridflow.trainers.lifecycle import Abandoned, Preempted, RunFinished, StopSignals
 
+    supervised.attach()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         log_and_check_versions()  # before Ray or any worker: a too-old torch/transformers fails here, in one line
         config, overrides = split_config_arg(args.config, list(args.overrides))
         cfg = load_config(config, overrides, verl=True if args.verl else None)
         check_this_machine(cfg)
-        say_faster_setting(
-            cfg, lambda extra: load_config(config, [*overrides, *extra], verl=True if args.verl else None)
-        )
+        if not supervised.restarts_before():  # said once, not again by a restarted driver
+            say_faster_setting(
+                cfg, lambda extra: load_config(config, [*overrides, *extra], verl=True if args.verl else None)
+            )
+        if supervised.resume_from():  # a restart after a lost cluster: from its predecessor's last checkpoint
+            cfg.trainer.resume = supervised.resume_from()
+        supervised.report(max_restarts=cfg.trainer.max_restarts)
     except user_errors() as e:
         print(f"hybridflow train: {one_line(e)}", file=sys.stderr)
         return 2
     embedded = not cfg.resources.ray_address and not ray.is_initialized()
-    trainer, rc, trained = (
-        None,
-        1,
-        False,
-    )  # the outcome is printed before the shutdown, which a lost GCS cuts short
+    # the outcome is printed before the shutdown, which a lost GCS cuts short
+    trainer, rc, trained = None, 1, False
     with StopSignals(cfg.trainer.stop_grace_s) as signals:
         try:
             trainer = build_trainer(cfg)
@@ -138,27 +142,43 @@ def run(args: argparse.Namespace) -> int:
             latest = trainer.latest_checkpoint() if trainer is not None else None
             print(f"hybridflow train: {e}; latest checkpoint: {latest}", file=sys.stderr)
             rc = 128 + e.signum
+        except cluster_loss.ClusterLost as e:  # supervised: the supervisor restarts (its line); else stop
+            if not supervised.active():
+                print(f"hybridflow train: {e}", file=sys.stderr)
+            rc = 1
         except (WorkerDiedError, DevicesLost) as e:
             restarts = trainer.restarts if trainer is not None else 0
             print(f"hybridflow train: failed after {restarts} restarts: {one_line(e)}", file=sys.stderr)
             rc = 1
         finally:
             signals.shield()  # a further Ctrl-C must not interrupt the shutdown below
-            sys.stdout.flush()
-            # a lost GCS or raylet: kill by pid and leave with rc instead (trainers/cluster_loss.py); not
-            # around ray.shutdown, which stops the GCS and raylet itself (one check just before it)
-            with (
-                cluster_loss.watch(lambda: rc, keep={reaper_pid()}) if embedded else contextlib.nullcontext()
-            ):
-                if trainer is not None:
-                    trainer.close()
-            if embedded and ray.is_initialized():
-                cluster_loss.exit_if_lost(rc, keep={reaper_pid()})
-                ray.shutdown()
-            stop_reaper()
+            shut_down(trainer, embedded, rc)
     if trained:
         write_report_if_logged(cfg)
     return rc
+
+
+def shut_down(trainer, embedded: bool, rc: int) -> None:
+    """The run's workers and (embedded) cluster, after its outcome `rc` is printed and reported."""
+    import ray
+
+    from hybridflow.trainers import cluster_loss, supervised
+    from hybridflow.trainers.lifecycle import reaper_pid, stop_reaper
+
+    lost = cluster_loss.lost_processes() if embedded else []
+    supervised.report(closing=rc, lost=lost)
+    if rc == 1 and lost and supervised.active():
+        supervised.await_kill()  # the supervisor kills this run's processes, names the loss, restarts
+    sys.stdout.flush()
+    # a lost GCS or raylet: kill by pid and leave with rc instead (trainers/cluster_loss.py); not
+    # around ray.shutdown, which stops the GCS and raylet itself (one check just before it)
+    with cluster_loss.watch(lambda: rc, keep={reaper_pid()}) if embedded else contextlib.nullcontext():
+        if trainer is not None:
+            trainer.close()
+    if embedded and ray.is_initialized():
+        cluster_loss.exit_if_lost(rc, keep={reaper_pid()})
+        ray.shutdown()
+    stop_reaper()
 
 
 def write_report_if_logged(cfg) -> None:

@@ -1,5 +1,6 @@
 """A lost GCS or raylet of the embedded cluster at the end of a run: detected by pid, reported in one line,
-and the run's processes killed without asking Ray.
+and the run's processes killed without asking Ray. (Lost during training: ClusterLost, and
+supervisor.py restarts the cluster.)
 
 Why not `ray.shutdown()` then: with the GCS gone, killing actors and disconnecting wait on it, Ray's
 client gives up after its reconnect timeout (60 s) and ends the process with exit 1 and its own C++
@@ -21,6 +22,25 @@ from collections.abc import Callable, Iterator
 import ray
 
 KINDS = ("gcs_server", "raylet")  # ray_constants.PROCESS_TYPE_GCS_SERVER / PROCESS_TYPE_RAYLET
+
+
+class ClusterLost(Exception):
+    """The embedded cluster's GCS or raylet went during training (the worker failures that follow are its
+    effect, not a restartable fault of theirs): `hybridflow train`'s supervisor restarts the cluster."""
+
+    def __init__(self, lost: list[str], step: int):
+        super().__init__(
+            f"the embedded Ray cluster lost its {', '.join(lost)} during step {step}; run the same command "
+            "again to resume from the last checkpoint (trainer.resume=auto)"
+        )
+
+
+def cluster_pids() -> list[tuple[str, int]]:
+    """(kind, pid) of the embedded cluster's GCS and raylet, for the supervisor to watch."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return []
+    return [(kind, info.process.pid) for kind in KINDS for info in node.all_processes.get(kind, [])]
 
 
 def lost_processes() -> list[str]:

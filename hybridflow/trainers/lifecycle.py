@@ -29,6 +29,7 @@ import ray
 
 from hybridflow.checkpoint import CheckpointError
 from hybridflow.controller import WorkerDiedError, WorkerError, ensure_ray, future
+from hybridflow.trainers import cluster_loss, supervised
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def start_ray(cfg, num_devices: int) -> None:
         if ACTIVE is not None:  # `hybridflow train`: this process is the run's, so is everything below it
             start_reaper()
         start_local_ray(max(r.ray_num_cpus or os.cpu_count() or 1, num_devices), r.ray_dashboard)
+        supervised.report(cluster=cluster_loss.cluster_pids())  # the supervisor watches them
     if ACTIVE is not None:
         ACTIVE.install()  # ray.init replaced the SIGTERM handler with sys.exit
 
@@ -335,6 +337,7 @@ def restart(trainer, error: Exception, history: list[dict]) -> None:
     from hybridflow.trainers.placement import build_worker_groups, shutdown
 
     trainer.restarts += 1
+    supervised.report(restarts=trainer.restarts)
     n = f"{trainer.restarts}/{trainer.cfg.trainer.max_restarts}"
     reason = str(error).splitlines()[0]
     print(

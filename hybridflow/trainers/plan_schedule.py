@@ -14,11 +14,11 @@ import copy
 from dataclasses import replace
 
 from hybridflow.planner import Plan
+from hybridflow.planner.specs import ENGINE_LIMITS
 from hybridflow.trainers.sources.base import old_log_prob_source
 
-REPLAN_FLAGS = "--max-pp 1 --tp-whole-heads"
-# how the trainer's rollout pool runs: each rank holds only its generation shard (rollout/pool_tp.py)
-AHEAD_FLAGS = "--max-pg 1"
+# `hybridflow plan`'s default: the layouts the engines run (planner/specs.py ENGINE_LIMITS)
+REPLAN_FLAGS = "--engines builtin"
 
 
 def config_rollout_ahead(cfg) -> int | None:
@@ -73,10 +73,11 @@ def check_schedule(p: Plan, cfg, source: str) -> list[str]:
     r = p.ahead if p.rollout_ahead else None
     if r is not None:
         where = f"plan {source!r}: the rollout pool (pg={r.pg}, tg={r.tg}, {r.n_devices} devices)"
-        if r.pg != 1:
+        max_pg = ENGINE_LIMITS.max_pg
+        if max_pg is not None and r.pg > max_pg:
             errors.append(
-                f"{where}: the rollout engines have no pipeline parallelism; edit the plan to pg: 1 or "
-                f"re-plan with `hybridflow plan ... {REPLAN_FLAGS} {AHEAD_FLAGS}`"
+                f"{where}: the rollout engines run pipelines of pg <= {max_pg}; edit the plan to pg: {max_pg} or "
+                f"re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
             )
         if r.tg < 1 or r.n_devices % r.tg:
             errors.append(f"{where}: tg must divide its {r.n_devices} devices; fix the plan")
@@ -134,7 +135,7 @@ def _rollout_tp_errors(where: str, tg: int, cfg) -> list[str]:
     bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % tg}
     if bad:
         return [f"{where}: tg must divide the model's {bad}; fix the plan or re-plan with "
-                f"`hybridflow plan ... {REPLAN_FLAGS} {AHEAD_FLAGS}`"]  # fmt: skip
+                f"`hybridflow plan ... {REPLAN_FLAGS}`"]  # fmt: skip
     return []
 
 

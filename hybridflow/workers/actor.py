@@ -41,6 +41,7 @@ from hybridflow.config.roles import ActorWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
 from hybridflow.engines.train_engine import cast_parameters
+from hybridflow.hybrid_engine.pipeline_switch import PipelineResharder, skeleton_on
 from hybridflow.hybrid_engine.resharder import build_resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer, lora
 from hybridflow.models.meta import WEIGHTS_ATTR
@@ -117,12 +118,14 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     def _set_rollout_layout(self) -> None:
         """Generation replicas of the 3D-HybridEngine's layout (hybrid_engine/layout.py GenLayout)."""
         r = self.config.rollout
+        pp = 1
         if "actor" in self.roles:
             tp, dp, tg = self.actor_cfg.parallel.tp, self.actor_cfg.parallel.dp, r.tg
+            pp = self.actor_cfg.parallel.pp
         else:  # a rollout-only pool (trainer.rollout_ahead=1): consecutive TP groups (rollout/pool_tp.py,
             tg = r.tg  # or vLLM's own over the pool's ranks: the same consecutive ones)
             tp, dp = tg, self.world_size // tg
-        gen = generation_layout(r.reshard, tp, dp, tg)
+        gen = generation_layout(r.reshard, tp, dp, tg, pp)
         g_tp = gen.coords(self.rank)[2]
         self.set_layout(
             "rollout", dp_rank=gen.replica(self.rank), dp_size=gen.num_replicas, tp_rank=g_tp, tp_size=gen.tg
@@ -154,8 +157,13 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             )
             info["ref_params"] = self.ref.num_params()
         if "rollout" in self.roles:
+            model = None
             dtype = model_compute_dtype(m.dtype, self.config.device)
-            if self.actor is not None:
+            if self.actor is not None and self.actor.pipeline is not None:
+                # pipeline stages: each rank generates from the whole model (hybrid_engine/pipeline_switch.py)
+                model = skeleton_on(load_causal_lm(m.path, device="meta", **remote), self.device)
+                self.resharder = PipelineResharder(self.actor, model)
+            elif self.actor is not None:
                 r = self.config.rollout
                 # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md);
                 # shards move and are held in generation's compute dtype (half the bytes in bf16)
@@ -165,7 +173,8 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             own = self.actor is None  # the rollout pool: weights arrive by the weight sync
             if own:
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
-            model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
+            if model is None:
+                model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
             install_agent_objects(self.agent_objects)
             self.agent = build_agent_loop(self.config.rollout.multi_turn, self.tokenizer)

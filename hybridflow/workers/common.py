@@ -103,11 +103,13 @@ def model_compute_dtype(model_dtype: str, device: str) -> torch.dtype | None:
 
 
 def set_train_layout(worker, name: str, parallel: ParallelConfig) -> None:
-    """Declare layout `name` from an engine mesh (dp, tp), tp fastest-varying (engines/mesh.py)."""
-    r = worker.rank
+    """Declare layout `name` from an engine mesh (pp, dp, tp), tp fastest-varying (engines/mesh.py): the
+    ranks of one pp group get the same rows, collected from the last stage."""
+    r, tp, dp = worker.rank, parallel.tp, parallel.dp
     worker.set_layout(
-        name, dp_rank=r // parallel.tp, dp_size=parallel.dp, tp_rank=r % parallel.tp, tp_size=parallel.tp
-    )
+        name, dp_rank=(r // tp) % dp, dp_size=dp, tp_rank=r % tp, tp_size=tp,
+        pp_rank=r // (tp * dp), pp_size=parallel.pp,
+    )  # fmt: skip
 
 
 def seed_everything(seed: int) -> None:

@@ -64,7 +64,9 @@ def run_case(case: dict, out_dir: Path) -> dict:
     }
 
 
-def _rank_main(rank: int, world: int, init_file: str, cases: list[dict], out_dir: str, errors) -> None:
+def _rank_main(
+    rank: int, world: int, init_file: str, cases: list[dict], out_dir: str, errors, runner
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     # DTensor warns on every 2-D redistribute that it is "suboptimal"; expected for a (dp, tp) mesh.
@@ -73,7 +75,7 @@ def _rank_main(rank: int, world: int, init_file: str, cases: list[dict], out_dir
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         for case in cases:
-            result = run_case(case, Path(out_dir))
+            result = runner(case, Path(out_dir))
             if os.environ.get("HF_TEST_TIMING"):
                 print(f"rank {rank} {case['name']} done at {time.perf_counter() - t0:.1f}s", flush=True)
             if rank == 0:
@@ -85,7 +87,10 @@ def _rank_main(rank: int, world: int, init_file: str, cases: list[dict], out_dir
         raise
 
 
-def run_group(world: int, cases: list[dict], out_dir: Path, timeout: float = 300) -> dict[str, dict]:
+def run_group(
+    world: int, cases: list[dict], out_dir: Path, timeout: float = 300, runner=run_case
+) -> dict[str, dict]:
+    """Each case's rank-0 result of `runner(case, out_dir)` (a module-level function: ranks import it)."""
     # forkserver with torch/transformers preloaded: the imports (seconds each on a loaded 2-core
     # machine) are paid once by the server, not once per rank; ranks are forked before any thread starts.
     ctx = mp.get_context("forkserver")
@@ -95,7 +100,7 @@ def run_group(world: int, cases: list[dict], out_dir: Path, timeout: float = 300
     errors = ctx.SimpleQueue()
     init_file = str(out_dir / f"init_{world}")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, init_file, cases, str(out_dir), errors))
+        ctx.Process(target=_rank_main, args=(r, world, init_file, cases, str(out_dir), errors, runner))
         for r in range(world)
     ]
     for p in procs:

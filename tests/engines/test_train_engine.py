@@ -200,8 +200,8 @@ def test_clipping_bounds_the_update(model_dirs):
 
 
 def test_config_errors_are_clear():
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        build_mesh(ParallelConfig(pp=2, dp=1))
+    with pytest.raises(RuntimeError, match="needs 2 ranks"):
+        build_mesh(ParallelConfig(pp=2, dp=1))  # two pipeline stages, one process
     with pytest.raises(ValueError, match="dp must be >= 1"):
         build_mesh(ParallelConfig())  # dp=0 ("derive") must be resolved before an engine is built
     with pytest.raises(RuntimeError, match="init_process_group"):

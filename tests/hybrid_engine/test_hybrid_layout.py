@@ -102,8 +102,10 @@ def test_generation_layout_errors_name_the_clashing_numbers(tmp_path):
         "rollout.tg = 4 must divide the model's num_attention_heads = 4 and num_key_value_heads = 2"
     ]
     errs = generation_layout_errors(ParallelConfig(tp=2, pp=2), 1, 2, None)
-    assert [e.split(":")[0] for e in errs] == ["actor.parallel.pp = 2", "rollout.pg = 2"]
-    gpt2 = str(save_tiny_model(tmp_path / "g", size="tiny", arch="gpt2"))
+    assert errs[0].startswith("actor.parallel.pp > 1 runs with actor.parallel.tp = 1, rollout.tg = 1")
+    assert [e.split(":")[0] for e in errs[1:]] == ["rollout.pg = 2"]
+    assert generation_layout_errors(ParallelConfig(pp=2), 1, 1, model) == []  # what pipeline stages run
+    assert "not 'gpt2'" in generation_layout_errors(ParallelConfig(pp=2), 1, 1, gpt2 := _gpt2(tmp_path))[0]
     assert (
         "model_type 'gpt2' generates on the HF forward"
         in generation_layout_errors(ParallelConfig(tp=2), 1, 1, gpt2)[0]
@@ -145,3 +147,9 @@ def test_paper_table_70b():
     assert c["vanilla"].comm_bytes == pytest.approx(63 / 64 * 140e9)
     table = paper_table()
     assert "| 70B | 8-8-2 | 1-8-8 | 15.3 / 17.5 | 138.9 / 140.0 |" in table and table.count("\n") == 5
+
+
+def _gpt2(tmp_path) -> str:
+    from hybridflow.models.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path / "g", size="tiny", arch="gpt2"))

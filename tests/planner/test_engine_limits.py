@@ -1,7 +1,8 @@
 """EngineLimits: the search keeps exactly the layouts the executing engines can run.
 
-The built-in engines have no pipeline parallelism and shard whole heads, KV heads and MLP columns;
-the paper's search (the default, unconstrained) uses p > 1 and replicated KV heads where it pays.
+The built-in engines have no pipeline parallelism and shard whole heads, KV heads and MLP columns
+(ENGINE_LIMITS, `hybridflow plan`'s default); the paper's search (`plan()`'s default, unconstrained) uses
+p > 1 and replicated KV heads where it pays.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hybridflow.planner import (
     plan,
 )
 from hybridflow.planner.parallel import enumerate_options, model_parallel_sizes
+from hybridflow.planner.specs import ENGINE_LIMITS
 
 BUILTIN = EngineLimits(max_pp=1, tp_shards_whole_heads=True)
 # grouped-query attention with 2 KV heads: t = 4 or 8 would replicate them
@@ -121,14 +123,35 @@ def test_limits_that_nothing_fits_say_so():
         plan(dataflow, cluster, limits=BUILTIN)
 
 
-def test_plan_command_limits(tmp_path, capsys):
+def test_plan_command_plans_what_the_engines_run_by_default(tmp_path, capsys):
+    """`hybridflow plan` searches ENGINE_LIMITS unless told --engines any; sizes given override either."""
     out = tmp_path / "plan.json"
-    args = ["plan", "--model-size", "13B", "--gpus", "8", "--max-pp", "1", "--tp-whole-heads"]
+    args = ["plan", "--model-size", "13B", "--gpus", "8"]
     assert main([*args, "--output", str(out)]) == 0
-    assert (
-        "layouts limited to what the engines run: max_pp=1, tp shards whole heads" in capsys.readouterr().out
-    )
+    text = capsys.readouterr().out
+    assert f"layouts limited to what the engines run: {ENGINE_LIMITS.describe()}" in text
+    assert "note: searched beyond" not in text
     written = Plan.from_dict(json.loads(out.read_text()))
-    assert written.limits == BUILTIN and all(m.p == 1 for m in written.models)
-    assert main(["plan", "--model-size", "13B", "--gpus", "8", "--max-pp", "0"]) == 2
+    assert written.limits == ENGINE_LIMITS and all(m.p == m.pg == 1 for m in written.models)
+    assert main([*args, "--engines", "any", "--output", str(out)]) == 0
+    assert "note: searched beyond what `hybridflow train` runs" in capsys.readouterr().out
+    free = Plan.from_dict(json.loads(out.read_text()))
+    assert free.limits == EngineLimits() and free.model("actor").p > 1
+    assert main([*args, "--engines", "any", "--max-pp", "1", "--tp-whole-heads", "--output", str(out)]) == 0
+    assert Plan.from_dict(json.loads(out.read_text())).limits == BUILTIN
+    assert main([*args, "--max-pp", "0"]) == 2
     assert "max_pp must be >= 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("size, gpus", [("13B", 128), ("7B", 8), ("70B", 64)])
+def test_the_default_plans_of_the_readme_and_the_issue_have_layouts_the_trainer_runs(size, gpus):
+    """The README's 13B / 128 GPUs example and the 7B / 8, 70B / 64 a new user tries: the paper's search
+    puts a model at p > 1 in each; the default plan has p = pg = 1 and t dividing the heads, KV heads
+    and MLP width, as trainers/auto_placement.py check_plan demands."""
+    spec = ModelSpec.from_param_count(size)
+    dataflow, cluster = build_dataflow("ppo", spec), ClusterSpec.build("a100-80", gpus)
+    assert any(m.p > 1 for m in plan(dataflow, cluster).models)
+    builtin = plan(dataflow, cluster, limits=ENGINE_LIMITS)
+    for m in builtin.models:
+        assert (m.p, m.pg) == (1, 1) and m.t * m.d == m.n_devices, m.role
+        assert spec.num_heads % m.t == spec.num_kv_heads % m.t == spec.ffn_hidden % m.t == 0

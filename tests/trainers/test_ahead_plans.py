@@ -64,7 +64,7 @@ def _ahead_plan_file(tiny_model_dir, tmp_path: Path, capsys, n_devices: int = 2,
     too, but picks one device here). The runs have no KL term: the reference pool is not started."""
     out = tmp_path / "plan.yaml"
     args = ["plan", "--model-config", str(tiny_model_dir), "--algorithm", "grpo", "--no-reward-model",
-            "--gpu", "cpu", "--gpus", "3", "--max-pp", "1", "--max-pg", "1", "--tp-whole-heads",
+            "--gpu", "cpu", "--gpus", "3",
             "--prompts", "4", "--samples-per-prompt", "2", "--prompt-len", "16", "--response-len", "4",
             "--schedule", "ahead", "--frozen-pool", "training", "--output", str(out)]  # fmt: skip
     assert cli_main(args) == 0

@@ -40,7 +40,7 @@ KL_LOSS = "algorithm.use_kl_loss=true"
 def _tiny_plan(
     model_dir, algorithm: str, devices: int, reward_model: bool = False, old_log_probs: str = "actor"
 ) -> Plan:
-    """What `hybridflow plan --model-config DIR --gpu cpu --gpus N --max-pp 1 --tp-whole-heads` computes,
+    """What `hybridflow plan --model-config DIR --gpu cpu --gpus N` computes,
     for the tiny test run (old_log_probs="actor": with an actor forward for old log-probs, as the
     trainer runs when it takes several optimizer steps; the CLI derives "free" for this one-step batch)."""
     model = ModelSpec.from_hf_config(model_dir)
@@ -167,7 +167,9 @@ def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
         placement_from_plan(grpo4, make_config("grpo", KL_LOSS, devices=2))
     n = grpo4.model("actor").n_devices
-    with pytest.raises(ConfigError, match=r"no pipeline parallelism; edit the plan to p: 1 .*--max-pp 1"):
+    with pytest.raises(
+        ConfigError, match=r"runs pipelines of p <= 1; edit the plan to p: 1 .*--engines builtin"
+    ):
         placement_from_plan(_with_model(grpo4, "actor", p=2, d=n // 2), make_config("grpo", devices=4))
     # the tiny model has 2 KV heads: the engine cannot shard them 4 ways (the planner would replicate)
     with pytest.raises(ConfigError, match="its pool 'actor' has 2 devices, not its 4"):

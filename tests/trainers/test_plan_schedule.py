@@ -28,7 +28,7 @@ KL_LOSS = "algorithm.use_kl_loss=true"
 
 def _plan(model_dir, devices: int, schedule: str, frozen_pool: str = "auto") -> Plan:
     """`hybridflow plan --model-config DIR --gpu cpu --gpus N --algorithm grpo --no-reward-model
-    --max-pp 1 --max-pg 1 --tp-whole-heads --schedule S` for tests/trainers/configs.py's batch."""
+    --schedule S` for tests/trainers/configs.py's batch."""
     df = build_dataflow("grpo", ModelSpec.from_hf_config(model_dir), reward_model=False)
     wl = WorkloadSpec(
         prompts=4, samples_per_prompt=2, prompt_len=16, response_len=4, mini_batches=1,
@@ -84,7 +84,7 @@ def test_the_plan_schedule_must_match_the_config(make_config, tiny_model_dir):
     )  # the user's split, which the plan does not have
     errors = check_schedule(bad, cfg, "p.yaml")
     assert len(errors) == 3
-    assert "no pipeline parallelism" in errors[0]
+    assert "run pipelines of pg <= 1" in errors[0]
     assert f"tg must divide its {ahead.ahead.n_devices} devices" in errors[1]
     assert f"resources.rollout_devices={cfg.resources.rollout_devices} differs" in errors[2]
     # generation TP on the rollout pool (rollout/pool_tp.py) splits whole heads, KV heads and MLP columns
@@ -92,7 +92,7 @@ def test_the_plan_schedule_must_match_the_config(make_config, tiny_model_dir):
     cfg.resources.rollout_devices = 0
     bad.ahead.tg = 4  # the tiny model has 2 KV heads
     (msg,) = check_schedule(bad, cfg, "p.yaml")
-    assert "tg must divide the model's {'kv_heads': 2}" in msg and "--tp-whole-heads" in msg
+    assert "tg must divide the model's {'kv_heads': 2}" in msg and "--engines builtin" in msg
     bad.ahead.tg = 2
     assert check_schedule(bad, cfg, "p.yaml") == []
 
