@@ -81,7 +81,7 @@ ISA_SETTINGS ?= default ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ONEDNN_MAX_CPU_ISA=A
 test-isa: $(STAMP)
 	@for isa in $(ISA_SETTINGS); do \
 	  echo "== test-isa: $$isa"; \
-	  env $$(echo $$isa | sed 's/^default$$//') $(BIN)/python -m pytest -q -x $(ISA_TESTS) || exit 1; \
+	  env $$(echo $$isa | sed 's/^default$$//') $(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile $(ISA_TESTS) || exit 1; \
 	done
 
 bench: $(VENV)/.bench

@@ -18,6 +18,10 @@ that config, checked at construction, before Ray starts. What the API adds:
   become reward.fns entries with reward_weights; a callable is registered by its qualified name and
   reaches the reward worker processes by value (cloudpickle), so functions defined in a notebook or
   `python -c` work.
+- tools / environment: typed Python functions the model may call (TRL's `tools=`; each one's JSON schema,
+  from its signature and docstring, is checked now and given to the chat template) or an environment
+  class / factory (one per trajectory); they turn rollout.multi_turn on and reach the rollout workers by
+  value (agent/registry.py), as reward callables reach theirs.
 - train_dataset / eval_dataset: a datasets.Dataset, a list of dicts or a file, mapped to verl rows
   (data/columns.py) and written under the run directory, which data.train_files then names.
 """
@@ -30,6 +34,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hybridflow.agent.registry import checked_environment, checked_tool, register
+from hybridflow.agent.registry import pickled as pickled_agent_objects
 from hybridflow.config import ConfigError, HybridFlowConfig, config_to_dict, load_config
 from hybridflow.config.loader import config_from_dict, load_yaml
 from hybridflow.data.columns import ground_truth_column, rows_of, to_prompt_rows
@@ -48,7 +54,9 @@ class Run:
     reinforce_plus_plus, safe_rlhf, dpo, sft); model: a directory or a Hub id in the local cache;
     reward_funcs: one or a list of callables / reward specs, weighted by reward_weights (default 1 each);
     prompt_column: the prompt (text or chat messages); ground_truth_column: default the first of
-    ground_truth, answer, solution the rows have. Every other column reaches TRL-convention rewards."""
+    ground_truth, answer, solution the rows have. Every other column reaches TRL-convention rewards.
+    tools: typed functions the model may call (or tool specs as rollout.multi_turn.tools takes them);
+    environment: an Environment class or factory instead (agent/environment.py)."""
 
     def __init__(
         self,
@@ -62,6 +70,8 @@ class Run:
         args: dict | HybridFlowConfig | str | os.PathLike | None = None,
         prompt_column: str = "prompt",
         ground_truth_column: str | None = None,
+        tools: Sequence[Callable | str] = (),
+        environment: Callable | None = None,
     ):
         data = config_data(args)
         _set(data, "algorithm.name", algorithm)
@@ -76,6 +86,8 @@ class Run:
         if funcs:
             columns = reward_columns(rows.get("train"))
             _set_once(data, "reward.fns", reward_entries(funcs, reward_weights, columns), "reward_funcs")
+        for key, value in agent_settings(tools, environment).items():
+            _set_once(data, f"rollout.multi_turn.{key}", value, key if key != "enable" else "tools")
         run_dir = config_from_dict(data).run_dir  # bad keys in args fail here, before any file is written
         for split, prompt_rows in rows.items():
             _set_once(
@@ -86,6 +98,7 @@ class Run:
                     "missing_ground_truth", "ignore"
                 )  # rewards needing none
         self.config = load_config(data=data)
+        pickled_agent_objects(self.config.rollout.multi_turn)  # what cannot reach the workers fails now
 
     @property
     def run_dir(self) -> str:
@@ -197,6 +210,26 @@ def reward_entries(
         register_reward(key)(fn)
         entries.append({"fn": key, "weight": float(weight), "name": name})
     return entries
+
+
+def agent_settings(tools: Sequence[Callable], environment: Callable | None) -> dict:
+    """rollout.multi_turn keys for a Run's tools / environment, each checked and registered by name."""
+    tools = [tools] if callable(tools) else list(tools)
+    if not tools and environment is None:
+        return {}
+    if tools and environment is not None:
+        raise ConfigError(["tools and environment: give one (an environment answers the calls itself)"])
+    if environment is not None:
+        env = checked_environment(environment, "environment")
+        name = f"{getattr(env, '__module__', None) or 'api'}.{getattr(env, '__qualname__', 'environment')}"
+        return {"enable": True, "environment": register(env, name)}
+    # a string is a spec as rollout.multi_turn.tools takes it ('python', 'file.py:function')
+    checked = [fn if isinstance(fn, str) else checked_tool(fn, f"tools[{i}]") for i, fn in enumerate(tools)]
+    names = [t.name for t in checked if not isinstance(t, str)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError([f"tools: two tools are named {twice}; the model calls them by name"])
+    return {"enable": True, "tools": [t if isinstance(t, str) else register(t, t.name) for t in checked]}
 
 
 def write_rows(rows: list[dict], run_dir: str, split: str) -> str:

@@ -7,6 +7,7 @@ rollouts and tools").
   code_tool.py     the sandboxed Python tool (_code_runner.py: namespaces, rlimits, a pids cgroup)
   trajectory.py    one trajectory's tokens, model and inserted, and the rollout Batch built from many
   loop.py          AgentLoop: generate, call, insert, continue, over any GenerationEngine
+  registry.py      tools and environments given as Python objects (hybridflow.Run), sent to workers by value
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hybridflow.agent.code_tool import code_tool
 from hybridflow.agent.environment import Environment, StepResult, ToolEnvironment
 from hybridflow.agent.loop import AgentLimits, AgentLoop
 from hybridflow.agent.parsers import ToolCall, build_parser, parse_hermes
+from hybridflow.agent.registry import is_registered, lookup
 from hybridflow.agent.tools import Tool, load_object, load_tools
 from hybridflow.config.agent import CODE_TOOL, MultiTurnConfig
 
@@ -25,8 +27,10 @@ __all__ = [
 
 
 def build_tools(cfg: MultiTurnConfig) -> dict[str, Tool]:
-    """The configured tools by name: `python` is the sandboxed code tool, the rest `file.py:function`s."""
-    specs = [s for s in cfg.tools if s != CODE_TOOL]
+    """The configured tools by name: `python` is the sandboxed code tool, `api:<name>` one given to
+    hybridflow.Run (agent/registry.py), the rest `file.py:function`s."""
+    key = "rollout.multi_turn.tools"
+    specs = [lookup(s, key) if is_registered(s) else s for s in cfg.tools if s != CODE_TOOL]
     tools = load_tools(specs)
     if CODE_TOOL in cfg.tools:
         tools[CODE_TOOL] = code_tool(cfg.sandbox, cfg.tool_timeout_s)
@@ -45,8 +49,11 @@ def build_agent_loop(cfg: MultiTurnConfig, tokenizer) -> AgentLoop | None:
     """The rollout's agent loop, or None when multi-turn rollouts are off."""
     if not cfg.enable:
         return None
-    if cfg.environment:
-        make_env = load_object(cfg.environment, "rollout.multi_turn.environment")
+    key = "rollout.multi_turn.environment"
+    if is_registered(cfg.environment):
+        make_env = lookup(cfg.environment, key)
+    elif cfg.environment:
+        make_env = load_object(cfg.environment, key)
     else:
         tools = build_tools(cfg)
         make_env = lambda: ToolEnvironment(tools)  # noqa: E731

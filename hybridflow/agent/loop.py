@@ -1,13 +1,15 @@
 """The agent loop inside the rollout: generate until a tool call or a stop token, run the call, insert its
 output as tokens, continue; per trajectory, token in, token out (agent/trajectory.py).
 
-Scheduling, as built: turn-synchronous. Each turn is one `engine.generate` over the trajectories still
-running (their exact token lists, left-padded), so rows that finished drop out and the engine's own
-batching applies within the turn; the turn's tool calls then run concurrently in a thread pool
-(`max_parallel_calls`). A row waiting for its tool therefore waits for the turn's slowest row and call:
-continuous batching (adding and resuming rows inside one decode loop) is not built. Any GenerationEngine
-serves (the built-in one, vLLM), on whatever weights the caller switched it to (the 3D-HybridEngine's
-generation shard).
+Scheduling, as built: waves of turns. Each wave is one `engine.generate` over the trajectories ready
+for a turn (their exact token lists, left-padded; each row's own turn count). When it returns, each row's
+tool call is submitted to a thread pool (`max_parallel_calls`) at once, and the next wave starts with the
+rows whose calls are done: a row waiting on a slow tool does not hold the others, and rejoins the wave
+after its tool returns. So that runs repeat (the engine's draws depend on which rows share a call), the
+next wave first waits up to WAVE_WAIT_S for the calls the last wave made. Not built: continuous batching
+inside a generate call (a row's call starts when that call returns, not when its own turn ends; rows join
+only between calls). Any GenerationEngine serves (the built-in one, vLLM), on whatever weights the caller
+switched it to (the 3D-HybridEngine's generation shard).
 
 Where a turn's text holds a complete call, the generated tokens are kept up to the call's closing marker
 (the smallest prefix the parser still finds it in) and the rest of the turn is dropped: the kept tokens
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import time
 from collections.abc import Callable
 
 from hybridflow.agent.environment import Environment, StepResult, timed_step
@@ -26,7 +29,11 @@ from hybridflow.agent.trajectory import Trajectory, build_agent_batch, left_padd
 from hybridflow.batch import Batch
 from hybridflow.rollout.base import GenerationEngine, SamplingParams, check_prompt_batch
 
-_TURN_SEED_STRIDE = 15_485_863  # each turn its own draws: the same seed would repeat the first turn's
+_TURN_SEED_STRIDE = 15_485_863  # each wave its own draws: the same seed would repeat the first wave's
+WAVE_WAIT_S = 0.5
+"""How long the next wave waits for the last wave's tool calls: quick tools (a calculator, a lookup)
+answer well within it, so their rows go on together and the waves, hence the draws, are the same run to
+run; a slower call lets the others go ahead without it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,24 +68,47 @@ class AgentLoop:
         for i, env in enumerate(envs):
             env.reset(extra[i // n])
         with cf.ThreadPoolExecutor(self.limits.max_parallel_calls) as pool:
-            for turn in range(self.limits.max_turns):
-                live = [i for i, t in enumerate(trajs) if not t.done]
-                if not live:
-                    break
-                calls = self._turn(engine, trajs, live, params, turn, pad)
-                last = turn == self.limits.max_turns - 1
-                self._run_tools(pool, trajs, envs, calls if not last else {})
-        for t in trajs:
-            t.done = True
+            self._waves(engine, pool, trajs, envs, params, pad)
         for env in envs:
             env.close()
         return build_agent_batch(batch, trajs, params, pad)
 
-    def _turn(self, engine, trajs, live, params, turn, pad) -> dict[int, ToolCall]:
+    def _waves(self, engine, pool, trajs, envs, params, pad) -> None:
+        """Generate for the ready rows, submit their calls, go on with the rows whose calls are done."""
+        start, timeout = time.perf_counter(), self.limits.tool_timeout_s
+        ready, pending, wave = list(range(len(trajs))), {}, 0
+        while ready or pending:
+            if ready:
+                calls = self._turn(engine, trajs, ready, params, wave, pad)
+                wave += 1
+                for i in ready:
+                    if trajs[i].turns >= self.limits.max_turns:
+                        calls.pop(i, None)  # a call in the row's last turn is not run
+                        trajs[i].done = True
+                fresh = {pool.submit(timed_step, envs[i], call, timeout): i for i, call in calls.items()}
+                pending.update(fresh)
+                _stamp(trajs, start)
+                cf.wait(fresh, timeout=WAVE_WAIT_S)
+            else:
+                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            ready = self._collect(pending, trajs)
+            _stamp(trajs, start)
+
+    def _collect(self, pending: dict, trajs: list[Trajectory]) -> list[int]:
+        """Inserts the answers of the calls that are done -> their rows that go on, in row order."""
+        ready = []
+        for future in [f for f in pending if f.done()]:
+            i = pending.pop(future)
+            self._insert(trajs[i], future)
+            if not trajs[i].done:
+                ready.append(i)
+        return sorted(ready)
+
+    def _turn(self, engine, trajs, live, params, wave, pad) -> dict[int, ToolCall]:
         """One generate call over the live rows; -> {row: the call it ended with}."""
         ids, mask = left_padded([trajs[i].context() for i in live], pad)
         budget = max(trajs[i].remaining for i in live)
-        seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * turn
+        seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * wave
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed)
         out = engine.generate(Batch({"input_ids": ids, "attention_mask": mask}), turn_params)
         lengths = out["attention_mask"][:, -out["responses"].shape[1] :].sum(-1).tolist()
@@ -110,22 +140,25 @@ class AgentLoop:
                 hi = mid
         return hi
 
-    def _run_tools(self, pool, trajs, envs, calls: dict[int, ToolCall]) -> None:
-        """The turn's calls at once; each answer inserted as tokens (cut to max_tool_output_tokens)."""
-        timeout = self.limits.tool_timeout_s
-        futures = {i: pool.submit(timed_step, envs[i], call, timeout) for i, call in calls.items()}
-        for i, future in futures.items():
-            t = trajs[i]
-            result, seconds = _result(future)
-            t.tool_calls += 1
-            t.tool_errors += int(result.error)
-            t.tool_timeouts += int(result.timed_out)
-            t.tool_time_s += seconds
-            if result.reward is not None:
-                t.reward = result.reward
-            body = self._encode(result.observation)[: self.limits.max_tool_output_tokens]
-            t.add_inserted(self._before + body + self._after)
-            t.done = t.done or result.done
+    def _insert(self, t: Trajectory, future) -> None:
+        """A call's answer inserted as tokens (cut to max_tool_output_tokens), its figures counted."""
+        result, seconds = _result(future)
+        t.tool_calls += 1
+        t.tool_errors += int(result.error)
+        t.tool_timeouts += int(result.timed_out)
+        t.tool_time_s += seconds
+        if result.reward is not None:
+            t.reward = result.reward
+        body = self._encode(result.observation)[: self.limits.max_tool_output_tokens]
+        t.add_inserted(self._before + body + self._after)
+        t.done = t.done or result.done
+
+
+def _stamp(trajs: list[Trajectory], start: float) -> None:
+    now = time.perf_counter() - start
+    for t in trajs:
+        if t.done and t.finished_s is None:
+            t.finished_s = now
 
 
 def _result(future) -> tuple[StepResult, float]:

@@ -23,6 +23,7 @@ STAT_FIELDS = (
     "agent_tool_errors",
     "agent_tool_timeouts",
     "agent_tool_time_s",
+    "agent_finish_s",
 )
 
 
@@ -42,6 +43,8 @@ class Trajectory:
     tool_timeouts: int = 0
     tool_time_s: float = 0.0
     reward: float | None = None
+    finished_s: float | None = None
+    """Seconds into the rollout call when it finished (agent/loop.py sets it)."""
 
     @property
     def remaining(self) -> int:
@@ -92,7 +95,8 @@ def build_agent_batch(batch: Batch, trajs: list[Trajectory], params: SamplingPar
         logps[i, :k] = torch.tensor(t.log_probs, dtype=torch.float32)
     lengths = torch.tensor([len(t.tokens) for t in trajs], dtype=torch.long)
     out = build_rollout_batch(batch, responses, lengths, logps, params, pad, loss_mask=model)
-    stats = [[t.turns, t.tool_calls, t.tool_errors, t.tool_timeouts, t.tool_time_s] for t in trajs]
+    stats = [[t.turns, t.tool_calls, t.tool_errors, t.tool_timeouts, t.tool_time_s, t.finished_s or 0.0]
+             for t in trajs]  # fmt: skip
     for name, column in zip(STAT_FIELDS, torch.tensor(stats, dtype=torch.float32).T):
         out[name] = column.clone()
     if any(t.reward is not None for t in trajs):

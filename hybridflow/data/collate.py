@@ -41,10 +41,15 @@ def right_pad(
 
 
 def collate_prompt_response(
-    prompts: list[list[int]], responses: list[list[int]], pad_id: int
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
+    loss_masks: list[list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Token lists -> the rollout layout: prompts (B, Lp) left-padded, responses (B, Lr) right-padded,
-    input_ids = cat(prompts, responses) (B, Lp+Lr), attention_mask, position_ids, response_mask (B, Lr).
+    input_ids = cat(prompts, responses) (B, Lp+Lr), attention_mask, position_ids, response_mask (B, Lr):
+    1 on every response token, or `loss_masks` (each as long as its response; 0 on a tool-use trace's
+    inserted tokens, which attention still covers).
 
     SFT and DPO batches use it so the actor computes their log-probs exactly as for rollouts.
     """
@@ -57,5 +62,7 @@ def collate_prompt_response(
         "input_ids": torch.cat([p_ids, r_ids], dim=1),
         "attention_mask": mask,
         "position_ids": position_ids_from_mask(mask),
-        "response_mask": r_mask,
+        "response_mask": r_mask
+        if loss_masks is None
+        else r_mask * right_pad(loss_masks, 0, r_ids.shape[1])[0],
     }

@@ -3,7 +3,9 @@
 Batches use the rollout layout (`collate_prompt_response`: prompts left-padded, responses
 right-padded, response_mask) so the actor computes their log-probs with the same code as for
 rollouts. A DPO batch of B pairs holds 2B rows: chosen at even rows, rejected at odd rows
-(meta.pairs = True), both rows of a pair sharing a uid. Responses end with EOS.
+(meta.pairs = True), both rows of a pair sharing a uid. Responses end with EOS. A response that is a
+tool-use trace (data/traces.py) is tokenized as the agent loop lays it out, its response_mask 0 on the
+tools' tokens: the loss counts the model's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hybridflow.data.prompts import (
     parse_row,
     render_prompt,
 )
+from hybridflow.data.traces import ToolOutputs, tokenize_trace, trace_segments
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import DataConfig
@@ -38,6 +41,8 @@ class PairSample:
     prompt_text: str
     data_source: str
     extra_info: dict = field(default_factory=dict)
+    masks: list[list[int] | None] | None = None
+    """Per response, its loss mask when it is a tool-use trace (0 on tool tokens); None: all ones."""
 
 
 def _response_text(value: Any, key: str) -> str:
@@ -46,6 +51,22 @@ def _response_text(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"'{key}' must be non-empty text, got {value!r}")
     return value
+
+
+def _response(value: Any, key: str, tool_outputs: ToolOutputs | None) -> str | list:
+    """A response column -> its text, or its segments when it is a tool-use trace."""
+    try:
+        segments = trace_segments(value, tool_outputs)
+    except ValueError as e:
+        raise ValueError(f"'{key}': {e}") from None
+    return segments if segments is not None else _response_text(value, key)
+
+
+def _tokenized(response: str | list, tokenizer, tool_outputs) -> tuple[list[int], list[int] | None]:
+    """-> (ids, loss mask or None for all ones)."""
+    if isinstance(response, str):
+        return tokenizer(response, add_special_tokens=False)["input_ids"], None
+    return tokenize_trace(response, tokenizer, tool_outputs)
 
 
 class PairDataset:
@@ -82,14 +103,16 @@ class PairDataset:
         name: str = "",
         tools: list | None = None,
         max_length: int = 0,
+        tool_outputs: ToolOutputs | None = None,
     ) -> PairDataset:
         """max_length > 0 also caps prompt + response tokens (SFT: algorithm.sft.max_length), so each
-        response gets what its prompt leaves, at most max_response_length."""
+        response gets what its prompt leaves, at most max_response_length. tool_outputs: how the agent
+        loop inserts tool outputs (None: multi-turn off), for responses that are tool-use traces."""
         stats = {"rows": len(records), "malformed": 0, "truncated": 0, "filtered": 0}
 
         def parse(row):
             out = parse_row(row, prompt_key)
-            out["responses"] = [_response_text(row.get(k), k) for k in keys]
+            out["responses"] = [_response(row.get(k), k, tool_outputs) for k in keys]
             # the response columns are the sample's targets, not free columns riding along in extra_info
             out["extra_info"] = {
                 k: v
@@ -104,18 +127,25 @@ class PairDataset:
             text = render_prompt(p["prompt"], tokenizer, apply_chat_template, tools)
             ids = tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
             prompt_ids = fit_length(ids, max_prompt_length, truncation, f"{where(source, i)}: prompt")
-            responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for r in p["responses"]]
+            tokenized = [_tokenized(r, tokenizer, tool_outputs) for r in p["responses"]]
+            responses = [ids + [eos] for ids, _ in tokenized]
             budget = max_response_length
             if max_length > 0 and prompt_ids is not None:
                 budget = min(budget, max(max_length - len(prompt_ids), 0))
-            cut = [fit_length(r, budget, truncation, f"{where(source, i)}: response") for r in responses]
+            what = f"{where(source, i)}: response"
+            cut = [fit_length(r, budget, truncation, what) for r in responses]
             if prompt_ids is None or any(r is None for r in cut):
                 stats["filtered"] += 1
                 continue
             stats["truncated"] += int(
                 len(prompt_ids) < len(ids) or any(len(a) < len(b) for a, b in zip(cut, responses))
             )
-            samples.append(PairSample(len(samples), prompt_ids, cut, text, p["data_source"], p["extra_info"]))
+            masks = [
+                None if m is None else fit_length(m + [1], budget, truncation, what) for _, m in tokenized
+            ]
+            samples.append(
+                PairSample(len(samples), prompt_ids, cut, text, p["data_source"], p["extra_info"], masks)
+            )
         stats["kept"] = len(samples)
         logger.info("dataset %s (%s): %s", name, "sft" if len(keys) == 1 else "dpo", stats)
         return cls(samples, _pad_id(tokenizer), stats, "sft" if len(keys) == 1 else "dpo", name)
@@ -125,8 +155,9 @@ class PairDataset:
         per = len(samples[0].responses)
         prompts = [s.prompt_ids for s in samples for _ in range(per)]
         responses = [r for s in samples for r in s.responses]
+        masks = [m if m is not None else [1] * len(r) for s in samples for r, m in zip(s.responses, s.masks)]
         return Batch(
-            collate_prompt_response(prompts, responses, self.pad_token_id),
+            collate_prompt_response(prompts, responses, self.pad_token_id, masks),
             {
                 "uid": [f"{epoch}-{s.index}" for s in samples for _ in range(per)],
                 "data_source": [s.data_source for s in samples for _ in range(per)],
@@ -144,6 +175,7 @@ def build_pair_dataset(
     max_response_length: int = 512,
     max_length: int = 0,
     tools: list | None = None,
+    tool_outputs: ToolOutputs | None = None,
 ):
     """SFT (kind='sft') or DPO (kind='dpo') dataset of a split per a DataConfig; None if no data.
     max_length > 0 caps prompt + response tokens (see PairDataset.from_records); tools: the JSON schemas
@@ -166,4 +198,5 @@ def build_pair_dataset(
         name=name,
         max_length=max_length,
         tools=tools,
+        tool_outputs=tool_outputs,
     )

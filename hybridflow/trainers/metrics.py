@@ -147,6 +147,9 @@ def agent_metrics(batch: Batch, lengths: torch.Tensor, model_tokens: torch.Tenso
            for k in ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts", "agent_tool_time_s")}  # fmt: skip
     out["agent/turns/max"] = float(batch["agent_turns"].max())
     out["agent/tool_time_s/sum"] = float(batch["agent_tool_time_s"].sum())
+    if "agent_finish_s" in batch:  # seconds into its rank's rollout call when each trajectory finished
+        out["agent/finish_s/mean"] = float(batch["agent_finish_s"].mean())
+        out["agent/finish_s/max"] = float(batch["agent_finish_s"].max())
     out["agent/model_tokens/mean"] = float(model_tokens.mean())
     out["agent/tool_tokens/mean"] = float((lengths - model_tokens).mean())
     return out

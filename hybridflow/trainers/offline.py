@@ -6,6 +6,7 @@ from __future__ import annotations
 from hybridflow.batch import Batch
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.data import StatefulDataLoader, build_pair_dataset
+from hybridflow.data.traces import ToolOutputs
 from hybridflow.trainers.base import Trainer
 
 
@@ -19,8 +20,17 @@ class _PairTrainer(Trainer):
     def build_train_loader(self) -> StatefulDataLoader:
         d = self.cfg.data
         cap = self.max_length()  # SFT: a response gets what its prompt leaves of max_length
+        m = self.cfg.rollout.multi_turn  # traces' tool outputs tokenized as the agent loop inserts them
+        outputs = ToolOutputs(m.tool_response_template, m.max_tool_output_tokens) if m.enable else None
         ds = build_pair_dataset(
-            d, self.tokenizer, self.kind, "train", cap or self.cfg.rollout.response_length, cap, self.tools
+            d,
+            self.tokenizer,
+            self.kind,
+            "train",
+            cap or self.cfg.rollout.response_length,
+            cap,
+            self.tools,
+            outputs,
         )
         if ds is None:
             raise ValueError(f"{self.name}: no training data; set data.train_files or data.dataset")
@@ -31,7 +41,8 @@ class _PairTrainer(Trainer):
 
 
 class SFTTrainer(_PairTrainer):
-    """Supervised fine-tuning: token-mean NLL of the `response` column, one optimizer step per batch."""
+    """Supervised fine-tuning: token-mean NLL of the `response` column's model tokens (a tool-use
+    trace's tool outputs are masked: data/traces.py), one optimizer step per batch."""
 
     name, kind = "sft", "sft"
     spec = ALGORITHM_SPECS["sft"]

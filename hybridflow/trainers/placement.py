@@ -32,6 +32,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from hybridflow.agent.registry import pickled as pickled_agent_objects
 from hybridflow.checkpoint import atomic_write_text
 from hybridflow.config.roles import worker_config
 from hybridflow.config.rollout_pool import (
@@ -265,6 +266,8 @@ def build_worker_groups(
 def _spec(tree, role: str, kwargs: dict, with_ref: bool) -> tuple[type, dict]:
     """The worker class of `role` and its init kwargs: its part of the config tree (config/roles.py) only."""
     cfg = worker_config(tree, role)
+    if role in ("rollout", "actor_rollout"):  # the Python API's tools reach the agent loop by value
+        kwargs = {**kwargs, "agent_objects": pickled_agent_objects(tree.rollout.multi_turn)}
     if role == "rollout":  # generation (+ the reference), on its own pool (rollout_pool_config), no actor
         return ActorRolloutRefWorker, {
             "config": cfg,

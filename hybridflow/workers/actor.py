@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.agent import build_agent_loop
+from hybridflow.agent.registry import install as install_agent_objects
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.config.roles import ActorWorkerConfig
@@ -77,13 +78,22 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     """config: the policy's part of the config tree (config/roles.py); roles: a subset of ("actor",
     "rollout", "ref"); total_optim_steps: optimizer steps of the whole run (for warmup / cosine schedules)."""
 
-    def __init__(self, config: ActorWorkerConfig, roles=("actor", "rollout"), total_optim_steps: int = 0):
+    def __init__(
+        self,
+        config: ActorWorkerConfig,
+        roles=("actor", "rollout"),
+        total_optim_steps: int = 0,
+        agent_objects: bytes | None = None,
+    ):
+        """agent_objects: the tools / environment of the Python API the config names, by value
+        (agent/registry.py pickled)."""
         bad = [r for r in roles if r not in ROLES]
         if bad or not roles:
             raise ValueError(
                 f"ActorRolloutRefWorker roles must be a non-empty subset of {ROLES}, got {roles}"
             )
         self.config, self.roles, self.total_optim_steps = config, tuple(roles), total_optim_steps
+        self.agent_objects = agent_objects
         self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = self.agent = None
         self._gen_calls = 0
         seed = config.seed
@@ -166,6 +176,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             if model is None:
                 model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
             self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
+            install_agent_objects(self.agent_objects)
             self.agent = build_agent_loop(self.config.rollout.multi_turn, self.tokenizer)
             if own and self.config.rollout.engine == "vllm":
                 model.to("meta")  # vLLM holds the weights; the HF model only names their shapes now

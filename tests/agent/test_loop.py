@@ -6,6 +6,8 @@ turn produces (a pluggable parser, as a user's would be): most trajectories then
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -177,3 +179,42 @@ def test_an_environment_ends_the_episode_and_its_reward_reaches_extra_info(run):
     for i in range(len(out)):
         reward = infos[i]["env_reward"]
         assert (reward is None) == (not bool(called[i]))
+
+
+SLOW_S = 3.0
+
+
+class SlowForTheFirst(Environment):
+    """echo's answers; the first prompt's trajectories wait SLOW_S seconds for each of theirs."""
+
+    def reset(self, row: dict) -> None:
+        self.slow = row["uid"] == 0
+
+    def step(self, call: ToolCall, timeout_s: float) -> StepResult:
+        if self.slow:
+            time.sleep(SLOW_S)
+        return StepResult(echo(call.arguments["digit"]))
+
+
+def test_a_slow_tool_does_not_hold_the_other_rows(run):
+    """Waves (agent/loop.py): the rows whose tools answered go on without the one whose tool sleeps, so
+    every other trajectory, several turns with a tool call between them, finishes before that sleep is
+    over (turn-synchronous, each would wait SLOW_S at its first call)."""
+    tok, _, engine, _ = run
+    loop = AgentLoop(tok, digit_parser, SlowForTheFirst, LIMITS)
+    out = loop.generate(engine, prompt_batch(tok), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3))
+    finish, calls, turns = out["agent_finish_s"], out["agent_tool_calls"], out["agent_turns"]
+    assert calls[0] > 0 and finish[0] >= SLOW_S  # the slow row called and waited
+    others = [i for i in range(1, len(out)) if turns[i] >= 2]  # a tool answered between two of its turns
+    assert others and all(finish[i] < SLOW_S for i in others), (finish, turns)
+
+
+def test_quick_tools_give_the_same_waves_run_to_run(run):
+    """The next wave waits up to WAVE_WAIT_S for the last wave's calls: with quick tools the rows share the
+    same generate calls, so a seeded rollout repeats."""
+    tok, _, engine, first = run
+    loop = AgentLoop(tok, digit_parser, lambda: ToolEnvironment({"echo": Tool.from_function(echo)}), LIMITS)
+    again = loop.generate(
+        engine, prompt_batch(tok), SamplingParams(max_new_tokens=160, temperature=1.0, n=2, seed=3)
+    )
+    assert torch.equal(again["responses"], first["responses"])
