@@ -57,7 +57,7 @@ def test_user_module_is_imported_only_in_the_workers(reward_file):
 def test_preloaded_modules_are_imported_before_the_first_samples_timeout(reward_file, tmp_path, monkeypatch):
     """A library the reward imports on first use (reasoning_gym: seconds) fails every first sample inside
     timeout_s unless reward.preload imports it at start-up; resolve_config adds reasoning_gym itself."""
-    (tmp_path / "slow_library.py").write_text("import time\ntime.sleep(3)\n")
+    (tmp_path / "slow_library.py").write_text("import time\ntime.sleep(8)\n")
     lazy = tmp_path / "lazy_reward.py"
     lazy.write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -65,7 +65,7 @@ def test_preloaded_modules_are_imported_before_the_first_samples_timeout(reward_
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.syspath_prepend(str(tmp_path))
-    base = dict(fn=f"{lazy}:score", num_workers=1, timeout_s=1.5, max_error_fraction=1.0, error_score=-1)
+    base = dict(fn=f"{lazy}:score", num_workers=1, timeout_s=4.0, max_error_fraction=1.0, error_score=-1)
     with RewardExecutor(RewardConfig(**base)) as ex:
         assert ex.score("src", ["a"], ["a"]).scores.tolist() == [-1]
     with RewardExecutor(RewardConfig(**base, preload=["slow_library"])) as ex:

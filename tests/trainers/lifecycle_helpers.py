@@ -48,8 +48,9 @@ def grpo_config(
 
 
 def comparable(row: dict) -> dict:
-    """A metrics row without what differs between equal runs (timings, throughput, restart counts)."""
-    skip = ("timing_s/", "perf/", "trainer/")
+    """A metrics row without what differs between equal runs (timings, throughput, restart counts, a
+    plan's predicted seconds: only planned runs log them)."""
+    skip = ("timing_s/", "perf/", "trainer/", "plan/")
     return {k: v for k, v in row.items() if not k.startswith(skip) and not k.endswith("_time_s")}
 
 
