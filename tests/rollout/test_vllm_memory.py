@@ -38,6 +38,7 @@ def _engine(model, device: str, log: list[str]) -> VLLMEngine:
     engine.model, engine.config = model, VLLMEngineConfig()
     engine.device, engine.gpu = torch.device(device), device.startswith("cuda")
     engine.pad_head_dim, engine.llm, engine._asleep = None, RecordingLLM(log), False
+    engine.sent_bytes = 0
     return engine
 
 
