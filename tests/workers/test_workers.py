@@ -64,7 +64,7 @@ def test_rollout_log_probs_match_training_forward(setup):
     first = batch["responses"][0][: int(batch["response_mask"][0].sum())]
     assert (
         batch["response_text"][0]
-        == g["actor"].execute_rank_zero("decode", first[None], torch.ones(1, len(first)))[0]
+        == g["actor"].execute_rank_zero("decode", first[None], torch.tensor([len(first)]))[0]
     )
     greedy = g["actor"].generate_sequences(prompts, sampling={"n": 1, "temperature": 0.0})
     again = g["actor"].generate_sequences(prompts, sampling={"n": 1, "temperature": 0.0})
