@@ -25,7 +25,7 @@ from hybridflow.planner.ahead import FROZEN_POOLS, ROLLOUT_POOL, AheadResult, se
 from hybridflow.planner.dataflow import OLD_LOG_PROBS, STAGES, Dataflow, with_old_log_probs
 from hybridflow.planner.parallel import UNCONSTRAINED
 from hybridflow.planner.search import PlacementResult, search, strategy_name
-from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec
+from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec, save_dict
 
 
 @dataclass
@@ -169,14 +169,7 @@ class Plan:
 
     def save(self, path: str | Path) -> Path:
         """Write YAML (.yaml/.yml) or JSON (anything else)."""
-        path = Path(path)
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        else:
-            path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path
+        return save_dict(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

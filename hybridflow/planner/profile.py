@@ -18,11 +18,10 @@ Pure: no torch here, so the planner reads a profile without loading it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from hybridflow.planner.specs import DeviceSpec
+from hybridflow.planner.specs import DeviceSpec, save_dict
 
 PROFILE_VERSION = 1
 DTYPES = ("float32", "bfloat16")
@@ -89,15 +88,8 @@ class DeviceProfile:
         )
 
     def save(self, path: str | Path) -> Path:
-        """YAML (.yaml/.yml) or JSON (anything else)."""
-        path = Path(path)
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        else:
-            path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path
+        """Write YAML (.yaml/.yml) or JSON (anything else)."""
+        return save_dict(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:

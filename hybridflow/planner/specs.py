@@ -306,3 +306,18 @@ class EngineLimits:
 # columns. A one-step-ahead rollout pool runs any tg dividing the heads, each rank holding and sent only its
 # generation shard (rollout/pool_tp.py). `hybridflow plan --engines any` searches the paper's full space.
 ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
+
+
+def save_dict(data: dict, path) -> Path:
+    """`data` as YAML (.yaml/.yml) or JSON (anything else): how plans and device profiles are written."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    else:
+        path.write_text(json.dumps(data, indent=2))
+    return path
