@@ -20,16 +20,10 @@ from hybridflow.algorithms.losses import policy_loss
 from hybridflow.algorithms.utils import place_score_on_last_token
 from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model
 from hybridflow.rollout import BuiltinEngine, SamplingParams
+from tests.agent.agent_files import digit_parser
 from tests.rollout.gen_helpers import prompt_batch
 
 TEMPLATE = "<tool_response>{output}</tool_response>"
-
-
-def digit_parser(text: str) -> ToolCall | None:
-    for j, ch in enumerate(text):
-        if ch.isdigit():
-            return ToolCall("echo", {"digit": int(ch)}, j + 1)
-    return None
 
 
 def echo(digit: int) -> str:
