@@ -39,9 +39,17 @@ def test_gcs_then_raylet_lost_mid_run_each_restart_the_cluster_and_resume(tiny_m
         tiny_model_dir,
         trainer="experiment_name: run, total_steps: 5, save_every: 1, loggers: [jsonl]",
     )
+    # each step at least 8 x 0.25 s (its 8 samples' rewards): the 4 steps left after the GCS's loss take
+    # longer than the supervisor's 2 s wait for an outcome on any machine (calls to running workers do not
+    # need the GCS: a driver that finished its run within that wait would rightly end done, not restart)
+    (tmp_path / "reward.py").write_text(
+        "import time\n\n"
+        "def overlap(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    time.sleep(0.25)\n"
+        "    return sum(c in ground_truth for c in solution_str) / 4.0\n"
+    )
     proc = start_train(config, log=log)
-    # the GCS first, with steps left that take longer than the supervisor's 2 s wait for an outcome
-    # (calls to running workers do not need the GCS: a driver that finishes its run within them ends done)
+    # the GCS first, then the raylet
     gcs, first = _kill_after_row(proc, run, 1, "gcs_server")
     wait_for(lambda: "resumed from step" in log.read_text(), proc, poll=0.05)
     raylet, second = _kill_after_row(proc, run, 3, "raylet")
