@@ -81,7 +81,9 @@ def summarize(seed: int, tools: list[dict], no_tools: list[dict], seconds: float
     last = [r for r in tools if "agent/turns/mean" in r][-10:]
     mean = lambda k: sum(r[k] for r in last) / len(last)  # noqa: E731
     print("\n" + "=" * 78)
-    print(f"hybridflow demo-agent: GRPO with a calculator tool on 'a*b=' (a, b in 10..99), tiny Llama, CPU, seed {seed}")
+    print(
+        f"hybridflow demo-agent: GRPO with a calculator tool on 'a*b=' (a, b in 10..99), tiny Llama, CPU, seed {seed}"
+    )
     print("=" * 78)
     print(f"held-out accuracy before {val[0][1]:.2f} after {val[-1][1]:.2f}")
     print(f"  greedy, with the tool, on 100 held-out problems never trained on: "
@@ -109,7 +111,9 @@ def main() -> int:
         run(args.seed, overrides)
     finally:
         ray.shutdown()
-    summarize(args.seed, metrics(OUT / "agent_grpo"), metrics(OUT / "agent_grpo_no_tools"), time.time() - start)
+    summarize(
+        args.seed, metrics(OUT / "agent_grpo"), metrics(OUT / "agent_grpo_no_tools"), time.time() - start
+    )
     return 0
 
 
