@@ -1,6 +1,6 @@
 """The agent loop's two schedules on the same engine and workload (agent/loop.py): continuous batching
-(the built-in engine's, rollout/continuous.py) vs waves of `generate` calls (what an engine without it,
-vLLM, runs), one rollout call of B prompts x n samples, alternated run by run.
+(the built-in engine's, rollout/continuous.py) vs waves of `generate` calls (what the loop runs on an
+engine without one), one rollout call of B prompts x n samples, alternated run by run.
 
 Workload: a randomly initialised tiny Llama whose near-uniform characters hold a digit every few tokens;
 the parser calls `echo` at a turn's first digit (tests/agent/agent_files.py), up to 4 turns, 96 response

@@ -1,21 +1,22 @@
 """The agent loop inside the rollout: generate until a tool call or a stop token, run the call, insert its
 output as tokens, continue; per trajectory, token in, token out (agent/trajectory.py).
 
-Scheduling. On an engine that runs a continuous batch (the built-in engine's functional decoder,
-BuiltinEngine.continuous), each trajectory moves on its own: the text of its turn is parsed after every
-token it samples; when a call is complete (or a stop token or the budget ends the turn) the row leaves
-the decode batch and its call goes to a thread pool (`max_parallel_calls`) at once; when the call
-returns, the row rejoins, its inserted tokens are prefilled, and it decodes alongside rows that are
-mid-turn. The engine's draws are counter-based per row (rollout/continuous.py), so a seeded run's
-samples do not depend on which rows share a step.
+Scheduling. On an engine that runs a continuous batch (`engine.continuous`: the built-in engine's
+functional decoder, rollout/continuous.py; vLLM's scheduler, rollout/vllm_continuous.py), each
+trajectory moves on its own: the text of its turn is parsed after every token it samples; when a call
+is complete (or a stop token or the budget ends the turn) the row leaves the decode batch and its call
+goes to a thread pool (`max_parallel_calls`) at once; when the call returns, the row rejoins, its
+inserted tokens are prefilled, and it decodes alongside rows that are mid-turn. The engines' draws are
+per row (counter-based; per-request seeds on vLLM), so a seeded run's samples do not depend on which
+rows share a step.
 
-Elsewhere (vLLM, the HF fallback, a generation TP group): waves of turns. Each wave is one
-`engine.generate` over the trajectories ready for a turn (their exact token lists, left-padded). When it
-returns, each row's call is submitted at once, and the next wave starts with the rows whose calls are
-done, after waiting up to WAVE_WAIT_S for the calls the last wave made (so that, with quick tools, the
-waves and hence the draws repeat run to run). A row's call starts when the wave's call returns, and rows
-join only between calls. Any GenerationEngine serves, on whatever weights the caller switched it to (the
-3D-HybridEngine's generation shard).
+Elsewhere (the HF fallback, a generation TP group, an engine without `continuous`): waves of turns.
+Each wave is one `engine.generate` over the trajectories ready for a turn (their exact token lists,
+left-padded). When it returns, each row's call is submitted at once, and the next wave starts with the
+rows whose calls are done, after waiting up to WAVE_WAIT_S for the calls the last wave made (so that,
+with quick tools, the waves and hence the draws repeat run to run). A row's call starts when the wave's
+call returns, and rows join only between calls. Any GenerationEngine serves, on whatever weights the
+caller switched it to (the 3D-HybridEngine's generation shard).
 
 Where a turn's text holds a complete call, the generated tokens are kept up to the call's closing marker
 (the smallest prefix the parser still finds it in) and the rest of the turn is dropped (waves) or never
@@ -35,7 +36,7 @@ from hybridflow.agent.parsers import Parser, ToolCall
 from hybridflow.agent.trajectory import Trajectory, build_agent_batch, left_padded
 from hybridflow.batch import Batch
 from hybridflow.rollout.base import GenerationEngine, SamplingParams, check_prompt_batch
-from hybridflow.rollout.continuous import ContinuousBatch
+from hybridflow.rollout.continuous import ContinuousBatch  # or rollout/vllm_continuous.py's, same calls
 
 _TURN_SEED_STRIDE = 15_485_863  # each wave its own draws: the same seed would repeat the first wave's
 WAVE_WAIT_S = 0.5

@@ -1,5 +1,5 @@
 """The agent loop on a real tiny model and the built-in engine, in both schedules (agent/loop.py):
-continuous batching and waves of generate calls (as on vLLM):
+continuous batching and waves of generate calls (where an engine has no continuous batch):
 token in / token out turn by turn, tool tokens out of the loss, rollout log-probs equal to a training
 forward over the same tokens, limits, and rows that do not wait for each other's tools.
 
@@ -53,7 +53,7 @@ class Recorder(BuiltinEngine):
 
     @contextlib.contextmanager
     def continuous(self, params, rows, max_len):
-        if self.waves:  # as an engine without continuous batching (vLLM) runs
+        if self.waves:  # as on an engine without a continuous batch
             yield None
             return
         with super().continuous(params, rows, max_len) as cb:
