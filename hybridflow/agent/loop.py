@@ -115,8 +115,8 @@ class AgentLoop:
                 tokens_i, logps_i = turns[i]
                 tokens_i.append(token)
                 logps_i.append(logp)
-                call = self._turn_end(batch_rows, trajs[i], tokens_i)
-                if call is False:
+                ended, call = self._turn_end(batch_rows, trajs[i], tokens_i)
+                if not ended:
                     continue
                 batch_rows.leave(i)
                 trajs[i].add_model(tokens_i, logps_i)
@@ -128,13 +128,12 @@ class AgentLoop:
 
     def _turn_end(
         self, batch_rows: ContinuousBatch, t: Trajectory, tokens: list[int]
-    ) -> ToolCall | None | bool:
-        """The turn so far -> False while it goes on, else the call it ends with (None: no call). The
-        first token at which the parser finds a call is the call's end: no later token is sampled."""
+    ) -> tuple[bool, ToolCall | None]:
+        """The turn so far -> (whether it ended, the call it ended with or None). The first token at which
+        the parser finds a call is the call's end: no later token is sampled."""
         call = self.parser(self.tokenizer.decode(tokens, skip_special_tokens=False))
-        if call is None and tokens[-1] not in batch_rows.stop_ids and len(tokens) < t.remaining:
-            return False
-        return call
+        ended = call is not None or tokens[-1] in batch_rows.stop_ids or len(tokens) >= t.remaining
+        return ended, call
 
     def _waves(self, engine, pool, trajs, envs, params, pad) -> None:
         """Generate for the ready rows, submit their calls, go on with the rows whose calls are done."""
