@@ -62,6 +62,8 @@ class AgentLoop:
         self.tokenizer, self.parser, self.make_env, self.limits = tokenizer, parser, make_env, limits
         before, _, after = limits.tool_response_template.partition("{output}")
         self._before, self._after = self._encode(before), self._encode(after)
+        self._end_chars = getattr(parser, "end_chars", None)
+        self._may_end: dict[int, bool] = {}  # token id -> whether its text holds one of end_chars
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
@@ -131,9 +133,22 @@ class AgentLoop:
     ) -> tuple[bool, ToolCall | None]:
         """The turn so far -> (whether it ended, the call it ended with or None). The first token at which
         the parser finds a call is the call's end: no later token is sampled."""
-        call = self.parser(self.tokenizer.decode(tokens, skip_special_tokens=False))
+        call = None
+        if self._may_end_call(tokens[-1]):
+            call = self.parser(self.tokenizer.decode(tokens, skip_special_tokens=False))
         ended = call is not None or tokens[-1] in batch_rows.stop_ids or len(tokens) >= t.remaining
         return ended, call
+
+    def _may_end_call(self, token: int) -> bool:
+        """Whether a call's text can end at `token`: always, unless the parser names the characters its
+        calls end with (`end_chars`, parsers.py) and the token's own text holds none of them."""
+        if self._end_chars is None:
+            return True
+        hit = self._may_end.get(token)
+        if hit is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            hit = self._may_end[token] = any(c in text for c in self._end_chars)
+        return hit
 
     def _waves(self, engine, pool, trajs, envs, params, pad) -> None:
         """Generate for the ready rows, submit their calls, go on with the rows whose calls are done."""

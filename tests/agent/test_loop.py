@@ -16,8 +16,9 @@ import torch
 
 from hybridflow.agent.environment import Environment, StepResult, ToolEnvironment
 from hybridflow.agent.loop import AgentLimits, AgentLoop
-from hybridflow.agent.parsers import ToolCall
+from hybridflow.agent.parsers import ToolCall, parse_hermes
 from hybridflow.agent.tools import Tool
+from hybridflow.agent.trajectory import Trajectory
 from hybridflow.algorithms.advantages import compute_gae, compute_grpo_advantages
 from hybridflow.algorithms.losses import policy_loss
 from hybridflow.algorithms.utils import place_score_on_last_token
@@ -300,3 +301,24 @@ def test_a_seeded_rollout_repeats(run):
     tok, _, engine, first = run
     again = AgentLoop(tok, digit_parser, _echo_env, LIMITS).generate(engine, prompt_batch(tok), PARAMS)
     assert torch.equal(again["responses"], first["responses"])
+
+
+def test_a_hermes_turn_is_parsed_only_after_a_closing_character():
+    """parse_hermes.end_chars: the loop parses after tokens whose text holds ">" only, and the turn still
+    ends at the call's last token (the char tokenizer has no braces: the call is a malformed one, which
+    ends a turn as well)."""
+    tok = build_char_tokenizer()
+    texts = []
+
+    def parser(text):
+        texts.append(text)
+        return parse_hermes(text)
+
+    parser.end_chars = parse_hermes.end_chars
+    loop = AgentLoop(tok, parser, _echo_env, LIMITS)
+    text = 'ok <tool_call>"name": "echo"</tool_call> more'
+    ids = tok.encode(text, add_special_tokens=False)
+    rows = type("Rows", (), {"stop_ids": frozenset()})
+    ends = [k for k in range(1, len(ids) + 1) if loop._turn_end(rows, Trajectory([1], 1000), ids[:k])[0]]
+    assert ends[0] == len('ok <tool_call>"name": "echo"</tool_call>')
+    assert [t[-1] for t in texts] == [">"] * text.count(">")
