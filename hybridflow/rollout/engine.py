@@ -69,7 +69,8 @@ class BuiltinEngineConfig:
     pool's) with its KV cache in it, and the HF fallback runs under autocast (docs/rollout.md, "Compute
     dtype", says when bf16 pays on CPU)."""
     max_num_seqs: int = 0
-    """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
+    """Most sequences (prompts x n) decoded at once; larger batches run in chunks (the agent loop's
+    continuous batch: trajectories past it wait for a finished one's cache row). 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
 
 
