@@ -138,6 +138,8 @@ def run_engine_case(case: dict, out_dir) -> dict:
     from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig, TrainEngine
     from hybridflow.models import load_causal_lm
 
+    if "role" in case:
+        return _forward_only_case(case)
     pp = case["pp"]
     dp = dist.get_world_size() // pp
     config = EngineConfig(
@@ -159,4 +161,28 @@ def run_engine_case(case: dict, out_dir) -> dict:
     ]
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, (log_probs, entropy, steps))
+    return {"shards": shards}
+
+
+def _forward_only_case(case: dict) -> dict:
+    """A reference (frozen causal LM), a critic or a reward model on (pp, dp) = case["pp"], world / pp,
+    read as shards: its forward-only outputs of the whole batch (log-probs, values or scores), every
+    rank's."""
+    from hybridflow.engines import EngineConfig, ParallelConfig, TrainEngine
+    from hybridflow.models import load_causal_lm, load_critic, load_reward_model
+
+    role, pp = case["role"], case["pp"]
+    dp = dist.get_world_size() // pp
+    load = {"ref": load_causal_lm, "critic": load_critic, "reward": load_reward_model}[role]
+    config = EngineConfig(
+        parallel=ParallelConfig(pp=pp, dp=dp), logits_chunk_size=4, micro_batch_size_per_device=2
+    )
+    engine = TrainEngine(load(case["model_dir"], device="meta"), config, trainable=role == "critic")
+    local = make_rl_batch(engine.hf_model.config.vocab_size, **BATCH).chunk(dp)[dist.get_rank() % dp]
+    if role == "ref":
+        out = engine.compute_log_probs(local)[0]
+    else:
+        out = engine.compute_values(local) if role == "critic" else engine.compute_scores(local)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, out)
     return {"shards": shards}
