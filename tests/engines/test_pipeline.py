@@ -217,6 +217,10 @@ def engine_results(model_dirs, tmp_path_factory):
         for role, model in FORWARD_ONLY.items()
         for pp in (2, 1)
     ]
+    cases += [
+        dict(name=f"critic_{a}to{b}", saved=a, resumed=b, model_dir=model_dirs["critic"])
+        for a, b in ((2, 1), (1, 2))
+    ]
     return run_group(2, cases, tmp_path_factory.mktemp("pipeline_engine"), runner=run_engine_case)
 
 
@@ -255,3 +259,21 @@ def test_train_engine_with_two_stages_equals_fsdp(engine_results):
             assert rank[2][step]["grad_norm"] == pytest.approx(pp1[0][2][step]["grad_norm"], rel=1e-4)
             for k, v in want.items():
                 assert rank[2][step][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
+
+
+def test_critic_checkpoints_resume_onto_the_other_p(engine_results):
+    """A critic checkpoint saved from two stages resumed on one (FSDP over dp = 2), and one saved from one
+    resumed on two (each stage's tensors and AdamW moments by the whole model's names,
+    engines/checkpoint_io.py): the next step's value loss and grad norm (the mean over ranks, as
+    DP_METRICS reports them), and the values after it, agree. fp32, reductions of at most 64 terms, one
+    AdamW step (eps 1e-6: no noise-sized gradient normalised to a whole step): 1e-5 relative."""
+    got, want = (engine_results[n]["shards"] for n in ("critic_2to1", "critic_1to2"))
+    assert want[0][0]["grad_norm"] > 0 and want[0][0]["loss"] > 0
+    # not vf_clipfrac: it counts tokens whose clipped term exceeds the unclipped one by a rounding error
+    for key in ("loss", "vpred_mean", "grad_norm"):
+        mean = [sum(s[0][key] for s in shards) / len(shards) for shards in (got, want)]
+        assert mean[0] == pytest.approx(mean[1], rel=1e-5, abs=1e-7), key
+    mask = make_rl_batch(64, **BATCH)["response_mask"].bool()
+    got_values = torch.cat([s[1] for s in got])  # dp = 2: each rank its half of the rows
+    for rank in want:  # dp = 1: both stages return the whole batch
+        torch.testing.assert_close(got_values[mask], rank[1][mask], atol=1e-5, rtol=1e-5)
