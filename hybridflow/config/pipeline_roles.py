@@ -1,13 +1,15 @@
 """What `parallel.pp > 1` runs with, for every model section (engines/pipeline_engine.py), one line each.
 
 Pipeline stages run padded micro-batches of one shape, cut from a Llama-family model's decoder layers
-(engines/pipeline.py). The actor's generation side (tp, tg, the switch) is checked with the generation
-layout (hybrid_engine/layout.py) and its other limits in config/validate.py; the checks here hold for the
-reference, critic and reward model, which train (critic) or score under pp as the actor does, with t = 1.
+(engines/pipeline.py). The actor's generation side (tp, tg, the switch, its model) is checked with the
+generation layout (hybrid_engine/layout.py); the reference, critic and reward model train (critic) or
+score under pp as the actor does, with t = 1. `pipeline_blockers` says why a section could not run
+stages at all under a config: the planner (trainers/auto_placement.py) then plans it at p = 1.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -34,7 +36,35 @@ def pipeline_role_errors(cfg) -> list[str]:
             errors.append(f"model.{key}: true with {first}.parallel.pp = {pp}; pipeline stages run padded "
                           "micro-batches of equal shape; set it to null or false")  # fmt: skip
     for section, pp in sections.items():
-        errors += [] if section == "actor" else _section_errors(cfg, section, pp)
+        errors += _actor_errors(cfg, pp) if section == "actor" else _section_errors(cfg, section, pp)
+    return errors
+
+
+def pipeline_blockers(cfg, section: str) -> list[str]:
+    """Why `section` could not run pipeline stages (pp = 2, tp = 1) under `cfg`; [] where it could."""
+    trial = copy.deepcopy(cfg)
+    parallel = getattr(trial, section).parallel
+    parallel.pp, parallel.tp = 2, 1
+    errors = pipeline_role_errors(trial)
+    if section == "actor":  # what the generation layout checks for a pipelined actor (its tg follows t = 1)
+        if cfg.rollout.reshard != "hybridflow":
+            errors.append(f"rollout.reshard: {cfg.rollout.reshard} (pipelined actors switch by hybridflow)")
+        errors += _model_errors("actor", 2, cfg.model.path)
+    return errors
+
+
+def _actor_errors(cfg, pp: int) -> list[str]:
+    """The settings actor.parallel.pp > 1 does not run with yet (engines/pipeline_engine.py)."""
+    errors = []
+    if cfg.rollout.engine != "builtin":
+        errors.append(f"rollout.engine: {cfg.rollout.engine!r} with actor.parallel.pp = {pp}; pipeline "
+                      "stages generate with the built-in engine")  # fmt: skip
+    if cfg.model.lora.rank:
+        errors.append(f"model.lora.rank: {cfg.model.lora.rank} with actor.parallel.pp = {pp}; adapters are not "
+                      "applied to pipeline stages yet, use pp=1 or full fine-tuning (rank 0)")  # fmt: skip
+    if cfg.trainer.rollout_ahead:
+        errors.append(f"trainer.rollout_ahead: {cfg.trainer.rollout_ahead} with actor.parallel.pp = {pp}; "
+                      "the rollout pool's weight sync gathers an unpipelined actor, use rollout_ahead=0")  # fmt: skip
     return errors
 
 
@@ -71,7 +101,7 @@ def _model_paths(cfg, section: str) -> list[str]:
 
 def _model_errors(section: str, pp: int, path: str) -> list[str]:
     """The model at `path` can be cut into pp stages: Llama-family, pp <= its layers, untied embeddings
-    where it has an lm_head (the reference); nothing to say where config.json is unreadable (the
+    where it has an lm_head (actor, reference); nothing to say where config.json is unreadable (the
     model checks report that)."""
     hf = _read_json(os.path.join(path, "config.json"))
     if not isinstance(hf, dict):
@@ -82,8 +112,8 @@ def _model_errors(section: str, pp: int, path: str) -> list[str]:
                 f"{kind!r} ({path}); use pp = 1"]  # fmt: skip
     if isinstance(layers, int) and pp > layers:
         return [f"{section}.parallel.pp = {pp} exceeds the model's {layers} decoder layers ({path})"]
-    if section == "ref" and hf.get("tie_word_embeddings"):
-        return [f"ref.parallel.pp = {pp}: the model ties its input and output embeddings "
+    if section in ("actor", "ref") and hf.get("tie_word_embeddings"):
+        return [f"{section}.parallel.pp = {pp}: the model ties its input and output embeddings "
                 "(tie_word_embeddings), which the first and last stages would hold as two copies; use pp = 1"]  # fmt: skip
     return []
 

@@ -250,22 +250,6 @@ def _algorithm_errors(cfg: HybridFlowConfig, spec) -> list[str]:
     return errors
 
 
-def _pipeline_errors(cfg: HybridFlowConfig) -> list[str]:
-    """The settings actor.parallel.pp > 1 does not run with yet (engines/pipeline_engine.py), one line each;
-    those of every section: config/pipeline_roles.py."""
-    pp, errors = cfg.actor.parallel.pp, []
-    if cfg.rollout.engine != "builtin":
-        errors.append(f"rollout.engine: {cfg.rollout.engine!r} with actor.parallel.pp = {pp}; pipeline "
-                      "stages generate with the built-in engine")  # fmt: skip
-    if cfg.model.lora.rank:
-        errors.append(f"model.lora.rank: {cfg.model.lora.rank} with actor.parallel.pp = {pp}; adapters are not "
-                      "applied to pipeline stages yet, use pp=1 or full fine-tuning (rank 0)")  # fmt: skip
-    if cfg.trainer.rollout_ahead:
-        errors.append(f"trainer.rollout_ahead: {cfg.trainer.rollout_ahead} with actor.parallel.pp = {pp}; "
-                      "the rollout pool's weight sync gathers an unpipelined actor, use rollout_ahead=0")  # fmt: skip
-    return errors
-
-
 def _parallel_errors(cfg: HybridFlowConfig, spec) -> list[str]:
     """Where pool sizes follow from the config, each dp must be what they give; the generation layout."""
     errors, n, devices = [], cfg.resources.num_devices, section_devices(cfg)
@@ -284,7 +268,6 @@ def _parallel_errors(cfg: HybridFlowConfig, spec) -> list[str]:
     r, act, batch = cfg.rollout, cfg.actor, cfg.data.train_batch_size
     model_dir = cfg.model.path if os.path.isdir(cfg.model.path) else None
     errors += generation_layout_errors(act.parallel, r.tg, r.pg, model_dir, r.reshard)
-    errors += _pipeline_errors(cfg) if act.parallel.pp > 1 else []
     errors += pipeline_role_errors(cfg)
     if spec and spec.pairs and act.parallel.dp and batch % act.parallel.dp:
         errors.append(

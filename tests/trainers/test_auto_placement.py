@@ -167,10 +167,13 @@ def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
         placement_from_plan(grpo4, make_config("grpo", KL_LOSS, devices=2))
     n = grpo4.model("actor").n_devices
+    staged = _with_model(grpo4, "actor", p=2, t=1, d=n // 2)
+    placement_from_plan(staged, make_config("grpo", devices=4))  # pipeline stages with t = 1 run
+    packed = make_config("grpo", "model.remove_padding=true", devices=4)  # stages run padded rows
     with pytest.raises(
-        ConfigError, match=r"runs pipelines of p <= 1; edit the plan to p: 1 .*--engines builtin"
+        ConfigError, match=r"the engines run no pipeline for actor .*p: 1 .*--engines builtin"
     ):
-        placement_from_plan(_with_model(grpo4, "actor", p=2, d=n // 2), make_config("grpo", devices=4))
+        placement_from_plan(staged, packed)
     # the tiny model has 2 KV heads: the engine cannot shard them 4 ways (the planner would replicate)
     with pytest.raises(ConfigError, match="its pool 'actor' has 2 devices, not its 4"):
         placement_from_plan(_with_model(grpo4, "actor", d=4, n_devices=4), make_config("grpo", devices=8))
