@@ -92,7 +92,10 @@ def test_constrained_plan_has_no_pipeline_where_the_paper_search_uses_one():
     )
     free = plan(dataflow, cluster)
     assert free.model("actor").p > 1
-    assert free.engine_limits == asdict(EngineLimits()) and free.limits == EngineLimits()
+    assert (
+        free.engine_limits == {**asdict(EngineLimits()), "pipeline_max_tp": []}
+        and free.limits == EngineLimits()
+    )
     limited = plan(dataflow, cluster, limits=BUILTIN)
     for m in limited.models:
         spec = dataflow.model(m.role).spec
