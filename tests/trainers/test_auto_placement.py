@@ -28,6 +28,7 @@ from hybridflow.trainers.auto_placement import (
     build_planner_dataflow,
     build_planner_workload,
     check_plan,
+    config_limits,
     device_entry,
     plan_for_config,
 )
@@ -265,3 +266,14 @@ def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
         sum(step[f"timing_s/stage/{s}"] for s in ("generation", "preparation", "training"))
         <= step["timing_s/step"]
     )
+
+
+def test_auto_plans_no_pipeline_for_a_model_whose_stages_the_config_cannot_run(make_config):
+    """config_limits: ENGINE_LIMITS (p > 1 with t = 1 for every role) where the config runs stages; no
+    pipeline for every role under padding removal (stages run padded rows), for the actor alone with a
+    one-step-ahead rollout pool (its weight sync gathers an unpipelined actor) and not for the critic."""
+    assert config_limits(make_config("ppo", devices=4)) == ENGINE_LIMITS
+    packed = config_limits(make_config("ppo", "model.remove_padding=true", devices=4))
+    assert set(dict(packed.pipeline_max_tp).values()) == {0} and not packed.allows("critic", 2, 1)
+    ahead = config_limits(make_config("ppo", "trainer.rollout_ahead=1", devices=4))
+    assert not ahead.allows("actor", 2, 1) and ahead.allows("critic", 2, 1)
