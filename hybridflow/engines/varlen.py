@@ -16,6 +16,12 @@ length) through the model's **kwargs, and `no_mask()` tells the mask builder to 
 mask the call does not read. Activation checkpointing recomputes a layer with the same kwargs, so the
 recomputation takes the same path. With `shared_layout` instead (engines/shared_prompt.py, model.share_prompt)
 a row holds groups [prompt, r_1, ..., r_k], and each response attends to its prompt's keys and causally to its own.
+
+Which sdpa kernel (`_kernel`): on CPU in bf16 / fp16, PyTorch's flash kernel runs forward + backward 2.6-3.7x
+slower than its math kernel on sequences of up to ~150 tokens (one thread; docs/bench/vs_trl.md, "The synchronous
+update"). So packed calls over at most MATH_MAX_TOKENS keys take the math kernel there, forward-only passes too:
+the log-probs a no-grad pass computes must be bit-equal to the training forward's (the first PPO ratio is exactly 1,
+tests/engines/test_dtypes.py). fp32, GPUs and the padded forward keep PyTorch's choice.
 """
 
 from __future__ import annotations
@@ -25,12 +31,17 @@ import contextvars
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 NAME = "hybridflow_sdpa"
 _NO_MASK = contextvars.ContextVar("hybridflow_varlen_no_mask", default=False)
+# Longest key run for which a low-precision CPU call takes the math kernel: flash's forward + backward was 1.7x
+# slower at 150 keys and even at 200 (bench_update.py --attention); from ~250 keys on flash wins.
+MATH_MAX_TOKENS = 160
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_lens=None,
@@ -39,9 +50,27 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     packed row when seq_lens (lengths summing to N) or shared_layout (engines/shared_prompt.py) is given;
     returns (output (1, N, H, D), None)."""
     if shared_layout is not None:
-        return _shared(shared_layout, query, key, value, dropout, scaling), None
-    if seq_lens is None:
+        with _kernel(query, _longest_keys(shared_layout)):
+            return _shared(shared_layout, query, key, value, dropout, scaling), None
+    if seq_lens is None:  # padded rows (fully masked ones among them): PyTorch's kernel choice, unchanged
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    with _kernel(query, max(seq_lens)):
+        return _per_sequence(query, key, value, dropout, scaling, seq_lens), None
+
+
+def _kernel(query: torch.Tensor, keys: int):
+    """The math sdpa kernel where it beats flash (see the module docstring): a call on CPU in bf16 / fp16 over
+    at most MATH_MAX_TOKENS keys; otherwise PyTorch's own choice."""
+    cpu = query.device.type == "cpu"
+    # under autocast sdpa casts its fp32 inputs (HF's rope promotes q, k to fp32) to the autocast dtype
+    dtype = torch.get_autocast_dtype("cpu") if cpu and torch.is_autocast_enabled("cpu") else query.dtype
+    if cpu and dtype in _LOW_PRECISION and keys <= MATH_MAX_TOKENS:
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
+
+
+def _per_sequence(query, key, value, dropout, scaling, seq_lens) -> torch.Tensor:
+    """Causal attention on each sequence's slice of the row: (1, H, N, D) -> (1, N, H, D)."""
     runs = _runs(seq_lens)
     sizes = [n * k for n, k in runs]
     # (1, H, N, D) -> (1, N, H, D) views, split into runs of equal-length sequences (split, not slicing:
@@ -55,7 +84,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
             q, kk, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=kk.shape[1] != q.shape[1]
         )
         outs.append(o.transpose(1, 2).reshape(1, n * k, o.shape[1], o.shape[3]))
-    return torch.cat(outs, dim=1), None  # (1, N, H, D)
+    return torch.cat(outs, dim=1)  # (1, N, H, D)
 
 
 def _shared(layout, query, key, value, dropout, scaling) -> torch.Tensor:
@@ -79,6 +108,11 @@ def _shared(layout, query, key, value, dropout, scaling) -> torch.Tensor:
         k, v = (torch.cat([torch.cat((t[pr], t[r]), 1) for pr, r in pairs]) for t in (ks, vs))
         run(q, k, v, [r for _, r in pairs], attn_mask=layout.mask(p, n, query.device))
     return torch.cat(out, dim=1)  # (1, N, H, D)
+
+
+def _longest_keys(layout) -> int:
+    """The most keys one query of a shared row attends over: a causal segment, or a prompt + its response."""
+    return max([n for n, _ in layout.causal] + [p + n for (p, n), _ in layout.shared])
 
 
 def _runs(seq_lens: list[int]) -> list[tuple[int, int]]:
