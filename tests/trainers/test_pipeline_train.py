@@ -133,7 +133,6 @@ def test_a_two_stage_checkpoint_exports_to_transformers(runs, tmp_path):
             ["actor.parallel.tp=2", "resources.n_gpus_per_node=4"],
             "actor.parallel.pp > 1 runs with actor.parallel.tp = 1",
         ),
-        (["ref.parallel.pp=2"], "ref.parallel.pp: 2 is not supported yet"),
     ],
 )
 def test_what_stages_do_not_run_with_fails_in_one_line(tiny_model_dir, tmp_path, capsys, overrides, expected):
