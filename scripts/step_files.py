@@ -2,12 +2,13 @@
 
     .venv/bin/python scripts/step_files.py            # one file a line, relative to hybridflow/, then the count
 
-Runs `hybridflow train examples/configs/grpo_tiny.yaml` for three steps on a freshly built tiny model (8
+Runs `hybridflow train examples/configs/grpo_tiny.yaml` for four steps on a freshly built tiny model (8
 prompts x 8 samples, no validation, no checkpoint) with a profile hook in every process: a sitecustomize
 module on PYTHONPATH, which the Ray workers inherit from the driver. The hook records each hybridflow/ file
 in which a Python function is called while a flag file exists; the flag is set when step 1's metrics row
-is written and cleared when step 2's is, so the window is one whole step in the steady state (start-up,
-step 1's first-call imports and the shutdown fall outside it). tests/trainers/test_step_files.py runs
+is written and cleared when step 3's is, so the window holds at least one whole step in the steady state
+even when this poll sees step 1's row late on a loaded machine (start-up, step 1's first-call imports and
+the shutdown fall outside it). tests/trainers/test_step_files.py runs
 this and checks that §9 names every file it prints.
 """
 
@@ -63,7 +64,7 @@ def _train(work: Path, model: Path, flag: Path, timeout: float) -> None:
     run_dir = work / "run"
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(ROOT / "examples/configs/grpo_tiny.yaml")]
     cmd += [f"model.path={model}", f"trainer.output_dir={run_dir}", "trainer.loggers=[jsonl]"]
-    cmd += ["trainer.total_steps=3", "trainer.val_every=0", "trainer.val_before_train=false"]
+    cmd += ["trainer.total_steps=4", "trainer.val_every=0", "trainer.val_before_train=false"]
     cmd += ["trainer.save_every=0", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
     path = os.pathsep.join(p for p in (str(work / "site"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
@@ -75,7 +76,7 @@ def _train(work: Path, model: Path, flag: Path, timeout: float) -> None:
         if window == "before" and 1 in steps:
             flag.touch()
             window = "open"
-        elif window == "open" and 2 in steps:
+        elif window == "open" and 3 in steps:
             flag.unlink()
             window = "closed"
         time.sleep(0.01)
