@@ -303,6 +303,8 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             return lora.adapter_bytes(self.actor.hf_model)
         dtype = model_compute_dtype(self.config.model.dtype, self.config.device)
         size = dtype.itemsize if dtype is not None else 4
+        if self.actor.pipeline is not None:  # the whole model's, not this rank's stage's
+            return sum(p.numel() for p in self.rollout.model.parameters()) * size
         return self.actor.num_params() * size
 
     # ---- inference ---------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from tests.trainers.lifecycle_helpers import grpo_config
 from tests.trainers.test_pipeline_train import REWARD
 
 STEPS = 2
-COMPARED = ("actor/", "advantages/", "reward/mean", "response_length/", "rollout_corr/training_ppl")
+COMPARED = ("actor/", "advantages/", "reward/mean", "response_length/", "rollout_corr/training_ppl",
+            "rollout/weight_update_bytes")  # fmt: skip
 # name -> overrides; each pipelined run is compared with the p = 1 run of its generation layout
 RUNS = {
     "p2t2": ["actor.parallel.pp=2", "actor.parallel.tp=2", "rollout.tg=2"],
