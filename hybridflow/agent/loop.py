@@ -1,24 +1,32 @@
 """The agent loop inside the rollout: generate until a tool call or a stop token, run the call, insert its
 output as tokens, continue; per trajectory, token in, token out (agent/trajectory.py).
 
-Scheduling, as built: waves of turns. Each wave is one `engine.generate` over the trajectories ready
-for a turn (their exact token lists, left-padded; each row's own turn count). When it returns, each row's
-tool call is submitted to a thread pool (`max_parallel_calls`) at once, and the next wave starts with the
-rows whose calls are done: a row waiting on a slow tool does not hold the others, and rejoins the wave
-after its tool returns. So that runs repeat (the engine's draws depend on which rows share a call), the
-next wave first waits up to WAVE_WAIT_S for the calls the last wave made. Not built: continuous batching
-inside a generate call (a row's call starts when that call returns, not when its own turn ends; rows join
-only between calls). Any GenerationEngine serves (the built-in one, vLLM), on whatever weights the caller
-switched it to (the 3D-HybridEngine's generation shard).
+Scheduling. On an engine that runs a continuous batch (`engine.continuous`: the built-in engine's
+functional decoder, rollout/continuous.py; vLLM's scheduler, rollout/vllm_continuous.py), each
+trajectory moves on its own: the text of its turn is parsed after every token it samples; when a call
+is complete (or a stop token or the budget ends the turn) the row leaves the decode batch and its call
+goes to a thread pool (`max_parallel_calls`) at once; when the call returns, the row rejoins, its
+inserted tokens are prefilled, and it decodes alongside rows that are mid-turn. The engines' draws are
+per row (counter-based; per-request seeds on vLLM), so a seeded run's samples do not depend on which
+rows share a step.
+
+Elsewhere (the HF fallback, a generation TP group, an engine without `continuous`): waves of turns.
+Each wave is one `engine.generate` over the trajectories ready for a turn (their exact token lists,
+left-padded). When it returns, each row's call is submitted at once, and the next wave starts with the
+rows whose calls are done, after waiting up to WAVE_WAIT_S for the calls the last wave made (so that,
+with quick tools, the waves and hence the draws repeat run to run). A row's call starts when the wave's
+call returns, and rows join only between calls. Any GenerationEngine serves, on whatever weights the
+caller switched it to (the 3D-HybridEngine's generation shard).
 
 Where a turn's text holds a complete call, the generated tokens are kept up to the call's closing marker
-(the smallest prefix the parser still finds it in) and the rest of the turn is dropped: the kept tokens
-and their log-probs are exactly what was sampled, so the trajectory stays the sampling's own.
+(the smallest prefix the parser still finds it in) and the rest of the turn is dropped (waves) or never
+sampled (continuous): the kept tokens and their log-probs are exactly what was sampled.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -28,6 +36,7 @@ from hybridflow.agent.parsers import Parser, ToolCall
 from hybridflow.agent.trajectory import Trajectory, build_agent_batch, left_padded
 from hybridflow.batch import Batch
 from hybridflow.rollout.base import GenerationEngine, SamplingParams, check_prompt_batch
+from hybridflow.rollout.continuous import ContinuousBatch  # or rollout/vllm_continuous.py's, same calls
 
 _TURN_SEED_STRIDE = 15_485_863  # each wave its own draws: the same seed would repeat the first wave's
 WAVE_WAIT_S = 0.5
@@ -53,6 +62,8 @@ class AgentLoop:
         self.tokenizer, self.parser, self.make_env, self.limits = tokenizer, parser, make_env, limits
         before, _, after = limits.tool_response_template.partition("{output}")
         self._before, self._after = self._encode(before), self._encode(after)
+        self._end_chars = getattr(parser, "end_chars", None)
+        self._may_end: dict[int, bool] = {}  # token id -> whether its text holds one of end_chars
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
@@ -67,11 +78,77 @@ class AgentLoop:
         extra = _row_dicts(batch)
         for i, env in enumerate(envs):
             env.reset(extra[i // n])
+        continuous = getattr(engine, "continuous", None)
+        longest = max(len(r) for r in rows) + params.max_new_tokens
         with cf.ThreadPoolExecutor(self.limits.max_parallel_calls) as pool:
-            self._waves(engine, pool, trajs, envs, params, pad)
+            with (
+                continuous(params, len(trajs), longest)
+                if continuous
+                else contextlib.nullcontext() as batch_rows
+            ):
+                if batch_rows is None:
+                    self._waves(engine, pool, trajs, envs, params, pad)
+                else:
+                    self._continuous(batch_rows, pool, trajs, envs)
         for env in envs:
             env.close()
         return build_agent_batch(batch, trajs, params, pad)
+
+    def _continuous(self, batch_rows: ContinuousBatch, pool, trajs: list[Trajectory], envs) -> None:
+        """Each row samples, calls and rejoins on its own (module docstring)."""
+        start, pending = time.perf_counter(), {}
+        turns: list[tuple[list[int], list[float]]] = [([], []) for _ in trajs]
+        for i, t in enumerate(trajs):
+            batch_rows.join(i, t.context())
+        while any(not t.done for t in trajs):
+            if not batch_rows.ready:
+                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for future in [f for f in pending if f.done()]:
+                i = pending.pop(future)
+                inserted = self._insert(trajs[i], future)
+                if trajs[i].done:
+                    _finish(batch_rows, trajs[i], i, start)
+                else:
+                    batch_rows.join(i, inserted)
+            if not batch_rows.ready:
+                continue
+            rows, tokens, logps = batch_rows.step()
+            for i, token, logp in zip(rows, tokens.tolist(), logps.tolist()):
+                tokens_i, logps_i = turns[i]
+                tokens_i.append(token)
+                logps_i.append(logp)
+                ended, call = self._turn_end(batch_rows, trajs[i], tokens_i)
+                if not ended:
+                    continue
+                batch_rows.leave(i)
+                trajs[i].add_model(tokens_i, logps_i)
+                turns[i] = ([], [])
+                if call is not None and trajs[i].remaining > 0 and trajs[i].turns < self.limits.max_turns:
+                    pending[pool.submit(timed_step, envs[i], call, self.limits.tool_timeout_s)] = i
+                else:  # a stop token, the budget spent, a turn without a call, or a call in the last turn
+                    _finish(batch_rows, trajs[i], i, start)
+
+    def _turn_end(
+        self, batch_rows: ContinuousBatch, t: Trajectory, tokens: list[int]
+    ) -> tuple[bool, ToolCall | None]:
+        """The turn so far -> (whether it ended, the call it ended with or None). The first token at which
+        the parser finds a call is the call's end: no later token is sampled."""
+        call = None
+        if self._may_end_call(tokens[-1]):
+            call = self.parser(self.tokenizer.decode(tokens, skip_special_tokens=False))
+        ended = call is not None or tokens[-1] in batch_rows.stop_ids or len(tokens) >= t.remaining
+        return ended, call
+
+    def _may_end_call(self, token: int) -> bool:
+        """Whether a call's text can end at `token`: always, unless the parser names the characters its
+        calls end with (`end_chars`, parsers.py) and the token's own text holds none of them."""
+        if self._end_chars is None:
+            return True
+        hit = self._may_end.get(token)
+        if hit is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            hit = self._may_end[token] = any(c in text for c in self._end_chars)
+        return hit
 
     def _waves(self, engine, pool, trajs, envs, params, pad) -> None:
         """Generate for the ready rows, submit their calls, go on with the rows whose calls are done."""
@@ -140,8 +217,9 @@ class AgentLoop:
                 hi = mid
         return hi
 
-    def _insert(self, t: Trajectory, future) -> None:
-        """A call's answer inserted as tokens (cut to max_tool_output_tokens), its figures counted."""
+    def _insert(self, t: Trajectory, future) -> list[int]:
+        """A call's answer inserted as tokens (cut to max_tool_output_tokens), its figures counted;
+        -> the tokens inserted (fewer where the budget ends)."""
         result, seconds = _result(future)
         t.tool_calls += 1
         t.tool_errors += int(result.error)
@@ -150,8 +228,16 @@ class AgentLoop:
         if result.reward is not None:
             t.reward = result.reward
         body = self._encode(result.observation)[: self.limits.max_tool_output_tokens]
+        before = len(t.tokens)
         t.add_inserted(self._before + body + self._after)
         t.done = t.done or result.done
+        return t.tokens[before:]
+
+
+def _finish(batch_rows: ContinuousBatch, t: Trajectory, row: int, start: float) -> None:
+    t.done = True
+    t.finished_s = time.perf_counter() - start
+    batch_rows.finish(row)
 
 
 def _stamp(trajs: list[Trajectory], start: float) -> None:

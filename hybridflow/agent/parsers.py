@@ -5,6 +5,11 @@ and where its text ends, so the loop keeps the generated tokens up to that point
 them). Built in: `hermes`, the Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 format. Any other format is a `file.py:function` (or a Python callable) with the same signature as
 `parse_hermes`.
+
+A parser may name the characters its calls' text ends with in an `end_chars` attribute (Hermes: ">",
+of `</tool_call>`): the agent loop, which looks for a call after every token sampled, then parses only
+after tokens whose text holds one of them (each token id's text is decoded once), not the whole turn's
+text at every token.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ def parse_hermes(text: str) -> ToolCall | None:
         return ToolCall(body["name"], {}, end, "tool call arguments must be a JSON object")
     return ToolCall(body["name"], args, end)
 
+
+parse_hermes.end_chars = ">"  # type: ignore[attr-defined]
 
 PARSERS: dict[str, Parser] = {"hermes": parse_hermes}
 

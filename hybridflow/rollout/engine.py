@@ -17,7 +17,8 @@ and is cheap enough to run as soon as any row finishes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,10 @@ from hybridflow.rollout.base import (
     check_prompt_batch,
     load_named_weights,
 )
+from hybridflow.rollout.continuous import ContinuousBatch
 from hybridflow.rollout.hf_decoder import HFDecoder, PlainReplica
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
+from hybridflow.rollout.ragged_decoder import RaggedDecoder
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.rollout.tp_group import TPGroup
 
@@ -66,7 +69,8 @@ class BuiltinEngineConfig:
     pool's) with its KV cache in it, and the HF fallback runs under autocast (docs/rollout.md, "Compute
     dtype", says when bf16 pays on CPU)."""
     max_num_seqs: int = 0
-    """Most sequences (prompts x n) decoded at once; larger batches run in chunks. 0 = no limit.
+    """Most sequences (prompts x n) decoded at once; larger batches run in chunks (the agent loop's
+    continuous batch: trajectories past it wait for a finished one's cache row). 0 = no limit.
     Bounds the KV cache: layers * 2 * max_num_seqs * kv_heads * (prompt + response len) * head_dim."""
 
 
@@ -135,6 +139,32 @@ class BuiltinEngine(GenerationEngine):
                     chunks = batch.split(max(1, limit // params.n))
                     return Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
                 return self._generate_batch(batch, params, decoder)
+        finally:
+            decoder.release()
+            torch.set_num_threads(threads)
+
+    @contextlib.contextmanager
+    def continuous(self, params: SamplingParams, rows: int, max_len: int) -> Iterator[ContinuousBatch | None]:
+        """A continuous batch (rollout/continuous.py) of `rows` rows of at most `max_len` tokens each
+        (prompt and response), on the weights `generate` would use; None where this engine runs none:
+        the HF fallback (its DynamicCache holds one length for all rows) and a generation tensor-parallel
+        group (its ranks would have to agree on when each row joins), where the caller runs waves of
+        `generate` calls instead."""
+        tp = self.tp is not None and self.tp.size > 1
+        if tp or self.config.backend == "hf" or unsupported_reason(self.model, max_len) is not None:
+            yield None
+            return
+        decoder = RaggedDecoder(
+            self.model, self.config.pack_weights, self.shard, self.tp, dtype=self.config.dtype
+        )
+        threads = torch.get_num_threads()
+        capacity = min(rows, self.config.max_num_seqs or rows)
+        stop = params.stop_ids(self.model.config.eos_token_id)
+        try:
+            torch.set_num_threads(self._threads(threads))
+            with torch.no_grad():  # not inference_mode: see generate
+                decoder.start(capacity, max_len, max_len)
+                yield ContinuousBatch(decoder, params, rows, capacity, stop)
         finally:
             decoder.release()
             torch.set_num_threads(threads)

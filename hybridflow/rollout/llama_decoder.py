@@ -318,11 +318,17 @@ class LlamaFamilyDecoder:
         b, slot = self.rows, self.length
         self.key_bias[:b, slot] = 0.0  # every row writes its token at this slot
         self.length = slot + 1
+        return self._decode_at(tokens, pos, (slice(None), slice(None), slot), slot + 1)
+
+    def _decode_at(self, tokens: torch.Tensor, pos: torch.Tensor, where: tuple, length: int) -> torch.Tensor:
+        """One token per row of the first b = len(tokens) cache rows, its k/v written at `kc[where]` of each
+        layer's (b, kv, max_len, hd) cache (every row's slot, or each row's own); attention reads slots
+        [0, length), key_bias masking the rest. -> logits (b, vocab)."""
+        b = tokens.shape[0]
         nkv, hd = self.num_kv_heads, self.head_dim
         group = self.num_heads // nkv
         cs = self.rope[pos]
         cos, sin = cs[:, :1], cs[:, 1:]  # (b, 1, hd)
-        length = slot + 1
         if self.full_attention and _attend_full(length, self.key_bias.shape[1]):
             length = self.key_bias.shape[1]  # the whole rows: contiguous; unwritten slots masked by key_bias
         bias = self.key_bias[:b, None, None, :length]  # (b, 1, 1, L)
@@ -332,8 +338,8 @@ class LlamaFamilyDecoder:
             views = self._rows_views[b] = [(kc[:b], vc[:b]) for kc, vc in zip(self.k_cache, self.v_cache)]
         for layer, (kc, vc) in zip(self._weights_for(b), views):
             q, k, v = self._qkv(x, layer, cos, sin)
-            kc[:, :, slot] = k
-            vc[:, :, slot] = v
+            kc[where] = k
+            vc[where] = v
             # GQA without repeating k/v: the `group` query heads of a kv head form the rows of one matmul.
             # bmm on (b * kv)-batched views: the kernel torch.matmul reaches for these 4-d operands, without
             # its ~15 ops of expand/reshape bookkeeping.

@@ -38,23 +38,61 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits: (B, V), -inf where excluded -> tokens (B,) drawn from softmax(logits).
+def sample_from_logits(
+    logits: torch.Tensor, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits: (B, V), -inf where excluded -> tokens (B,) drawn from softmax(logits); uniforms: (B,) in
+    [0, 1), one per row, instead of drawing them from `generator`.
 
     Inverse-CDF sampling (one uniform per row, cumsum, searchsorted) instead of `torch.multinomial`,
     which on CPU costs ~15x more for small vocabularies. `right=True` never lands on a zero-mass token.
     """
     probs = (logits - logits.amax(-1, keepdim=True)).exp()  # unnormalised, 0 where -inf
     cdf = probs.cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+    if uniforms is None:
+        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    else:
+        u = uniforms[:, None].to(cdf.dtype)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> a 32-bit hash of each (xor-shift-multiply rounds). The multipliers
+    are below 2^31, so no product leaves int64 (no overflow to rely on)."""
+    x = (x + 0x9E3779B9) & _M32  # so that 0 does not hash to 0
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x1B873593) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(rows,) int64 keys, one per row, for `counter_uniforms`: a hash of (seed, row)."""
+    base = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=device))
+    return _mix32(base ^ torch.arange(rows, dtype=torch.int64, device=device))
+
+
+def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """keys: (B,) int64 from row_keys, counters: (B,) int64 in [0, 2^32) -> (B,) float32 uniforms in [0, 1), a pure function of each (key,
+    counter) pair: a row's draws depend on neither the other rows in the batch nor the order of calls
+    (counter-based, as Philox is; this 32-bit hash has 24 bits of resolution, float32's own)."""
+    h = _mix32((_mix32(keys ^ (counters & _M32)) + keys) & _M32)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: (B, V) raw model logits. Returns tokens (B,) int64 and their log-probs (B,) float32
-    under log_softmax(logits / T) (see module docstring)."""
+    """logits: (B, V) raw model logits; uniforms: (B,) the draws to use (see sample_from_logits).
+    Returns tokens (B,) int64 and their log-probs (B,) float32 under log_softmax(logits / T) (see
+    module docstring)."""
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(-1)
@@ -62,5 +100,6 @@ def sample_next(
     else:
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
         logp = scaled.log_softmax(-1)
-        tokens = sample_from_logits(apply_top_p(apply_top_k(scaled, params.top_k), params.top_p), generator)
+        filtered = apply_top_p(apply_top_k(scaled, params.top_k), params.top_p)
+        tokens = sample_from_logits(filtered, generator, uniforms)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -286,6 +286,31 @@ class VLLMEngine(GenerationEngine):
         out.meta.rollout_log_probs_exact = params.greedy or not truncates(params)
         return out
 
+    @contextlib.contextmanager
+    def continuous(self, params: SamplingParams, rows: int, max_len: int):
+        """The agent loop's continuous batch on vLLM's scheduler (rollout/vllm_continuous.py), on the
+        weights `generate` would load; None under vLLM tensor parallel (rollout.tg > 1: its ranks would
+        have to agree on when each row joins), where the loop runs waves of `generate` calls."""
+        if getattr(self, "shard_tp", None) is not None or self.config.tensor_parallel_size > 1:
+            yield None
+            return
+        from hybridflow.rollout.vllm_continuous import VLLMContinuous
+
+        threads = torch.get_num_threads()
+        if not self.gpu and self.config.cpu_threads > 0:
+            torch.set_num_threads(self.config.cpu_threads)
+        batch = None
+        try:
+            self._wake_and_sync()
+            stop = params.stop_ids(self.eos_ids)
+            batch = VLLMContinuous(self.llm.llm_engine, params, rows, max_len, stop, self.eos_ids)
+            yield batch
+        finally:
+            if batch is not None:
+                batch.close()
+            torch.set_num_threads(threads)
+            self.sleep()
+
     @property
     def eos_ids(self):
         return self.model.config.eos_token_id
