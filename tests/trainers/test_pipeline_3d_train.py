@@ -1,12 +1,12 @@
 """`hybridflow train` with the actor on 4 CPU ranks in two pipeline stages composed with tensor or data
-parallelism: p = 2 x t = 2 (generating with tg = 2) and p = 2 x d = 2 (tg = 1). GRPO for two steps equals
-the p = 1 run on the same 4 ranks with the same t and the remaining ranks as d (t = 2 x d = 2, tg = 2;
-d = 4), which generate with as many replicas of the same shards, so the rollouts, rewards and advantages
-match and the updates must too: losses, grad norms, and the updated actor's log-probs (step 2's old
-log-probs, as their perplexity). Tolerances as tests/trainers/test_pipeline_train.py states them: fp32
-sums of at most a few hundred terms, 1e-4 relative; log-ratio means (~1e-8 at ratio 1) 1e-6 absolute.
-Greedy validation equals token for token, and the switch's bytes and held weights equal
-cost.pipeline_switch_cost every step.
+parallelism: p = 2 x t = 2 and p = 2 x d = 2, both generating with tg = 1. GRPO for two steps equals the
+p = 1 run on the same 4 ranks (d = 4): all three generate with 4 replicas of the whole model, so the
+rollouts, rewards and advantages match and the updates must too: losses, grad norms, and the updated
+actor's log-probs (step 2's old log-probs, as their perplexity). Tolerances as
+tests/trainers/test_pipeline_train.py states them: fp32 sums of at most a few hundred terms, 1e-4
+relative; log-ratio means (~1e-8 at ratio 1) 1e-6 absolute. Greedy validation equals token for token, and
+the switch's bytes and held weights equal cost.pipeline_switch_cost every step. (tg = 2, the generation
+TP group of a stage, at worker level: tests/hybrid_engine/test_pipeline_reshard_workers.py.)
 """
 
 from __future__ import annotations
@@ -22,14 +22,9 @@ from tests.trainers.test_pipeline_train import REWARD
 STEPS = 2
 COMPARED = ("actor/", "advantages/", "reward/mean", "response_length/", "rollout_corr/training_ppl",
             "rollout/weight_update_bytes")  # fmt: skip
-# name -> overrides; each pipelined run is compared with the p = 1 run of its generation layout
-RUNS = {
-    "p2t2": ["actor.parallel.pp=2", "actor.parallel.tp=2", "rollout.tg=2"],
-    "p1t2": ["actor.parallel.tp=2", "rollout.tg=2"],
-    "p2d2": ["actor.parallel.pp=2"],
-    "p1d4": [],
-}
-PAIRS = (("p2t2", "p1t2"), ("p2d2", "p1d4"))
+# name -> overrides (rollout.tg = 1); each pipelined run is compared with p1d4
+RUNS = {"p2t2": ["actor.parallel.pp=2", "actor.parallel.tp=2"], "p2d2": ["actor.parallel.pp=2"], "p1d4": []}
+PAIRS = (("p2t2", "p1d4"), ("p2d2", "p1d4"))
 
 
 @pytest.fixture(scope="module")
