@@ -21,6 +21,7 @@ from hybridflow.config.algorithm_config import algorithm_errors
 from hybridflow.config.algorithms import ALGORITHM_SPECS
 from hybridflow.config.dapo import dapo_errors
 from hybridflow.config.model_checks import data_and_model_errors
+from hybridflow.config.pipeline_roles import pipeline_role_errors
 from hybridflow.config.rollout_pool import rollout_ahead_errors, training_devices, with_frozen_on_rollout
 from hybridflow.config.run_config import resources_errors, trainer_errors
 from hybridflow.config.schema import (
@@ -42,11 +43,8 @@ from hybridflow.rollout.factory import rollout_engine_errors
 # Settings accepted by the schema whose other values are not implemented yet: key -> (the values
 # that work, why). `collect_errors` rejects the rest in one line each; a colleague implementing one
 # removes its entry (tests/config/test_fields_read.py checks every entry is rejected).
-NOT_YET = {
-    # the actor's pp and rollout.tg/pg are checked with the generation layout (hybrid_engine/layout.py)
-    f"{s}.parallel.pp": ((1,), "pipeline parallelism is not implemented; raise tp or dp instead")
-    for s in ("critic", "ref", "reward")
-}
+# (Every section's parallel.pp > 1 runs now: config/pipeline_roles.py says with what.)
+NOT_YET: dict[str, tuple[tuple, str]] = {}
 # The section each model's pool size is read from, per placement (the planner fills auto/plan files).
 _ACTOR_SIDE = ("actor", "ref")
 
@@ -252,25 +250,6 @@ def _algorithm_errors(cfg: HybridFlowConfig, spec) -> list[str]:
     return errors
 
 
-def _pipeline_errors(cfg: HybridFlowConfig) -> list[str]:
-    """The settings actor.parallel.pp > 1 does not run with yet (engines/pipeline_engine.py), one line each."""
-    pp, errors = cfg.actor.parallel.pp, []
-    if cfg.rollout.engine != "builtin":
-        errors.append(f"rollout.engine: {cfg.rollout.engine!r} with actor.parallel.pp = {pp}; pipeline "
-                      "stages generate with the built-in engine")  # fmt: skip
-    for key in ("remove_padding", "share_prompt"):
-        if getattr(cfg.model, key):
-            errors.append(f"model.{key}: true with actor.parallel.pp = {pp}; pipeline stages run padded "
-                          "micro-batches of equal shape; set it to null or false")  # fmt: skip
-    if cfg.model.lora.rank:
-        errors.append(f"model.lora.rank: {cfg.model.lora.rank} with actor.parallel.pp = {pp}; adapters are not "
-                      "applied to pipeline stages yet, use pp=1 or full fine-tuning (rank 0)")  # fmt: skip
-    if cfg.trainer.rollout_ahead:
-        errors.append(f"trainer.rollout_ahead: {cfg.trainer.rollout_ahead} with actor.parallel.pp = {pp}; "
-                      "the rollout pool's weight sync gathers an unpipelined actor, use rollout_ahead=0")  # fmt: skip
-    return errors
-
-
 def _parallel_errors(cfg: HybridFlowConfig, spec) -> list[str]:
     """Where pool sizes follow from the config, each dp must be what they give; the generation layout."""
     errors, n, devices = [], cfg.resources.num_devices, section_devices(cfg)
@@ -289,7 +268,7 @@ def _parallel_errors(cfg: HybridFlowConfig, spec) -> list[str]:
     r, act, batch = cfg.rollout, cfg.actor, cfg.data.train_batch_size
     model_dir = cfg.model.path if os.path.isdir(cfg.model.path) else None
     errors += generation_layout_errors(act.parallel, r.tg, r.pg, model_dir, r.reshard)
-    errors += _pipeline_errors(cfg) if act.parallel.pp > 1 else []
+    errors += pipeline_role_errors(cfg)
     if spec and spec.pairs and act.parallel.dp and batch % act.parallel.dp:
         errors.append(
             f"data.train_batch_size: {batch} pairs must divide evenly over the actor's "

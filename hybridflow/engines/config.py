@@ -26,7 +26,10 @@ class ParallelConfig:
     """How one model is laid out over its worker group (world size = pp * tp * dp)."""
 
     tp: int = setting(1, "tensor-parallel size (DTensor column/row shards inside each layer)")
-    pp: int = setting(1, "pipeline-parallel size (stages of decoder layers; > 1 for the actor only)")
+    pp: int = setting(
+        1,
+        "pipeline-parallel size (stages of decoder layers cut from a Llama-family model; docs/design.md §8)",
+    )
     dp: int = setting(0, "data-parallel size, FSDP2-sharded (0 = derive: the group's devices / (tp * pp))")
 
     @property

@@ -11,9 +11,9 @@ stage needs (input_ids: the last stage's labels; attention_mask and position_ids
 rotary positions). They are L ints a row against the hidden states' L * H floats, and sending them keeps
 every stage a function of its inputs alone, which the schedules require.
 
-The last stage returns what the RL losses read: response log-probs (B, Lr) of a causal LM, or the
-critic's per-token values (B, Lr); its loss_fn is the RL loss, with per-token tensors as the schedule's
-`target`. Llama-family models only (parallelize.LLAMA_LIKE): GPT-2 adds position embeddings to
+The last stage returns what the RL losses read: response log-probs (B, Lr) of a causal LM, the critic's
+per-token values (B, Lr) or a reward model's sequence scores (B,); its loss_fn is the RL loss, with
+per-token tensors as the schedule's `target`. Llama-family models only (parallelize.LLAMA_LIKE): GPT-2 adds position embeddings to
 `inputs_embeds`, so every later stage would add them again.
 """
 
@@ -25,7 +25,7 @@ import re
 import torch
 from torch import nn
 
-from hybridflow.engines.forward import chunked_log_probs
+from hybridflow.engines.forward import chunked_log_probs, last_token_index
 from hybridflow.engines.parallelize import LLAMA_LIKE, decoder_layers, parallelize
 from hybridflow.models.hf import model_kind, scalar_head
 
@@ -57,7 +57,9 @@ def split_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
         raise ValueError(
             f"pipeline parallelism runs {LLAMA_LIKE} models, not {model.config.model_type!r}; use pp=1"
         )
-    if num_stages > 1 and getattr(model.config, "tie_word_embeddings", False):
+    # a critic's or reward model's scalar head shares nothing with the embeddings
+    tied = model_kind(model) == "causal_lm" and getattr(model.config, "tie_word_embeddings", False)
+    if num_stages > 1 and tied:
         raise ValueError(
             "pipeline parallelism with tied input and output embeddings (tie_word_embeddings) would train "
             "two copies on the first and last stages; use pp=1"
@@ -109,8 +111,8 @@ class StageForward(nn.Module):
     first stage: (input_ids, attention_mask, position_ids) (B, L) each
     later stages: (hidden (B, L, H), input_ids, attention_mask, position_ids)
     -> not last: the same four, hidden after this stage's layers
-    -> last: log-probs (B, Lr) (causal LM; with_entropy: log-probs and entropy stacked, (B, 2, Lr)) or
-       values (B, Lr) (critic), fp32
+    -> last: log-probs (B, Lr) (causal LM; with_entropy: log-probs and entropy stacked, (B, 2, Lr)),
+       values (B, Lr) (critic) or scores (B,) at each row's last attended token (reward model), fp32
     `response_length`, `temperature`, `logits_chunk_size` and `with_entropy` are set per call (`configure`).
     """
 
@@ -118,8 +120,6 @@ class StageForward(nn.Module):
         super().__init__()
         self.model = model
         self.kind = model_kind(model)
-        if self.kind == "reward":
-            raise ValueError("pipeline stages score causal LMs and critics; reward models run pp=1")
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.response_length, self.temperature, self.logits_chunk_size = 1, 1.0, 256
         self.with_entropy: bool | str = False
@@ -150,6 +150,11 @@ class StageForward(nn.Module):
             ).last_hidden_state
         if not self.last:
             return hidden, input_ids, attention_mask, position_ids
+        if self.kind == "reward":
+            h_last = hidden[
+                torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)
+            ]
+            return scalar_head(self.model)(h_last).squeeze(-1).float()
         lr = self.response_length
         h_resp = hidden[:, -lr - 1 : -1]  # (B, Lr, H): states before each response token (forward.py)
         if self.kind == "critic":
@@ -159,6 +164,12 @@ class StageForward(nn.Module):
             h_resp, lm_head, input_ids[:, -lr:], self.logits_chunk_size, self.temperature, self.with_entropy
         )
         return log_probs if entropy is None else torch.stack([log_probs, entropy], 1)
+
+    def output_shape(self, rows: int) -> tuple[int, ...]:
+        """The last stage's output for `rows` rows (forward's docstring)."""
+        if self.kind == "reward":
+            return (rows,)
+        return (rows, 2, self.response_length) if self.with_entropy else (rows, self.response_length)
 
 
 def build_stages(
@@ -183,8 +194,7 @@ def stage_io(stage: StageForward, rows: int, seq_len: int, dtype: torch.dtype) -
     hidden = torch.empty(rows, seq_len, stage.model.config.hidden_size, dtype=dtype, device="meta")
     hidden.requires_grad_(True)
     inputs = ints if stage.first else (hidden, *ints)
-    out_shape = (rows, 2, stage.response_length) if stage.with_entropy else (rows, stage.response_length)
-    last = (torch.empty(out_shape, device="meta", requires_grad=True),)
+    last = (torch.empty(stage.output_shape(rows), device="meta", requires_grad=True),)
     return inputs, last if stage.last else (hidden, *ints)
 
 

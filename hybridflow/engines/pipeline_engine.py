@@ -6,9 +6,10 @@ the batch's full length: a PipelineStage is built for one micro-batch shape, so 
 nor the padding trim of the unpipelined engine applies. Rows are padded up to whole micro-batches by
 repeating leading rows with a zero response mask, so they weigh nothing.
 
-Every rank of a pp group holds the same rows (the transfer protocols split over dp only). The RL loss runs
-on the last stage, as the schedule's loss_fn; its outputs (log-probs, entropy) and the step's metrics are
-then broadcast from the last stage, so every rank returns what an unpipelined rank returns.
+Every rank of a pp group holds the same rows (the transfer protocols split over dp only). The RL loss (the
+actor's policy loss, the critic's value loss) runs on the last stage, as the schedule's loss_fn; its
+outputs (log-probs and entropy, values, or a reward model's scores) and the step's metrics are then
+broadcast from the last stage, so every rank returns what an unpipelined rank returns.
 """
 
 from __future__ import annotations
@@ -52,24 +53,33 @@ class PipelinedModel:
         pos = batch["position_ids"] if "position_ids" in batch.tensors else position_ids_from_mask(attn)
         return ids, attn, pos.to(self.device)
 
-    def _broadcast(self, out: torch.Tensor | None, shape: tuple) -> torch.Tensor:
-        """The last stage's merged outputs on every rank of the pp group."""
+    def _broadcast(self, out: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """The last stage's merged outputs for `rows` rows on every rank of the pp group."""
         if out is None:
-            out = torch.empty(shape, dtype=torch.float32, device=self.device)
+            out = torch.empty(self.stage.output_shape(rows), dtype=torch.float32, device=self.device)
         out = out.float().contiguous()
         dist.broadcast(out, src=self.last_rank, group=self.group)
         return out
 
+    def _named(self, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The last stage's output under TrainEngine's keys (RLForward's)."""
+        if self.stage.kind == "critic":
+            return {"values": out}
+        if self.stage.kind == "reward":
+            return {"scores": out}
+        return (
+            {"log_probs": out[:, 0], "entropy": out[:, 1]} if self.stage.with_entropy else {"log_probs": out}
+        )
+
     @torch.no_grad()
     def infer(self, batch: Batch, rows: int, temperature: float, with_entropy: bool) -> dict:
-        """{"log_probs" (B, Lr) [, "entropy"]} on the CPU, for every rank of the pp group."""
-        n, lr = len(batch), response_length(batch)
+        """What RLForward returns for `batch` ({"log_probs" (B, Lr) [, "entropy"]}, {"values" (B, Lr)} or
+        {"scores" (B,)}) on the CPU, for every rank of the pp group."""
+        n = len(batch)
         padded = batch.pad_to_divisor(rows)
-        self.stage.configure(lr, temperature, self.stage.logits_chunk_size, with_entropy)
+        self.stage.configure(response_length(batch), temperature, self.stage.logits_chunk_size, with_entropy)
         out = self._schedule(padded, rows).eval(*self._inputs(padded))
-        shape = (len(padded), 2, lr) if with_entropy else (len(padded), lr)
-        out = self._broadcast(out, shape)[:n].cpu()
-        return {"log_probs": out[:, 0], "entropy": out[:, 1]} if with_entropy else {"log_probs": out}
+        return self._named(self._broadcast(out, len(padded))[:n].cpu())
 
     def forward_backward(self, batch: Batch, rows: int, loss_fn, with_entropy, temperature: float, weigh):
         """Gradients of every micro-batch's loss_fn(outputs, micro-batch) * weigh(i, micro-batch) (TrainEngine's
@@ -82,13 +92,7 @@ class PipelinedModel:
 
         def pipe_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             i = int(target[0, 0])  # the micro-batch's index (a CPU tensor: no device sync)
-            mb = mbs[i].to(self.device)
-            out = (
-                {"log_probs": output[:, 0], "entropy": output[:, 1]}
-                if with_entropy
-                else {"log_probs": output}
-            )
-            loss, metrics = loss_fn(out, mb)
+            loss, metrics = loss_fn(self._named(output), mbs[i].to(self.device))
             weight, share = weigh(i, mbs[i])
             for k, v in {"loss": loss, **metrics}.items():
                 v = v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v))

@@ -105,9 +105,6 @@ class TrainEngine:
         )
         self.share_prompt = resolve_share_prompt(self.config.share_prompt, self.remove_padding)
         self.pipeline = None
-        if pipelined and self.kind != "causal_lm":
-            raise ValueError(f"parallel.pp = {self.config.parallel.pp}: pipeline stages train causal LMs "
-                             f"(actor, reference); a {self.kind} model runs pp=1")  # fmt: skip
         if pipelined:  # this rank's stage of the model (engines/pipeline_engine.py)
             self.pipeline = PipelinedModel(model, self.mesh, self.device)
             self.pipeline.hidden_dtype = param_dtype if fsdp else None

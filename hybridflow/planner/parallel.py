@@ -66,15 +66,19 @@ def _powers_of_two_upto(limit: int) -> list[int]:
 
 
 def model_parallel_sizes(
-    spec: ModelSpec, n: int, devices_per_node: int, limits: EngineLimits = UNCONSTRAINED
+    spec: ModelSpec,
+    n: int,
+    devices_per_node: int,
+    limits: EngineLimits = UNCONSTRAINED,
+    role: str | None = None,
 ) -> list[tuple[int, int, int]]:
-    """All (p, t, d) with p*t*d = n that the model's shape and the engines' limits allow."""
+    """All (p, t, d) with p*t*d = n that the model's shape and the engines' limits for `role` allow."""
     out = []
     for t in _powers_of_two_upto(min(n, devices_per_node)):
         if not limits.allows_tp(spec, t):
             continue
-        for p in range(1, min(spec.num_layers, n // t, limits.max_pp or n) + 1):
-            if spec.num_layers % p == 0 and n % (p * t) == 0:
+        for p in range(1, min(spec.num_layers, n // t) + 1):
+            if spec.num_layers % p == 0 and n % (p * t) == 0 and limits.allows(role, p, t):
                 out.append((p, t, n // (p * t)))
     return out
 
@@ -179,7 +183,7 @@ def enumerate_options(
     lm_head = task.role in ("actor", "reference")
     worked = {stage for stage, _ in task.work}
     options = []
-    for p, t, d in model_parallel_sizes(spec, n, dpn, limits):
+    for p, t, d in model_parallel_sizes(spec, n, dpn, limits, task.role):
         state = (
             mem.train_state_bytes(spec, bpp, p, t, d) if task.trains else mem.weight_bytes(spec, bpp, p, t)
         )

@@ -300,7 +300,7 @@ def build_plan(
         iteration_seconds=iteration,
         throughput_tokens_per_s=tokens / iteration,
         alternatives=alternatives,
-        engine_limits=asdict(limits),
+        engine_limits=json.loads(json.dumps(asdict(limits))),  # as a plan file reads back: lists, not tuples
         rollout_ahead=rollout_ahead,
         ahead=_rollout_plan(ahead) if ahead else None,
         synchronous_seconds=sync_best or 0.0,

@@ -274,12 +274,25 @@ class EngineLimits:
     # whose loader slices them itself); its memory and weight sync are priced at the whole model. False
     # (the built-in trainer, rollout/pool_tp.py): each rank holds and is sent its generation shard only
     rollout_full_weights: bool = False
+    # per role (the planner's names), the largest t its pipeline stages (p > 1) run with; 0: that role
+    # runs no pipeline; a role not named: any t. Pairs, not a dict: frozen and hashable
+    pipeline_max_tp: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         for name in ("max_pp", "max_pg", "max_rollout_tg"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"EngineLimits.{name} must be >= 1 or None (no limit), got {value}")
+        # a plan file's JSON / YAML gives lists: the same limits as tuples, in one order
+        pairs = tuple(sorted((str(r), int(t)) for r, t in self.pipeline_max_tp))
+        object.__setattr__(self, "pipeline_max_tp", pairs)
+
+    def allows(self, role: str | None, p: int, t: int) -> bool:
+        """Whether a model of `role` may run p pipeline stages with t-way TP (max_pp, pipeline_max_tp)."""
+        if self.max_pp is not None and p > self.max_pp:
+            return False
+        limit = dict(self.pipeline_max_tp).get(role)
+        return p == 1 or limit is None or t <= limit
 
     def allows_tp(self, spec: ModelSpec, t: int) -> bool:
         """Whether tensor-parallel size t can shard `spec` (t = 1 always can)."""
@@ -297,15 +310,26 @@ class EngineLimits:
             parts.append("tp shards whole heads")
         if self.rollout_full_weights:
             parts.append("rollout ranks hold full weights")
+        by_t: dict[int, list[str]] = {}
+        for role, t in self.pipeline_max_tp:
+            by_t.setdefault(t, []).append(role)
+        for t, roles in sorted(by_t.items()):
+            parts.append(f"p > 1 {'only with t <= ' + str(t) if t else 'never'} for {'/'.join(roles)}")
         return ", ".join(parts) or "unconstrained"
 
 
+# The planner's roles whose pipeline stages the training engine runs (engines/pipeline_engine.py, the
+# reward section's engine serving both reward and cost), each with t = 1 (config/pipeline_roles.py).
+PIPELINE_ROLES = ("actor", "critic", "reference", "reward", "cost")
 # What hybridflow's own engines run, the one definition `hybridflow plan` (its default, `--engines builtin`),
-# `resources.placement=auto` and the plan-file check read: the training engine has no pipeline parallelism
-# (p = 1, so generation pg = 1, a divisor of p) and its DTensor TP plans split whole heads, KV heads and MLP
-# columns. A one-step-ahead rollout pool runs any tg dividing the heads, each rank holding and sent only its
+# `resources.placement=auto` and the plan-file check read: pipeline stages (p > 1) for every role with
+# t = 1, generation without a pipeline (pg = 1: each rank gathers the whole actor,
+# hybrid_engine/pipeline_switch.py), DTensor TP plans that split whole heads, KV heads and MLP columns. A
+# one-step-ahead rollout pool runs any tg dividing the heads, each rank holding and sent only its
 # generation shard (rollout/pool_tp.py). `hybridflow plan --engines any` searches the paper's full space.
-ENGINE_LIMITS = EngineLimits(max_pp=1, max_pg=1, tp_shards_whole_heads=True)
+ENGINE_LIMITS = EngineLimits(
+    max_pg=1, tp_shards_whole_heads=True, pipeline_max_tp=tuple((r, 1) for r in PIPELINE_ROLES)
+)
 
 
 def save_dict(data: dict, path) -> Path:

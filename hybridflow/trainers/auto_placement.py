@@ -21,11 +21,12 @@ into the critic (as the paper counts models), so cost_critic goes where the crit
 layout. Plan models the config does not use (a reward model when the reward is a rule, a reference
 when no KL term needs one) are skipped, and a pool left with no model is not started.
 
-Departures: the training engine has no pipeline parallelism and shards whole heads, KV heads and MLP
-columns, so `auto` plans under planner/specs.py's `ENGINE_LIMITS` (p = pg = 1, t dividing all three; the
-paper's auto_parallel allows p > 1 and replicated KV heads), as `hybridflow plan` does by default. A plan
-file may come from `hybridflow plan --engines any`: one with p > 1, or a t that does not divide the heads,
-is refused with what to change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg (the 3D-HybridEngine runs them,
+Departures: the training engine runs pipeline stages with t = 1 only, generates with pg = 1 and shards
+whole heads, KV heads and MLP columns, so `auto` plans under planner/specs.py's `ENGINE_LIMITS` (the
+paper's auto_parallel allows any p, t, pg and replicated KV heads), as `hybridflow plan` does by default,
+narrowed to p = 1 for a role whose stages the config could not run (`config_limits`). A plan file may
+come from `hybridflow plan --engines any`: one with a layout outside those, or a t that does not divide
+the heads, is refused with what to change. Generation layouts (pg, tg) are copied to rollout.pg / rollout.tg (the 3D-HybridEngine runs them,
 docs/hybrid_engine.md); a model the plan checkpoints or offloads gets gradient_checkpointing / offload
 turned on (a setting the user turned on stays on).
 
@@ -60,7 +61,7 @@ from hybridflow.planner.dataflow import with_old_log_probs
 from hybridflow.planner.plan import build_plan
 from hybridflow.planner.profile import DeviceProfile
 from hybridflow.planner.search import search
-from hybridflow.planner.specs import DEVICES, ENGINE_LIMITS, DeviceSpec, get_device
+from hybridflow.planner.specs import DEVICES, ENGINE_LIMITS, DeviceSpec, EngineLimits, get_device
 from hybridflow.trainers.plan_schedule import (
     REPLAN_FLAGS,
     check_schedule,
@@ -222,24 +223,48 @@ def build_planner_cluster(cfg) -> ClusterSpec:
     return ClusterSpec.build(planner_device(cfg), r.num_devices, r.n_gpus_per_node)
 
 
+# the config section whose parallel.pp each planner role's pipeline is (the cost model: reward's)
+_PIPELINE_SECTION = {
+    "actor": "actor",
+    "critic": "critic",
+    "reference": "ref",
+    "reward": "reward",
+    "cost": "reward",
+}
+
+
+def config_limits(cfg) -> EngineLimits:
+    """ENGINE_LIMITS with no pipeline for the roles whose stages this config could not run (LoRA, vLLM,
+    a tied or non-Llama model, ...: config/pipeline_roles.py), so auto plans and accepts only what runs."""
+    from dataclasses import replace
+
+    from hybridflow.config.pipeline_roles import pipeline_blockers
+
+    blocked = {s: bool(pipeline_blockers(cfg, s)) for s in set(_PIPELINE_SECTION.values())}
+    pairs = [
+        (r, 0 if blocked[_PIPELINE_SECTION.get(r, "actor")] else t) for r, t in ENGINE_LIMITS.pipeline_max_tp
+    ]
+    return replace(ENGINE_LIMITS, pipeline_max_tp=tuple(pairs))
+
+
 def plan_for_config(cfg) -> Plan:
     """Run the planner on the config's dataflow, cluster and workload, within the built-in engines'
     limits (so `check_plan` accepts every layout it returns), for the schedule the config runs. Where
     the build has trainer.rollout_ahead the other schedule is searched too, for comparison; each
     schedule prices the old-log-prob forward as the trainer would run it under that schedule."""
-    ahead = config_rollout_ahead(cfg)
+    ahead, limits = config_rollout_ahead(cfg), config_limits(cfg)
     try:
         df = build_planner_dataflow(cfg, None if ahead is None else 0)
         cluster, wl = build_planner_cluster(cfg), build_planner_workload(cfg)
         if ahead is None:
-            return plan(df, cluster, wl, limits=ENGINE_LIMITS)
-        results = search(df, cluster, wl, ENGINE_LIMITS)
+            return plan(df, cluster, wl, limits=limits)
+        results = search(df, cluster, wl, limits)
         fixed = getattr(cfg.resources, "rollout_devices", 0) or None  # the user's split, if set
         frozen_pool = getattr(cfg.resources, "frozen_pool", "training")  # auto: the faster place
         ahead_df = with_old_log_probs(df, planner_old_log_probs(cfg, 1))
-        best_ahead = search_ahead(ahead_df, cluster, wl, ENGINE_LIMITS, fixed, frozen_pool)
+        best_ahead = search_ahead(ahead_df, cluster, wl, limits, fixed, frozen_pool)
         schedule = "ahead" if ahead else "sync"
-        return build_plan(df, cluster, wl, results, ENGINE_LIMITS, best_ahead, schedule)
+        return build_plan(df, cluster, wl, results, limits, best_ahead, schedule)
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError) as e:  # no placement fits, a model dir without config.json
@@ -288,7 +313,7 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             f"plan {source!r} needs {need} devices ({sizes}) but resources.n_gpus_per_node * nnodes = {n}; "
             f"raise them or re-plan with --gpus {n}"
         )
-    dirs = _model_dirs(cfg)
+    dirs, limits = _model_dirs(cfg), config_limits(cfg)
     pool_sizes = {pool.name: pool.n_devices for pool in p.pools}
     for m in p.models:
         if m.role not in {PLANNER_ROLE[r] for r in trainer_roles(cfg)}:
@@ -303,7 +328,7 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
             errors.append(
                 f"{where}: p*t*d = {m.p * m.t * m.d} is not its {m.n_devices} devices; fix the plan"
             )
-        errors += _layout_errors(where, m)
+        errors += _layout_errors(where, m, limits)
         if m.t > 1 and ENGINE_LIMITS.tp_shards_whole_heads and os.path.isdir(dirs[m.role]):
             spec = ModelSpec.from_hf_config(dirs[m.role])
             bad = {k: v for k, v in (("heads", spec.num_heads), ("kv_heads", spec.num_kv_heads),
@@ -319,18 +344,20 @@ def check_plan(p: Plan, cfg, source: str) -> list[str]:
     return errors
 
 
-def _layout_errors(where: str, m) -> list[str]:
-    """The model's pipeline sizes beyond the engines' (planner/specs.py ENGINE_LIMITS)."""
-    max_pp, max_pg, errors = ENGINE_LIMITS.max_pp, ENGINE_LIMITS.max_pg, []
-    if max_pp is not None and m.p > max_pp:
+def _layout_errors(where: str, m, limits: EngineLimits) -> list[str]:
+    """The model's pipeline sizes beyond what the engines run under this config (`config_limits`)."""
+    errors = []
+    if not limits.allows(m.role, m.p, m.t):
+        t = dict(limits.pipeline_max_tp).get(m.role)
+        runs = "no pipeline" if t == 0 else f"pipelines with t <= {t}"
         errors.append(
-            f"{where}: the training engine runs pipelines of p <= {max_pp}; edit the plan to p: {max_pp} "
-            f"(and t*d = {m.n_devices // max_pp}), or re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
+            f"{where}: under this config the engines run {runs} for {m.role} (config/pipeline_roles.py); edit "
+            f"the plan to p: 1 (and t*d = {m.n_devices}), or re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
         )
-    if m.role == "actor" and max_pg is not None and m.pg > max_pg:
+    if m.role == "actor" and limits.max_pg is not None and m.pg > limits.max_pg:
         errors.append(
-            f"{where}: generation runs pipelines of pg <= {max_pg}; edit the plan to pg: {max_pg}, or "
-            f"re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
+            f"{where}: generation runs pipelines of pg <= {limits.max_pg}; edit the plan to pg: {limits.max_pg}, "
+            f"or re-plan with `hybridflow plan ... {REPLAN_FLAGS}`"
         )
     return errors
 

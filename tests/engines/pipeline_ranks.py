@@ -138,6 +138,10 @@ def run_engine_case(case: dict, out_dir) -> dict:
     from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig, TrainEngine
     from hybridflow.models import load_causal_lm
 
+    if "role" in case:
+        return _forward_only_case(case)
+    if "resumed" in case:
+        return _critic_resume_case(case, out_dir)
     pp = case["pp"]
     dp = dist.get_world_size() // pp
     config = EngineConfig(
@@ -159,4 +163,67 @@ def run_engine_case(case: dict, out_dir) -> dict:
     ]
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, (log_probs, entropy, steps))
+    return {"shards": shards}
+
+
+def _forward_only_case(case: dict) -> dict:
+    """A reference (frozen causal LM), a critic or a reward model on (pp, dp) = case["pp"], world / pp,
+    read as shards: its forward-only outputs of the whole batch (log-probs, values or scores), every
+    rank's."""
+    from hybridflow.engines import EngineConfig, ParallelConfig, TrainEngine
+    from hybridflow.models import load_causal_lm, load_critic, load_reward_model
+
+    role, pp = case["role"], case["pp"]
+    dp = dist.get_world_size() // pp
+    load = {"ref": load_causal_lm, "critic": load_critic, "reward": load_reward_model}[role]
+    config = EngineConfig(
+        parallel=ParallelConfig(pp=pp, dp=dp), logits_chunk_size=4, micro_batch_size_per_device=2
+    )
+    engine = TrainEngine(load(case["model_dir"], device="meta"), config, trainable=role == "critic")
+    local = make_rl_batch(engine.hf_model.config.vocab_size, **BATCH).chunk(dp)[dist.get_rank() % dp]
+    if role == "ref":
+        out = engine.compute_log_probs(local)[0]
+    else:
+        out = engine.compute_values(local) if role == "critic" else engine.compute_scores(local)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, out)
+    return {"shards": shards}
+
+
+def _critic_engine(model_dir: str, pp: int):
+    from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig, TrainEngine
+    from hybridflow.models import load_critic
+
+    parallel = ParallelConfig(pp=pp, dp=dist.get_world_size() // pp)
+    optim = OptimConfig(lr=1e-2, eps=1e-6)
+    config = EngineConfig(parallel=parallel, optim=optim, logits_chunk_size=4, micro_batch_size_per_device=2)
+    return TrainEngine(load_critic(model_dir, device="meta"), config)
+
+
+def _critic_resume_case(case: dict, out_dir) -> dict:
+    """The critic trained one step of its clipped value loss at pp = case["saved"], checkpointed, resumed
+    on a new engine at pp = case["resumed"] and trained one more step: that step's metrics and the values
+    after it, every rank's."""
+    from hybridflow.config.schema import CriticConfig
+    from hybridflow.workers.losses import critic_loss_fn
+
+    whole = make_rl_batch(64, **BATCH)
+    gen = torch.Generator().manual_seed(5)
+    whole["values"] = 0.1 * torch.randn(whole["response_mask"].shape, generator=gen)
+    whole["returns"] = torch.randn(whole["response_mask"].shape, generator=gen)
+    loss_fn = critic_loss_fn(CriticConfig(), "values", "returns", BATCH["lr"])
+    path = out_dir / f"{case['name']}_checkpoint"
+    steps = []
+    for pp in (case["saved"], case["resumed"]):
+        engine = _critic_engine(case["model_dir"], pp)
+        dp = engine.dp_size
+        local = whole.chunk(dp)[dist.get_rank() % dp]
+        if pp == case["resumed"]:
+            engine.load_checkpoint(path)
+        steps.append(engine.train_step(local, loss_fn, global_metrics=True))
+        if pp == case["saved"]:
+            engine.save_checkpoint(path)
+            dist.barrier()
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, (steps[-1], engine.compute_values(local)))
     return {"shards": shards}

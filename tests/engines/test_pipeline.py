@@ -38,7 +38,7 @@ from hybridflow.engines.pipeline import (
     split_stage,
     stage_layer_ranges,
 )
-from hybridflow.models import load_causal_lm, load_critic, save_hf_model
+from hybridflow.models import load_causal_lm, load_critic, load_reward_model, save_hf_model
 from hybridflow.models.tiny import build_tiny_model, save_tiny_model
 
 MICRO = 4  # micro-batches of 2 rows
@@ -52,7 +52,8 @@ def model_dirs(tmp_path_factory):
     actor = str(save_tiny_model(root / "actor", "tiny", "llama", seed=2, num_hidden_layers=4))
     torch.manual_seed(3)
     save_hf_model(load_critic(actor), root / "critic")
-    return {"actor": actor, "critic": str(root / "critic")}
+    save_hf_model(load_reward_model(actor), root / "reward")  # its score head seeded as well
+    return {"actor": actor, "critic": str(root / "critic"), "reward": str(root / "reward")}
 
 
 @pytest.fixture(scope="module")
@@ -203,11 +204,40 @@ def test_a_p2_state_exports_to_transformers_and_resumes_on_three_stages(
     torch.testing.assert_close(x, reference, atol=1e-6, rtol=1e-6)
 
 
+FORWARD_ONLY = {"ref": "actor", "critic": "critic", "reward": "reward"}  # role -> its model
+
+
 @pytest.fixture(scope="module")
-def engine_results(model_dir, tmp_path_factory):
-    """TrainEngine on two gloo ranks: two pipeline stages (pp = 2), and FSDP over dp = 2 (pp = 1)."""
-    cases = [dict(name=f"pp{pp}", pp=pp, model_dir=model_dir) for pp in (2, 1)]
+def engine_results(model_dirs, tmp_path_factory):
+    """TrainEngine on two gloo ranks: two pipeline stages (pp = 2), and FSDP over dp = 2 (pp = 1); the
+    actor's passes, and the other roles' forward-only ones."""
+    cases = [dict(name=f"pp{pp}", pp=pp, model_dir=model_dirs["actor"]) for pp in (2, 1)]
+    cases += [
+        dict(name=f"{role}_pp{pp}", role=role, pp=pp, model_dir=model_dirs[model])
+        for role, model in FORWARD_ONLY.items()
+        for pp in (2, 1)
+    ]
+    cases += [
+        dict(name=f"critic_{a}to{b}", saved=a, resumed=b, model_dir=model_dirs["critic"])
+        for a, b in ((2, 1), (1, 2))
+    ]
     return run_group(2, cases, tmp_path_factory.mktemp("pipeline_engine"), runner=run_engine_case)
+
+
+@pytest.mark.parametrize("role", FORWARD_ONLY)
+def test_forward_only_roles_with_two_stages_equal_fsdp(engine_results, role):
+    """The reference's log-probs, the critic's values and the reward model's sequence scores (read at
+    each row's last attended token, on the last stage) of TrainEngine(parallel.pp=2) equal pp = 1, dp = 2
+    on the same ranks, on both stages. fp32, reductions of at most 64 terms (hidden size, vocabulary):
+    1e-5 bounds summation order with room."""
+    pp2, pp1 = engine_results[f"{role}_pp2"]["shards"], engine_results[f"{role}_pp1"]["shards"]
+    want = torch.cat(pp1)
+    mask = make_rl_batch(64, **BATCH)["response_mask"].bool()
+    assert want.shape == ((8,) if role == "reward" else mask.shape)
+    for got in pp2:  # both stages return the whole batch (dp = 1)
+        got, want_ = (got, want) if role == "reward" else (got[mask], want[mask])
+        torch.testing.assert_close(got, want_, atol=1e-5, rtol=1e-5)
+    assert want.std() > 1e-3  # not a constant: a seeded head reads varied states
 
 
 def test_train_engine_with_two_stages_equals_fsdp(engine_results):
@@ -229,3 +259,21 @@ def test_train_engine_with_two_stages_equals_fsdp(engine_results):
             assert rank[2][step]["grad_norm"] == pytest.approx(pp1[0][2][step]["grad_norm"], rel=1e-4)
             for k, v in want.items():
                 assert rank[2][step][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
+
+
+def test_critic_checkpoints_resume_onto_the_other_p(engine_results):
+    """A critic checkpoint saved from two stages resumed on one (FSDP over dp = 2), and one saved from one
+    resumed on two (each stage's tensors and AdamW moments by the whole model's names,
+    engines/checkpoint_io.py): the next step's value loss and grad norm (the mean over ranks, as
+    DP_METRICS reports them), and the values after it, agree. fp32, reductions of at most 64 terms, one
+    AdamW step (eps 1e-6: no noise-sized gradient normalised to a whole step): 1e-5 relative."""
+    got, want = (engine_results[n]["shards"] for n in ("critic_2to1", "critic_1to2"))
+    assert want[0][0]["grad_norm"] > 0 and want[0][0]["loss"] > 0
+    # not vf_clipfrac: it counts tokens whose clipped term exceeds the unclipped one by a rounding error
+    for key in ("loss", "vpred_mean", "grad_norm"):
+        mean = [sum(s[0][key] for s in shards) / len(shards) for shards in (got, want)]
+        assert mean[0] == pytest.approx(mean[1], rel=1e-5, abs=1e-7), key
+    mask = make_rl_batch(64, **BATCH)["response_mask"].bool()
+    got_values = torch.cat([s[1] for s in got])  # dp = 2: each rank its half of the rows
+    for rank in want:  # dp = 1: both stages return the whole batch
+        torch.testing.assert_close(got_values[mask], rank[1][mask], atol=1e-5, rtol=1e-5)

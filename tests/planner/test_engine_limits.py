@@ -92,7 +92,10 @@ def test_constrained_plan_has_no_pipeline_where_the_paper_search_uses_one():
     )
     free = plan(dataflow, cluster)
     assert free.model("actor").p > 1
-    assert free.engine_limits == asdict(EngineLimits()) and free.limits == EngineLimits()
+    assert (
+        free.engine_limits == {**asdict(EngineLimits()), "pipeline_max_tp": []}
+        and free.limits == EngineLimits()
+    )
     limited = plan(dataflow, cluster, limits=BUILTIN)
     for m in limited.models:
         spec = dataflow.model(m.role).spec
@@ -132,7 +135,7 @@ def test_plan_command_plans_what_the_engines_run_by_default(tmp_path, capsys):
     assert f"layouts limited to what the engines run: {ENGINE_LIMITS.describe()}" in text
     assert "note: searched beyond" not in text
     written = Plan.from_dict(json.loads(out.read_text()))
-    assert written.limits == ENGINE_LIMITS and all(m.p == m.pg == 1 for m in written.models)
+    assert written.limits == ENGINE_LIMITS and all(_runs(m) for m in written.models)
     assert main([*args, "--engines", "any", "--output", str(out)]) == 0
     assert "note: searched beyond what `hybridflow train` runs" in capsys.readouterr().out
     free = Plan.from_dict(json.loads(out.read_text()))
@@ -143,15 +146,38 @@ def test_plan_command_plans_what_the_engines_run_by_default(tmp_path, capsys):
     assert "max_pp must be >= 1" in capsys.readouterr().out
 
 
+def _runs(m) -> bool:
+    """What the trainer runs (ENGINE_LIMITS): p > 1 only with t = 1, for every role; the actor generates
+    with pg = 1 (another model's pg is its p)."""
+    return (m.pg == 1 or m.role != "actor") and (m.p == 1 or m.t == 1) and m.p * m.t * m.d == m.n_devices
+
+
+def test_builtin_limits_are_per_role_and_read_back_from_plan_files():
+    """ENGINE_LIMITS: every role may run p > 1 with t = 1 only; a role limited to no pipeline (0) keeps
+    p = 1; a plan file's lists read back as the same hashable limits."""
+    assert ENGINE_LIMITS.allows("critic", 4, 1) and not ENGINE_LIMITS.allows("critic", 2, 2)
+    assert ENGINE_LIMITS.allows("reference", 1, 8) and ENGINE_LIMITS.allows("unknown", 2, 2)
+    none = EngineLimits(pipeline_max_tp=(("critic", 0),))
+    assert not none.allows("critic", 2, 1) and none.allows("actor", 2, 4)
+    assert EngineLimits(**json.loads(json.dumps(asdict(ENGINE_LIMITS)))) == ENGINE_LIMITS
+    assert "p > 1 only with t <= 1 for actor/cost/critic/reference/reward" in ENGINE_LIMITS.describe()
+    assert {p for p, _, _ in model_parallel_sizes(GQA, 8, 8, none, "critic")} == {1}
+    assert {(p, t) for p, t, _ in model_parallel_sizes(GQA, 8, 8, ENGINE_LIMITS, "critic") if p > 1} == {
+        (2, 1),
+        (4, 1),
+        (8, 1),
+    }
+
+
 @pytest.mark.parametrize("size, gpus", [("13B", 128), ("7B", 8), ("70B", 64)])
 def test_the_default_plans_of_the_readme_and_the_issue_have_layouts_the_trainer_runs(size, gpus):
-    """The README's 13B / 128 GPUs example and the 7B / 8, 70B / 64 a new user tries: the paper's search
-    puts a model at p > 1 in each; the default plan has p = pg = 1 and t dividing the heads, KV heads
-    and MLP width, as trainers/auto_placement.py check_plan demands."""
+    """The README's 13B / 128 GPUs example and the 7B / 8, 70B / 64 a new user tries: the default plan's
+    layouts are ones the trainer runs (p > 1 with t = 1, pg = 1) and t divides the heads, KV heads and
+    MLP width, as trainers/auto_placement.py check_plan demands."""
     spec = ModelSpec.from_param_count(size)
     dataflow, cluster = build_dataflow("ppo", spec), ClusterSpec.build("a100-80", gpus)
     assert any(m.p > 1 for m in plan(dataflow, cluster).models)
     builtin = plan(dataflow, cluster, limits=ENGINE_LIMITS)
     for m in builtin.models:
-        assert (m.p, m.pg) == (1, 1) and m.t * m.d == m.n_devices, m.role
+        assert _runs(m), (m.role, m.p, m.t, m.pg)
         assert spec.num_heads % m.t == spec.num_kv_heads % m.t == spec.ffn_hidden % m.t == 0

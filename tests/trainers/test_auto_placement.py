@@ -28,6 +28,7 @@ from hybridflow.trainers.auto_placement import (
     build_planner_dataflow,
     build_planner_workload,
     check_plan,
+    config_limits,
     device_entry,
     plan_for_config,
 )
@@ -167,10 +168,13 @@ def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
         placement_from_plan(grpo4, make_config("grpo", KL_LOSS, devices=2))
     n = grpo4.model("actor").n_devices
+    staged = _with_model(grpo4, "actor", p=2, t=1, d=n // 2)
+    placement_from_plan(staged, make_config("grpo", devices=4))  # pipeline stages with t = 1 run
+    packed = make_config("grpo", "model.remove_padding=true", devices=4)  # stages run padded rows
     with pytest.raises(
-        ConfigError, match=r"runs pipelines of p <= 1; edit the plan to p: 1 .*--engines builtin"
+        ConfigError, match=r"the engines run no pipeline for actor .*p: 1 .*--engines builtin"
     ):
-        placement_from_plan(_with_model(grpo4, "actor", p=2, d=n // 2), make_config("grpo", devices=4))
+        placement_from_plan(staged, packed)
     # the tiny model has 2 KV heads: the engine cannot shard them 4 ways (the planner would replicate)
     with pytest.raises(ConfigError, match="its pool 'actor' has 2 devices, not its 4"):
         placement_from_plan(_with_model(grpo4, "actor", d=4, n_devices=4), make_config("grpo", devices=8))
@@ -262,3 +266,14 @@ def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
         sum(step[f"timing_s/stage/{s}"] for s in ("generation", "preparation", "training"))
         <= step["timing_s/step"]
     )
+
+
+def test_auto_plans_no_pipeline_for_a_model_whose_stages_the_config_cannot_run(make_config):
+    """config_limits: ENGINE_LIMITS (p > 1 with t = 1 for every role) where the config runs stages; no
+    pipeline for every role under padding removal (stages run padded rows), for the actor alone with a
+    one-step-ahead rollout pool (its weight sync gathers an unpipelined actor) and not for the critic."""
+    assert config_limits(make_config("ppo", devices=4)) == ENGINE_LIMITS
+    packed = config_limits(make_config("ppo", "model.remove_padding=true", devices=4))
+    assert set(dict(packed.pipeline_max_tp).values()) == {0} and not packed.allows("critic", 2, 1)
+    ahead = config_limits(make_config("ppo", "trainer.rollout_ahead=1", devices=4))
+    assert not ahead.allows("actor", 2, 1) and ahead.allows("critic", 2, 1)

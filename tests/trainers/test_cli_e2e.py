@@ -119,7 +119,6 @@ def test_config_typo_fails_in_one_line(config_file, capsys):
     [
         ("rollout.gpu_memory_utilization=0.9", "rollout.gpu_memory_utilization: 0.9 is a vLLM setting"),
         ("rollout.pg=2", "rollout.pg = 2: generation pipeline parallelism does not exist yet"),
-        ("critic.parallel.pp=2", "critic.parallel.pp: 2 is not supported yet (pipeline parallelism"),
         ("algorithm.adv_estimator=gae", "algorithm.adv_estimator: 'gae' is not grpo's estimator"),
         ("actor.num_mini_batches=3", "actor.num_mini_batches: is derived"),
         (

@@ -131,7 +131,6 @@ def test_a_two_stage_checkpoint_exports_to_transformers(runs, tmp_path):
         (["model.remove_padding=true"], "model.remove_padding: true with actor.parallel.pp = 2"),
         (["rollout.reshard=allgather"], "rollout.reshard = allgather with actor.parallel.pp > 1"),
         (["rollout.pg=2"], "rollout.pg = 2: generation pipeline parallelism does not exist yet"),
-        (["ref.parallel.pp=2"], "ref.parallel.pp: 2 is not supported yet"),
     ],
 )
 def test_what_stages_do_not_run_with_fails_in_one_line(tiny_model_dir, tmp_path, capsys, overrides, expected):
