@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD, SEQ, ROWS = 2, 128, 1
-# (hidden, layers, heads, kv heads, intermediate, vocab): 12 x 7.1M in the layers + 2 x 12.6M embeddings
-# and lm_head = 110M parameters
+# (hidden, layers, heads, kv heads, intermediate, vocab): 12 x 6.3M in the layers + 2 x 12.6M embeddings
+# and lm_head = 101M parameters
 MODEL = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
              intermediate_size=2048, vocab_size=16384)  # fmt: skip
 CASES = [(1, 4), (2, 4), (2, 8)]  # (p, m)
