@@ -12,7 +12,9 @@ bf16 as TRL runs it (autocast over fp32 weights). Both: the same batch, threads 
     .venv/bin/python benchmarks/bench_update.py [--sizes small medium] [--precision fp32 bf16] [--profile]
 
 --profile prints both sides' top ops by self CPU time (torch.profiler) for one step of each cell;
---attention only times causal sdpa forward + backward on CPU in fp32, bf16, and bf16 computed in fp32.
+--attention only times causal sdpa forward + backward on CPU in fp32, bf16, bf16 computed in fp32 and bf16 on
+sdpa's math kernel (what engines/varlen.py picks for short packed sequences in bf16);
+--kernels times the hybridflow update and log-prob pass with that choice against flash, alternating.
 Times are CPU seconds (process time), steadier than wall time on a shared machine.
 """
 
@@ -119,16 +121,20 @@ ATTENTION_SHAPES = ((1, 4, 56, 32), (8, 4, 56, 32), (1, 8, 56, 64), (8, 8, 56, 6
                     (8, 14, 56, 64), (1, 14, 400, 64))  # fmt: skip
 
 
-def attention_cpu_seconds(dtype, shape, via_fp32: bool = False, reps: int = 20) -> float:
+def attention_cpu_seconds(dtype, shape, via_fp32: bool = False, reps: int = 20, math: bool = False) -> float:
     """CPU seconds of one causal sdpa forward + backward of (B, H, n, D) inputs in `dtype` (via_fp32: cast to
-    fp32 for the call and back)."""
+    fp32 for the call and back; math: sdpa's math kernel instead of PyTorch's choice, flash on CPU)."""
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
     cast = (lambda t: t.float()) if via_fp32 else (lambda t: t)
 
     def step():
-        F.scaled_dot_product_attention(cast(q), cast(k), cast(v), is_causal=True).to(dtype).sum().backward()
+        with sdpa_kernel(SDPBackend.MATH) if math else nullcontext():
+            F.scaled_dot_product_attention(cast(q), cast(k), cast(v), is_causal=True).to(
+                dtype
+            ).sum().backward()
 
     for _ in range(3):
         step()
@@ -139,12 +145,41 @@ def attention_cpu_seconds(dtype, shape, via_fp32: bool = False, reps: int = 20) 
 
 
 def attention_table() -> str:
-    out = "| B, H, n, D | fp32 ms | bf16 ms | bf16 via fp32 ms | bf16 / via fp32 |\n|---|---|---|---|---|\n"
+    out = ("| B, H, n, D | fp32 ms | bf16 ms | bf16 via fp32 ms | bf16 math kernel ms | bf16 / via fp32 "
+           "| bf16 / math kernel |\n|---|---|---|---|---|---|---|\n")  # fmt: skip
     for shape in ATTENTION_SHAPES:
         a, b = attention_cpu_seconds(torch.float32, shape), attention_cpu_seconds(torch.bfloat16, shape)
         c = attention_cpu_seconds(torch.bfloat16, shape, via_fp32=True)
-        out += f"| {shape} | {a * 1e3:.2f} | {b * 1e3:.2f} | {c * 1e3:.2f} | {b / c:.2f}x |\n"
+        m = attention_cpu_seconds(torch.bfloat16, shape, math=True)
+        out += (f"| {shape} | {a * 1e3:.2f} | {b * 1e3:.2f} | {c * 1e3:.2f} | {m * 1e3:.2f} | {b / c:.2f}x "
+                f"| {b / m:.2f}x |\n")  # fmt: skip
     return out
+
+
+def kernel_cell(size: str, precision: str, steps: int) -> dict:
+    """Median CPU seconds of the hybridflow update and log-prob pass with engines/varlen.py's kernel choice
+    ("math": MATH_MAX_TOKENS as shipped) and with flash everywhere (MATH_MAX_TOKENS = 0), alternating."""
+    from hybridflow.engines import varlen
+
+    torch.manual_seed(0)
+    eng, loss_fn = engine_and_loss(build_tiny_model(size), precision)
+    batch = make_batch(eng.hf_model.config.vocab_size)
+    limits = {"math": varlen.MATH_MAX_TOKENS, "flash": 0}
+    passes = {
+        "update": lambda: hybridflow_step(eng, loss_fn, batch),
+        "log-probs": lambda: eng.compute_log_probs(batch),
+    }
+    times = {(p, k): [] for p in passes for k in limits}
+    for i in range(steps + 1):  # the first round is a warm-up
+        for kernel in limits if i % 2 else reversed(list(limits)):
+            varlen.MATH_MAX_TOKENS = limits[kernel]
+            for name, run in passes.items():
+                start = time.process_time()
+                run()
+                if i:
+                    times[name, kernel].append(time.process_time() - start)
+    varlen.MATH_MAX_TOKENS = limits["math"]
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -155,10 +190,24 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--attention", action="store_true", help="only the CPU sdpa table: bf16 against fp32")
+    p.add_argument(
+        "--kernels", action="store_true", help="only the packed attention kernel A/B (math vs flash)"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.attention:
         print(attention_table())
+        return 0
+    if args.kernels:
+        print(
+            "| model | precision | pass | flash CPU s | as shipped CPU s | flash / as shipped |\n|---|---|---|---|---|---|"
+        )
+        for size in args.sizes:
+            for prec in args.precision:
+                t = kernel_cell(size, prec, args.steps)
+                for name in ("update", "log-probs"):
+                    a, b = t[name, "flash"], t[name, "math"]
+                    print(f"| {size} | {prec} | {name} | {a:.3f} | {b:.3f} | {a / b:.2f}x |", flush=True)
         return 0
     print(
         "| model | precision | plain loop CPU s | hybridflow CPU s | plain / hybridflow |\n|---|---|---|---|---|"

@@ -1,21 +1,24 @@
 """The agent demo (`make demo-agent`): GRPO with a calculator tool on CPU, through the real CLI.
 
-    .venv/bin/python examples/agent/demo.py      # a few minutes on 2 CPU cores
+    .venv/bin/python examples/agent/demo.py            # about 5 minutes on 2 CPU cores
+    .venv/bin/python examples/agent/demo.py --seed 2   # another seed: SFT data order and GRPO sampling
 
 1. writes the task's data (examples/agent/task.py: "a*b=" with a, b in 10..99; 100 held-out problems)
    and builds the tiny char-level Llama locally (nothing is downloaded);
 2. `hybridflow train examples/agent/sft.yaml`: a short SFT warm start on tool-use traces (call the
-   calculator, copy its answer), imperfect on purpose;
+   calculator, copy its answer), stopped while it still miscopies most answers (imperfect on purpose);
 3. `hybridflow train examples/agent/grpo.yaml`: GRPO with multi-turn rollouts, the calculator a typed
    Python function (rollout.multi_turn.tools), its output inserted as tokens, an exact-match reward;
 4. the same GRPO run without the tool (rollout.multi_turn.enable=false), from the same warm start;
 5. prints greedy held-out accuracy before and after, with and without the tool, and the tool metrics.
 
-Seeded; outputs go to runs/agent/ (deleted at the start).
+Seeded (`--seed N`, default 1: data.seed and trainer.seed of every run); other arguments are overrides
+of the GRPO runs. Outputs go to runs/agent/ (deleted at the start).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -58,13 +61,13 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(extra: list[str]) -> None:
+def run(seed: int, extra: list[str]) -> None:
     from hybridflow.models.tiny import save_tiny_model
 
     shutil.rmtree(OUT, ignore_errors=True)
     write_data(OUT / "data")
     base = save_tiny_model(OUT / "models" / "tiny-llama", size="tiny", arch="llama", seed=0)
-    common = [f"trainer.output_dir={OUT}"]
+    common = [f"trainer.output_dir={OUT}", f"data.seed={seed}", f"trainer.seed={seed}"]
     hybridflow("train", str(HERE / "sft.yaml"), f"model.path={base}", *common)
     hybridflow("export", str(OUT / "agent_sft"), "--output", str(OUT / "models" / "sft"))
     sft = f"model.path={OUT / 'models' / 'sft'}"
@@ -72,13 +75,15 @@ def run(extra: list[str]) -> None:
     hybridflow("train", str(HERE / "grpo.yaml"), sft, *common, *extra, *NO_TOOLS)
 
 
-def summarize(tools: list[dict], no_tools: list[dict], seconds: float) -> None:
+def summarize(seed: int, tools: list[dict], no_tools: list[dict], seconds: float) -> None:
     val = [(r["step"], r[ACC]) for r in tools if ACC in r]
     bare = [(r["step"], r[ACC]) for r in no_tools if ACC in r]
     last = [r for r in tools if "agent/turns/mean" in r][-10:]
     mean = lambda k: sum(r[k] for r in last) / len(last)  # noqa: E731
     print("\n" + "=" * 78)
-    print("hybridflow demo-agent: GRPO with a calculator tool on 'a*b=' (a, b in 10..99), tiny Llama, CPU")
+    print(
+        f"hybridflow demo-agent: GRPO with a calculator tool on 'a*b=' (a, b in 10..99), tiny Llama, CPU, seed {seed}"
+    )
     print("=" * 78)
     print(f"held-out accuracy before {val[0][1]:.2f} after {val[-1][1]:.2f}")
     print(f"  greedy, with the tool, on 100 held-out problems never trained on: "
@@ -97,13 +102,18 @@ def main() -> int:
 
     from hybridflow.trainers.lifecycle import start_local_ray
 
+    parser = argparse.ArgumentParser(description="GRPO with a calculator tool on CPU (examples/agent/)")
+    parser.add_argument("--seed", type=int, default=1, help="data.seed and trainer.seed of every run")
+    args, overrides = parser.parse_known_args()
     start = time.time()
     start_local_ray(4, configure_logging=False)
     try:
-        run(sys.argv[1:])
+        run(args.seed, overrides)
     finally:
         ray.shutdown()
-    summarize(metrics(OUT / "agent_grpo"), metrics(OUT / "agent_grpo_no_tools"), time.time() - start)
+    summarize(
+        args.seed, metrics(OUT / "agent_grpo"), metrics(OUT / "agent_grpo_no_tools"), time.time() - start
+    )
     return 0
 
 

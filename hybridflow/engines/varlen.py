@@ -16,6 +16,14 @@ length) through the model's **kwargs, and `no_mask()` tells the mask builder to 
 mask the call does not read. Activation checkpointing recomputes a layer with the same kwargs, so the
 recomputation takes the same path. With `shared_layout` instead (engines/shared_prompt.py, model.share_prompt)
 a row holds groups [prompt, r_1, ..., r_k], and each response attends to its prompt's keys and causally to its own.
+
+Which sdpa kernel (`_Sdpa`): on CPU in bf16 / fp16, PyTorch's flash kernel runs forward + backward 2.6-3.7x
+slower than its math kernel on sequences of up to ~150 tokens, though its forward alone is 2.6x faster (one thread;
+bench_update.py --attention, docs/bench/vs_trl.md "The synchronous update"). So a differentiated packed call over
+at most MATH_MAX_TOKENS keys there runs flash's forward and, in backward, the math kernel's gradient (its forward
+recomputed from the saved q, k, v). Forward-only passes run the same flash forward, so a no-grad pass's log-probs
+stay bit-equal to the training forward's (the first PPO ratio is exactly 1, tests/engines/test_dtypes.py). fp32,
+GPUs and the padded forward keep PyTorch's choice.
 """
 
 from __future__ import annotations
@@ -25,12 +33,17 @@ import contextvars
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 NAME = "hybridflow_sdpa"
 _NO_MASK = contextvars.ContextVar("hybridflow_varlen_no_mask", default=False)
+# Longest key run for which a low-precision CPU call takes the math kernel's backward: flash's forward +
+# backward was 1.7x slower than math's at 150 keys and even at 200; from ~250 keys on flash wins.
+MATH_MAX_TOKENS = 160
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_lens=None,
@@ -39,9 +52,56 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     packed row when seq_lens (lengths summing to N) or shared_layout (engines/shared_prompt.py) is given;
     returns (output (1, N, H, D), None)."""
     if shared_layout is not None:
-        return _shared(shared_layout, query, key, value, dropout, scaling), None
-    if seq_lens is None:
+        sdpa = _sdpa_for(query, _longest_keys(shared_layout), dropout)
+        return _shared(shared_layout, query, key, value, dropout, scaling, sdpa), None
+    if seq_lens is None:  # padded rows (fully masked ones among them): PyTorch's kernel choice, unchanged
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    sdpa = _sdpa_for(query, max(seq_lens), dropout)
+    return _per_sequence(query, key, value, dropout, scaling, seq_lens, sdpa), None
+
+
+def _sdpa_for(query: torch.Tensor, keys: int, dropout: float):
+    """F.scaled_dot_product_attention, or flash forward + math backward where that is faster (module
+    docstring): a differentiated call on CPU in bf16 / fp16 over at most MATH_MAX_TOKENS keys, no dropout."""
+    cpu = query.device.type == "cpu"
+    # under autocast sdpa casts its fp32 inputs (HF's rope promotes q, k to fp32) to the autocast dtype
+    dtype = torch.get_autocast_dtype("cpu") if cpu and torch.is_autocast_enabled("cpu") else query.dtype
+    differentiated = torch.is_grad_enabled() and query.requires_grad
+    if cpu and differentiated and dtype in _LOW_PRECISION and keys <= MATH_MAX_TOKENS and dropout == 0.0:
+        return _sdpa_math_backward
+    return F.scaled_dot_product_attention
+
+
+class _FlashForwardMathBackward(torch.autograd.Function):
+    """sdpa with PyTorch's forward and the math kernel's gradient: q, k, v saved, the math forward recomputed
+    in backward in the dtype the forward ran in (autocast's, if on)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale, enable_gqa):
+        how = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(q, k, v, **how)
+        ctx.save_for_backward(q, k, v)
+        ctx.how, ctx.dtype = how, out.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False), sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(*(t.to(ctx.dtype) for t in leaves), **ctx.how)
+            grads = torch.autograd.grad(out, leaves, grad_out)
+        return (*grads, None, None, None, None)
+
+
+def _sdpa_math_backward(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """F.scaled_dot_product_attention's signature (dropout_p must be 0) through _FlashForwardMathBackward."""
+    return _FlashForwardMathBackward.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+
+def _per_sequence(query, key, value, dropout, scaling, seq_lens, sdpa) -> torch.Tensor:
+    """Causal attention on each sequence's slice of the row: (1, H, N, D) -> (1, N, H, D)."""
     runs = _runs(seq_lens)
     sizes = [n * k for n, k in runs]
     # (1, H, N, D) -> (1, N, H, D) views, split into runs of equal-length sequences (split, not slicing:
@@ -51,14 +111,14 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     for (n, k), q, kk, v in zip(runs, qs, ks, vs):
         # a run of k sequences of n tokens is a (k, H, n, D) batch: one call per run, not per sequence
         q, kk, v = (t.reshape(k, n, *t.shape[2:]).transpose(1, 2) for t in (q, kk, v))
-        o = F.scaled_dot_product_attention(
+        o = sdpa(
             q, kk, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=kk.shape[1] != q.shape[1]
         )
         outs.append(o.transpose(1, 2).reshape(1, n * k, o.shape[1], o.shape[3]))
-    return torch.cat(outs, dim=1), None  # (1, N, H, D)
+    return torch.cat(outs, dim=1)  # (1, N, H, D)
 
 
-def _shared(layout, query, key, value, dropout, scaling) -> torch.Tensor:
+def _shared(layout, query, key, value, dropout, scaling, sdpa) -> torch.Tensor:
     """Attention over a row with shared prompts: one sdpa call per length of the causal segments (plain
     sequences and prompts) and one per (prompt length, response length) of the responses, each response's
     queries against cat(its prompt's keys, its own keys) under the bottom-right causal mask."""
@@ -67,8 +127,8 @@ def _shared(layout, query, key, value, dropout, scaling) -> torch.Tensor:
     out: list[torch.Tensor | None] = [None] * len(layout.sizes)
 
     def run(q, k, v, segments, **how):
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           dropout_p=dropout, scale=scaling, enable_gqa=gqa, **how)  # fmt: skip
+        o = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout, scale=scaling,
+                 enable_gqa=gqa, **how)  # fmt: skip
         for i, o_i in zip(segments, o.transpose(1, 2).split(1)):
             out[i] = o_i
 
@@ -79,6 +139,11 @@ def _shared(layout, query, key, value, dropout, scaling) -> torch.Tensor:
         k, v = (torch.cat([torch.cat((t[pr], t[r]), 1) for pr, r in pairs]) for t in (ks, vs))
         run(q, k, v, [r for _, r in pairs], attn_mask=layout.mask(p, n, query.device))
     return torch.cat(out, dim=1)  # (1, N, H, D)
+
+
+def _longest_keys(layout) -> int:
+    """The most keys one query of a shared row attends over: a causal segment, or a prompt + its response."""
+    return max([n for n, _ in layout.causal] + [p + n for (p, n), _ in layout.shared])
 
 
 def _runs(seq_lens: list[int]) -> list[tuple[int, int]]:
