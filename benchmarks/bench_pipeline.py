@@ -11,6 +11,7 @@ averaged over ranks. Interleaved 1F1B runs v = 2 stages a rank; its textbook bub
 interleaving), the schedule's share of peak activation memory.
 
     .venv/bin/python benchmarks/bench_pipeline.py
+    .venv/bin/python benchmarks/bench_pipeline.py --measured   # 2 ranks, a ~100M Llama (pipeline_measured.py)
 """
 
 from __future__ import annotations
@@ -117,4 +118,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--measured" in sys.argv:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from pipeline_measured import main as measured
+
+        measured()
+    else:
+        main()

@@ -5,6 +5,7 @@ The one place the switch's cost is written down (docs/hybrid_engine.md derives b
 - `fsdp_switch_cost`: the layout this project runs (FSDP2 over dp, TP over t, p = 1), the formula the
   actor worker's counters (resharder.py) must equal; the planner (planner/simulate.py) prices a switch
   with it too. M is the actor's weight bytes.
+- `pipeline_switch_cost`: the same extended to p pipeline stages with pg = 1 (pipeline_switch.py).
 
 | method     | communication      | peak memory | redundant copy |
 | allgather  | (tpd-1)/(tpd) M    | M           | M/(tpd)        |
@@ -90,17 +91,24 @@ def fsdp_switch_cost(
     return round(received), round(held)
 
 
-def pipeline_switch_cost(model_bytes: int, stage_bytes: int, d: int) -> tuple[int, int]:
+def pipeline_switch_cost(
+    stages: list[tuple[int, int, int]], stage: int, t: int, d: int, tg: int
+) -> tuple[int, int]:
     """(bytes received, generation-weight bytes held) per rank for one train -> generate switch of an
-    actor in p pipeline stages (t = 1) x d-way FSDP2, generating with pg = tg = 1 (pipeline_switch.py).
+    actor in p pipeline stages x t-way TP x d-way FSDP2, generating with pg = 1 and tg-way TP
+    (pipeline_switch.py). stages: (split, whole, vocab) bytes of each stage's weights, as in
+    fsdp_switch_cost (the first and last stages also hold the embeddings, final norm and lm_head); stage:
+    this rank's.
 
-    stage_bytes: the weights of this rank's stage (M/p for an even cut; the first and last stages also
-    hold the embeddings, final norm and lm_head). FSDP's all-gather brings the stage whole ((d-1)/d of it
-    received), then every other stage arrives whole: received (d-1)/d M_s + M - M_s, held M. For an even
-    cut that is Table 2's hybridflow row, (dg-1)/(tp) M with dg = p (t = tg = pg = 1), plus the FSDP
-    gather of M/p that the paper's Megatron replicas do not need."""
-    m, s = Fraction(model_bytes), Fraction(stage_bytes)
-    return round((d - 1) * s / d + m - s), int(model_bytes)
+    The rank first switches its own stage as fsdp_switch_cost's hybridflow row (dp gather, then the
+    micro-DP gather inside its TP group), then receives every other stage's generation shard from its
+    pp group: held G = sum over stages of S/tg + W - V + V/tg, received = own stage's + G - G_own. For
+    t = tg = 1 that is (d-1)/d M_s + M - M_s; for an even cut, W = 0 and d = 1 it is Table 2's hybridflow
+    row, (dg-1)/(pt) M with dg = pt/tg."""
+    held = [Fraction(s) / tg + w - v + Fraction(v) / tg for s, w, v in stages]
+    s, w, v = (Fraction(x) for x in stages[stage])
+    own = (d - 1) * (s / t + w) / d + s / tg - s / t
+    return round(own + sum(held) - held[stage]), round(sum(held))
 
 
 # (name, params, N, p, t, d, pg, tg). 70B follows the issue (T8 P8 Tg8 on 128 GPUs); the smaller models use

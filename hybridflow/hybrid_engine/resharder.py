@@ -119,7 +119,9 @@ class Resharder:
         mesh = engine.mesh
         self.tp_size = mesh["tp"].size() if mesh is not None else 1
         self.dp_size = mesh["dp"].size() if mesh is not None else 1
-        self.layout = generation_layout(self.method, self.tp_size, self.dp_size, tg)
+        # a pipelined engine's (pp, dp, tp) mesh: this switch is its stage's (pipeline_switch.py)
+        self.pp_size = mesh["pp"].size() if mesh is not None and "pp" in mesh.mesh_dim_names else 1
+        self.layout = generation_layout(self.method, self.tp_size, self.dp_size, tg, self.pp_size)
         self.tg, self.micro_size = tg, self.tp_size // tg
         self.rank = dist.get_rank() if mesh is not None else 0
         _, _, self.g_tp, _ = self.layout.coords(self.rank)
@@ -132,6 +134,7 @@ class Resharder:
         self.lora_layers = engine.lora_layers  # adapted layers: merged into the generation weights
         self.comm, self.ledger = CountedComm(), MemoryLedger()
         self.stats = ReshardStats()
+        self.sizes: _Sizes | None = None  # the last switch's weight sizes (cost.fsdp_switch_cost's inputs)
         self._formula: tuple[int, int] | None = None  # (bytes, held): fixed by the layout and the weights
         self._kept: list[FSDPModule] = []
 
@@ -142,6 +145,8 @@ class Resharder:
         strided = self.layout.style == "hybridflow"
         shape = (self.dp_size, tg, self.micro_size) if strided else (self.dp_size, self.micro_size, tg)
         names = ("dp", "gen_tp", "micro_dp") if strided else ("dp", "micro_dp", "gen_tp")
+        if self.pp_size > 1:  # the same groups inside each stage's (dp, tp) plane
+            shape, names = (self.pp_size, *shape), ("pp", *names)
         gen_mesh = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
         gen_group = None
         if tg > 1:
@@ -172,8 +177,9 @@ class Resharder:
     def _vocab_names(self) -> frozenset[str]:
         """Parameter names of the input and output embeddings, if their rows divide by tg."""
         hf = self.engine.hf_model
-        emb = (hf.get_input_embeddings(), hf.get_output_embeddings())
-        if emb[0].num_embeddings % self.tg:
+        # a pipeline stage holds the input embeddings (first), the output ones (last) or neither
+        emb = [e for e in (hf.get_input_embeddings(), hf.get_output_embeddings()) if e is not None]
+        if not emb or hf.config.vocab_size % self.tg:
             return frozenset()
         return frozenset(
             f"{name}.{p}" for name, mod in hf.named_modules() if any(mod is e for e in emb)
@@ -190,6 +196,7 @@ class Resharder:
         with self.engine.phase():
             start = time.perf_counter()
             weights, sizes = self._to_generation()
+            self.sizes = sizes
             seconds = time.perf_counter() - start
             try:
                 yield weights, self.gen_group

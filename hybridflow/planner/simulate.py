@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost, switch_cost
+from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost, pipeline_switch_cost, switch_cost
 from hybridflow.planner.memory import GRAD_BYTES_PER_PARAM
 from hybridflow.planner.specs import DeviceSpec, ModelSpec, WorkloadSpec
 
@@ -162,7 +162,7 @@ def switch_bytes(
     hybrid_engine/cost.py (the one module that writes the switch's cost down; docs/hybrid_engine.md):
     the paper's Table 2 (Megatron training), or, given `whole_bytes` (weights not TP-split: embeddings,
     lm_head) and p = pg = 1, the formula of the layout the engines run (FSDP2 over dp), which the actor
-    worker's counters equal.
+    worker's counters equal; for p > 1, pg = 1 and hybridflow, that layout's pipeline_switch_cost.
 
     hybridflow: all-gather inside the micro-DP group (dg = p*t/(pg*tg)) of the missing shards;
     vanilla: HybridFlow-V, gather the whole model over the model-parallel group; allgather:
@@ -172,6 +172,12 @@ def switch_bytes(
     if whole_bytes is not None and p == pg == 1:
         split = round(actor_bytes - whole_bytes)
         return float(fsdp_switch_cost(method, split, round(whole_bytes), t, d, tg, t * d)[0])
+    if whole_bytes is not None and pg == 1 and method == "hybridflow":
+        # pipeline stages (pipeline_switch.py): an even cut of the layers, the embeddings on the first
+        # stage and lm_head on the last; the slowest rank's bytes
+        split, half = (actor_bytes - whole_bytes) / p, whole_bytes / 2
+        stages = [(round(split), round(half) * (s in (0, p - 1)), 0) for s in range(p)]
+        return float(max(pipeline_switch_cost(stages, s, t, d, tg)[0] for s in range(p)))
     return switch_cost(method, actor_bytes, p, t, d, pg, tg).comm_bytes
 
 
@@ -204,7 +210,7 @@ def switch_time(
         span = t * d * (p - 1) + t
     else:
         group = span = p * t * d
-    if p == pg == 1 and d > 1:  # FSDP's all-gather runs over the dp group: ranks t apart
+    if pg == 1 and d > 1:  # FSDP's all-gather runs over the dp group: ranks t apart
         span = max(span, t * d)
     if span <= devices_per_node:
         bw = dev.intra_node_bandwidth

@@ -170,11 +170,18 @@ class BuiltinEngine(GenerationEngine):
             torch.set_num_threads(threads)
 
     def _threads(self, current: int) -> int:
-        if next(self.model.parameters()).device.type != "cpu":
+        if self._device().type != "cpu":
             return current
         if self.config.cpu_threads > 0:
             return self.config.cpu_threads
         return 1 if self._count_params() < SMALL_MODEL_PARAMS else current
+
+    def _device(self) -> torch.device:
+        """Where generation runs: the shard's device when one is set (the model may only name the
+        architecture, its parameters on meta: hybrid_engine/pipeline_switch.py), else the model's."""
+        if self.shard:
+            return next(iter(self.shard.values())).device
+        return next(self.model.parameters()).device
 
     def _count_params(self) -> int:
         if self._num_params is None:  # fixed for the engine's life; counting walks every module
@@ -183,7 +190,7 @@ class BuiltinEngine(GenerationEngine):
 
     def _generate_batch(self, batch: Batch, params: SamplingParams, decoder) -> Batch:
         ids, mask = check_prompt_batch(batch)
-        device = next(self.model.parameters()).device
+        device = self._device()
         responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params, decoder)
         out_device = ids.device
         return build_rollout_batch(

@@ -61,7 +61,14 @@ from hybridflow.planner.dataflow import with_old_log_probs
 from hybridflow.planner.plan import build_plan
 from hybridflow.planner.profile import DeviceProfile
 from hybridflow.planner.search import search
-from hybridflow.planner.specs import DEVICES, ENGINE_LIMITS, DeviceSpec, EngineLimits, get_device
+from hybridflow.planner.specs import (
+    DEVICES,
+    ENGINE_LIMITS,
+    PIPELINE_ROLES,
+    DeviceSpec,
+    EngineLimits,
+    get_device,
+)
 from hybridflow.trainers.plan_schedule import (
     REPLAN_FLAGS,
     check_schedule,
@@ -241,9 +248,9 @@ def config_limits(cfg) -> EngineLimits:
     from hybridflow.config.pipeline_roles import pipeline_blockers
 
     blocked = {s: bool(pipeline_blockers(cfg, s)) for s in set(_PIPELINE_SECTION.values())}
-    pairs = [
-        (r, 0 if blocked[_PIPELINE_SECTION.get(r, "actor")] else t) for r, t in ENGINE_LIMITS.pipeline_max_tp
-    ]
+    limits = dict(ENGINE_LIMITS.pipeline_max_tp)  # a role not named (the actor) runs stages with any t
+    pairs = [(r, 0) if blocked[_PIPELINE_SECTION[r]] else (r, limits[r]) for r in PIPELINE_ROLES
+             if blocked[_PIPELINE_SECTION[r]] or r in limits]  # fmt: skip
     return replace(ENGINE_LIMITS, pipeline_max_tp=tuple(pairs))
 
 

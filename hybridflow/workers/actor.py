@@ -159,12 +159,15 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         if "rollout" in self.roles:
             model = None
             dtype = model_compute_dtype(m.dtype, self.config.device)
+            r = self.config.rollout
             if self.actor is not None and self.actor.pipeline is not None:
-                # pipeline stages: each rank generates from the whole model (hybrid_engine/pipeline_switch.py)
+                # pipeline stages: each rank generates from its tg-shard of every stage, gathered over its
+                # pp group (hybrid_engine/pipeline_switch.py), named by a whole model on the meta device
                 model = skeleton_on(load_causal_lm(m.path, device="meta", **remote), self.device)
-                self.resharder = PipelineResharder(self.actor, model)
+                self.resharder = PipelineResharder(
+                    self.actor, model, r.tg, split_vocab=r.engine == "builtin", dtype=dtype
+                )
             elif self.actor is not None:
-                r = self.config.rollout
                 # the built-in decoder runs embeddings / lm_head vocab-parallel (docs/hybrid_engine.md);
                 # shards move and are held in generation's compute dtype (half the bytes in bf16)
                 self.resharder = build_resharder(
@@ -300,6 +303,8 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             return lora.adapter_bytes(self.actor.hf_model)
         dtype = model_compute_dtype(self.config.model.dtype, self.config.device)
         size = dtype.itemsize if dtype is not None else 4
+        if self.actor.pipeline is not None:  # the whole model's, not this rank's stage's
+            return sum(p.numel() for p in self.rollout.model.parameters()) * size
         return self.actor.num_params() * size
 
     # ---- inference ---------------------------------------------------------------------------------

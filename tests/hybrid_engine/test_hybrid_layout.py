@@ -13,6 +13,7 @@ from hybridflow.hybrid_engine import (
     fsdp_switch_cost,
     generation_layout_errors,
     paper_table,
+    pipeline_switch_cost,
     switch_cost,
 )
 
@@ -101,15 +102,32 @@ def test_generation_layout_errors_name_the_clashing_numbers(tmp_path):
     assert generation_layout_errors(ParallelConfig(tp=4), 4, 1, model) == [
         "rollout.tg = 4 must divide the model's num_attention_heads = 4 and num_key_value_heads = 2"
     ]
-    errs = generation_layout_errors(ParallelConfig(tp=2, pp=2), 1, 2, None)
-    assert errs[0].startswith("actor.parallel.pp > 1 runs with actor.parallel.tp = 1, rollout.tg = 1")
+    errs = generation_layout_errors(ParallelConfig(tp=2, pp=2), 1, 2, None, "allgather")
+    assert errs[0].startswith("rollout.reshard = allgather with actor.parallel.pp > 1")
     assert [e.split(":")[0] for e in errs[1:]] == ["rollout.pg = 2"]
-    assert generation_layout_errors(ParallelConfig(pp=2), 1, 1, model) == []  # what pipeline stages run
+    for tp, tg in ((1, 1), (2, 1), (2, 2)):  # what pipeline stages run: pg = 1, tg dividing tp
+        assert generation_layout_errors(ParallelConfig(pp=2, tp=tp), tg, 1, model) == []
     assert "not 'gpt2'" in generation_layout_errors(ParallelConfig(pp=2), 1, 1, gpt2 := _gpt2(tmp_path))[0]
     assert (
         "model_type 'gpt2' generates on the HF forward"
         in generation_layout_errors(ParallelConfig(tp=2), 1, 1, gpt2)[0]
     )
+
+
+def test_pipeline_switch_cost_hand_computed():
+    """p = 2 stages of (split, whole, vocab) bytes: stage 0 (800, 40, 32), stage 1 (800, 48, 32);
+    t = 4, d = 2, tg = 2. Own stage as fsdp_switch_cost's hybridflow row, then the other stage's
+    generation shard S/tg + W - V + V/tg whole."""
+    stages = [(800, 40, 32), (800, 48, 32)]
+    held0, held1 = 400 + 8 + 16, 400 + 16 + 16
+    assert pipeline_switch_cost(stages, 0, 4, 2, 2) == (320 + held1, held0 + held1)
+    assert pipeline_switch_cost(stages, 1, 4, 2, 2) == (120 + 4 + 400 - 200 + held0, held0 + held1)
+    # t = tg = 1 (everything whole): (d-1)/d M_s + M - M_s, the whole model held
+    assert pipeline_switch_cost([(0, 40, 0), (0, 60, 0)], 0, 1, 2, 1) == (20 + 60, 100)
+    # an even cut, W = 0, d = 1: Table 2's hybridflow row (dg-1)/(pt) M, dg = pt/tg
+    m, p, t, tg = 1600, 2, 4, 2
+    got = pipeline_switch_cost([(m // p, 0, 0)] * p, 1, t, 1, tg)[0]
+    assert got == switch_cost("hybridflow", m, p, t, 1, 1, tg).comm_bytes == (p * t // tg - 1) * m / (p * t)
 
 
 def test_fsdp_switch_cost_hand_computed():

@@ -66,6 +66,13 @@ def test_switch_bytes_follow_table_2():
         sim.switch_bytes("magic", M, 1, 4, 2, 1, 2)
 
 
+def test_switch_bytes_of_pipeline_stages_as_the_engines_run_them():
+    """p = 2, t = 2, d = 2 to pg = tg = 1 under FSDP (cost.pipeline_switch_cost): each stage holds half the
+    split weights (400) and one of embeddings / lm_head (100); it receives (d-1)/d (S/t + W) = 150 over
+    dp, S - S/t = 200 over its TP group, and the other stage whole, 500."""
+    assert sim.switch_bytes("hybridflow", 1000.0, 2, 2, 2, 1, 1, whole_bytes=200.0) == 850
+
+
 def test_decode_is_memory_bound_by_hand():
     """One replica, one sequence: each step reads the weights and the KV cache once."""
     dev = A100

@@ -118,7 +118,7 @@ def test_auto_plans_what_the_plan_api_plans(make_config, tiny_model_dir, capsys)
 
 def test_auto_plans_only_layouts_the_engines_run(make_config, tmp_path):
     """A GQA model (12 heads, 2 KV heads) for GRPO on 8 CPU devices: the paper's search trains the actor
-    with t = 4 (KV heads replicated), which the engine refuses; `auto` plans t = 2 instead."""
+    with t = 4 (KV heads replicated), which the engine refuses; `auto` plans t = 2 instead (and p = 2)."""
     model_dir = tmp_path / "gqa"
     model_dir.mkdir()
     shape = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=2)
@@ -135,8 +135,10 @@ def test_auto_plans_only_layouts_the_engines_run(make_config, tmp_path):
     sync = plan(*inputs, limits=ENGINE_LIMITS)
     assert not auto.rollout_ahead and auto.models == sync.models and auto.ahead is not None
     for m in auto.models:
-        assert (m.p, m.pg) == (1, 1) and 2 % m.t == 0 and m.t * m.d == m.n_devices, m.role
-    assert placement_from_plan(auto, cfg, "auto").parallel["actor_rollout"].tp == auto.model("actor").t == 2
+        assert m.pg == 1 and 2 % m.t == 0 and m.p * m.t * m.d == m.n_devices, m.role
+    # the actor trains in p x t x d (pipeline stages with TP, hybrid_engine/pipeline_switch.py)
+    actor = placement_from_plan(auto, cfg, "auto").parallel["actor_rollout"]
+    assert (actor.pp, actor.tp, actor.pg) == (auto.model("actor").p, auto.model("actor").t, 1) == (2, 2, 1)
 
 
 def test_models_the_config_does_not_use_are_skipped(make_config, tiny_model_dir):
@@ -235,6 +237,21 @@ def test_plan_file_runs_on_four_cpu_devices(ray_cluster, make_config, tiny_model
         assert (trainer.groups["ref"] is trainer.groups["actor_rollout"]) == (actor.pool == ref.pool)
         _one_step(trainer)
     assert Plan.load(Path(cfg.run_dir) / "plan.yaml") == p  # the run records the plan it ran
+
+
+def test_plan_file_with_the_actor_in_pipeline_stages_runs(ray_cluster, make_config, tiny_model_dir, tmp_path):
+    """The 4-device plan with the actor at p = 2 on its 2 devices (a layout ENGINE_LIMITS plans: any p for
+    the actor, pg = 1): the trainer runs its stages, and the switch's bytes equal the formula."""
+    p = _with_model(_tiny_plan(tiny_model_dir, "grpo", 4), "actor", p=2, t=1, d=1)
+    assert ENGINE_LIMITS.allows("actor", 2, 1) and p.model("actor").n_devices == 2
+    cfg = make_config(
+        "grpo", DIGITS, KL_LOSS, f"resources.placement={p.save(tmp_path / 'plan.yaml')}", devices=4
+    )
+    with build_trainer(cfg) as trainer:
+        train = trainer.groups["actor_rollout"].layouts("train")
+        assert [(lay.pp_rank, lay.pp_size, lay.dp_size) for lay in train] == [(0, 2, 1), (1, 2, 1)]
+        metrics = _one_step(trainer)
+    assert metrics["reshard/bytes_per_rank"] == metrics["reshard/formula_bytes_per_rank"] > 0
 
 
 def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):

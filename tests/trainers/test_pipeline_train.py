@@ -129,10 +129,8 @@ def test_a_two_stage_checkpoint_exports_to_transformers(runs, tmp_path):
     "overrides,expected",
     [
         (["model.remove_padding=true"], "model.remove_padding: true with actor.parallel.pp = 2"),
-        (
-            ["actor.parallel.tp=2", "resources.n_gpus_per_node=4"],
-            "actor.parallel.pp > 1 runs with actor.parallel.tp = 1",
-        ),
+        (["rollout.reshard=allgather"], "rollout.reshard = allgather with actor.parallel.pp > 1"),
+        (["rollout.pg=2"], "rollout.pg = 2: generation pipeline parallelism does not exist yet"),
     ],
 )
 def test_what_stages_do_not_run_with_fails_in_one_line(tiny_model_dir, tmp_path, capsys, overrides, expected):
