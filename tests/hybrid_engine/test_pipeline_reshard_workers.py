@@ -11,13 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.config.roles import worker_config
-from hybridflow.controller import ResourcePool, create_colocated_groups
-from hybridflow.data import build_prompt_dataset
-from hybridflow.models import load_tokenizer
 from hybridflow.models.tiny import build_tiny_config, save_tiny_model
 from hybridflow.trainers.placement import shutdown
-from hybridflow.workers import ActorRolloutRefWorker
+from tests.hybrid_engine.groups import actor_rollout_groups
 from tests.trainers.configs import tiny_config
 
 # name -> (actor pp, actor tp, rollout.tg); dp = 4 / (pp * tp)
@@ -31,21 +27,12 @@ def setup(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline_reshard")
     # a larger init scale so that greedy tokens notice any layout bug
     model = save_tiny_model(tmp / "model", num_key_value_heads=4, initializer_range=0.2)
-    roles = {}
+    configs = {}
     for name, (pp, tp, tg) in LAYOUTS.items():
-        cfg = tiny_config(model, tmp / "runs", "grpo", f"actor.parallel.pp={pp}", f"actor.parallel.tp={tp}",
-                          f"rollout.tg={tg}", "rollout.response_length=6", "actor.optim.lr=5e-2",
-                          devices=4)  # fmt: skip
-        roles[name] = (
-            ActorRolloutRefWorker,
-            {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout")},
-        )
-    pool = ResourcePool(4, name="pipe_reshard4")
-    groups = create_colocated_groups(pool, roles, group_name="pipe_reshard4")
-    for g in groups.values():
-        g.init_model()
-    ds = build_prompt_dataset(cfg.data, load_tokenizer(model), "val")
-    prompts = ds.collate([ds[i] for i in range(6)])  # 6 prompts: not a multiple of 4 replicas
+        configs[name] = tiny_config(model, tmp / "runs", "grpo", f"actor.parallel.pp={pp}", f"actor.parallel.tp={tp}",
+                                    f"rollout.tg={tg}", "rollout.response_length=6", "actor.optim.lr=5e-2",
+                                    devices=4)  # fmt: skip
+    groups, pool, prompts = actor_rollout_groups(configs, model, "pipe_reshard4")
     yield groups, prompts
     shutdown(groups, [pool])
 

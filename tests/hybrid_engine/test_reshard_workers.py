@@ -13,14 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.config.roles import worker_config
-from hybridflow.controller import ResourcePool, create_colocated_groups
-from hybridflow.data import build_prompt_dataset
-from hybridflow.models import load_tokenizer
 from hybridflow.models.tiny import build_tiny_config, save_tiny_model
 from hybridflow.trainers.placement import shutdown
-from hybridflow.workers import ActorRolloutRefWorker
 from tests.hybrid_engine.bounds import unit_bytes
+from tests.hybrid_engine.groups import actor_rollout_groups
 from tests.trainers.configs import tiny_config
 
 # name -> (actor tp, rollout.tg, rollout.reshard); dp = 4 / tp
@@ -49,22 +45,13 @@ def setup(ray_cluster, tmp_path_factory):
     # 4 kv heads so that tp = 4 can split them; a larger init scale so greedy tokens notice any layout bug
     model = save_tiny_model(tmp / "model", num_key_value_heads=4, initializer_range=0.2)
     qwen2 = save_tiny_model(tmp / "qwen2", arch="qwen2", num_key_value_heads=4, initializer_range=0.2)
-    roles = {}
+    configs = {}
     for name, (tp, tg, method) in LAYOUTS.items():
         dtype = ["model.dtype=bfloat16"] if name.startswith("bf16") else []
-        cfg = tiny_config(qwen2 if name.startswith("qwen2") else model, tmp / "runs", "grpo", f"actor.parallel.tp={tp}", f"rollout.tg={tg}",
+        configs[name] = tiny_config(qwen2 if name.startswith("qwen2") else model, tmp / "runs", "grpo", f"actor.parallel.tp={tp}", f"rollout.tg={tg}",
                           f"rollout.reshard={method}", "rollout.response_length=6", "actor.optim.lr=5e-2",
                           "actor.micro_batch_size_per_device=64", *dtype, devices=4)  # fmt: skip
-        roles[name] = (
-            ActorRolloutRefWorker,
-            {"config": worker_config(cfg, "actor_rollout"), "roles": ("actor", "rollout")},
-        )
-    pool = ResourcePool(4, name="reshard4")
-    groups = create_colocated_groups(pool, roles, group_name="reshard4")
-    for g in groups.values():
-        g.init_model()
-    ds = build_prompt_dataset(cfg.data, load_tokenizer(model), "val")
-    prompts = ds.collate([ds[i] for i in range(6)])  # 6 prompts: not a multiple of 4 replicas
+    groups, pool, prompts = actor_rollout_groups(configs, model, "reshard4")
     yield groups, prompts
     shutdown(groups, [pool])
 
