@@ -177,11 +177,13 @@ class BuiltinEngine(GenerationEngine):
         return 1 if self._count_params() < SMALL_MODEL_PARAMS else current
 
     def _device(self) -> torch.device:
-        """Where generation runs: the shard's device when one is set (the model may only name the
-        architecture, its parameters on meta: hybrid_engine/pipeline_switch.py), else the model's."""
-        if self.shard:
+        """Where generation runs: the model's device, or the shard's when the model only names the
+        architecture (its parameters on meta: hybrid_engine/pipeline_switch.py). Not the shard's first
+        tensor otherwise: a shard can mix the model's own tensors with gathered ones."""
+        device = next(self.model.parameters()).device
+        if device.type == "meta" and self.shard:
             return next(iter(self.shard.values())).device
-        return next(self.model.parameters()).device
+        return device
 
     def _count_params(self) -> int:
         if self._num_params is None:  # fixed for the engine's life; counting walks every module
