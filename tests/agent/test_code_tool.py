@@ -24,7 +24,7 @@ def run(code: str, timeout_s: float = 6.0, cap: int = 4096):
     before = _processes()
     result = run_python(code, CFG, timeout_s, cap)
     # nothing it started is left: every process that appeared during the call is gone (others' processes
-    # on a shared machine come and go; only those whose command line is our runner's or main.py count)
+    # on a shared machine come and go; only our runner and `python -I main.py` count)
     left = [p for p in _processes() - before if _ours(p)]
     assert not left, f"left running: {left}"
     assert "\n" not in result.error, result.error
@@ -37,7 +37,8 @@ def _ours(pid: int) -> bool:
             cmd = f.read()
     except OSError:
         return False
-    return b"_code_runner.py" in cmd or b"main.py" in cmd
+    # the code runs as `python -I main.py` in its own directory (Ray's agents run other `.../main.py`s)
+    return b"_code_runner.py" in cmd or cmd.split(b"\0")[1:3] == [b"-I", b"main.py"]
 
 
 def test_plain_code_runs_and_answers():
