@@ -39,13 +39,13 @@ def test_gcs_then_raylet_lost_mid_run_each_restart_the_cluster_and_resume(tiny_m
         tiny_model_dir,
         trainer="experiment_name: run, total_steps: 5, save_every: 1, loggers: [jsonl]",
     )
-    # each step at least 8 x 0.25 s (its 8 samples' rewards): the 4 steps left after the GCS's loss take
+    # each step at least 8 x 0.15 s (its 8 samples' rewards): the 4 steps left after the GCS's loss take
     # longer than the supervisor's 2 s wait for an outcome on any machine (calls to running workers do not
     # need the GCS: a driver that finished its run within that wait would rightly end done, not restart)
     (tmp_path / "reward.py").write_text(
         "import time\n\n"
         "def overlap(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    time.sleep(0.25)\n"
+        "    time.sleep(0.15)\n"
         "    return sum(c in ground_truth for c in solution_str) / 4.0\n"
     )
     proc = start_train(config, log=log)
