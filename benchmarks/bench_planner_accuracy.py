@@ -77,7 +77,7 @@ def candidates(recipe: str, args: list[str]) -> list[tuple[str, object, int]]:
     out = []
     for r in [v for best in results for v in layout_variants(best, df, cluster, wl)]:
         p = build_plan(df, cluster, wl, [r], ENGINE_LIMITS)
-        layouts = ",".join(f"{m.role[:3]}:t{m.t}d{m.d}" for m in p.models)
+        layouts = ",".join(f"{m.role[:3]}:{f'p{m.p}' if m.p > 1 else ''}t{m.t}d{m.d}" for m in p.models)
         label = (
             f"{strategy_name([list(s) for s in r.placement], list(df.roles))} {list(r.allocation)} {layouts}"
         )
