@@ -25,7 +25,7 @@ from hybridflow.planner.ahead import FROZEN_POOLS, ROLLOUT_POOL, AheadResult, se
 from hybridflow.planner.dataflow import OLD_LOG_PROBS, STAGES, Dataflow, with_old_log_probs
 from hybridflow.planner.parallel import UNCONSTRAINED
 from hybridflow.planner.search import PlacementResult, search, strategy_name
-from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec, save_dict
+from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec, load_dict, save_dict
 
 
 @dataclass
@@ -173,16 +173,8 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"no plan file at {path}; write one with `hybridflow plan --output {path}`"
-            )
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            return cls.from_dict(yaml.safe_load(path.read_text()))
-        return cls.from_dict(json.loads(path.read_text()))
+        hint = f"no plan file at {path}; write one with `hybridflow plan --output {path}`"
+        return cls.from_dict(load_dict(path, hint))
 
 
 def _stage_dict(values) -> dict[str, float]:

@@ -18,10 +18,11 @@ Pure: no torch here, so the planner reads a profile without loading it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from hybridflow.planner.specs import DeviceSpec, save_dict
+from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
 PROFILE_VERSION = 1
 DTYPES = ("float32", "bfloat16")
@@ -93,15 +94,10 @@ class DeviceProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"no device profile at {path}; write one with `hybridflow calibrate --out {path}`"
-            )
         import yaml
 
+        hint = f"no device profile at {path}; write one with `hybridflow calibrate --out {path}`"
         try:
-            data = yaml.safe_load(path.read_text())  # JSON is YAML too
-            return cls.from_dict(data, str(path))
-        except (yaml.YAMLError, TypeError) as e:
+            return cls.from_dict(load_dict(path, hint), str(path))
+        except (yaml.YAMLError, json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path}: not a device profile ({e})") from e

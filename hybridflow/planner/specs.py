@@ -349,3 +349,19 @@ def save_dict(data: dict, path) -> Path:
     else:
         path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def load_dict(path, missing: str) -> dict:
+    """What save_dict wrote at `path` (YAML for .yaml/.yml, JSON otherwise: PyYAML would read JSON's `1e-05`
+    as a string); FileNotFoundError(`missing`) when there is no file."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(missing)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(path.read_text())
+    return json.loads(path.read_text())
