@@ -1,7 +1,9 @@
-"""`hybridflow train` with rollout.multi_turn, end to end on 2 CPU ranks (the 3D-HybridEngine switches the
-actor to its generation layout around the agent loop): tools and parser given by file path, tool outputs
-inserted into the responses the reward and the dumps see, agent/* metrics logged, and the rollout's
-log-probs equal to the training forward's (the train-vs-rollout gap) on the model's tokens."""
+"""`hybridflow train` with rollout.multi_turn, end to end on 2 CPU ranks with actor.parallel.tp=2 and
+rollout.tg=2 (the 3D-HybridEngine switches the actor to its generation layout around the agent loop,
+whose continuous batch then runs tensor-parallel over both ranks: agent/loop.py): tools and parser given
+by file path, tool outputs inserted into the responses the reward and the dumps see, agent/* metrics
+logged, and the rollout's log-probs equal to the training forward's (the train-vs-rollout gap) on the
+model's tokens. tg = 1 through the trainer: tests/agent/test_agent_ahead.py."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ def test_grpo_with_tools_through_the_cli(ray_cluster, tiny_model_dir, tmp_path):
         "algorithm.name=grpo", f"model.path={tiny_model_dir}", "data.dataset=synthetic:arithmetic",
         "data.dataset_kwargs={num_samples: 16, val_size: 4, max_operand: 9}", "data.max_prompt_length=16",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "rollout.response_length=40",
-        "reward.num_workers=0", "resources.device=cpu", "resources.n_gpus_per_node=2", "trainer.total_steps=2",
+        "reward.num_workers=0", "resources.device=cpu", "resources.n_gpus_per_node=2", "actor.parallel.tp=2", "rollout.tg=2",
+        "trainer.total_steps=2",
         "trainer.val_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={tmp_path}",
         "trainer.experiment_name=agent", f"trainer.rollout_data_dir={tmp_path / 'dump'}",
         "rollout.multi_turn.enable=true", f"rollout.multi_turn.tools=[{FILES}:echo]",
