@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hybridflow.agent.answers import Answer, pack, unpack
 from hybridflow.agent.environment import Environment, StepResult
 from hybridflow.agent.loop import AgentLimits, AgentLoop
 from hybridflow.agent.parsers import ToolCall
@@ -110,3 +111,15 @@ def test_tg2_slow_tool_does_not_hold_the_other_rows(runs):
     for run in (first, second):
         assert all(run["finish"][i] < SLOW_S for i in others), (run["finish"], turns)
     assert first["calls_here"] == int(first["agent_tool_calls"].sum()) and second["calls_here"] == 0
+
+
+def test_answers_travel_as_floats_exactly():
+    """What the first rank broadcasts: each answer's head of 7 numbers then its tokens; no reward is NaN."""
+    answers = [
+        Answer(3, [17, 2, 40], done=True, reward=None, seconds=0.25),
+        Answer(0, [], error=True, reward=-1.5),
+    ]
+    flat = pack(answers)
+    assert flat[:10] == [3, 3, True, False, False, flat[5], 0.25, 17, 2, 40] and flat[5] != flat[5]
+    assert flat[10:] == [0, 0, False, True, False, -1.5, 0.0]
+    assert unpack(flat) == answers and unpack([]) == []
