@@ -108,3 +108,23 @@ def test_tg2_per_process_tool_gives_both_ranks_the_first_ranks_answers(runs):
     text = "".join(build_char_tokenizer().decode(r.tolist()) for r in first["responses"])
     assert f"<r>{first['pid']}</r>" in text and str(second["pid"]) not in text
     assert first["calls_here"] == int(first["agent_tool_calls"].sum()) and second["calls_here"] == 0
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HYBRIDFLOW_VLLM_LONG"), reason="2 vLLM ranks on Ray: HYBRIDFLOW_VLLM_LONG=1"
+)
+def test_train_with_tools_on_vllm_tg2(ray_cluster, tmp_path):
+    """`hybridflow train` with rollout.multi_turn on vLLM with actor.parallel.tp=2 rollout.tg=2: the agent
+    loop's continuous batch runs on both ranks in lockstep, the first rank alone running every call."""
+    from hybridflow.models.tiny import save_tiny_model
+    from tests.agent.test_agent_train import LOGGED_ECHO, agent_steps
+
+    tools = tmp_path / "tools.py"
+    tools.write_text(LOGGED_ECHO)
+    model = save_tiny_model(
+        tmp_path / "tiny", "tiny", "llama", seed=0, num_attention_heads=2, num_key_value_heads=2
+    )
+    steps = agent_steps(tmp_path, model, tools, "rollout.engine=vllm")
+    pids = (tmp_path / "calls.txt").read_text().split()
+    # one process ran every call: the training steps' (4 prompts x n=2) and the final validation's
+    assert len(set(pids)) == 1 and len(pids) >= round(sum(r["agent/tool_calls/mean"] * 8 for r in steps))
