@@ -10,13 +10,14 @@ inserted tokens are prefilled, and it decodes alongside rows that are mid-turn. 
 per row (counter-based; per-request seeds on vLLM), so a seeded run's samples do not depend on which
 rows share a step.
 
-Under a generation tensor-parallel group (rollout.tg > 1) every rank of the group runs this loop over the
-same rows, and the group's first rank alone runs the tool calls: between two steps it shares which rows'
-calls answered, with their tokens and figures (agent/answers.py, `ContinuousBatch.share`), and every
-rank joins those rows in that order; the sampled tokens are that rank's too, so the ranks' turns end
+Under a generation tensor-parallel group (rollout.tg > 1, either engine) every rank of the group runs
+this loop over the same rows, and the group's first rank alone runs the tool calls: between two steps it
+shares which rows' calls answered, with their tokens and figures (agent/answers.py, `share`), and every
+rank joins those rows in that order; the sampled tokens are alike on every rank (the built-in engine
+broadcasts the first rank's; vLLM's engines, kept in lockstep, sample alike), so the ranks' turns end
 alike. A group of one shares with itself: the same code path.
 
-Elsewhere (the HF fallback, vLLM with rollout.tg > 1, an engine without `continuous`): waves of turns.
+Elsewhere (the HF fallback, which serves no TP group; an engine without `continuous`): waves of turns.
 Each wave is one `engine.generate` over the trajectories ready for a turn (their exact token lists,
 left-padded). When it returns, each row's call is submitted at once, and the next wave starts with the
 rows whose calls are done, after waiting up to WAVE_WAIT_S for the calls the last wave made (so that,

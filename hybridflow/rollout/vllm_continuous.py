@@ -10,6 +10,14 @@ engine step and hands out one token per row: a step that returned more tokens fo
 for the next steps, and they are dropped if the row leaves first (sampled past its call's end; waves
 drop those too). Each request is seeded from (seed, row, context length), so a row's draws do not
 depend on which rows share a vLLM step.
+
+Under vLLM tensor parallel (rollout.tg > 1) each rank of the group runs its own LLMEngine over the
+external launcher, and vLLM's engines produce the same outputs only when every rank makes the same
+add_request / step / abort_request calls in the same order (its scheduling is deterministic). The
+agent loop's calls follow from the sampled tokens, which vLLM's all-gathered logits and per-request
+seeds make the same on every rank, and from the tool answers, which the group's first rank alone runs
+and `share`s (as rollout/continuous.ContinuousBatch does under the built-in engine's group); the seed
+is the first rank's too.
 """
 
 from __future__ import annotations
@@ -19,28 +27,42 @@ import dataclasses
 import torch
 
 from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.tp_group import TPGroup
 
 
 class VLLMContinuous:
-    """engine: a vllm LLMEngine; rows, max_len: as BuiltinEngine.continuous."""
+    """engine: a vllm LLMEngine; rows, max_len: as BuiltinEngine.continuous; tp: vLLM's TP group with
+    more than one rank, else None; device: where `share` broadcasts (the group's device)."""
 
     def __init__(
-        self, engine, params: SamplingParams, rows: int, max_len: int, stop_ids: tuple[int, ...], eos
+        self,
+        engine,
+        params: SamplingParams,
+        rows: int,
+        max_len: int,
+        stop_ids: tuple[int, ...],
+        eos,
+        tp: TPGroup | None = None,
+        device: torch.device | None = None,
     ):
         self.engine, self.params, self.max_len, self.eos = engine, params, max_len, eos
+        self.tp, self.device = tp, device or torch.device("cpu")
         self.stop_ids = frozenset(stop_ids)
-        self.seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
+        seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
+        self.seed = int(self.share([seed])[0])  # a random seed drawn per rank: the first rank's for all
         self.context: list[list[int]] = [[] for _ in range(rows)]
         self.request: dict[int, str] = {}  # row -> its running request
         self.owner: dict[str, int] = {}  # request id -> row
         self.buffered: dict[int, list[tuple[int, float]]] = {}  # row -> tokens returned, not handed out
 
-    decides = True
-    """The only rank deciding (vLLM with rollout.tg > 1 runs waves: rollout/vllm_engine.py)."""
+    @property
+    def decides(self) -> bool:
+        """As ContinuousBatch.decides: the only rank without a TP group, the group's first rank in one."""
+        return self.tp is None or self.tp.is_src
 
     def share(self, values: list[float]) -> list[float]:
-        """As ContinuousBatch.share without a TP group: `values` itself."""
-        return values
+        """As ContinuousBatch.share: the deciding rank's `values` on every rank of the group."""
+        return values if self.tp is None else self.tp.share(values, self.device)
 
     @property
     def ready(self) -> bool:

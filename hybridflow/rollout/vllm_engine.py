@@ -45,6 +45,7 @@ from hybridflow.batch import Batch
 from hybridflow.models.lora import hf_name
 from hybridflow.rollout import vllm_pad
 from hybridflow.rollout.base import GenerationEngine, SamplingParams, build_rollout_batch, check_prompt_batch
+from hybridflow.rollout.tp_group import TPGroup
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -289,12 +290,8 @@ class VLLMEngine(GenerationEngine):
     @contextlib.contextmanager
     def continuous(self, params: SamplingParams, rows: int, max_len: int):
         """The agent loop's continuous batch on vLLM's scheduler (rollout/vllm_continuous.py), on the
-        weights `generate` would load; None under vLLM tensor parallel (rollout.tg > 1: each rank runs
-        its own copy of vLLM's scheduler, whose requests and steps would have to stay in lockstep; not
-        built), where the loop runs waves of `generate` calls."""
-        if getattr(self, "shard_tp", None) is not None or self.config.tensor_parallel_size > 1:
-            yield None
-            return
+        weights `generate` would load. Under vLLM tensor parallel (rollout.tg > 1) every rank of the
+        group runs it in lockstep, the first rank deciding (`vllm_tp_group`)."""
         from hybridflow.rollout.vllm_continuous import VLLMContinuous
 
         threads = torch.get_num_threads()
@@ -304,7 +301,10 @@ class VLLMEngine(GenerationEngine):
         try:
             self._wake_and_sync()
             stop = params.stop_ids(self.eos_ids)
-            batch = VLLMContinuous(self.llm.llm_engine, params, rows, max_len, stop, self.eos_ids)
+            tp = vllm_tp_group() if self.config.tensor_parallel_size > 1 else None
+            batch = VLLMContinuous(
+                self.llm.llm_engine, params, rows, max_len, stop, self.eos_ids, tp, self.device
+            )
             yield batch
         finally:
             if batch is not None:
@@ -323,6 +323,15 @@ class VLLMEngine(GenerationEngine):
 
             del self.llm
             destroy_model_parallel()
+
+
+def vllm_tp_group() -> TPGroup:
+    """vLLM's tensor-parallel group (built by its external launcher inside the actor's process group)
+    as a TPGroup: its device group (NCCL on GPU, gloo on CPU) and its first rank deciding."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    return TPGroup(group.device_group, group.world_size, group.first_rank)
 
 
 def release_cached_blocks(device: torch.device) -> None:

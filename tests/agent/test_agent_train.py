@@ -32,11 +32,12 @@ def echo(digit: int) -> str:
 '''
 
 
-def test_grpo_with_tools_through_the_cli(ray_cluster, tiny_model_dir, tmp_path):
-    tools = tmp_path / "tools.py"
-    tools.write_text(LOGGED_ECHO)
+def agent_steps(tmp_path, model_dir, tools, *extra: str) -> list[dict]:
+    """Two GRPO steps with tools on 2 CPU ranks (actor.parallel.tp=2 rollout.tg=2); -> the steps'
+    metrics rows, each checked: several turns, tool tokens in the responses, the rollout's log-probs
+    equal to the training forward's."""
     args = [
-        "algorithm.name=grpo", f"model.path={tiny_model_dir}", "data.dataset=synthetic:arithmetic",
+        "algorithm.name=grpo", f"model.path={model_dir}", "data.dataset=synthetic:arithmetic",
         "data.dataset_kwargs={num_samples: 16, val_size: 4, max_operand: 9}", "data.max_prompt_length=16",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "rollout.response_length=40",
         "reward.num_workers=0", "resources.device=cpu", "resources.n_gpus_per_node=2", "actor.parallel.tp=2", "rollout.tg=2",
@@ -44,7 +45,7 @@ def test_grpo_with_tools_through_the_cli(ray_cluster, tiny_model_dir, tmp_path):
         "trainer.experiment_name=agent", f"trainer.rollout_data_dir={tmp_path / 'dump'}",
         "rollout.multi_turn.enable=true", f"rollout.multi_turn.tools=[{tools}:echo]",
         f"rollout.multi_turn.parser={FILES}:digit_parser", "rollout.multi_turn.max_turns=3",
-        "rollout.multi_turn.tool_response_template=<r>{output}</r>",
+        "rollout.multi_turn.tool_response_template=<r>{output}</r>", *extra,
     ]  # fmt: skip
     assert cli_main(["train", *args]) == 0
     rows = [json.loads(x) for x in (tmp_path / "agent" / "metrics.jsonl").read_text().splitlines()]
@@ -59,6 +60,13 @@ def test_grpo_with_tools_through_the_cli(ray_cluster, tiny_model_dir, tmp_path):
         assert r["response_length/mean"] == r["agent/model_tokens/mean"] + r["agent/tool_tokens/mean"]
         # fp32 on CPU: the agent loop's per-turn decode vs the packed training forward, same tokens
         assert r["rollout/log_prob_diff_max"] < 1e-4
+    return steps
+
+
+def test_grpo_with_tools_through_the_cli(ray_cluster, tiny_model_dir, tmp_path):
+    tools = tmp_path / "tools.py"
+    tools.write_text(LOGGED_ECHO)
+    steps = agent_steps(tmp_path, tiny_model_dir, tools)
     dumped = [
         json.loads(x) for f in sorted((tmp_path / "dump").glob("*.jsonl")) for x in f.read_text().splitlines()
     ]
