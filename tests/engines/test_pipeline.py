@@ -7,7 +7,9 @@ rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value l
 (group-normalised advantages, seq-mean-token-mean); on four, p = 2 with
 FSDP2 over d = 2 and with t = 2: forward-only outputs, loss, every gradient and the global grad norm
 (clipped across the stages) and the weights after one SGD step equal one process's; those weights,
-gathered by name, load in transformers and into three other stages. fp32 and
+gathered by name, load in transformers and into three other stages. TrainEngine at p = 2 (against
+p = 1, d = 2) and, on the four ranks, at p = 2 x t = 2 (against p = 1, d = 4): the reference's, critic's
+and reward model's outputs, the critic's update, and checkpoints across p. fp32 and
 reductions of at most 64 terms: the only differences are summation order, ~1e-7 relative; 1e-5 / 1e-4
 bound them with room.
 """
