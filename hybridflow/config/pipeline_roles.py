@@ -46,7 +46,8 @@ def pipeline_blockers(cfg, section: str) -> list[str]:
     trial = copy.deepcopy(cfg)
     getattr(trial, section).parallel.pp = 2
     errors = pipeline_role_errors(trial)
-    if section == "actor":  # what the generation layout (hybrid_engine/layout.py) checks for a pipelined actor
+    # what the generation layout (hybrid_engine/layout.py) checks for a pipelined actor
+    if section == "actor":
         if cfg.rollout.reshard != "hybridflow":
             errors.append(f"rollout.reshard: {cfg.rollout.reshard} (pipelined actors switch by hybridflow)")
         errors += _model_errors("actor", 2, cfg.model.path)
