@@ -3,8 +3,9 @@
 Pipeline stages run padded micro-batches of one shape, cut from a Llama-family model's decoder layers
 (engines/pipeline.py). The actor's generation side (tp, tg, the switch, its model) is checked with the
 generation layout (hybrid_engine/layout.py); the reference, critic and reward model train (critic) or
-score under pp as the actor does, with t = 1. `pipeline_blockers` says why a section could not run
-stages at all under a config: the planner (trainers/auto_placement.py) then plans it at p = 1.
+score under pp as the actor does, with any tp (each stage's (dp, tp) plane: engines/pipeline.py).
+`pipeline_blockers` says why a section could not run stages at all under a config: the planner
+(trainers/auto_placement.py) then plans it at p = 1.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def pipeline_role_errors(cfg) -> list[str]:
 
 
 def pipeline_blockers(cfg, section: str) -> list[str]:
-    """Why `section` could not run pipeline stages (pp = 2, tp = 1) under `cfg`; [] where it could."""
+    """Why `section` could not run pipeline stages (pp = 2) under `cfg`; [] where it could."""
     trial = copy.deepcopy(cfg)
-    parallel = getattr(trial, section).parallel
-    parallel.pp, parallel.tp = 2, 1
+    getattr(trial, section).parallel.pp = 2
     errors = pipeline_role_errors(trial)
-    if section == "actor":  # what the generation layout checks for a pipelined actor (its tg follows t = 1)
+    # what the generation layout (hybrid_engine/layout.py) checks for a pipelined actor
+    if section == "actor":
         if cfg.rollout.reshard != "hybridflow":
             errors.append(f"rollout.reshard: {cfg.rollout.reshard} (pipelined actors switch by hybridflow)")
         errors += _model_errors("actor", 2, cfg.model.path)
@@ -69,11 +70,7 @@ def _actor_errors(cfg, pp: int) -> list[str]:
 
 
 def _section_errors(cfg, section: str, pp: int) -> list[str]:
-    tp, errors = getattr(cfg, section).parallel.tp, []
-    if tp != 1:
-        errors.append(f"{section}.parallel.pp = {pp} runs with {section}.parallel.tp = 1, got tp = {tp}; "
-                      "raise pp or dp instead")  # fmt: skip
-    lora = cfg.model.lora
+    errors, lora = [], cfg.model.lora
     if section == "critic" and lora.enabled and lora.critic:
         errors.append(f"model.lora.critic: true with critic.parallel.pp = {pp}; adapters are not applied "
                       "to pipeline stages yet, use pp = 1 or a fully trained critic")  # fmt: skip

@@ -125,10 +125,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="builtin",
         choices=tuple(ENGINES),
         help=f"builtin: only layouts hybridflow's engines run ({ENGINE_LIMITS.describe()}); any: the paper's "
-        "full search (p > 1, replicated KV heads), plans `hybridflow train` refuses; the flags below override",
+        "full search (pg > 1, replicated KV heads), plans `hybridflow train` refuses; the flags below override",
     )
     e.add_argument(
-        "--max-pp", type=int, default=None, help="largest pipeline size p (builtin: any, with t = 1)"
+        "--max-pp", type=int, default=None, help="largest pipeline size p (builtin: any, with any t)"
     )
     e.add_argument(
         "--max-pg", type=int, default=None, help="largest generation pipeline size pg (builtin: 1)"

@@ -319,21 +319,18 @@ class EngineLimits:
 
 
 # The planner's roles whose pipeline stages the training engine runs (engines/pipeline_engine.py, the
-# reward section's engine serving both reward and cost): the actor's with any t (p x t x d, its switch to
-# generation in hybrid_engine/pipeline_switch.py), the others' with t = 1 (config/pipeline_roles.py).
+# reward section's engine serving both reward and cost), every one with any t (p x t x d: each stage's
+# (dp, tp) plane, engines/pipeline.py; the actor's switch to generation in hybrid_engine/pipeline_switch.py).
 PIPELINE_ROLES = ("actor", "critic", "reference", "reward", "cost")
 # What hybridflow's own engines run, the one definition `hybridflow plan` (its default, `--engines builtin`),
-# `resources.placement=auto` and the plan-file check read: pipeline stages (p > 1) for every role, with
-# t = 1 except the actor's, generation without a pipeline (pg = 1, never planned otherwise: the switch
+# `resources.placement=auto` and the plan-file check read: pipeline stages (p > 1) for every role with any t
+# (no per-role `pipeline_max_tp`: `config_limits` in trainers/auto_placement.py sets 0 for a role whose
+# stages a config cannot run), generation without a pipeline (pg = 1, never planned otherwise: the switch
 # gathers each rank's tg-shard of every stage, hybrid_engine/pipeline_switch.py; there is no pipelined
 # decoding), DTensor TP plans that split whole heads, KV heads and MLP columns. A one-step-ahead rollout pool
 # runs any tg dividing the heads, each rank holding and sent only its generation shard (rollout/pool_tp.py).
 # `hybridflow plan --engines any` searches the paper's full space.
-ENGINE_LIMITS = EngineLimits(
-    max_pg=1,
-    tp_shards_whole_heads=True,
-    pipeline_max_tp=tuple((r, 1) for r in PIPELINE_ROLES if r != "actor"),
-)
+ENGINE_LIMITS = EngineLimits(max_pg=1, tp_shards_whole_heads=True)
 
 
 def save_dict(data: dict, path) -> Path:

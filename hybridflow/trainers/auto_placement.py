@@ -248,10 +248,11 @@ def config_limits(cfg) -> EngineLimits:
     from hybridflow.config.pipeline_roles import pipeline_blockers
 
     blocked = {s: bool(pipeline_blockers(cfg, s)) for s in set(_PIPELINE_SECTION.values())}
-    limits = dict(ENGINE_LIMITS.pipeline_max_tp)  # a role not named (the actor) runs stages with any t
-    pairs = [(r, 0) if blocked[_PIPELINE_SECTION[r]] else (r, limits[r]) for r in PIPELINE_ROLES
-             if blocked[_PIPELINE_SECTION[r]] or r in limits]  # fmt: skip
-    return replace(ENGINE_LIMITS, pipeline_max_tp=tuple(pairs))
+    limits = dict(ENGINE_LIMITS.pipeline_max_tp)  # a role not named runs stages with any t
+    for role in PIPELINE_ROLES:
+        if blocked[_PIPELINE_SECTION[role]]:
+            limits[role] = 0
+    return replace(ENGINE_LIMITS, pipeline_max_tp=tuple(limits.items()))
 
 
 def plan_for_config(cfg) -> Plan:

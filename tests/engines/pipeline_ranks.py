@@ -129,6 +129,12 @@ def run_pipeline_case(case: dict, out_dir) -> dict:
     }
 
 
+def run_mesh_case(case: dict, out_dir) -> dict:
+    """run_engine_case for the cases naming an engine role, run_pipeline_case for the others: both
+    kinds share one four-rank group."""
+    return (run_engine_case if "role" in case else run_pipeline_case)(case, out_dir)
+
+
 def run_engine_case(case: dict, out_dir) -> dict:
     """TrainEngine on (pp, dp) = case["pp"], world / pp, the model read as shards (meta): log-probs and
     entropy of the whole batch, then two train steps of the actor's loss under seq-mean-token-mean
@@ -167,27 +173,49 @@ def run_engine_case(case: dict, out_dir) -> dict:
 
 
 def _forward_only_case(case: dict) -> dict:
-    """A reference (frozen causal LM), a critic or a reward model on (pp, dp) = case["pp"], world / pp,
-    read as shards: its forward-only outputs of the whole batch (log-probs, values or scores), every
-    rank's."""
-    from hybridflow.engines import EngineConfig, ParallelConfig, TrainEngine
+    """A reference (frozen causal LM), a critic or a reward model on (pp, tp) = case["pp"], case["tp"]
+    (1 unless given), dp the rest of the world, read as shards: its forward-only outputs of the whole
+    batch (log-probs, values or scores), every rank's; case["train"]: then a critic's step of its clipped
+    value loss (CRITIC_TARGETS) and its metrics, every rank's."""
+    from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig, TrainEngine
     from hybridflow.models import load_causal_lm, load_critic, load_reward_model
 
-    role, pp = case["role"], case["pp"]
-    dp = dist.get_world_size() // pp
+    role, pp, tp = case["role"], case["pp"], case.get("tp", 1)
+    dp = dist.get_world_size() // (pp * tp)
     load = {"ref": load_causal_lm, "critic": load_critic, "reward": load_reward_model}[role]
     config = EngineConfig(
-        parallel=ParallelConfig(pp=pp, dp=dp), logits_chunk_size=4, micro_batch_size_per_device=2
+        parallel=ParallelConfig(pp=pp, dp=dp, tp=tp),
+        optim=OptimConfig(lr=1e-2, eps=1e-6),
+        logits_chunk_size=4,
+        micro_batch_size_per_device=2,
     )
     engine = TrainEngine(load(case["model_dir"], device="meta"), config, trainable=role == "critic")
-    local = make_rl_batch(engine.hf_model.config.vocab_size, **BATCH).chunk(dp)[dist.get_rank() % dp]
+    whole = critic_targets(make_rl_batch(engine.hf_model.config.vocab_size, **BATCH))
+    local = whole.chunk(dp)[engine.mesh["dp"].get_local_rank()]
     if role == "ref":
         out = engine.compute_log_probs(local)[0]
     else:
         out = engine.compute_values(local) if role == "critic" else engine.compute_scores(local)
+    if case.get("train"):
+        out = (out, engine.train_step(local, _critic_loss(), global_metrics=True))
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, out)
     return {"shards": shards}
+
+
+def critic_targets(whole):
+    """`whole` with seeded old values (~0.1) and returns (~1), the critic's loss inputs."""
+    gen = torch.Generator().manual_seed(5)
+    whole["values"] = 0.1 * torch.randn(whole["response_mask"].shape, generator=gen)
+    whole["returns"] = torch.randn(whole["response_mask"].shape, generator=gen)
+    return whole
+
+
+def _critic_loss():
+    from hybridflow.config.schema import CriticConfig
+    from hybridflow.workers.losses import critic_loss_fn
+
+    return critic_loss_fn(CriticConfig(), "values", "returns", BATCH["lr"])
 
 
 def _critic_engine(model_dir: str, pp: int):
@@ -204,14 +232,8 @@ def _critic_resume_case(case: dict, out_dir) -> dict:
     """The critic trained one step of its clipped value loss at pp = case["saved"], checkpointed, resumed
     on a new engine at pp = case["resumed"] and trained one more step: that step's metrics and the values
     after it, every rank's."""
-    from hybridflow.config.schema import CriticConfig
-    from hybridflow.workers.losses import critic_loss_fn
-
-    whole = make_rl_batch(64, **BATCH)
-    gen = torch.Generator().manual_seed(5)
-    whole["values"] = 0.1 * torch.randn(whole["response_mask"].shape, generator=gen)
-    whole["returns"] = torch.randn(whole["response_mask"].shape, generator=gen)
-    loss_fn = critic_loss_fn(CriticConfig(), "values", "returns", BATCH["lr"])
+    whole = critic_targets(make_rl_batch(64, **BATCH))
+    loss_fn = _critic_loss()
     path = out_dir / f"{case['name']}_checkpoint"
     steps = []
     for pp in (case["saved"], case["resumed"]):

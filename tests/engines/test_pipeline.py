@@ -7,7 +7,9 @@ rank) for the actor's clipped policy loss, 1F1B for the critic's clipped value l
 (group-normalised advantages, seq-mean-token-mean); on four, p = 2 with
 FSDP2 over d = 2 and with t = 2: forward-only outputs, loss, every gradient and the global grad norm
 (clipped across the stages) and the weights after one SGD step equal one process's; those weights,
-gathered by name, load in transformers and into three other stages. fp32 and
+gathered by name, load in transformers and into three other stages. TrainEngine at p = 2 (against
+p = 1, d = 2) and, on the four ranks, at p = 2 x t = 2 (against p = 1, d = 4): the reference's, critic's
+and reward model's outputs, the critic's update, and checkpoints across p. fp32 and
 reductions of at most 64 terms: the only differences are summation order, ~1e-7 relative; 1e-5 / 1e-4
 bound them with room.
 """
@@ -24,6 +26,7 @@ from pipeline_ranks import (
     normaliser,
     rl_loss,
     run_engine_case,
+    run_mesh_case,
     run_pipeline_case,
 )
 from rl_data import make_rl_batch
@@ -142,11 +145,20 @@ MESH_CASES = [
 ]
 
 
+FORWARD_ONLY = {"ref": "actor", "critic": "critic", "reward": "reward"}  # role -> its model
+
+
 @pytest.fixture(scope="module")
 def mesh_results(model_dirs, tmp_path_factory):
-    """Four ranks: p = 2 with FSDP2 over d = 2, and with t = 2, on one (pp, dp, tp) mesh."""
+    """Four ranks: p = 2 with FSDP2 over d = 2, and with t = 2, on one (pp, dp, tp) mesh; and TrainEngine's
+    reference, critic (values, then one update) and reward model at p = 2 x t = 2 and at p = 1, d = 4."""
     cases = [dict(c, model_dir=model_dirs[_role(c)], microbatches=2) for c in MESH_CASES]
-    return run_group(4, cases, tmp_path_factory.mktemp("pipeline_mesh"), runner=run_pipeline_case)
+    cases += [
+        dict(name=f"{role}_{name}", role=role, model_dir=model_dirs[model], train=role == "critic", **layout)
+        for role, model in FORWARD_ONLY.items()
+        for name, layout in (("p2t2", dict(pp=2, tp=2)), ("p1d4", dict(pp=1)))
+    ]
+    return run_group(4, cases, tmp_path_factory.mktemp("pipeline_mesh"), runner=run_mesh_case)
 
 
 @pytest.mark.parametrize("case", MESH_CASES, ids=[c["name"] for c in MESH_CASES])
@@ -202,9 +214,6 @@ def test_a_p2_state_exports_to_transformers_and_resumes_on_three_stages(
             x = stage(*x)
         reference = RLForward(exported, logits_chunk_size=4)(*args, lr)["log_probs"]
     torch.testing.assert_close(x, reference, atol=1e-6, rtol=1e-6)
-
-
-FORWARD_ONLY = {"ref": "actor", "critic": "critic", "reward": "reward"}  # role -> its model
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +286,27 @@ def test_critic_checkpoints_resume_onto_the_other_p(engine_results):
     got_values = torch.cat([s[1] for s in got])  # dp = 2: each rank its half of the rows
     for rank in want:  # dp = 1: both stages return the whole batch
         torch.testing.assert_close(got_values[mask], rank[1][mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("role", FORWARD_ONLY)
+def test_roles_at_p2_t2_equal_p1(mesh_results, role):
+    """TrainEngine(parallel.pp=2, tp=2): the reference's log-probs, the critic's values and the reward
+    model's scores (each head replicated over the last stage's tp group) equal p = 1, d = 4 on every rank
+    of both stages; the critic's update then reports the same value loss, mean prediction and grad norm
+    (clipped over both stages and the tp shards). fp32, reductions of at most 64 terms (hidden size,
+    vocabulary, a tp all-reduce of 2 partial sums): 1e-5 bounds summation order with room; the step's
+    means over 4 ranks' shares against 1 rank's: 1e-4 relative."""
+    got, want = (mesh_results[f"{role}_{n}"]["shards"] for n in ("p2t2", "p1d4"))
+    if role == "critic":
+        (got, got_steps), (want, want_steps) = zip(*got), zip(*want)
+        mean = {k: sum(s[k] for s in want_steps) / len(want_steps) for k in ("loss", "vpred_mean")}
+        assert want_steps[0]["grad_norm"] > 1e-3 and mean["loss"] > 1e-3
+        for step in got_steps:  # dp = 1: every rank's share is the whole batch's
+            assert step["grad_norm"] == pytest.approx(want_steps[0]["grad_norm"], rel=1e-4)
+            for k, v in mean.items():
+                assert step[k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+    want = torch.cat(want)  # d = 4: each rank its quarter of the rows
+    mask = slice(None) if role == "reward" else make_rl_batch(64, **BATCH)["response_mask"].bool()
+    assert want.std() > 1e-3 and len(got) == 4
+    for rank in got:  # d = 1: all four ranks return the whole batch
+        torch.testing.assert_close(rank[mask], want[mask], atol=1e-5, rtol=1e-5)

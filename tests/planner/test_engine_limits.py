@@ -147,34 +147,38 @@ def test_plan_command_plans_what_the_engines_run_by_default(tmp_path, capsys):
 
 
 def _runs(m) -> bool:
-    """What the trainer runs (ENGINE_LIMITS): p > 1 with any t for the actor, only with t = 1 for the other
-    roles; the actor generates with pg = 1 (another model's pg is its p)."""
-    pipeline_ok = m.p == 1 or m.t == 1 or m.role == "actor"
-    return (m.pg == 1 or m.role != "actor") and pipeline_ok and m.p * m.t * m.d == m.n_devices
+    """What the trainer runs (ENGINE_LIMITS): p > 1 with any t for every role; the actor generates with
+    pg = 1 (another model's pg is its p)."""
+    return (m.pg == 1 or m.role != "actor") and m.p * m.t * m.d == m.n_devices
 
 
 def test_builtin_limits_are_per_role_and_read_back_from_plan_files():
-    """ENGINE_LIMITS: the actor may run p > 1 with any t, every other role with t = 1 only; a role limited
-    to no pipeline (0) keeps p = 1; a plan file's lists read back as the same hashable limits."""
-    assert ENGINE_LIMITS.allows("critic", 4, 1) and not ENGINE_LIMITS.allows("critic", 2, 2)
+    """ENGINE_LIMITS: every role may run p > 1 with any t; a role limited to t <= 1 or to no pipeline (0)
+    keeps to it, the others not; a plan file's lists read back as the same hashable limits."""
+    assert ENGINE_LIMITS.allows("critic", 2, 2) and ENGINE_LIMITS.allows("reference", 4, 8)
     assert ENGINE_LIMITS.allows("actor", 2, 2) and ENGINE_LIMITS.max_pg == 1
-    assert ENGINE_LIMITS.allows("reference", 1, 8) and ENGINE_LIMITS.allows("unknown", 2, 2)
+    assert "p > 1" not in ENGINE_LIMITS.describe()
+    one = EngineLimits(pipeline_max_tp=(("critic", 1), ("reward", 1)))
+    assert one.allows("critic", 4, 1) and not one.allows("critic", 2, 2) and one.allows("critic", 1, 8)
+    assert one.allows("actor", 2, 2) and "p > 1 only with t <= 1 for critic/reward" in one.describe()
     none = EngineLimits(pipeline_max_tp=(("critic", 0),))
     assert not none.allows("critic", 2, 1) and none.allows("actor", 2, 4)
-    assert EngineLimits(**json.loads(json.dumps(asdict(ENGINE_LIMITS)))) == ENGINE_LIMITS
-    assert "p > 1 only with t <= 1 for cost/critic/reference/reward" in ENGINE_LIMITS.describe()
+    assert EngineLimits(**json.loads(json.dumps(asdict(one)))) == one
     assert {p for p, _, _ in model_parallel_sizes(GQA, 8, 8, none, "critic")} == {1}
-    assert {(p, t) for p, t, _ in model_parallel_sizes(GQA, 8, 8, ENGINE_LIMITS, "critic") if p > 1} == {
+    assert {(p, t) for p, t, _ in model_parallel_sizes(GQA, 8, 8, one, "critic") if p > 1} == {
         (2, 1),
         (4, 1),
         (8, 1),
     }
+    # any t dividing the 2 KV heads
+    staged = {(p, t) for p, t, _ in model_parallel_sizes(GQA, 8, 8, ENGINE_LIMITS, "critic") if p > 1}
+    assert staged == {(2, 1), (2, 2), (4, 1), (4, 2), (8, 1)}
 
 
 @pytest.mark.parametrize("size, gpus", [("13B", 128), ("7B", 8), ("70B", 64)])
 def test_the_default_plans_of_the_readme_and_the_issue_have_layouts_the_trainer_runs(size, gpus):
     """The README's 13B / 128 GPUs example and the 7B / 8, 70B / 64 a new user tries: the default plan's
-    layouts are ones the trainer runs (p > 1 with t = 1 but for the actor, pg = 1) and t divides the heads, KV heads and
+    layouts are ones the trainer runs (p > 1 with any t, the actor's pg = 1) and t divides the heads, KV heads and
     MLP width, as trainers/auto_placement.py check_plan demands."""
     spec = ModelSpec.from_param_count(size)
     dataflow, cluster = build_dataflow("ppo", spec), ClusterSpec.build("a100-80", gpus)

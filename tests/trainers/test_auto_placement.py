@@ -286,7 +286,7 @@ def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
 
 
 def test_auto_plans_no_pipeline_for_a_model_whose_stages_the_config_cannot_run(make_config):
-    """config_limits: ENGINE_LIMITS (p > 1 with t = 1 for every role) where the config runs stages; no
+    """config_limits: ENGINE_LIMITS (p > 1 with any t for every role) where the config runs stages; no
     pipeline for every role under padding removal (stages run padded rows), for the actor alone with a
     one-step-ahead rollout pool (its weight sync gathers an unpipelined actor) and not for the critic."""
     assert config_limits(make_config("ppo", devices=4)) == ENGINE_LIMITS

@@ -97,8 +97,8 @@ def test_reward_model_scores_equal_per_sequence(runs):
     "overrides,expected",
     [
         (["critic.parallel.pp=2", "model.remove_padding=true"], "model.remove_padding: true with critic.parallel.pp = 2"),
-        (["ref.parallel.pp=2", "ref.parallel.tp=2", "resources.n_gpus_per_node=4"],
-         "ref.parallel.pp = 2 runs with ref.parallel.tp = 1"),
+        (["critic.parallel.pp=2", "critic.parallel.tp=2", "model.lora.rank=4", "resources.n_gpus_per_node=4"],
+         "model.lora.critic: true with critic.parallel.pp = 2; adapters are not applied to pipeline stages"),
         (["critic.parallel.pp=4", "resources.n_gpus_per_node=4"], "critic.parallel.pp = 4 exceeds the model's 2"),
     ],
 )  # fmt: skip
