@@ -12,6 +12,7 @@ interleaving), the schedule's share of peak activation memory.
 
     .venv/bin/python benchmarks/bench_pipeline.py
     .venv/bin/python benchmarks/bench_pipeline.py --measured   # 2 ranks, a ~100M Llama (pipeline_measured.py)
+    .venv/bin/python benchmarks/bench_pipeline.py --bubble     # 2 ranks: each schedule's wall-clock bubble
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ def main() -> None:
 if __name__ == "__main__":
     import sys
 
-    if "--measured" in sys.argv:
+    if "--measured" in sys.argv or "--bubble" in sys.argv:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from pipeline_measured import bubble_main
         from pipeline_measured import main as measured
 
-        measured()
+        bubble_main() if "--bubble" in sys.argv else measured()
     else:
         main()

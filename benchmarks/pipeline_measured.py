@@ -11,6 +11,15 @@ textbook's is (p - 1) / (m + p - 1). It includes the sends and receives, which t
 count. The switch to generation (tg = 1, every rank gets the whole model) is timed and its bytes counted
 at p = 1 (FSDP's all-gather, hybrid_engine/resharder.py) and p = 2 (the stage exchange,
 pipeline_switch.py) on the same 2 ranks, the mean of three switches.
+
+The bubble table (bench_pipeline.py --bubble, `bubble_main`): the wall-clock bubble of each schedule the
+trainer runs (parallel.pp_schedule: gpipe, 1f1b, interleaved_1f1b with v = 2 stages a rank) at p = 2 for
+m in BUBBLE_M, on a smaller Llama (BUBBLE_MODEL, 8 layers: 4 stages under interleaving), against the
+textbook's (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1). One pair of processes builds one
+engine per schedule; per m, a warm-up pass, then TRIALS times: T, the pipelined forward_backward (no
+optimizer step), and right after it c, one micro-batch's forward and backward through every stage the rank
+holds, alone (median of m); bubble = 1 - m c / T, the median of the trials, the mean of the two ranks.
+Measuring c beside each T keeps both under the same load; the sends and receives are still in the bubble.
 """
 
 from __future__ import annotations
@@ -31,6 +40,11 @@ WORLD, SEQ, ROWS = 2, 128, 1
 MODEL = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
              intermediate_size=2048, vocab_size=16384)  # fmt: skip
 CASES = [(1, 4), (2, 4), (2, 8)]  # (p, m)
+# the bubble table's model: 8 x 3.1M in the layers + 2 x 4.2M embeddings and lm_head = 33M parameters
+BUBBLE_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=1536, vocab_size=8192)  # fmt: skip
+BUBBLE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # schedule: stages a rank (v)
+BUBBLE_M, TRIALS = (4, 8), 3
 
 
 def _rss_gb() -> float:
@@ -137,3 +151,74 @@ def main() -> None:
     }
     print(f"p=2 / p=1 at m={CASES[0][1]}: peak RSS {ratio['peak_gb']:.2f}x, switch bytes "
           f"{ratio['switch_bytes']:.2f}x, switch time {ratio['switch_s']:.2f}x")  # fmt: skip
+
+
+def _compute_alone(engine, batch) -> float:
+    """Median seconds of one micro-batch's forward and backward through every stage this rank holds, alone
+    (random hidden states in, ones as the output gradient; no pipeline, no communication)."""
+    stage, times = engine.pipeline.stage, []
+    stage.configure(SEQ // 2)
+    hidden = engine.hf_model.config.hidden_size
+    for mb in batch.split(ROWS):
+        ints = (mb["input_ids"], mb["attention_mask"], mb["position_ids"])
+        start = time.perf_counter()
+        for chunk in range(len(stage.stages)):
+            x = ints if stage.is_first(chunk) else (torch.randn(ROWS, SEQ, hidden, requires_grad=True), *ints)
+            out = stage(*x, chunk=chunk)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(torch.ones_like(out))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bubble_rank(rank: int, model_dir: str, init: str, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    from hybridflow.engines import EngineConfig, OptimConfig, ParallelConfig, TrainEngine
+    from hybridflow.models import load_causal_lm
+
+    out = {}
+    for name, v in BUBBLE_SCHEDULES.items():
+        parallel = ParallelConfig(pp=WORLD, dp=1, pp_schedule=name, pp_virtual_stages=max(v, 2))
+        config = EngineConfig(parallel=parallel, optim=OptimConfig(lr=1e-5), micro_batch_size_per_device=ROWS,
+                              remove_padding=False, mixed_precision="none")  # fmt: skip
+        engine = TrainEngine(load_causal_lm(model_dir, device="meta"), config)
+        for m in BUBBLE_M:
+            batch = _batch(engine.hf_model.config.vocab_size, m)
+            engine.forward_backward(batch, _loss)  # warm-up: the first pass allocates
+            trials = []
+            for _ in range(TRIALS):
+                dist.barrier()
+                start = time.perf_counter()
+                engine.forward_backward(batch, _loss)
+                step = time.perf_counter() - start
+                compute = _compute_alone(engine, batch)
+                trials.append((1 - m * compute / step, step, compute))
+            out[name, m] = sorted(trials)[len(trials) // 2]
+        del engine
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def bubble_main() -> None:
+    """The bubble table: each schedule's measured bubble against the textbook's, as a ratio."""
+    from hybridflow.models.tiny import save_tiny_model
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        model_dir = str(save_tiny_model(f"{tmp}/model", "medium", "llama", seed=0, **BUBBLE_MODEL))
+        results = manager.dict()
+        mp.spawn(_bubble_rank, (model_dir, f"file://{tmp}/store", results), nprocs=WORLD)
+        ranks = [results[r] for r in range(WORLD)]
+    p = WORLD
+    print(f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)")
+    print(
+        f"{'schedule':<18}{'p':>3}{'v':>3}{'m':>4}  {'T s':>6}  {'c s':>6}  {'bubble':>6}  {'textbook':>8}  ratio"
+    )
+    for name, v in BUBBLE_SCHEDULES.items():
+        for m in BUBBLE_M:
+            bubble, step, compute = (statistics.mean(r[name, m][i] for r in ranks) for i in range(3))
+            textbook = (p - 1) / (v * m + p - 1)
+            print(f"{name:<18}{p:>3}{v:>3}{m:>4}  {step:>6.2f}  {compute:>6.3f}  {bubble:>6.3f}  {textbook:>8.3f}  "
+                  f"{bubble / textbook:.2f}x")  # fmt: skip

@@ -41,6 +41,16 @@ def pipeline_role_errors(cfg) -> list[str]:
     return errors
 
 
+def _stages(cfg, section: str) -> tuple[int, str]:
+    """(pipeline stages the section's model is cut into, what sets that number) for its messages."""
+    p = getattr(cfg, section).parallel
+    if p.stages_per_rank == 1:
+        return p.pp, f"{section}.parallel.pp = {p.pp}"
+    return p.pp * p.stages_per_rank, (
+        f"{section}.parallel.pp = {p.pp} x pp_virtual_stages = {p.stages_per_rank} (interleaved_1f1b)"
+    )
+
+
 def pipeline_blockers(cfg, section: str) -> list[str]:
     """Why `section` could not run pipeline stages (pp = 2) under `cfg`; [] where it could."""
     trial = copy.deepcopy(cfg)
@@ -66,7 +76,18 @@ def _actor_errors(cfg, pp: int) -> list[str]:
     if cfg.trainer.rollout_ahead:
         errors.append(f"trainer.rollout_ahead: {cfg.trainer.rollout_ahead} with actor.parallel.pp = {pp}; "
                       "the rollout pool's weight sync gathers an unpipelined actor, use rollout_ahead=0")  # fmt: skip
-    return errors
+    # the model's family and tied embeddings are the generation layout's checks (hybrid_engine/layout.py)
+    return errors + _layer_errors(cfg, "actor", cfg.model.path)
+
+
+def _layer_errors(cfg, section: str, path: str) -> list[str]:
+    """No more pipeline stages than the model at `path` has decoder layers."""
+    hf = _read_json(os.path.join(path, "config.json"))
+    layers = hf.get("num_hidden_layers") if isinstance(hf, dict) else None
+    stages, what = _stages(cfg, section)
+    if isinstance(layers, int) and stages > layers:
+        return [f"{what}: {stages} pipeline stages exceed the model's {layers} decoder layers ({path})"]
+    return []
 
 
 def _section_errors(cfg, section: str, pp: int) -> list[str]:
@@ -81,7 +102,7 @@ def _section_errors(cfg, section: str, pp: int) -> list[str]:
         errors.append(f"{section}.parallel.pp: {pp} with the frozen models on the rollout pool "
                       "(trainer.rollout_ahead=1); set resources.frozen_pool=training or pp = 1")  # fmt: skip
     for path in _model_paths(cfg, section):
-        errors += _model_errors(section, pp, path)
+        errors += _model_errors(section, pp, path, _stages(cfg, section))
     return errors
 
 
@@ -96,10 +117,11 @@ def _model_paths(cfg, section: str) -> list[str]:
     return [p for p in paths if p]
 
 
-def _model_errors(section: str, pp: int, path: str) -> list[str]:
-    """The model at `path` can be cut into pp stages: Llama-family, pp <= its layers, untied embeddings
-    where it has an lm_head (actor, reference); nothing to say where config.json is unreadable (the
-    model checks report that)."""
+def _model_errors(section: str, pp: int, path: str, stages: tuple[int, str] | None = None) -> list[str]:
+    """The model at `path` can be cut into pp stages (`stages`: (pp * stages a rank, what says so)):
+    Llama-family, no more stages than its layers, untied embeddings where it has an lm_head (actor,
+    reference); nothing to say where config.json is unreadable (the model checks report that)."""
+    stages, what = stages or (pp, f"{section}.parallel.pp = {pp}")
     hf = _read_json(os.path.join(path, "config.json"))
     if not isinstance(hf, dict):
         return []
@@ -107,8 +129,8 @@ def _model_errors(section: str, pp: int, path: str) -> list[str]:
     if kind not in LLAMA_FAMILY:
         return [f"{section}.parallel.pp = {pp}: pipeline stages are cut from {LLAMA_FAMILY} models, not "
                 f"{kind!r} ({path}); use pp = 1"]  # fmt: skip
-    if isinstance(layers, int) and pp > layers:
-        return [f"{section}.parallel.pp = {pp} exceeds the model's {layers} decoder layers ({path})"]
+    if isinstance(layers, int) and stages > layers:
+        return [f"{what}: {stages} pipeline stages exceed the model's {layers} decoder layers ({path})"]
     if section in ("actor", "ref") and hf.get("tie_word_embeddings"):
         return [f"{section}.parallel.pp = {pp}: the model ties its input and output embeddings "
                 "(tie_word_embeddings), which the first and last stages would hold as two copies; use pp = 1"]  # fmt: skip

@@ -7,9 +7,7 @@ checked at construction: `validate_config` reports bad values with the key path 
 starts (`parallel_errors`, `optim_errors` below), and the engine re-checks what it needs
 (`ParallelConfig.check`, `OptimConfig.check`).
 
-Sizes are global unless suffixed `_per_device`. The layout stays 3-D (pp, tp, dp) as in the paper
-even though pipeline parallelism is not implemented yet, so plans and protocols that reason about
-(p, t, d) need no change when it is added.
+Sizes are global unless suffixed `_per_device`. The layout is 3-D (pp, tp, dp) as in the paper.
 """
 
 from __future__ import annotations
@@ -19,6 +17,8 @@ from dataclasses import dataclass, field
 from hybridflow.fields import at_least, finite_at_least, setting
 
 SCHEDULES = ("constant", "linear", "cosine")
+# torch.distributed.pipelining's schedules by their names there (engines/pipeline.py builds them)
+PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 
 
 @dataclass
@@ -31,6 +31,17 @@ class ParallelConfig:
         "pipeline-parallel size (stages of decoder layers cut from a Llama-family model; docs/design.md §8)",
     )
     dp: int = setting(0, "data-parallel size, FSDP2-sharded (0 = derive: the group's devices / (tp * pp))")
+    pp_schedule: str = setting(
+        "1f1b",
+        "pipeline schedule when pp > 1: 1f1b, interleaved_1f1b (pp_virtual_stages stages a rank) or gpipe "
+        "(docs/design.md §8)",
+        choices=PP_SCHEDULES,
+    )
+    pp_virtual_stages: int = setting(
+        2,
+        "pipeline stages per rank under interleaved_1f1b (Megatron's virtual pipeline size); the model "
+        "needs pp * pp_virtual_stages decoder layers. 1f1b and gpipe run one",
+    )
 
     @property
     def world_size(self) -> int:
@@ -41,6 +52,18 @@ class ParallelConfig:
         for name in ("tp", "pp", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(
+                f"ParallelConfig.pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}"
+            )
+        errors = parallel_errors(self, "ParallelConfig")
+        if errors:
+            raise ValueError(errors[0])
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank holds: pp_virtual_stages under interleaved_1f1b, else one."""
+        return self.pp_virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1
 
 
 @dataclass
@@ -113,6 +136,15 @@ def parallel_errors(p: ParallelConfig, key: str) -> list[str]:
     """The section at `key` (e.g. "actor.parallel") as the user wrote it: dp may still be 0 (derive)."""
     if p.tp < 1 or p.pp < 1 or p.dp < 0:
         return [f"{key}: tp and pp must be >= 1 and dp >= 0, got tp={p.tp} pp={p.pp} dp={p.dp}"]
+    if p.pp_schedule not in PP_SCHEDULES:
+        return []  # the field's choices report it (config/validate.py), ParallelConfig.check in code
+    interleaved = p.pp_schedule == "interleaved_1f1b"
+    if interleaved and p.pp_virtual_stages < 2:
+        return [f"{key}.pp_virtual_stages: interleaved_1f1b runs >= 2 stages a rank, got "
+                f"{p.pp_virtual_stages} (one stage a rank is pp_schedule=1f1b)"]  # fmt: skip
+    if not interleaved and p.pp_virtual_stages != 2:
+        return [f"{key}.pp_virtual_stages: {p.pp_virtual_stages} applies to pp_schedule=interleaved_1f1b "
+                f"only; {p.pp_schedule} runs one stage a rank"]  # fmt: skip
     return []
 
 

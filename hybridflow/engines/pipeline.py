@@ -11,6 +11,12 @@ stage needs (input_ids: the last stage's labels; attention_mask and position_ids
 rotary positions). They are L ints a row against the hidden states' L * H floats, and sending them keeps
 every stage a function of its inputs alone, which the schedules require.
 
+Interleaved schedules give a rank several stages (r, r + p, ...; torch's loop order). The rank still holds
+one model, cut to the union of its stages' layers, and one StageForward, which runs stage k of its own by
+lending the backbone that stage's layers for the call (`chunk`); so a rank keeps one FSDP root, one set of
+parameters and one HF-named state dict whatever its number of stages, and the engine, checkpoints and the
+generation switch see one stage model per rank.
+
 The last stage returns what the RL losses read: response log-probs (B, Lr) of a causal LM, the critic's
 per-token values (B, Lr) or a reward model's sequence scores (B,); its loss_fn is the RL loss, with
 per-token tensors as the schedule's `target`. Llama-family models only (parallelize.LLAMA_LIKE): GPT-2 adds position embeddings to
@@ -19,8 +25,9 @@ per-token tensors as the schedule's `target`. Llama-family models only (parallel
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import re
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -30,8 +37,8 @@ from hybridflow.engines.parallelize import LLAMA_LIKE, decoder_layers, paralleli
 from hybridflow.models.hf import model_kind, scalar_head
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-# set on a stage's model: the model's index of its first decoder layer (`hf_name` renumbers from it)
-_FIRST_LAYER_ATTR = "_hybridflow_first_layer"
+# set on a stage's model: the whole model's index of each of its decoder layers (`hf_name` renumbers by it)
+_LAYERS_ATTR = "_hybridflow_layers"
 _LAYER = re.compile(r"(.*\blayers\.)(\d+)(\..*)")
 
 
@@ -51,8 +58,10 @@ def rank_stages(pp_rank: int, pp: int, stages_per_rank: int = 1) -> list[int]:
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def split_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
-    """`model` cut down, in place, to pipeline stage `stage` of `num_stages` (module docstring)."""
+def split_stage(model: nn.Module, stages: int | Sequence[int], num_stages: int) -> nn.Module:
+    """`model` cut down, in place, to pipeline stage(s) `stages` of `num_stages` (module docstring): their
+    decoder layers in stage order, the embeddings if it holds the first, norm and head if the last."""
+    stages = [stages] if isinstance(stages, int) else list(stages)
     if model.config.model_type not in LLAMA_LIKE:
         raise ValueError(
             f"pipeline parallelism runs {LLAMA_LIKE} models, not {model.config.model_type!r}; use pp=1"
@@ -65,13 +74,14 @@ def split_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
             "two copies on the first and last stages; use pp=1"
         )
     layers = decoder_layers(model)
-    keep = stage_layer_ranges(len(layers), num_stages)[stage]
+    ranges = stage_layer_ranges(len(layers), num_stages)
+    keep = [i for s in stages for i in ranges[s]]
     base = model.base_model
     base.layers = nn.ModuleList(layers[i] for i in keep)
-    setattr(model, _FIRST_LAYER_ATTR, keep.start)
-    if stage > 0:
+    setattr(model, _LAYERS_ATTR, tuple(keep))
+    if 0 not in stages:
         base.embed_tokens = None
-    if stage < num_stages - 1:
+    if num_stages - 1 not in stages:
         base.norm = nn.Identity()
         for head in ("lm_head", "score"):
             if hasattr(model, head):
@@ -83,7 +93,7 @@ def hf_name(stage_model: nn.Module, name: str) -> str:
     """The whole model's name of a stage model's parameter: its decoder layers renumbered from the
     stage's first (HF checkpoints, full state dicts and gradients keep the whole model's names)."""
     m = _LAYER.fullmatch(name)
-    return name if m is None else f"{m[1]}{int(m[2]) + getattr(stage_model, _FIRST_LAYER_ATTR)}{m[3]}"
+    return name if m is None else f"{m[1]}{getattr(stage_model, _LAYERS_ATTR)[int(m[2])]}{m[3]}"
 
 
 def stage_state_dict(stage_model: nn.Module) -> dict[str, torch.Tensor]:
@@ -106,21 +116,28 @@ def load_stage_state_dict(stage_model: nn.Module, state: dict[str, torch.Tensor]
 
 
 class StageForward(nn.Module):
-    """One pipeline stage as torch.distributed.pipelining runs it.
+    """This rank's pipeline stage(s) as torch.distributed.pipelining runs them; `chunk` k is its k-th stage
+    (`stages[k]`: one unless the schedule is interleaved).
 
     first stage: (input_ids, attention_mask, position_ids) (B, L) each
     later stages: (hidden (B, L, H), input_ids, attention_mask, position_ids)
-    -> not last: the same four, hidden after this stage's layers
+    -> not last: the same four, hidden after the stage's layers
     -> last: log-probs (B, Lr) (causal LM; with_entropy: log-probs and entropy stacked, (B, 2, Lr)),
        values (B, Lr) (critic) or scores (B,) at each row's last attended token (reward model), fp32
     `response_length`, `temperature`, `logits_chunk_size` and `with_entropy` are set per call (`configure`).
+    first / last: whether this rank holds the pipeline's first / last stage.
     """
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int):
+    def __init__(self, model: nn.Module, stages: int | Sequence[int], num_stages: int):
         super().__init__()
         self.model = model
         self.kind = model_kind(model)
-        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.stages = [stages] if isinstance(stages, int) else list(stages)
+        self.first, self.last = self.stages[0] == 0, self.stages[-1] == num_stages - 1
+        sizes = [len(r) for r in (stage_layer_ranges(_num_layers(model), num_stages)[s] for s in self.stages)]
+        starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        # chunk k's decoder layers: model.base_model.layers[bounds[k]]
+        self.bounds = [slice(starts[k], starts[k + 1]) for k in range(len(sizes))]
         self.response_length, self.temperature, self.logits_chunk_size = 1, 1.0, 256
         self.with_entropy: bool | str = False
 
@@ -134,22 +151,48 @@ class StageForward(nn.Module):
         self.response_length, self.temperature = response_length, temperature
         self.logits_chunk_size, self.with_entropy = logits_chunk_size, with_entropy
 
-    def forward(self, *inputs: torch.Tensor):
-        if self.first:
-            input_ids, attention_mask, position_ids = inputs
-            hidden = self.model.base_model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
-        else:
-            embeds, input_ids, attention_mask, position_ids = inputs
-            hidden = self.model.base_model(
-                inputs_embeds=embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state
-        if not self.last:
+    def is_first(self, chunk: int) -> bool:
+        return self.first and chunk == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.last and chunk == len(self.stages) - 1
+
+    def forward(self, *inputs: torch.Tensor, chunk: int = 0):
+        with self._lend(chunk):
+            if self.is_first(chunk):
+                input_ids, attention_mask, position_ids = inputs
+                hidden = self.model.base_model(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False,
+                ).last_hidden_state  # fmt: skip
+            else:
+                embeds, input_ids, attention_mask, position_ids = inputs
+                hidden = self.model.base_model(
+                    inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False,
+                ).last_hidden_state  # fmt: skip
+        if not self.is_last(chunk):
             return hidden, input_ids, attention_mask, position_ids
+        return self._head(hidden, input_ids, attention_mask)
+
+    @contextlib.contextmanager
+    def _lend(self, chunk: int):
+        """The backbone with only chunk `chunk`'s layers, and no final norm unless it is the last stage,
+        for one call (the HF forward loops over `layers` and ends with `norm`); restored after."""
+        if len(self.stages) == 1:
+            yield
+            return
+        base = self.model.base_model
+        layers, norm = base.layers, base.norm
+        base.layers = nn.ModuleList(list(layers)[self.bounds[chunk]])
+        if not self.is_last(chunk):
+            base.norm = nn.Identity()
+        try:
+            yield
+        finally:
+            base.layers, base.norm = layers, norm
+
+    def _head(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         if self.kind == "reward":
             h_last = hidden[
                 torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)
@@ -172,45 +215,60 @@ class StageForward(nn.Module):
         return (rows, 2, self.response_length) if self.with_entropy else (rows, self.response_length)
 
 
-def build_stages(
-    model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int = 1
-) -> list[tuple[int, StageForward]]:
-    """(stage index, StageForward) for each stage this rank runs; with several, each cut from a copy."""
-    ids = rank_stages(pp_rank, pp, stages_per_rank)
+class StageChunk(nn.Module):
+    """Stage `chunk` of a StageForward holding several, as the module one PipelineStage runs: it calls
+    the StageForward itself, so FSDP's root hooks run as for a single stage."""
+
+    def __init__(self, stage: StageForward, chunk: int):
+        super().__init__()
+        self.stage, self.chunk = stage, chunk
+
+    def forward(self, *inputs: torch.Tensor):
+        return self.stage(*inputs, chunk=self.chunk)
+
+
+def _num_layers(stage_model: nn.Module) -> int:
+    """The whole model's decoder layers (a cut model's config still counts them all)."""
+    return stage_model.config.num_hidden_layers
+
+
+def build_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int = 1) -> StageForward:
+    """This rank's StageForward: `model` cut, in place, to the stages rank_stages gives it."""
+    stages = rank_stages(pp_rank, pp, stages_per_rank)
     num_stages = pp * stages_per_rank
-    out = []
-    for k, stage in enumerate(ids):
-        source = model if k == len(ids) - 1 else copy.deepcopy(model)
-        out.append((stage, StageForward(split_stage(source, stage, num_stages), stage, num_stages)))
-    return out
+    return StageForward(split_stage(model, stages, num_stages), stages, num_stages)
 
 
-def stage_io(stage: StageForward, rows: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple, tuple]:
-    """(inputs, outputs) of one micro-batch through `stage`, as meta tensors: the shapes PipelineStage is
-    given up front, so no stage infers them by exchanging metadata at the first step (torch 2.13's
-    inference exchange, on gloo, delivered the int tensors' metadata in their place)."""
+def stage_io(
+    stage: StageForward, chunk: int, rows: int, seq_len: int, dtype: torch.dtype
+) -> tuple[tuple, tuple]:
+    """(inputs, outputs) of one micro-batch through `stage`'s chunk, as meta tensors: the shapes
+    PipelineStage is given up front, so no stage infers them by exchanging metadata at the first step
+    (torch 2.13's inference exchange, on gloo, delivered the int tensors' metadata in their place)."""
     ints = tuple(torch.empty(rows, seq_len, dtype=torch.long, device="meta") for _ in range(3))
     # requires_grad marks what carries a gradient back (the hidden states, the last stage's output)
     hidden = torch.empty(rows, seq_len, stage.model.config.hidden_size, dtype=dtype, device="meta")
     hidden.requires_grad_(True)
-    inputs = ints if stage.first else (hidden, *ints)
+    inputs = ints if stage.is_first(chunk) else (hidden, *ints)
     last = (torch.empty(stage.output_shape(rows), device="meta", requires_grad=True),)
-    return inputs, last if stage.last else (hidden, *ints)
+    return inputs, last if stage.is_last(chunk) else (hidden, *ints)
 
 
 def build_pipeline_stages(
-    stages, num_stages: int, rows: int, seq_len: int, device, group=None, dtype=None
+    stage: StageForward, num_stages: int, rows: int, seq_len: int, device, group=None, dtype=None
 ) -> list:
-    """PipelineStage objects for this rank's (index, StageForward) pairs, micro-batches of `rows` x `seq_len`;
-    dtype: the hidden states' (None: the parameters')."""
+    """One PipelineStage per stage `stage` holds, micro-batches of `rows` x `seq_len`; dtype: the hidden
+    states' (None: the parameters'). A single stage is run as the StageForward itself (the FSDP root,
+    whose gradient reduction torch's pipelining defers to the last micro-batch)."""
     from torch.distributed.pipelining import PipelineStage
 
+    dtype = dtype or next(stage.parameters()).dtype
     out = []
-    for index, stage in stages:
-        dtype = dtype or next(stage.parameters()).dtype
-        inputs, outputs = stage_io(stage, rows, seq_len, dtype)
+    for chunk, index in enumerate(stage.stages):
+        inputs, outputs = stage_io(stage, chunk, rows, seq_len, dtype)
+        module = stage if len(stage.stages) == 1 else StageChunk(stage, chunk)
         out.append(
-            PipelineStage(stage, index, num_stages, torch.device(device), inputs, outputs, group=group)
+            PipelineStage(module, index, num_stages, torch.device(device), inputs, outputs, group=group)
         )
     return out
 
@@ -223,13 +281,11 @@ def build_pipeline_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu"):
     return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def parallelize_stages(stages, mesh, **kwargs) -> None:
-    """Tensor parallel, activation checkpointing and FSDP2 (parallelize.py, torchtitan's order) on each
-    of this rank's stages over the mesh's (dp, tp) plane; the StageForward is the FSDP root, as the
-    RLForward is without a pipeline. kwargs: parallelize's."""
-    plane = mesh["dp", "tp"]
-    for _, stage in stages:
-        parallelize(stage, stage.model, plane, **kwargs)
+def parallelize_stages(stage: StageForward, mesh, **kwargs) -> None:
+    """Tensor parallel, activation checkpointing and FSDP2 (parallelize.py, torchtitan's order) on this
+    rank's stage(s) over the mesh's (dp, tp) plane; the StageForward is the FSDP root, as the RLForward
+    is without a pipeline. kwargs: parallelize's."""
+    parallelize(stage, stage.model, mesh["dp", "tp"], **kwargs)
 
 
 def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn=None):

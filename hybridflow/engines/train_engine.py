@@ -106,7 +106,10 @@ class TrainEngine:
         self.share_prompt = resolve_share_prompt(self.config.share_prompt, self.remove_padding)
         self.pipeline = None
         if pipelined:  # this rank's stage of the model (engines/pipeline_engine.py)
-            self.pipeline = PipelinedModel(model, self.mesh, self.device)
+            parallel = self.config.parallel
+            self.pipeline = PipelinedModel(
+                model, self.mesh, self.device, parallel.pp_schedule, parallel.pp_virtual_stages
+            )
             self.pipeline.hidden_dtype = param_dtype if fsdp else None
             self.module = self.pipeline.stage
         else:

@@ -43,7 +43,7 @@ def engine_parallel(section_parallel: ParallelConfig, world_size: int, what: str
             f"{what}.parallel.dp = {dp}, but its pool has {world_size} devices and tp*pp = {tp * pp}, "
             f"so dp must be {world_size // (tp * pp)} (resolve_config derives it from the placement)"
         )
-    return ParallelConfig(tp=tp, pp=pp, dp=dp)
+    return dataclasses.replace(section_parallel, dp=dp)
 
 
 def engine_optim(optim: OptimConfig, total_steps: int) -> OptimConfig:

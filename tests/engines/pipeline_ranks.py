@@ -91,12 +91,11 @@ def run_pipeline_case(case: dict, out_dir) -> dict:
     mine = slice(dp_rank * shard, (dp_rank + 1) * shard)
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     rows, m = ids.shape[0], case["microbatches"]
-    stages = build_stages(model, pp_rank, pp, v)
-    for _, stage in stages:
-        stage.configure(batch["responses"].shape[1], logits_chunk_size=4)
-    parallelize_stages(stages, mesh)
+    stage = build_stages(model, pp_rank, pp, v)
+    stage.configure(batch["responses"].shape[1], logits_chunk_size=4)
+    parallelize_stages(stage, mesh)
     group = mesh["pp"].get_group()
-    pipe = build_pipeline_stages(stages, pp * v, rows // m, ids.shape[1], "cpu", group=group)
+    pipe = build_pipeline_stages(stage, pp * v, rows // m, ids.shape[1], "cpu", group=group)
     inputs = (ids, mask, pos) if pp_rank == 0 else ()
     with torch.no_grad():  # forward-only: a schedule without a loss over the same stages
         outputs = build_schedule(case["schedule"], pipe, m).eval(*inputs)
@@ -106,17 +105,16 @@ def run_pipeline_case(case: dict, out_dir) -> dict:
     target = loss_inputs(case["kind"], outputs, batch, mine) if outputs is not None else None
     losses: list[torch.Tensor] = []
     schedule.step(*inputs, target=target, losses=losses)
-    params = [p for _, s in stages for p in s.parameters()]
+    params = list(stage.parameters())
     norm = clip_grad_norm_(params, 1e-3, pp_group=group)
     grads = {
-        hf_name(s.model, n): p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        for _, s in stages
-        for n, p in s.model.named_parameters()
+        hf_name(stage.model, n): p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for n, p in stage.model.named_parameters()
     }
     with torch.no_grad():  # one SGD step, so the exported weights differ from the loaded ones
         for p in params:
             p.sub_(SGD_LR * p.grad)
-    state = {k: w for _, s in stages for k, w in stage_state_dict(s.model).items()}
+    state = stage_state_dict(stage.model)
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, (outputs, sum(float(x.detach()) for x in losses), grads, state))
     last = [s for s in shards[::tp] if s[0] is not None]  # one tp rank of each dp rank of the last stage

@@ -95,6 +95,30 @@ def test_chained_stages_equal_the_whole_model(model_dir, num_stages):
     assert names == {n for n, _ in whole.named_parameters()}
 
 
+def test_interleaved_ranks_chained_equal_the_whole_model(model_dir):
+    """Two ranks of two stages each (interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3),
+    each one model cut to its layers: their chunks in stage order equal the whole model, and their
+    parameters are the whole model's by name."""
+    whole = load_causal_lm(model_dir)
+    batch = make_rl_batch(whole.config.vocab_size, **BATCH)
+    x = (batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    lr = batch["responses"].shape[1]
+    with torch.no_grad():
+        want = RLForward(whole, logits_chunk_size=4)(*x, lr)["log_probs"]
+        ranks = [StageForward(split_stage(load_causal_lm(model_dir), rank_stages(r, 2, 2), 4), rank_stages(r, 2, 2), 4)
+                 for r in (0, 1)]  # fmt: skip
+        for r in ranks:
+            r.configure(lr, logits_chunk_size=4)
+        for s in range(4):  # stage s is rank s % 2's chunk s // 2
+            x = ranks[s % 2](*x, chunk=s // 2)
+    torch.testing.assert_close(x, want, atol=1e-6, rtol=1e-6)
+    names = [hf_name(r.model, n) for r in ranks for n, _ in r.model.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in whole.named_parameters())
+    assert [n for n in names if ".layers." in n and n.endswith("q_proj.weight")] == [
+        f"model.layers.{i}.self_attn.q_proj.weight" for i in (0, 2, 1, 3)
+    ]
+
+
 def _reference(model_dirs: dict, kind: str) -> dict:
     """The case in one process: the unsplit model, the whole batch, the same loss and clipping."""
     model = load_critic(model_dirs["critic"]) if kind == "critic" else load_causal_lm(model_dirs["actor"])
@@ -142,6 +166,9 @@ def test_two_stage_pipeline_equals_one_process(model_dirs, two_stage_results, ca
 MESH_CASES = [
     dict(name="actor_pp2_dp2", kind="actor", schedule="1f1b", dp=2),
     dict(name="actor_pp2_tp2", kind="actor", schedule="1f1b", tp=2),
+    dict(
+        name="actor_pp2_dp2_interleaved", kind="actor", schedule="interleaved_1f1b", stages_per_rank=2, dp=2
+    ),
 ]
 
 
