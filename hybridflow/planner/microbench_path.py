@@ -43,10 +43,10 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
 
     from hybridflow.batch import Batch
     from hybridflow.controller import ResourcePool, WorkerGroup
+    from hybridflow.controller.resource_pool import ensure_ray
 
     started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ensure_ray(address="local", num_cpus=2, log_to_driver=False)
     try:
         with ResourcePool(2, name="microbench") as pool:
             group = WorkerGroup(EchoWorker, pool)
