@@ -31,6 +31,7 @@ PLANNER_MEASURES = {
         "hybridflow.models.tiny",
         "hybridflow.engines.parallelize",
         "hybridflow.controller",
+        "hybridflow.controller.resource_pool",
         "hybridflow.batch",
     },
 }
