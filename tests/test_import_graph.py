@@ -31,7 +31,6 @@ PLANNER_MEASURES = {
         "hybridflow.models.tiny",
         "hybridflow.engines.parallelize",
         "hybridflow.controller",
-        "hybridflow.controller.resource_pool",
         "hybridflow.batch",
     },
 }

@@ -42,8 +42,7 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
     import ray
 
     from hybridflow.batch import Batch
-    from hybridflow.controller import ResourcePool, WorkerGroup
-    from hybridflow.controller.resource_pool import ensure_ray
+    from hybridflow.controller import ResourcePool, WorkerGroup, ensure_ray
 
     started = not ray.is_initialized()
     ensure_ray(address="local", num_cpus=2, log_to_driver=False)
