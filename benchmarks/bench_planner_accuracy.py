@@ -55,9 +55,10 @@ def overrides(model_dir: str, devices: int, steps: int, out: str, name: str, pro
     ]
 
 
-def candidates(recipe: str, args: list[str]) -> list[tuple[str, object, int]]:
+def candidates(recipe: str, args: list[str], variants: bool = True) -> list[tuple[str, object, int]]:
     """(label, Plan, rollout_ahead) for every placement the planner ranks under the config, best first by
-    its own prediction; the one-step-ahead plan last (ranked by its prediction too)."""
+    its own prediction; the one-step-ahead plan last (ranked by its prediction too). Without `variants`,
+    each placement's best layouts only (no tp/dp variants)."""
     from hybridflow.config import load_config
     from hybridflow.planner.ahead import search_ahead
     from hybridflow.planner.dataflow import with_old_log_probs
@@ -75,7 +76,9 @@ def candidates(recipe: str, args: list[str]) -> list[tuple[str, object, int]]:
     df, cluster, wl = build_planner_dataflow(cfg, 0), build_planner_cluster(cfg), build_planner_workload(cfg)
     results = search(df, cluster, wl, ENGINE_LIMITS)
     out = []
-    for r in [v for best in results for v in layout_variants(best, df, cluster, wl)]:
+    for r in [
+        v for best in results for v in layout_variants(best, df, cluster, wl)[: None if variants else 1]
+    ]:
         p = build_plan(df, cluster, wl, [r], ENGINE_LIMITS)
         layouts = ",".join(f"{m.role[:3]}:{f'p{m.p}' if m.p > 1 else ''}t{m.t}d{m.d}" for m in p.models)
         label = (
@@ -148,14 +151,17 @@ def run_one(recipe: str, args: list[str], plan_path: Path, ahead: int, run_dir: 
     return {"measured": measured, "wall_s": time.perf_counter() - start}
 
 
-def bench_case(algo: str, size: str, devices: int, steps: int, profile: str, tmp: Path) -> list[dict]:
+def bench_case(
+    algo: str, size: str, devices: int, steps: int, profile: str, tmp: Path, variants: bool = True
+) -> list[dict]:
     from hybridflow.models.tiny import save_tiny_model
 
     model_dir = tmp / f"model-{size}"
     if not model_dir.exists():
         save_tiny_model(model_dir, size, "llama", seed=0)
     rows = []
-    cands = candidates(RECIPES[algo], overrides(str(model_dir), devices, steps, str(tmp), "probe", profile))
+    probe = overrides(str(model_dir), devices, steps, str(tmp), "probe", profile)
+    cands = candidates(RECIPES[algo], probe, variants)
     for i, (label, plan, ahead) in enumerate(cands):
         name = f"{algo}-{size}-{i}"
         path = plan.save(tmp / f"{name}.yaml")
@@ -222,6 +228,12 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
     parser.add_argument("--cases", default="ppo/tiny,ppo/small,grpo/tiny,grpo/small")
+    parser.add_argument(
+        "--layouts",
+        default="all",
+        choices=("all", "best"),
+        help="all: every placement's tp/dp variants too; best: each placement's best layouts (fewer runs)",
+    )
     parser.add_argument("--out", default=None, help="also write the rows as JSON")
     parser.add_argument(
         "--report", nargs="+", default=None, help="only print the tables from the rows logged by earlier runs"
@@ -239,7 +251,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
             algo, size = case.split("/")
-            rows += bench_case(algo, size, args.devices, args.steps, profile, Path(tmp))
+            rows += bench_case(
+                algo, size, args.devices, args.steps, profile, Path(tmp), args.layouts == "all"
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     report(rows)

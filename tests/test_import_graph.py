@@ -20,12 +20,19 @@ PACKAGE = ROOT / "hybridflow"
 DESIGN = ROOT / "docs" / "design.md"
 # The planner is pure (docs/planner.md): besides itself, only these modules, which import nothing but the
 # standard library. calibrate.py is the `hybridflow calibrate` command, which times real models on this
-# machine beside the planner's predictions, and microbench.py its micro-benchmarks; no other planner module
+# machine beside the planner's predictions, and microbench.py / microbench_path.py its micro-benchmarks (the
+# latter on the worker path: a worker group, a parallelized model); no other planner module
 # imports them.
 PLANNER_MAY_IMPORT = {"hybridflow.hybrid_engine.cost", "hybridflow.hybrid_engine.sync_budget"}
 PLANNER_MEASURES = {
     "hybridflow.planner.calibrate": {"hybridflow.models.tiny"},
     "hybridflow.planner.microbench": {"hybridflow.models.tiny"},
+    "hybridflow.planner.microbench_path": {
+        "hybridflow.models.tiny",
+        "hybridflow.engines.parallelize",
+        "hybridflow.controller",
+        "hybridflow.batch",
+    },
 }
 
 

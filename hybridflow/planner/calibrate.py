@@ -59,11 +59,15 @@ def measure_profile(
     import torch
 
     from hybridflow.planner import microbench as mb
+    from hybridflow.planner import microbench_path as mbp
 
     raw: dict = {"startup_s": mb.startup_seconds(), "memory_bandwidth": mb.memory_bandwidth(device, repeats)}
-    links = {}
+    links, path = {}, {}
     if device == "cpu":  # two-rank gloo between processes of this machine: what its collectives run on
         raw["collectives"] = links = mb.collectives()
+        raw["training_path"] = path = mbp.training_path(3)  # (a GPU's runs on NCCL: the entry's)
+    raw["worker_call"] = calls = mbp.worker_call(repeats)
+    path_terms = {**calls, **{k: path[k] for k in PATH_TERMS if k in path}}
     devices = {}
     for name in dtypes:
         dtype = getattr(torch, name)
@@ -89,6 +93,7 @@ def measure_profile(
             decode_step_overhead_s=per_step,
             bytes_per_param=dtype.itemsize,
             measured=True,
+            **path_terms,
             **({"intra_node_bandwidth": links["bandwidth"], "comm_latency_s": links["latency_s"],
                 "comm_efficiency": 1.0} if links else {}),
         )  # fmt: skip
@@ -101,6 +106,16 @@ def measure_profile(
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return DeviceProfile(f"{get_device(base).name}-measured", devices, host, raw)
+
+
+# the coefficients microbench_path.training_path measures (the Python of a pass: the same in either dtype)
+PATH_TERMS = (
+    "micro_batch_overhead_s",
+    "tp_layer_overhead_s",
+    "fsdp_layer_overhead_s",
+    "optimizer_layer_overhead_s",
+    "optimizer_step_overhead_s",
+)
 
 
 def _cpu_model() -> str:
@@ -168,6 +183,7 @@ def measure(size: str, batch: int, prompt_len: int, response_len: int, repeats: 
 def predict(spec: ModelSpec, device: str | DeviceSpec, wl: WorkloadSpec) -> dict:
     """Simulated seconds for the same work on one device (p = t = d = 1)."""
     dev = get_device(device) if isinstance(device, str) else device
+    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0)  # measured in-process: no worker call
     return {
         "training": sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False),
         "inference": sim.inference_time(spec, dev, wl, 1, 1, 1, 1),

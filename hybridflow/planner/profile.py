@@ -7,11 +7,14 @@ compute dtype, memory bandwidth, the fixed cost per layer and per decode step, c
 bandwidth between two ranks, process start-up. It is a small versioned YAML/JSON file, one per machine
 kind, that users can share; `hybridflow plan --profile FILE` and `resources.planner_profile` plan with it.
 
-    version: 1
+    version: 2
     name: cpu-measured           # the device name plans made with it carry
     host: {...}                  # where it was measured (CPU model, torch version, threads)
     devices: {float32: {DeviceSpec fields}, bfloat16: {...}}   # one entry per compute dtype measured
     measurements: {...}          # the raw figures the coefficients came from, for the record
+
+Version 1 profiles (before the path's fixed costs were measured: PATH_FIELDS) still load: those terms
+take their DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note.
 
 Pure: no torch here, so the planner reads a profile without loading it.
 """
@@ -19,12 +22,23 @@ Pure: no torch here, so the planner reads a profile without loading it.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+# the terms version 2 added (microbench_path.py): a version 1 profile has none of them
+PATH_FIELDS = (
+    "call_overhead_s",
+    "transfer_bandwidth",
+    "micro_batch_overhead_s",
+    "tp_layer_overhead_s",
+    "fsdp_layer_overhead_s",
+    "optimizer_layer_overhead_s",
+    "optimizer_step_overhead_s",
+)
 DTYPES = ("float32", "bfloat16")
 _DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}
 
@@ -38,6 +52,7 @@ class DeviceProfile:
     host: dict = field(default_factory=dict)
     measurements: dict = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    notes: tuple[str, ...] = ()  # what loading it assumed (a version 1 file's missing terms)
 
     def __post_init__(self):
         if not self.devices:
@@ -69,7 +84,7 @@ class DeviceProfile:
         if not isinstance(data, dict) or "devices" not in data:
             raise ValueError(f"{source}: not a device profile (no `devices` section)")
         version = data.get("version")
-        if version != PROFILE_VERSION:
+        if version not in (1, PROFILE_VERSION):
             raise ValueError(
                 f"{source}: device profile version {version!r}, this build reads version {PROFILE_VERSION}; "
                 "re-run `hybridflow calibrate --out FILE`"
@@ -85,7 +100,8 @@ class DeviceProfile:
             devices=devices,
             host=dict(data.get("host") or {}),
             measurements=dict(data.get("measurements") or {}),
-            version=version,
+            version=PROFILE_VERSION,
+            notes=_missing_path_terms(data, version, source),
         )
 
     def save(self, path: str | Path) -> Path:
@@ -98,6 +114,19 @@ class DeviceProfile:
 
         hint = f"no device profile at {path}; write one with `hybridflow calibrate --out {path}`"
         try:
-            return cls.from_dict(load_dict(path, hint), str(path))
+            profile = cls.from_dict(load_dict(path, hint), str(path))
         except (yaml.YAMLError, json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path}: not a device profile ({e})") from e
+        for note in profile.notes:
+            print(f"note: {note}", file=sys.stderr)
+        return profile
+
+
+def _missing_path_terms(data: dict, version: int, source: str) -> tuple[str, ...]:
+    missing = sorted({f for spec in data["devices"].values() for f in PATH_FIELDS if f not in spec})
+    if version == PROFILE_VERSION or not missing:
+        return ()
+    return (
+        f"{source}: a version {version} device profile without the per-call terms ({', '.join(missing)}); "
+        "they are priced at 0, as it was written; `hybridflow calibrate --out FILE` measures them",
+    )

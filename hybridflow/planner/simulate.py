@@ -9,6 +9,10 @@
   cache of its sequences, and pays two TP all-reduces per layer, mostly latency; prefill is
   compute-bound. Pipeline stages run one after another for a single batch, so pg saves memory only.
 - The actor's train -> generate switch costs what docs/design.md §4 Table 2 says each method moves.
+- Fixed costs of the path (`path_overhead`, `call_time`): each model's stage is one worker-group call
+  from the driver (a Ray round trip and the batch's transfer); each micro-batch pass pays a fixed cost
+  beyond its layers, and each layer pass one for tensor parallelism (t > 1) and one for FSDP2 (d > 1);
+  each optimizer step a per-layer and a fixed cost. They are what a small model's stage mostly is.
 """
 
 from __future__ import annotations
@@ -48,6 +52,29 @@ def _tp_bandwidth(dev: DeviceSpec, devices_per_node: int, t: int) -> float:
     return dev.intra_node_bandwidth if t <= devices_per_node else dev.inter_node_bandwidth / devices_per_node
 
 
+# Bytes per token of the batch a stage's call moves each way: token ids, attention mask and position ids
+# (int64) and a per-token float (log-probs, values or advantages).
+BATCH_BYTES_PER_TOKEN = 32
+
+
+def call_time(dev: DeviceSpec, tokens: float) -> float:
+    """One worker-group call from the driver carrying `tokens` tokens' batch to the workers and back."""
+    transfer = 2 * tokens * BATCH_BYTES_PER_TOKEN / dev.transfer_bandwidth if dev.transfer_bandwidth else 0.0
+    return dev.call_overhead_s + transfer
+
+
+def layer_pass_overhead(dev: DeviceSpec, t: int) -> float:
+    """Fixed seconds one layer adds to one pass at tensor size t, beyond its FLOPs."""
+    return dev.layer_overhead_s + (dev.tp_layer_overhead_s if t > 1 else 0.0)
+
+
+def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
+    """Fixed seconds of one micro-batch pass on a rank holding `layers` layers at tensor size t, data size
+    d. FSDP2 wraps each layer and the rest (embeddings, norm, head) as one more unit (engines/parallelize.py)."""
+    fsdp = (layers + 1) * dev.fsdp_layer_overhead_s if d > 1 else 0.0
+    return dev.micro_batch_overhead_s + layers * layer_pass_overhead(dev, t) + fsdp
+
+
 def _matmul_time(dev: DeviceSpec, flops: float, width: float = math.inf) -> float:
     """`width` is the narrowest GEMM dimension a device sees (hidden / t): tensor parallelism makes
     GEMMs skinny, and skinny GEMMs reach less of the peak (half of it at width = gemm_half_width)."""
@@ -80,13 +107,18 @@ def training_time(
     )
     pp_comm = 2 * act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = (
-        _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + layers * passes * dev.layer_overhead_s
+        _matmul_time(dev, flops, spec.hidden / t)
+        + tp_comm
+        + pp_comm
+        + passes * path_overhead(dev, layers, t, d)
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
     sync = collective_time(dev, grads, d, dp_bandwidth(dev, devices_per_node, p, t, d))
     optimizer_step = 2 * (16 * spec.num_params / (p * t * d)) / (dev.hbm_bandwidth * dev.memory_efficiency)
-    return wl.ppo_epochs * wl.mini_batches * (pipeline + sync + optimizer_step)
+    optimizer_step += dev.optimizer_step_overhead_s + layers * dev.optimizer_layer_overhead_s
+    steps = wl.ppo_epochs * wl.mini_batches
+    return steps * (pipeline + sync + optimizer_step) + call_time(dev, wl.sequences * s)
 
 
 def inference_time(
@@ -102,8 +134,8 @@ def inference_time(
     act_bytes = mbs * s * spec.hidden * dev.bytes_per_param
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
-    slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + layers * dev.layer_overhead_s
-    return (m + p - 1) * slot
+    slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
+    return (m + p - 1) * slot + call_time(dev, wl.sequences * s)
 
 
 def generation_time(
@@ -132,7 +164,7 @@ def generation_time(
     prefill = _matmul_time(dev, prefill_flops, spec.hidden / tg) + 2 * L * collective_time(
         dev, b * lp * spec.hidden * dev.bytes_per_param, tg, bw_tp
     )
-    prefill += L * dev.layer_overhead_s
+    prefill += path_overhead(dev, L, tg, 1)
     # decode: per step, read weights + KV cache (at the average context) once
     context = lp + lr / 2
     weights = spec.num_params * dev.bytes_per_param / tg
@@ -141,8 +173,10 @@ def generation_time(
     compute = _matmul_time(dev, b * spec.forward_flops_per_token(context) / tg, spec.hidden / tg)
     comm = 2 * L * collective_time(dev, b * spec.hidden * dev.bytes_per_param, tg, bw_tp)
     comm += (pg - 1) * dev.comm_latency_s
-    step = (memory**2 + compute**2) ** 0.5 + comm + L * dev.layer_overhead_s + dev.decode_step_overhead_s
-    return waves * (prefill + lr * step)
+    step = (memory**2 + compute**2) ** 0.5 + comm + L * layer_pass_overhead(dev, tg)
+    step += dev.decode_step_overhead_s  # a decode step's fixed rest (sampling, cache bookkeeping)
+    call = call_time(dev, wl.sequences * generation_factor * (lp + lr))  # the driver moves every sequence
+    return waves * (prefill + lr * step) + call
 
 
 SWITCH_METHODS = METHODS  # one vocabulary with rollout.reshard and the worker's counters

@@ -154,17 +154,39 @@ class DeviceSpec:
     decode_step_overhead_s: float = (
         0.0  # generation engine's fixed cost per decode step (sampling, scheduling)
     )
+    # Fixed costs of the path a stage's work takes (microbench_path.py), which the FLOP and byte terms
+    # leave out; 0 is "not priced" (profiles written before version 2).
+    call_overhead_s: float = 0.0  # one worker-group call from the driver: Ray round trip, split, gather
+    transfer_bandwidth: float = 0.0  # driver <-> workers batch bytes/s over Ray (0: not priced)
+    micro_batch_overhead_s: float = 0.0  # per micro-batch per pass beyond its layers: embeddings, head, loss
+    tp_layer_overhead_s: float = 0.0  # per layer per pass at t > 1: DTensor dispatch, row-wise all-reduces
+    fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks
+    optimizer_layer_overhead_s: float = 0.0  # per layer per optimizer step: the per-tensor loop of AdamW
+    optimizer_step_overhead_s: float = 0.0  # per optimizer step: the rest (embeddings, head, bookkeeping)
     usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers
     measured: bool = False  # True: from a device profile measured on the machine (profile.py); else datasheet
 
 
+# The path's fixed costs on GPUs, not measured here (no GPU to measure them on): a worker-group call is a
+# Ray round trip (~1 ms) plus splitting, putting and gathering the batch over 8 ranks, ~5 ms; the batch moves
+# through Ray's object store at ~2 GB/s (serialization). The per-pass and optimizer terms are 0: the host's
+# Python (op dispatch, DTensor, FSDP2's hooks, AdamW's loop) runs ahead of the device's asynchronous kernels,
+# which at the catalogue's model sizes take longer; for small models, measure a profile.
+_GPU_PATH = dict(call_overhead_s=5e-3, transfer_bandwidth=2e9)
 _A100 = dict(
+    **_GPU_PATH,
     peak_flops=312e12,
     intra_node_bandwidth=300e9,
     inter_node_bandwidth=25e9,  # 200 Gbps per server, the paper's cluster
     host_bandwidth=25e9,
 )
-_H100 = dict(peak_flops=989e12, intra_node_bandwidth=450e9, inter_node_bandwidth=400e9, host_bandwidth=50e9)
+_H100 = dict(
+    **_GPU_PATH,
+    peak_flops=989e12,
+    intra_node_bandwidth=450e9,
+    inter_node_bandwidth=400e9,
+    host_bandwidth=50e9,
+)
 
 DEVICES = {
     "a100-40": DeviceSpec("a100-40", 40 * GiB, hbm_bandwidth=1.555e12, **_A100),

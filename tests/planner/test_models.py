@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hybridflow.planner import ClusterSpec, ModelSpec, WorkloadSpec, auto_parallel, build_dataflow, get_device
 from hybridflow.planner import memory as mem
 from hybridflow.planner import simulate as sim
+from hybridflow.planner.profile import PATH_FIELDS
 from hybridflow.planner.specs import KNOWN_SHAPES
 
-A100 = get_device("a100-80")
+# the by-hand figures below leave out the path's fixed costs (worker calls, per-pass overheads): priced
+# and tested on their own (test_path_overheads_by_hand)
+A100 = replace(get_device("a100-80"), **{f: 0.0 for f in PATH_FIELDS})
 B13 = KNOWN_SHAPES["13B"]
 
 
@@ -138,3 +143,26 @@ def test_kv_cache_check_raises_generation_tp():
     assert front[0].waves == 1 and front[0].pg * front[0].tg >= 2  # the fastest option raised tg
     budget = A100.memory_bytes * A100.usable_memory_fraction
     assert all(o.persistent_bytes + o.transient_bytes <= budget for o in front)
+
+
+def test_path_overheads_by_hand():
+    """A device whose FLOPs, bytes and links cost nothing leaves only the path's fixed costs (simulate.py
+    path_overhead, call_time): the tiny "small" Llama (4 layers), 512 sequences of 20 tokens, micro-batches
+    of 256. transfer_bandwidth is set so that the batch's 2 x 512 x 20 x 32 bytes take 1 s."""
+    small = ModelSpec("small", 4, 128, 4, 2, 384, vocab_size=64)
+    wl = WorkloadSpec(prompts=64, samples_per_prompt=8, prompt_len=16, response_len=4, mini_batches=1,
+                      micro_batch_size=256, inference_micro_batch_size=256)  # fmt: skip
+    inf = float("inf")
+    dev = replace(
+        A100, peak_flops=inf, hbm_bandwidth=inf, intra_node_bandwidth=inf, comm_latency_s=0.0,
+        call_overhead_s=1.0, transfer_bandwidth=2 * 512 * 20 * 32, micro_batch_overhead_s=1e-3,
+        tp_layer_overhead_s=1e-2, fsdp_layer_overhead_s=1e-1, optimizer_layer_overhead_s=1e-4,
+        optimizer_step_overhead_s=1e-5,
+    )  # fmt: skip
+    # t2 d2: one micro-batch of 256 per replica, 3 passes of (1 ms + 4 layers x 10 ms + 5 FSDP units x 100 ms),
+    # one optimizer step (10 us + 4 x 100 us), one call (1 s + 1 s of transfer)
+    assert sim.training_time(small, dev, wl, 4, 1, 2, 2, False) == pytest.approx(3 * 0.541 + 0.00041 + 2)
+    # t1 d1: two micro-batches of 1 ms each, no TP or FSDP term
+    assert sim.inference_time(small, dev, wl, 4, 1, 1, 1) == pytest.approx(0.002 + 2)
+    # tg2 on 2 devices (one replica): prefill 1 ms + 4 x 10 ms, 4 decode steps of 4 x 10 ms, one call
+    assert sim.generation_time(small, dev, wl, 4, 2, 1, 2) == pytest.approx(0.041 + 4 * 0.04 + 2)

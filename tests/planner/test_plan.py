@@ -132,5 +132,10 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     assert fp32.comm_latency_s == raw["collectives"]["latency_s"] > 0
     assert fp32.intra_node_bandwidth == raw["collectives"]["bandwidth"] > 0
     assert fp32.layer_overhead_s == raw["float32"]["layer_overhead_s"] >= 0
+    # the path's terms (microbench_path.py): the call over Ray, the training step over gloo, both dtypes
+    assert fp32.call_overhead_s == raw["worker_call"]["call_overhead_s"] > 0
+    assert fp32.transfer_bandwidth == raw["worker_call"]["transfer_bandwidth"] > 0
+    for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "fsdp_layer_overhead_s"):
+        assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0
     assert fp32.peak_flops >= 0.9 * min(raw["float32"]["gemm_flops_by_width"].values())
     assert result["profile"] == profile.name == "cpu-measured"

@@ -12,7 +12,8 @@ import pytest
 from hybridflow.cli import main
 from hybridflow.planner import ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec, build_dataflow, plan
 from hybridflow.planner.microbench import fit_gemm
-from hybridflow.planner.profile import DeviceProfile
+from hybridflow.planner.microbench_path import fit_training_path
+from hybridflow.planner.profile import PATH_FIELDS, DeviceProfile
 from hybridflow.planner.specs import get_device
 
 # the tiny "small" Llama (hybridflow.models.tiny) and a batch like examples/configs/grpo_tiny.yaml's
@@ -36,10 +37,34 @@ def _profile(**changes) -> DeviceProfile:
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_profile_round_trips(tmp_path, suffix):
-    profile = _profile(layer_overhead_s=2e-4)
+    path = dict(call_overhead_s=9e-3, transfer_bandwidth=3e8, micro_batch_overhead_s=5e-3,
+                tp_layer_overhead_s=4e-3, fsdp_layer_overhead_s=2e-3, optimizer_layer_overhead_s=1e-3,
+                optimizer_step_overhead_s=1e-4)  # fmt: skip
+    assert set(path) == set(PATH_FIELDS)
+    profile = _profile(layer_overhead_s=2e-4, **path)
     loaded = DeviceProfile.load(profile.save(tmp_path / f"cpu{suffix}"))
-    assert loaded == profile
+    assert loaded == profile and loaded.notes == ()
+    assert all(getattr(loaded.device("float32"), k) == v for k, v in path.items())
     assert loaded.device("bfloat16").bytes_per_param == 2 and loaded.device("float32").measured
+
+
+def test_a_version_1_profile_loads_without_the_path_terms_and_says_so(tmp_path, capsys):
+    """Written before the path's fixed costs were measured: they stay 0 (not priced, as then), in one line."""
+    data = _profile().to_dict()
+    data["version"] = 1
+    for spec in data["devices"].values():
+        for name in PATH_FIELDS:
+            spec.pop(name)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    loaded = DeviceProfile.load(path)
+    assert all(getattr(loaded.device("float32"), name) == 0.0 for name in PATH_FIELDS)
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert note.startswith(
+        f"note: {path}: a version 1 device profile without the per-call terms (call_overhead_s"
+    )
+    assert "hybridflow calibrate --out" in note
+    assert DeviceProfile.from_dict(loaded.to_dict()).version == 2  # saved again, it is a version 2 file
 
 
 def test_profile_refuses_what_it_cannot_read(tmp_path):
@@ -82,6 +107,30 @@ def test_a_plan_with_a_profile_differs_where_the_profile_does():
     same = _grpo_plan(_profile().device("float32"))
     assert [(m.pool, m.t, m.d) for m in same.models] == [(m.pool, m.t, m.d) for m in catalogue.models]
     assert same.iteration_seconds == pytest.approx(catalogue.iteration_seconds, rel=1e-12)
+
+
+def test_a_plan_prices_the_path_where_the_profile_does():
+    """GRPO's actor and reference colocated take turns, so their worker calls add up; in pools of their own
+    they run at once. A profile measuring 1 s a call moves them apart (standalone); one measuring 50 ms a
+    layer pass for tensor parallelism (DTensor dispatch and all-reduces on gloo) leaves every model at t = 1."""
+    catalogue = _grpo_plan(get_device("cpu"))
+    assert catalogue.strategy == "colocate" and catalogue.model("actor").t == 2
+    slow_calls = _grpo_plan(_profile(call_overhead_s=1.0).device("float32"))
+    assert slow_calls.strategy == "standalone" and slow_calls.iteration_seconds > catalogue.iteration_seconds
+    slow_tp = _grpo_plan(_profile(tp_layer_overhead_s=0.05).device("float32"))
+    assert slow_tp.strategy == "colocate" and all(m.t == 1 for m in slow_tp.models)
+
+
+def test_training_path_fit_by_hand():
+    """Per-layer slopes of 1 and 5 layers; a micro-batch is 3 passes: t1d1's slope 3 ms is 1 ms a pass, its
+    rest 7 ms is 2.33 ms a pass; d2's extra slope 3 ms and t2's 6 ms are 1 and 2 ms a layer pass; AdamW 1 ms
+    a layer, 1 ms the rest."""
+    raw = {"t1d1/1": (0.010, 0.002), "t1d1/5": (0.022, 0.006), "t1d2/1": (0.016, 0.0),
+           "t1d2/5": (0.040, 0.0), "t2d1/1": (0.019, 0.0), "t2d1/5": (0.055, 0.0)}  # fmt: skip
+    fit = fit_training_path(raw)
+    expected = dict(train_layer_pass_s=0.001, micro_batch_overhead_s=0.007 / 3, fsdp_layer_overhead_s=0.001,
+                    tp_layer_overhead_s=0.002, optimizer_layer_overhead_s=0.001, optimizer_step_overhead_s=0.001)  # fmt: skip
+    assert {k: fit[k] for k in expected} == pytest.approx(expected, rel=1e-9)
 
 
 def test_plan_command_plans_with_a_profile(tmp_path, capsys):

@@ -1,0 +1,141 @@
+"""Micro-benchmarks on the path a run's work takes: a worker group's call over Ray, and a parallelized
+model's training step over gloo. They measure the fixed costs the FLOP and bandwidth terms of
+microbench.py leave out, which on small models are most of a stage (docs/bench/planner.md):
+
+    worker-group call   a registered DP_PROTO method that returns its shard, on a 2-rank WorkerGroup:
+                        seconds per call with an 8-row batch (Ray round trip, split, put, gather) and
+                        bytes per second of the driver's batch transfer (a 4 MiB batch, less that call)
+    training step       forward + backward of a tiny Llama over 2 gloo ranks, parallelized as the engines
+                        do it (engines/parallelize.py) at t1d1, t1d2 and t2d1, with 1 and 5 layers: the
+                        per-layer slope and the fixed rest per micro-batch; AdamW's step likewise
+
+The slopes' differences are the per-layer costs of FSDP2 over dp (gathers, reduce-scatters, hooks) and
+of tensor parallelism (DTensor dispatch and the all-reduces of its row-wise layers). Each figure is the
+fastest of a few samples (microbench.best_seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from hybridflow.controller import Protocol, Worker, register
+from hybridflow.planner.microbench import best_seconds
+
+LAYERS = (1, 5)
+LAYOUTS = ("t1d1", "t1d2", "t2d1")
+TOKENS = (2, 16)  # one micro-batch per rank: rows x tokens
+
+
+class EchoWorker(Worker):
+    """Returns its shard: a call that costs only the path."""
+
+    @register(Protocol.DP_PROTO)
+    def echo(self, batch):
+        return batch
+
+
+def worker_call(repeats: int = 5) -> dict[str, float]:
+    """call_overhead_s and transfer_bandwidth of a 2-rank worker group (starts and stops a local Ray)."""
+    import ray
+
+    from hybridflow.batch import Batch
+    from hybridflow.controller import ResourcePool, WorkerGroup, ensure_ray
+
+    started = not ray.is_initialized()
+    ensure_ray(address="local", num_cpus=2, log_to_driver=False)
+    try:
+        with ResourcePool(2, name="microbench") as pool:
+            group = WorkerGroup(EchoWorker, pool)
+            small = Batch({"x": torch.ones(8, 16, dtype=torch.long)})
+            big = Batch({"x": torch.ones(2**16, 8, dtype=torch.long)})  # 4 MiB
+            call = best_seconds(lambda: group.echo(small), repeats, min_s=0.0)
+            big_call = best_seconds(lambda: group.echo(big), repeats, min_s=0.0)
+            group.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
+    nbytes = 2 * big["x"].numel() * 8  # to the workers and back
+    return {"call_overhead_s": call, "transfer_bandwidth": nbytes / max(big_call - call, 1e-9)}
+
+
+def _model(layers: int, tp: int, dp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engines.parallelize import parallelize
+    from hybridflow.models.tiny import build_tiny_config
+
+    cfg = build_tiny_config("tiny", "llama", num_hidden_layers=layers)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")) if tp * dp > 1 else None
+    return parallelize(model, model, mesh), cfg.vocab_size
+
+
+def _step_times(layers: int, tp: int, dp: int, repeats: int) -> tuple[float, float]:
+    """(forward + backward, AdamW step) seconds of one micro-batch."""
+    model, vocab = _model(layers, tp, dp)
+    ids = torch.randint(5, vocab, TOKENS, generator=torch.Generator().manual_seed(0))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def fwd_bwd():
+        model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
+
+    train = best_seconds(fwd_bwd, repeats, min_s=0.0)
+    step = best_seconds(optim.step, repeats, min_s=0.0)
+    return train, step
+
+
+def _training_child(rank: int, init_file: str, out: str, repeats: int) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    result = {}
+    for layout in LAYOUTS:
+        tp, dp = int(layout[1]), int(layout[3])
+        for layers in LAYERS:
+            dist.barrier()  # both ranks time the same layout at once, as a run's ranks do
+            result[f"{layout}/{layers}"] = _step_times(layers, tp, dp, repeats)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def training_path(repeats: int = 5) -> dict[str, float]:
+    """Per-layer and per-micro-batch costs of a training step as the engines run it on 2 gloo ranks."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(_training_child, args=(init, out, repeats), nprocs=2, join=True)
+        raw = {k: tuple(v) for k, v in json.load(open(out)).items()}
+    return fit_training_path(raw)
+
+
+def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Coefficients from {"<layout>/<layers>": (fwd+bwd s, optimizer step s)}: per layer and per pass
+    (a training micro-batch is 3 passes: forward, backward counted as two), and the fixed rest."""
+    lo, hi = LAYERS
+
+    def slope(layout: str, i: int) -> float:
+        return (raw[f"{layout}/{hi}"][i] - raw[f"{layout}/{lo}"][i]) / (hi - lo)
+
+    base = slope("t1d1", 0)
+    return {
+        "train_layer_pass_s": base / 3,
+        "micro_batch_overhead_s": max(0.0, raw[f"t1d1/{lo}"][0] - lo * base) / 3,
+        "fsdp_layer_overhead_s": max(0.0, slope("t1d2", 0) - base) / 3,  # per unit: a layer, or the root
+        "tp_layer_overhead_s": max(0.0, slope("t2d1", 0) - base) / 3,
+        "optimizer_layer_overhead_s": max(0.0, slope("t1d1", 1)),
+        "optimizer_step_overhead_s": max(0.0, raw[f"t1d1/{lo}"][1] - lo * slope("t1d1", 1)),
+        "raw": {k: list(v) for k, v in raw.items()},
+    }
