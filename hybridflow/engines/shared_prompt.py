@@ -43,6 +43,15 @@ class SharedLayout:
             self._masks[key] = torch.ones(n, p + n, dtype=torch.bool, device=device).tril(p)
         return self._masks[key]
 
+    def gather_plan(self, device):
+        """Its one-call attention plan (engines/varlen_gather.py), built once per forward."""
+        key = ("gather", str(device))
+        if key not in self._masks:
+            from hybridflow.engines.varlen_gather import from_shared
+
+            self._masks[key] = from_shared(self, device)
+        return self._masks[key]
+
 
 @dataclass
 class SharedPlan:
