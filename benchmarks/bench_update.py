@@ -192,13 +192,13 @@ def kernel_cell(size: str, precision: str, steps: int) -> dict:
 def gather_cell(size: str, precision: str, steps: int, group: int) -> dict:
     """Median CPU seconds of the hybridflow update and log-prob pass with a packed row's attention in one
     gathered call per layer (engines/varlen_gather.py, as shipped) and per run of equal lengths
-    (GATHER_MAX_KEYS = 0), alternating; prompts shared in groups of `group` rows."""
-    from hybridflow.engines import varlen
+    (varlen_gather.CALL_ELEMS = -1: never), alternating; prompts shared in groups of `group` rows."""
+    from hybridflow.engines import varlen, varlen_gather
 
     torch.manual_seed(0)
     eng, loss_fn = engine_and_loss(build_tiny_model(size), precision)
     batch = make_batch(eng.hf_model.config.vocab_size, group)
-    limits = {"gathered": varlen.GATHER_MAX_KEYS, "per-length": 0}
+    limits = {"gathered": varlen_gather.CALL_ELEMS, "per-length": -1}
     passes = {
         "update": lambda: hybridflow_step(eng, loss_fn, batch),
         "log-probs": lambda: eng.compute_log_probs(batch),
@@ -206,13 +206,14 @@ def gather_cell(size: str, precision: str, steps: int, group: int) -> dict:
     times = {(p, k): [] for p in passes for k in limits}
     for i in range(steps + 1):  # the first round is a warm-up
         for kind in limits if i % 2 else reversed(list(limits)):
-            varlen.GATHER_MAX_KEYS = limits[kind]
+            varlen_gather.CALL_ELEMS = limits[kind]
+            varlen._LAST_PLAN[:] = [None, None]  # the decision is cached per row of lengths
             for name, run in passes.items():
                 start = time.process_time()
                 run()
                 if i:
                     times[name, kind].append(time.process_time() - start)
-    varlen.GATHER_MAX_KEYS = limits["gathered"]
+    varlen_gather.CALL_ELEMS = limits["gathered"]
     return {k: statistics.median(v) for k, v in times.items()}
 
 

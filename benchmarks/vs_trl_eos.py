@@ -113,9 +113,12 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
         runs = [
             (name, workers, sets, f"{i}") for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items())
         ]
-        runs += [(*AHEAD, "ahead")] if ahead_built() else []
-        runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
-        runs += [(*AHEAD_BOTH, "ahead_both")] if frozen_pool_both_built() else []
+        if args.eos_settings == "default":  # TRL and the synchronous default only (repeats of the short rows)
+            runs = runs[:1]
+        else:
+            runs += [(*AHEAD, "ahead")] if ahead_built() else []
+            runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
+            runs += [(*AHEAD_BOTH, "ahead_both")] if frozen_pool_both_built() else []
         for name, workers, sets, suffix in runs:
             print(
                 f"[vs_trl] natural EOS {cell}: hybridflow {name} ...",

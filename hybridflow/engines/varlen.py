@@ -45,9 +45,6 @@ _NO_MASK = contextvars.ContextVar("hybridflow_varlen_no_mask", default=False)
 # Longest key run for which a low-precision CPU call takes the math kernel's backward: flash's forward +
 # backward was 1.7x slower than math's at 150 keys and even at 200; from ~250 keys on flash wins.
 MATH_MAX_TOKENS = 160
-# Longest key run for which a packed row's attention is one gathered call per layer (engines/varlen_gather.py)
-# instead of one call per run of equal lengths.
-GATHER_MAX_KEYS = 160
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -57,28 +54,32 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     packed row when seq_lens (lengths summing to N) or shared_layout (engines/shared_prompt.py) is given;
     returns (output (1, N, H, D), None)."""
     if shared_layout is not None:
-        keys = _longest_keys(shared_layout)
-        sdpa = _sdpa_for(query, keys, dropout)
-        if keys <= GATHER_MAX_KEYS:
-            return varlen_gather.attend(shared_layout.gather_plan(query.device), query, key, value, dropout,
-                                        scaling, sdpa), None  # fmt: skip
+        sdpa = _sdpa_for(query, _longest_keys(shared_layout), dropout)
+        plan = shared_layout.gather_plan(query.shape[1], query.shape[3], query.device)
+        if plan is not None:
+            return varlen_gather.attend(plan, query, key, value, dropout, scaling, sdpa), None
         return _shared(shared_layout, query, key, value, dropout, scaling, sdpa), None
     if seq_lens is None:  # padded rows (fully masked ones among them): PyTorch's kernel choice, unchanged
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     sdpa = _sdpa_for(query, max(seq_lens), dropout)
-    if max(seq_lens) <= GATHER_MAX_KEYS:
-        plan = _lengths_plan(seq_lens, query.device)
+    plan = _lengths_plan(seq_lens, query.shape[1], query.shape[3], query.device)
+    if plan is not None:
         return varlen_gather.attend(plan, query, key, value, dropout, scaling, sdpa), None
     return _per_sequence(query, key, value, dropout, scaling, seq_lens, sdpa), None
 
 
-_LAST_PLAN: list = [None, None]  # (key, GatherPlan) of the last seq_lens: every layer of a forward asks
+_LAST_PLAN: list = [
+    None,
+    None,
+]  # (key, GatherPlan or None) of the last seq_lens: every layer of a forward asks
 
 
-def _lengths_plan(seq_lens: list[int], device) -> varlen_gather.GatherPlan:
-    key = (tuple(seq_lens), str(device))
+def _lengths_plan(seq_lens: list[int], heads: int, head_dim: int, device) -> varlen_gather.GatherPlan | None:
+    """The one-call plan of a row of sequences, or None where the per-length calls cost less."""
+    key = (tuple(seq_lens), heads, head_dim, str(device))
     if _LAST_PLAN[0] != key:
-        _LAST_PLAN[:] = [key, varlen_gather.from_lengths(seq_lens, device)]
+        segs = varlen_gather.from_lengths(seq_lens, len(_runs(seq_lens)))
+        _LAST_PLAN[:] = [key, varlen_gather.build(segs, device) if segs.pays(heads, head_dim) else None]
     return _LAST_PLAN[1]
 
 

@@ -8,8 +8,11 @@ a prompt, a response) is one row of a padded (G, Qmax) batch, its keys one row o
 keys first for a response, then its own. One gather per q / k / v, one sdpa under a boolean mask (query t
 sees the prefix and its own keys up to t: the bottom-right causal alignment) and one gather back per layer.
 
-The cost is attention over G x Qmax x Kmax pairs instead of each segment's own: negligible while the keys
-are short, so varlen.py takes this path up to GATHER_MAX_KEYS keys. Outputs are those of the per-segment
+The cost is attention over G x Qmax x Kmax (query, key) pairs instead of each segment's own: `pays` takes
+this path only while the extra pairs, times the heads' width, stay under CALL_ELEMS per per-length call it
+saves (one such call's views, casts and kernel entry, forward and backward, cost about what ~8 MFLOP of
+attention arithmetic do on a CPU core): the short rows of small models, not long responses of wide ones,
+where the padded pairs would outweigh the calls (and the mask would grow as G x Qmax x Kmax). Outputs are those of the per-segment
 calls up to the kernels' summation order (masked keys weigh exactly 0); padded query rows attend to key 0
 only (no all-masked softmax row) and are never read back, so they add nothing to any gradient.
 """
@@ -19,6 +22,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+CALL_ELEMS = 2**21  # extra (query, key) pairs x head width one saved per-length call is worth
+
+
+@dataclass
+class Segments:
+    """A packed row's query segments g: queries at columns [starts[g], starts[g] + lengths[g]); keys the
+    prefix span prefixes[g] = (start, length) (a shared prompt; length 0: none), then the queries' own
+    columns. They cover the row's columns exactly once. `calls`: sdpa calls of the per-length path."""
+
+    starts: list[int]
+    lengths: list[int]
+    prefixes: list[tuple[int, int]]
+    calls: int
+
+    def pays(self, heads: int, head_dim: int) -> bool:
+        """Whether one gathered call beats the per-length calls (module docstring)."""
+        keys = [p + n for (_, p), n in zip(self.prefixes, self.lengths)]
+        padded = len(self.lengths) * max(self.lengths) * max(keys)
+        real = sum(n * k for n, k in zip(self.lengths, keys))
+        return (padded - real) * heads * head_dim <= (self.calls - 1) * CALL_ELEMS
 
 
 @dataclass
@@ -36,12 +60,10 @@ class GatherPlan:
     out_index: torch.Tensor
 
 
-def build(starts: list[int], lengths: list[int], prefixes: list[tuple[int, int]], device) -> GatherPlan:
-    """Segments g: queries at columns [starts[g], starts[g] + lengths[g]), keys prefixes[g] = (start,
-    length) of a prefix span (length 0: none) followed by the queries' own columns. The segments must
-    cover the row's columns exactly once (each column is some segment's query)."""
-    qs, qn = torch.tensor(starts), torch.tensor(lengths)
-    ps, pn = torch.tensor([p for p, _ in prefixes]), torch.tensor([n for _, n in prefixes])
+def build(segs: Segments, device) -> GatherPlan:
+    """The plan of `segs`: query t of a segment sees its prefix and its own keys up to t."""
+    qs, qn = torch.tensor(segs.starts), torch.tensor(segs.lengths)
+    ps, pn = torch.tensor([p for p, _ in segs.prefixes]), torch.tensor([n for _, n in segs.prefixes])
     t = torch.arange(int(qn.max()))
     j = torch.arange(int((pn + qn).max()))
     valid_q = t < qn[:, None]  # (G, Qmax)
@@ -58,13 +80,13 @@ def build(starts: list[int], lengths: list[int], prefixes: list[tuple[int, int]]
     return GatherPlan(*(x.to(device) for x in (q_index, kv_index, mask[:, None], out_index)))
 
 
-def from_lengths(seq_lens: list[int], device) -> GatherPlan:
+def from_lengths(seq_lens: list[int], calls: int) -> Segments:
     """Sequences one after another, each attending causally to itself."""
     starts = torch.tensor([0, *seq_lens[:-1]]).cumsum(0).tolist()
-    return build(starts, list(seq_lens), [(0, 0)] * len(seq_lens), device)
+    return Segments(starts, list(seq_lens), [(0, 0)] * len(seq_lens), calls)
 
 
-def from_shared(layout, device) -> GatherPlan:
+def from_shared(layout) -> Segments:
     """A shared-prompt row (engines/shared_prompt.py SharedLayout): plain sequences and prompts causal,
     each response after its prompt's keys."""
     starts = torch.tensor([0, *layout.sizes[:-1]]).cumsum(0).tolist()
@@ -72,7 +94,7 @@ def from_shared(layout, device) -> GatherPlan:
     for _, pairs in layout.shared:
         for p, r in pairs:
             prefix[r] = (starts[p], layout.sizes[p])
-    return build(starts, list(layout.sizes), prefix, device)
+    return Segments(starts, list(layout.sizes), prefix, len(layout.causal) + len(layout.shared))
 
 
 def attend(plan: GatherPlan, query, key, value, dropout, scaling, sdpa) -> torch.Tensor:

@@ -62,7 +62,7 @@ def test_gathered_call_equals_one_call_per_length():
     plain sequences (lengths repeating, as runs) and a shared-prompt row (two prompts, responses after them).
     fp32 sums over at most 23 keys of unit-variance products: 1e-5 absolute is ~100 ulps of the largest."""
     lens = [5, 5, 3, 7, 1, 2]
-    plain = varlen.varlen_gather.from_lengths(lens, "cpu")
+    plain = varlen.varlen_gather.build(varlen.varlen_gather.from_lengths(lens, 4), "cpu")
     for sdpa in (F.scaled_dot_product_attention, varlen._sdpa_math_backward):
         row = _row()
         want = _outputs_and_grads(
@@ -80,7 +80,24 @@ def test_gathered_call_equals_one_call_per_length():
     row = _row(n=sum(sizes))
     sdpa = F.scaled_dot_product_attention
     want = _outputs_and_grads(lambda q, k, v: varlen._shared(layout, q, k, v, 0.0, None, sdpa), row)
-    plan = layout.gather_plan("cpu")
+    plan = varlen.varlen_gather.build(varlen.varlen_gather.from_shared(layout), "cpu")
     got = _outputs_and_grads(lambda q, k, v: varlen.varlen_gather.attend(plan, q, k, v, 0.0, None, sdpa), row)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_gathered_only_while_the_padded_pairs_cost_less_than_the_calls_saved():
+    """Extra (query, key) pairs x head width against (calls - 1) x CALL_ELEMS (2**21 = 2,097,152)."""
+    vg = varlen.varlen_gather
+    assert vg.from_lengths([4, 4], 1).pays(8, 64)  # one run, no padding: 0 extra pairs
+    # [1, 100] as 2 calls: padded 2 x 100 x 100 = 20,000 pairs, real 1 + 10,000: 9,999 extra
+    assert vg.from_lengths([1, 100], 2).pays(1, 64)  # 639,936 <= 2,097,152
+    assert not vg.from_lengths([1, 100], 2).pays(8, 64)  # 5,119,488 > 2,097,152
+    # a shared prompt of 3 before responses of 2 and 5: keys 3, 5 and 8, queries padded to 5, keys to 8
+    layout = shared_prompt.SharedLayout([3, 2, 5], [(3, [0])], [((3, 2), [(0, 1)]), ((3, 5), [(0, 2)])])
+    segs = vg.from_shared(layout)
+    assert (segs.starts, segs.prefixes, segs.calls) == ([0, 3, 5], [(0, 0), (0, 3), (0, 3)], 3)
+    # padded 3 x 5 x 8 = 120, real 3 x 3 + 2 x 5 + 5 x 8 = 59: 61 extra pairs
+    assert segs.pays(2**15, 2) and not segs.pays(
+        2**15, 3
+    )  # 61 x 65,536 = 3,997,696 <= 2 x 2**21 < 61 x 98,304
