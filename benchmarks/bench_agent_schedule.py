@@ -10,7 +10,11 @@ agent/finish_s (when the trajectories finished). Waves also decode each row past
 stop token or the turn's budget (those tokens are dropped), which continuous batching never samples.
 
     .venv/bin/python benchmarks/bench_agent_schedule.py [--size small] [--prompts 16] [--n 4]
-        [--tool-ms 0 100] [--slow-s 1] [--repeats 2]
+        [--tool-ms 0 100] [--slow-s 1] [--repeats 2] [--tg 2]
+
+--tg 2: both schedules under a generation tensor-parallel group of 2 gloo ranks (each holding its
+Megatron shard, embeddings vocab-parallel), rank 0 reporting. Waves there run every tool call on each
+rank and collect on each rank's clock, so keep the tools well within WAVE_WAIT_S (--tool-ms 0 --slow-s 0).
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hybridflow.agent import AgentLimits, AgentLoop, Environment, StepResult, ToolCall  # noqa: E402
 from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from hybridflow.rollout import BuiltinEngine, SamplingParams  # noqa: E402
+from hybridflow.rollout.tp_group import TPGroup  # noqa: E402
 from tests.agent.agent_files import digit_parser, echo  # noqa: E402
 from tests.rollout.gen_helpers import prompt_batch  # noqa: E402
+from tests.rollout.test_tp_decoder import shard  # noqa: E402
 
 TEXTS = ["hello world", "1+2=", "abc", "The quick brown fox jumps", "x", "What is 12*3?", "tool use", "ok"]
 
@@ -61,6 +70,20 @@ def run_once(engine, loop, batch, params) -> dict:
 
 
 def main() -> None:
+    args = parse_args()
+    if args.tg == 1:
+        return bench(args, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank, args=(args, os.path.join(tmp, "rdzv")), nprocs=args.tg)
+
+
+def _rank(rank: int, args, rdzv: str) -> None:
+    dist.init_process_group("gloo", init_method="file://" + rdzv, rank=rank, world_size=args.tg)
+    bench(args, rank)
+    dist.destroy_process_group()
+
+
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="small")
     ap.add_argument("--prompts", type=int, default=16)
@@ -68,7 +91,13 @@ def main() -> None:
     ap.add_argument("--tool-ms", type=float, nargs="+", default=[0.0, 100.0])
     ap.add_argument("--slow-s", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--tg", type=int, default=1)
+    return ap.parse_args()
+
+
+def bench(args, rank: int) -> None:
+    """Both schedules, alternated; rank 0 prints (the others run the same calls)."""
+    say = print if rank == 0 else (lambda *a: None)
     torch.set_num_threads(1)
     tok, model = build_char_tokenizer(), build_tiny_model(args.size, "llama", seed=0).eval()
     batch = prompt_batch(tok, [TEXTS[i % len(TEXTS)] for i in range(args.prompts)])
@@ -76,10 +105,13 @@ def main() -> None:
     limits = AgentLimits(max_turns=4, max_tool_output_tokens=12, max_parallel_calls=args.prompts * args.n,
                          tool_response_template="<r>{output}</r>")  # fmt: skip
     engines = {"waves": Waves(model), "continuous": BuiltinEngine(model)}
-    print(f"tiny {args.size} llama fp32 CPU, 1 thread, {args.prompts} prompts x n={args.n}, 96 tokens, "
-          f"first prompt's tool {args.slow_s:g} s, min wall of {args.repeats} alternated runs")  # fmt: skip
-    print("| tool ms | schedule | wall s | model tokens | turns mean | finish_s mean | finish_s max |")
-    print("|---|---|---|---|---|---|---|")
+    if args.tg > 1:
+        for engine in engines.values():
+            engine.set_shard(shard(model, rank, args.tg, vocab=True), TPGroup(dist.group.WORLD, args.tg, 0))
+    say(f"tiny {args.size} llama fp32 CPU, 1 thread, tg={args.tg}, {args.prompts} prompts x n={args.n}, 96 "
+        f"tokens, first prompt's tool {args.slow_s:g} s, min wall of {args.repeats} alternated runs")  # fmt: skip
+    say("| tool ms | schedule | wall s | model tokens | turns mean | finish_s mean | finish_s max |")
+    say("|---|---|---|---|---|---|---|")
     for tool_ms in args.tool_ms:
         loop = AgentLoop(tok, digit_parser, make_env(tool_ms / 1000, args.slow_s), limits)
         best: dict[str, dict] = {}
@@ -89,12 +121,12 @@ def main() -> None:
                 if name not in best or r["wall"] < best[name]["wall"]:
                     best[name] = r
         for name, r in best.items():
-            print(f"| {tool_ms:g} | {name} | {r['wall']:.2f} | {r['model_tokens']} | {r['turns']:.2f} | "
+            say(f"| {tool_ms:g} | {name} | {r['wall']:.2f} | {r['model_tokens']} | {r['turns']:.2f} | "
                   f"{r['finish_mean']:.2f} | {r['finish_max']:.2f} |")  # fmt: skip
-        print(
+        say(
             f"| {tool_ms:g} | waves / continuous wall | {best['waves']['wall'] / best['continuous']['wall']:.2f}x |"
         )
-    print(f"load average {os.getloadavg()[0]:.1f}")
+    say(f"load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

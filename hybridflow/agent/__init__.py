@@ -7,6 +7,7 @@ rollouts and tools").
   code_tool.py     the sandboxed Python tool (_code_runner.py: namespaces, rlimits, a pids cgroup)
   trajectory.py    one trajectory's tokens, model and inserted, and the rollout Batch built from many
   loop.py          AgentLoop: generate, call, insert, continue, over any GenerationEngine
+  answers.py       a call's answer as tokens, and its flat form for the ranks of a generation TP group
   registry.py      tools and environments given as Python objects (hybridflow.Run), sent to workers by value
 """
 

@@ -10,7 +10,13 @@ inserted tokens are prefilled, and it decodes alongside rows that are mid-turn. 
 per row (counter-based; per-request seeds on vLLM), so a seeded run's samples do not depend on which
 rows share a step.
 
-Elsewhere (the HF fallback, a generation TP group, an engine without `continuous`): waves of turns.
+Under a generation tensor-parallel group (rollout.tg > 1) every rank of the group runs this loop over the
+same rows, and the group's first rank alone runs the tool calls: between two steps it shares which rows'
+calls answered, with their tokens and figures (agent/answers.py, `ContinuousBatch.share`), and every
+rank joins those rows in that order; the sampled tokens are that rank's too, so the ranks' turns end
+alike. A group of one shares with itself: the same code path.
+
+Elsewhere (the HF fallback, vLLM with rollout.tg > 1, an engine without `continuous`): waves of turns.
 Each wave is one `engine.generate` over the trajectories ready for a turn (their exact token lists,
 left-padded). When it returns, each row's call is submitted at once, and the next wave starts with the
 rows whose calls are done, after waiting up to WAVE_WAIT_S for the calls the last wave made (so that,
@@ -31,6 +37,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from hybridflow.agent.answers import Answer, pack, unpack
 from hybridflow.agent.environment import Environment, StepResult, timed_step
 from hybridflow.agent.parsers import Parser, ToolCall
 from hybridflow.agent.trajectory import Trajectory, build_agent_batch, left_padded
@@ -96,16 +103,17 @@ class AgentLoop:
 
     def _continuous(self, batch_rows: ContinuousBatch, pool, trajs: list[Trajectory], envs) -> None:
         """Each row samples, calls and rejoins on its own (module docstring)."""
-        start, pending = time.perf_counter(), {}
+        start = time.perf_counter()
+        calls: dict[int, cf.Future | None] = {}  # row -> its call: a future on the deciding rank, else None
         turns: list[tuple[list[int], list[float]]] = [([], []) for _ in trajs]
         for i, t in enumerate(trajs):
             batch_rows.join(i, t.context())
         while any(not t.done for t in trajs):
-            if not batch_rows.ready:
-                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-            for future in [f for f in pending if f.done()]:
-                i = pending.pop(future)
-                inserted = self._insert(trajs[i], future)
+            if not batch_rows.ready and batch_rows.decides:
+                cf.wait(list(calls.values()), return_when=cf.FIRST_COMPLETED)
+            for answer in self._answered(batch_rows, calls):
+                i = answer.row
+                inserted = self._apply(trajs[i], answer)
                 if trajs[i].done:
                     _finish(batch_rows, trajs[i], i, start)
                 else:
@@ -124,9 +132,22 @@ class AgentLoop:
                 trajs[i].add_model(tokens_i, logps_i)
                 turns[i] = ([], [])
                 if call is not None and trajs[i].remaining > 0 and trajs[i].turns < self.limits.max_turns:
-                    pending[pool.submit(timed_step, envs[i], call, self.limits.tool_timeout_s)] = i
+                    calls[i] = (
+                        pool.submit(timed_step, envs[i], call, self.limits.tool_timeout_s)
+                        if batch_rows.decides
+                        else None
+                    )
                 else:  # a stop token, the budget spent, a turn without a call, or a call in the last turn
                     _finish(batch_rows, trajs[i], i, start)
+
+    def _answered(self, batch_rows: ContinuousBatch, calls: dict[int, cf.Future | None]) -> list[Answer]:
+        """The calls that answered since the last look, on the deciding rank, and those same answers, in
+        its order, on every rank of a TP group; each is removed from `calls`."""
+        done = [i for i, f in calls.items() if f is not None and f.done()]
+        answers = unpack(batch_rows.share(pack([self._answer(i, calls[i]) for i in done])))
+        for a in answers:
+            del calls[a.row]
+        return answers
 
     def _turn_end(
         self, batch_rows: ContinuousBatch, t: Trajectory, tokens: list[int]
@@ -176,7 +197,7 @@ class AgentLoop:
         ready = []
         for future in [f for f in pending if f.done()]:
             i = pending.pop(future)
-            self._insert(trajs[i], future)
+            self._apply(trajs[i], self._answer(i, future))
             if not trajs[i].done:
                 ready.append(i)
         return sorted(ready)
@@ -217,20 +238,24 @@ class AgentLoop:
                 hi = mid
         return hi
 
-    def _insert(self, t: Trajectory, future) -> list[int]:
-        """A call's answer inserted as tokens (cut to max_tool_output_tokens), its figures counted;
-        -> the tokens inserted (fewer where the budget ends)."""
+    def _answer(self, row: int, future) -> Answer:
+        """A finished call's result with its observation as tokens, cut to max_tool_output_tokens."""
         result, seconds = _result(future)
-        t.tool_calls += 1
-        t.tool_errors += int(result.error)
-        t.tool_timeouts += int(result.timed_out)
-        t.tool_time_s += seconds
-        if result.reward is not None:
-            t.reward = result.reward
         body = self._encode(result.observation)[: self.limits.max_tool_output_tokens]
+        return Answer(row, body, result.done, result.error, result.timed_out, result.reward, seconds)
+
+    def _apply(self, t: Trajectory, answer: Answer) -> list[int]:
+        """An answer inserted as tokens (within the template), its figures counted; -> the tokens
+        inserted (fewer where the budget ends)."""
+        t.tool_calls += 1
+        t.tool_errors += int(answer.error)
+        t.tool_timeouts += int(answer.timed_out)
+        t.tool_time_s += answer.seconds
+        if answer.reward is not None:
+            t.reward = answer.reward
         before = len(t.tokens)
-        t.add_inserted(self._before + body + self._after)
-        t.done = t.done or result.done
+        t.add_inserted(self._before + answer.tokens + self._after)
+        t.done = t.done or answer.done
         return t.tokens[before:]
 
 

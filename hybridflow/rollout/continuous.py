@@ -16,6 +16,14 @@ Draws are counter-based: row r's token at position p uses the uniform hash(seed,
 (sampling.counter_uniforms), so a row's samples depend neither on which rows share a step nor on when
 its tool answered. Only the logits' rounding does (a matmul over b rows may block differently from one
 over b' rows, ~1e-7 in fp32), which can flip a draw that falls that close to a boundary of the CDF.
+
+Under a generation tensor-parallel group (rollout.tg > 1; the decoder's `tp`) every rank of the group
+runs the same rows: each `step` must feed the same rows the same tokens on every rank, or their
+collectives would not match. The sampled tokens are the group's first rank's (`TPGroup.agree`), and
+the caller's `join` / `leave` / `finish` calls follow from them and from what `share` hands out: the
+group's first rank `decides` (it runs the tool calls) and shares which rows' calls answered and with
+what tokens, so every rank makes the same calls in the same order. Without a group, `decides` is true
+and `share` hands back its argument: one code path.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ class ContinuousBatch:
         stop_ids: tuple[int, ...],
     ):
         self.decoder, self.params, self.device = decoder, params, decoder.embed.device
+        tp = decoder.tp
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.stop_ids = frozenset(stop_ids)
         """Tokens that end a trajectory (eos and stop tokens): the caller's to act on."""
         seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
@@ -57,6 +67,17 @@ class ContinuousBatch:
     def ready(self) -> bool:
         """Whether `step` has a row to feed."""
         return bool(self.decoding) or any(r in self.slot_of or self.free for r in self.joining)
+
+    @property
+    def decides(self) -> bool:
+        """Whether this rank decides what the rows do between steps (and runs their tool calls): the
+        only rank without a TP group, the group's first rank in one."""
+        return self.tp is None or self.tp.is_src
+
+    def share(self, values: list[float]) -> list[float]:
+        """The deciding rank's `values` on every rank of the TP group (the others pass anything, e.g.
+        []); `values` itself without a group."""
+        return values if self.tp is None else self.tp.share(values, self.device)
 
     def join(self, row: int, tokens: list[int]) -> None:
         """Feed `tokens` after what the row holds (and its last sampled token) at the next step."""
@@ -90,6 +111,8 @@ class ContinuousBatch:
         counters = torch.tensor([self.fill[r] for r in fed], dtype=torch.int64, device=self.device)
         uniforms = counter_uniforms(self.keys[torch.tensor(fed, device=self.device)], counters)
         tokens, logps = sample_next(logits, self.params, uniforms=uniforms)
+        if self.tp is not None:  # the first rank's draws for all, whatever the rounding of each's logits
+            tokens, logps = self.tp.agree(tokens, logps)
         self.last.update(zip(fed, tokens.tolist()))
         self.decoding = list(fed)  # the caller's `leave` calls edit this one, not the returned list
         return fed, tokens, logps

@@ -146,12 +146,11 @@ class BuiltinEngine(GenerationEngine):
     @contextlib.contextmanager
     def continuous(self, params: SamplingParams, rows: int, max_len: int) -> Iterator[ContinuousBatch | None]:
         """A continuous batch (rollout/continuous.py) of `rows` rows of at most `max_len` tokens each
-        (prompt and response), on the weights `generate` would use; None where this engine runs none:
-        the HF fallback (its DynamicCache holds one length for all rows) and a generation tensor-parallel
-        group (its ranks would have to agree on when each row joins), where the caller runs waves of
-        `generate` calls instead."""
-        tp = self.tp is not None and self.tp.size > 1
-        if tp or self.config.backend == "hf" or unsupported_reason(self.model, max_len) is not None:
+        (prompt and response), on the weights `generate` would use, tensor-parallel under a generation
+        TP group (its ranks agree on each step's rows: rollout/continuous.py); None on the HF fallback
+        (its DynamicCache holds one length for all rows), where the caller runs waves of `generate`
+        calls instead."""
+        if self.config.backend == "hf" or unsupported_reason(self.model, max_len) is not None:
             yield None
             return
         decoder = RaggedDecoder(

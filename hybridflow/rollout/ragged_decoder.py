@@ -7,8 +7,9 @@ a tool inserted after a row's last sampled one): their k/v are written at their 
 attend to the row's whole cache causally (SDPA on the rows' gathered cache, like a prefill that starts
 mid-row). `decode_rows` appends one token to each of the first b rows at each row's own slot. The cache
 is zero-filled at `start`: a short row's slots past its fill are read by the batch's longer attention
-span (masked by key_bias, and 0 * NaN would not be 0). Tensor parallel is not handled here (the engine
-runs waves under a TP group).
+span (masked by key_bias, and 0 * NaN would not be 0). Tensor parallel is the parent's (its heads/tg
+heads, row-parallel all-reduces, vocab-parallel embeddings and logits): every rank of the group must
+make the same calls with the same rows (rollout/continuous.py sees to it).
 """
 
 from __future__ import annotations

@@ -30,6 +30,11 @@ class TPGroup:
         """This rank's index in the group (its generation shard's index)."""
         return dist.get_rank(self.group)
 
+    @property
+    def is_src(self) -> bool:
+        """Whether this rank is the member that samples and decides (`src`)."""
+        return dist.get_rank() == self.src
+
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
         """Vocab-parallel lookup: `weight` holds rows [start, start + len(weight)) of the embedding; a
         member contributes zeros for the ids it does not hold and the all-reduce sums the owners' rows."""
@@ -50,3 +55,19 @@ class TPGroup:
         both = torch.stack([tokens.double(), logps.double()])
         dist.broadcast(both, src=self.src, group=self.group)
         return both[0].long(), both[1].to(logps.dtype)
+
+    def share(self, values: list[float], device: torch.device) -> list[float]:
+        """src's `values` on every member (the others' are ignored): its count, then (when there are
+        any) the values, each one float64 broadcast on `device` (the group's: NCCL takes no host
+        tensor). Exact for integers below 2**53 (token ids, row numbers, flags)."""
+        count = torch.tensor([float(len(values))], dtype=torch.float64, device=device)
+        dist.broadcast(count, src=self.src, group=self.group)
+        k = int(count.item())
+        if k == 0:
+            return []
+        if self.is_src:
+            out = torch.tensor(values, dtype=torch.float64, device=device)
+        else:
+            out = torch.empty(k, dtype=torch.float64, device=device)
+        dist.broadcast(out, src=self.src, group=self.group)
+        return out.tolist()

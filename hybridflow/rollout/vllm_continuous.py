@@ -35,6 +35,13 @@ class VLLMContinuous:
         self.owner: dict[str, int] = {}  # request id -> row
         self.buffered: dict[int, list[tuple[int, float]]] = {}  # row -> tokens returned, not handed out
 
+    decides = True
+    """The only rank deciding (vLLM with rollout.tg > 1 runs waves: rollout/vllm_engine.py)."""
+
+    def share(self, values: list[float]) -> list[float]:
+        """As ContinuousBatch.share without a TP group: `values` itself."""
+        return values
+
     @property
     def ready(self) -> bool:
         return bool(self.request) or any(self.buffered.values())

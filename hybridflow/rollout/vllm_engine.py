@@ -289,8 +289,9 @@ class VLLMEngine(GenerationEngine):
     @contextlib.contextmanager
     def continuous(self, params: SamplingParams, rows: int, max_len: int):
         """The agent loop's continuous batch on vLLM's scheduler (rollout/vllm_continuous.py), on the
-        weights `generate` would load; None under vLLM tensor parallel (rollout.tg > 1: its ranks would
-        have to agree on when each row joins), where the loop runs waves of `generate` calls."""
+        weights `generate` would load; None under vLLM tensor parallel (rollout.tg > 1: each rank runs
+        its own copy of vLLM's scheduler, whose requests and steps would have to stay in lockstep; not
+        built), where the loop runs waves of `generate` calls."""
         if getattr(self, "shard_tp", None) is not None or self.config.tensor_parallel_size > 1:
             yield None
             return
