@@ -71,7 +71,7 @@ def ray_rows(model_dir: str, args, workdir: str) -> tuple[dict, object, object, 
 
     wl = argparse.Namespace(
         algorithm="grpo", model=model_dir, workdir=workdir, steps=100, batch_size=8, n=4,
-        response_length=32, lr=1e-4, kl_coef=0.01, seed=1, reward_workers=0, workers=1, set=[],
+        response_length=32, lr=1e-4, kl_coef=0.01, seed=1, reward_workers=0, workers=1, set=[], precision="fp32",
     )  # fmt: skip
     cfg = build_config(wl)
     start_ray_retrying(cfg.resources.ray_num_cpus)

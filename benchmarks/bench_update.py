@@ -14,7 +14,9 @@ bf16 as TRL runs it (autocast over fp32 weights). Both: the same batch, threads 
 --profile prints both sides' top ops by self CPU time (torch.profiler) for one step of each cell;
 --attention only times causal sdpa forward + backward on CPU in fp32, bf16, bf16 computed in fp32 and bf16 on
 sdpa's math kernel (what engines/varlen.py picks for short packed sequences in bf16);
---kernels times the hybridflow update and log-prob pass with that choice against flash, alternating.
+--kernels times the hybridflow update and log-prob pass with that choice against flash, alternating;
+--gather the same passes with a packed row's attention in one gathered call per layer against one call per
+run of equal lengths (engines/varlen_gather.py), prompts shared by 4 rows (GRPO's groups) and by none.
 Times are CPU seconds (process time), steadier than wall time on a shared machine.
 """
 
@@ -78,10 +80,15 @@ def plain_step(model, opt, batch, precision: str):
     return loss.detach(), (entropy * mask).sum() / mask.sum()
 
 
-def make_batch(vocab: int):
+def make_batch(vocab: int, group: int = 1):
+    """group > 1: rows in groups of `group` with one prompt each (GRPO's n samples per prompt)."""
     b = random_rl_batch(
         vocab, BATCH, LP, LR, seed=0, min_prompt_len=LP // 2, min_response_len=4, min_token_id=5
     )
+    if group > 1:
+        lead = torch.arange(BATCH) // group * group
+        for k in ("prompts", "input_ids", "attention_mask", "position_ids"):
+            b[k][:, :LP] = b[k][lead, :LP]
     b["old_log_probs"] = torch.zeros(BATCH, LR)
     b["ref_log_probs"] = -torch.rand(BATCH, LR) * b["response_mask"]
     return b
@@ -182,6 +189,48 @@ def kernel_cell(size: str, precision: str, steps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def gather_cell(size: str, precision: str, steps: int, group: int) -> dict:
+    """Median CPU seconds of the hybridflow update and log-prob pass with a packed row's attention in one
+    gathered call per layer (engines/varlen_gather.py, as shipped) and per run of equal lengths
+    (varlen_gather.CALL_ELEMS = -1: never), alternating; prompts shared in groups of `group` rows."""
+    from hybridflow.engines import varlen, varlen_gather
+
+    torch.manual_seed(0)
+    eng, loss_fn = engine_and_loss(build_tiny_model(size), precision)
+    batch = make_batch(eng.hf_model.config.vocab_size, group)
+    limits = {"gathered": varlen_gather.CALL_ELEMS, "per-length": -1}
+    passes = {
+        "update": lambda: hybridflow_step(eng, loss_fn, batch),
+        "log-probs": lambda: eng.compute_log_probs(batch),
+    }
+    times = {(p, k): [] for p in passes for k in limits}
+    for i in range(steps + 1):  # the first round is a warm-up
+        for kind in limits if i % 2 else reversed(list(limits)):
+            varlen_gather.CALL_ELEMS = limits[kind]
+            varlen._LAST_PLAN[:] = [None, None]  # the decision is cached per row of lengths
+            for name, run in passes.items():
+                start = time.process_time()
+                run()
+                if i:
+                    times[name, kind].append(time.process_time() - start)
+    varlen_gather.CALL_ELEMS = limits["gathered"]
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def gather_table(args) -> str:
+    head = "| model | precision | prompts shared by | pass | per-length CPU s | gathered CPU s | per-length / gathered |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for size in args.sizes:
+        for prec in args.precision:
+            for group in (4, 1):
+                t = gather_cell(size, prec, args.steps, group)
+                for name in ("update", "log-probs"):
+                    a, b = t[name, "per-length"], t[name, "gathered"]
+                    lines.append(f"| {size} | {prec} | {group} | {name} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
+                    print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", default=["small", "medium"])
@@ -193,8 +242,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--kernels", action="store_true", help="only the packed attention kernel A/B (math vs flash)"
     )
+    p.add_argument(
+        "--gather", action="store_true", help="only the packed attention A/B: gathered vs per length"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gather:
+        print(gather_table(args))
+        return 0
     if args.attention:
         print(attention_table())
         return 0

@@ -262,6 +262,12 @@ def main(argv=None) -> int:
         "--eos-steps", type=int, default=5, help="iterations per natural-EOS run (warm-up included)"
     )
     p.add_argument(
+        "--eos-settings",
+        choices=("all", "default"),
+        default="all",
+        help="natural-EOS hybridflow runs: every setting, or only the synchronous default (dp=1)",
+    )
+    p.add_argument(
         "--real-row",
         choices=("yes", "no", "only"),
         default="yes",

@@ -113,9 +113,12 @@ def natural_rows(args, workdir: Path, run_grpo_side, common_args, summarize) -> 
         runs = [
             (name, workers, sets, f"{i}") for i, (name, (workers, sets)) in enumerate(SYNC_VARIANTS.items())
         ]
-        runs += [(*AHEAD, "ahead")] if ahead_built() else []
-        runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
-        runs += [(*AHEAD_BOTH, "ahead_both")] if frozen_pool_both_built() else []
+        if args.eos_settings == "default":  # TRL and the synchronous default only (repeats of the short rows)
+            runs = runs[:1]
+        else:
+            runs += [(*AHEAD, "ahead")] if ahead_built() else []
+            runs += [(*AHEAD_TRAINING, "ahead_training")] if frozen_pool_built() else []
+            runs += [(*AHEAD_BOTH, "ahead_both")] if frozen_pool_both_built() else []
         for name, workers, sets, suffix in runs:
             print(
                 f"[vs_trl] natural EOS {cell}: hybridflow {name} ...",
@@ -224,7 +227,8 @@ def natural_table(rows: list[dict]) -> str:
             ahead_name, a = best
             ahead, ahead_ratio = f"{_rate(a):.0f}", f"**{_rate(a) / _rate(trl):.2f}x**"
         else:
-            ahead, ahead_ratio, ahead_name = "n/a (rollout_ahead not built)", "n/a", ""
+            why = "not run (--eos-settings default)" if ahead_built() else "rollout_ahead not built"
+            ahead, ahead_ratio, ahead_name = f"n/a ({why})", "n/a", ""
         trl_runs = ", ".join(f"{_rate(t):.0f}" for t in r.get("trl_runs", [trl]))
         default = r["sync"].get(DEFAULT_SYNC)  # what `hybridflow train` runs unless told otherwise
         default = f"{_rate(default):.0f} ({_rate(default) / _rate(trl):.2f}x)" if default else "-"

@@ -43,6 +43,17 @@ class SharedLayout:
             self._masks[key] = torch.ones(n, p + n, dtype=torch.bool, device=device).tril(p)
         return self._masks[key]
 
+    def gather_plan(self, heads: int, head_dim: int, device):
+        """Its one-call attention plan (engines/varlen_gather.py), built once per forward; None where the
+        per-length calls cost less."""
+        key = ("gather", heads, head_dim, str(device))
+        if key not in self._masks:
+            from hybridflow.engines import varlen_gather
+
+            segs = varlen_gather.from_shared(self)
+            self._masks[key] = varlen_gather.build(segs, device) if segs.pays(heads, head_dim) else None
+        return self._masks[key]
+
 
 @dataclass
 class SharedPlan:

@@ -38,6 +38,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from hybridflow.engines import varlen_gather
+
 NAME = "hybridflow_sdpa"
 _NO_MASK = contextvars.ContextVar("hybridflow_varlen_no_mask", default=False)
 # Longest key run for which a low-precision CPU call takes the math kernel's backward: flash's forward +
@@ -53,11 +55,32 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     returns (output (1, N, H, D), None)."""
     if shared_layout is not None:
         sdpa = _sdpa_for(query, _longest_keys(shared_layout), dropout)
+        plan = shared_layout.gather_plan(query.shape[1], query.shape[3], query.device)
+        if plan is not None:
+            return varlen_gather.attend(plan, query, key, value, dropout, scaling, sdpa), None
         return _shared(shared_layout, query, key, value, dropout, scaling, sdpa), None
     if seq_lens is None:  # padded rows (fully masked ones among them): PyTorch's kernel choice, unchanged
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     sdpa = _sdpa_for(query, max(seq_lens), dropout)
+    plan = _lengths_plan(seq_lens, query.shape[1], query.shape[3], query.device)
+    if plan is not None:
+        return varlen_gather.attend(plan, query, key, value, dropout, scaling, sdpa), None
     return _per_sequence(query, key, value, dropout, scaling, seq_lens, sdpa), None
+
+
+_LAST_PLAN: list = [
+    None,
+    None,
+]  # (key, GatherPlan or None) of the last seq_lens: every layer of a forward asks
+
+
+def _lengths_plan(seq_lens: list[int], heads: int, head_dim: int, device) -> varlen_gather.GatherPlan | None:
+    """The one-call plan of a row of sequences, or None where the per-length calls cost less."""
+    key = (tuple(seq_lens), heads, head_dim, str(device))
+    if _LAST_PLAN[0] != key:
+        segs = varlen_gather.from_lengths(seq_lens, len(_runs(seq_lens)))
+        _LAST_PLAN[:] = [key, varlen_gather.build(segs, device) if segs.pays(heads, head_dim) else None]
+    return _LAST_PLAN[1]
 
 
 def _sdpa_for(query: torch.Tensor, keys: int, dropout: float):
