@@ -18,14 +18,10 @@ def ray_cluster():
     controller tests keep their shared groups for the session)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=16,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+    from hybridflow.controller import ensure_ray
+
+    # ensure_ray: the user's path, which starts the node again if it misses Ray's 30 s (two test workers)
+    ensure_ray(address="local", num_cpus=16, log_to_driver=False, configure_logging=False)
     yield ray
     # Left running for the rest of the session; tests needing their own cluster call ray.shutdown().
 

@@ -16,6 +16,7 @@ trainer.rollout_ahead=1) count each other's, so two busy pools do not both take 
 from __future__ import annotations
 
 import os
+import sys
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -38,13 +39,29 @@ def ensure_ray(**init_kwargs) -> None:
         previous = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
-            ray.init(**init_kwargs)
+            _start_local(init_kwargs)
         finally:
             for key, value in previous.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+
+
+def _start_local(init_kwargs: dict, attempts: int = 3) -> None:
+    """ray.init of a new local cluster, started again when its node does not register in time. Ray
+    waits a fixed 30 s for the raylet (not configurable); on a busy machine (a loaded laptop, CI running
+    two test workers) the raylet can miss that once and come up fine on the next try."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as e:  # Ray raises a bare Exception for this one
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            ray.shutdown()
+            note = f"the local Ray node did not start within Ray's 30 s; starting it again ({attempt}/{attempts - 1})"
+            print(f"hybridflow: {note}", file=sys.stderr, flush=True)
 
 
 def embedded_worker_env() -> dict[str, str]:
