@@ -63,23 +63,6 @@ def _loss(outputs, mb):
     return -(outputs["log_probs"] * mb["advantages"] * mask).sum() / mask.sum(), {}
 
 
-def _stage_compute(engine, batch) -> float:
-    """Median seconds of one micro-batch's forward and backward through this rank's stage alone."""
-    stage, times = engine.pipeline.stage, []
-    stage.configure(SEQ // 2)
-    hidden = engine.hf_model.config.hidden_size
-    for mb in batch.split(ROWS):
-        ints = (mb["input_ids"], mb["attention_mask"], mb["position_ids"])
-        start = time.perf_counter()
-        if stage.first:
-            out = stage(*ints)[0]
-        else:
-            out = stage(torch.randn(ROWS, SEQ, hidden, requires_grad=True), *ints)
-        out.backward(torch.ones_like(out))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _switch(engine, pp: int) -> dict:
     """Mean seconds and bytes received of three train -> generate -> train switches, tg = 1."""
     from hybridflow.hybrid_engine.pipeline_switch import PipelineResharder
@@ -116,7 +99,7 @@ def _rank(rank: int, pp: int, m: int, model_dir: str, init: str, results) -> Non
     out["step_s"] = time.perf_counter() - start
     out["peak_gb"] = _rss_gb()
     if pp > 1:
-        out["bubble"] = 1 - m * _stage_compute(engine, batch) / out["step_s"]
+        out["bubble"] = 1 - m * _compute_alone(engine, batch) / out["step_s"]
     out.update(_switch(engine, pp))
     results[rank] = out
     dist.destroy_process_group()
