@@ -99,7 +99,7 @@ def test_reward_model_scores_equal_per_sequence(runs):
         (["critic.parallel.pp=2", "model.remove_padding=true"], "model.remove_padding: true with critic.parallel.pp = 2"),
         (["critic.parallel.pp=2", "critic.parallel.tp=2", "model.lora.rank=4", "resources.n_gpus_per_node=4"],
          "model.lora.critic: true with critic.parallel.pp = 2; adapters are not applied to pipeline stages"),
-        (["critic.parallel.pp=4", "resources.n_gpus_per_node=4"], "critic.parallel.pp = 4 exceeds the model's 2"),
+        (["critic.parallel.pp=4", "resources.n_gpus_per_node=4"], "critic.parallel.pp = 4: 4 pipeline stages exceed the model's 2"),
     ],
 )  # fmt: skip
 def test_what_stages_do_not_run_with_fails_in_one_line(tiny_model_dir, tmp_path, capsys, overrides, expected):
