@@ -71,8 +71,11 @@ format: $(STAMP)
 # misses Ray's 30 s start-up wait under that load is started again (controller/resource_pool.py).
 # PYTEST_WORKERS=0 runs one process (docs/testing.md).
 PYTEST_WORKERS ?= 2
+# Tests marked `timing` assert wall-clock bounds (timeouts, a tool's wait, process start-ups within a
+# reward's timeout): they run in one process after the rest, so the other worker's load cannot move them.
 test: lint
-	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 -m "not timing" tests
+	$(BIN)/python -m pytest -q -x --durations=5 -m timing tests
 	if [ -f $(VSTAMP) ]; then $(MAKE) test-vllm; fi
 
 # The numerics-sensitive tests under other CPUs' kernels: oneDNN capped below AMX (AVX512-BF16 tiles off), at

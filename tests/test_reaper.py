@@ -10,7 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from hybridflow.reaper import descendants
+
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = """

@@ -12,6 +12,8 @@ import pytest
 from hybridflow.agent.code_tool import run_python
 from hybridflow.config.sandbox import SandboxConfig
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 CFG = SandboxConfig(memory_mb=256, cpu_s=2.0, max_procs=16, file_size_mb=8)
 SECRET = "HYBRIDFLOW_TEST_SECRET"
 

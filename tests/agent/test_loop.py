@@ -27,6 +27,8 @@ from hybridflow.rollout import BuiltinEngine, SamplingParams
 from tests.agent.agent_files import digit_parser
 from tests.rollout.gen_helpers import prompt_batch
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 TEMPLATE = "<tool_response>{output}</tool_response>"
 
 

@@ -25,6 +25,8 @@ from tests.engines.dist_workers import run_group
 from tests.rollout.gen_helpers import prompt_batch
 from tests.rollout.test_tp_decoder import shard
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 LIMITS = AgentLimits(max_turns=4, max_tool_output_tokens=12, tool_response_template="<r>{output}</r>")
 GREEDY = SamplingParams(max_new_tokens=60, do_sample=False)
 SAMPLED = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)

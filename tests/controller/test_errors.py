@@ -9,6 +9,8 @@ import pytest
 from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup
 from tests.controller.workers import DataWorker, FailingInit
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 
 def test_worker_exception_names_group_rank_method_and_traceback(groups2):
     g = groups2["dp"]

@@ -12,6 +12,8 @@ from hybridflow.batch import Batch
 from hybridflow.controller import Future, get, shard_indices
 from tests.controller.workers import publish_rows
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 
 def _rows(n: int, n_shards: int, s: int) -> list[float]:
     rows, _ = shard_indices(n, n_shards, s)

@@ -12,6 +12,8 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.rewards import RewardConfig, RewardExecutor, RewardFunctionError, RewardSpecError
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 USER_REWARDS = textwrap.dedent(
     """
     import os, time

@@ -19,6 +19,8 @@ from hybridflow.errors import RunStopped, UserError
 from hybridflow.rewards import RewardConfig, RewardExecutor, RewardFailureError, RewardSpecError
 from hybridflow.rewards.executor import timeout_waits
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 REWARDS = textwrap.dedent(
     """
     import os, time

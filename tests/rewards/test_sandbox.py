@@ -17,6 +17,8 @@ import pytest
 from hybridflow.config.sandbox import SandboxConfig, sandbox_errors
 from hybridflow.rewards import RewardConfig, RewardExecutor
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 HOSTILE = textwrap.dedent(
     """
     import os

@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.trainers.lifecycle_helpers import (
     alive,
     cmdline,
@@ -17,6 +19,8 @@ from tests.trainers.lifecycle_helpers import (
     start_train,
     wait_for,
 )
+
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
 
 
 def _latest(run: Path) -> str:

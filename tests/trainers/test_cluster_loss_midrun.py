@@ -11,6 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.trainers.lifecycle_helpers import (
     alive,
     cmdline,
@@ -20,6 +22,8 @@ from tests.trainers.lifecycle_helpers import (
     start_train,
     wait_for,
 )
+
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
 
 
 def _kill_after_row(proc, run: Path, step: int, kind: str) -> tuple[int, set[int]]:

@@ -30,6 +30,8 @@ from tests.trainers.lifecycle_helpers import (
     worker_pids,
 )
 
+pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
+
 
 @pytest.fixture
 def config_file(tiny_model_dir, tmp_path):
