@@ -172,21 +172,13 @@ def kernel_cell(size: str, precision: str, steps: int) -> dict:
     eng, loss_fn = engine_and_loss(build_tiny_model(size), precision)
     batch = make_batch(eng.hf_model.config.vocab_size)
     limits = {"math": varlen.MATH_MAX_TOKENS, "flash": 0}
-    passes = {
-        "update": lambda: hybridflow_step(eng, loss_fn, batch),
-        "log-probs": lambda: eng.compute_log_probs(batch),
-    }
-    times = {(p, k): [] for p in passes for k in limits}
-    for i in range(steps + 1):  # the first round is a warm-up
-        for kernel in limits if i % 2 else reversed(list(limits)):
-            varlen.MATH_MAX_TOKENS = limits[kernel]
-            for name, run in passes.items():
-                start = time.process_time()
-                run()
-                if i:
-                    times[name, kernel].append(time.process_time() - start)
-    varlen.MATH_MAX_TOKENS = limits["math"]
-    return {k: statistics.median(v) for k, v in times.items()}
+
+    def use(kernel):
+        varlen.MATH_MAX_TOKENS = limits[kernel]
+
+    times = _alternate(eng, loss_fn, batch, limits, use, steps)
+    use("math")
+    return times
 
 
 def gather_cell(size: str, precision: str, steps: int, group: int) -> dict:
@@ -199,21 +191,32 @@ def gather_cell(size: str, precision: str, steps: int, group: int) -> dict:
     eng, loss_fn = engine_and_loss(build_tiny_model(size), precision)
     batch = make_batch(eng.hf_model.config.vocab_size, group)
     limits = {"gathered": varlen_gather.CALL_ELEMS, "per-length": -1}
+
+    def use(kind):
+        varlen_gather.CALL_ELEMS = limits[kind]
+        varlen._LAST_PLAN[:] = [None, None]  # the decision is cached per row of lengths
+
+    times = _alternate(eng, loss_fn, batch, limits, use, steps)
+    use("gathered")
+    return times
+
+
+def _alternate(eng, loss_fn, batch, limits: dict, use, steps: int) -> dict:
+    """Median CPU seconds of the update and the log-prob pass under each of `limits` (use(key) sets one),
+    alternating their order each round; the first round is a warm-up."""
     passes = {
         "update": lambda: hybridflow_step(eng, loss_fn, batch),
         "log-probs": lambda: eng.compute_log_probs(batch),
     }
     times = {(p, k): [] for p in passes for k in limits}
-    for i in range(steps + 1):  # the first round is a warm-up
-        for kind in limits if i % 2 else reversed(list(limits)):
-            varlen_gather.CALL_ELEMS = limits[kind]
-            varlen._LAST_PLAN[:] = [None, None]  # the decision is cached per row of lengths
+    for i in range(steps + 1):
+        for key in limits if i % 2 else reversed(list(limits)):
+            use(key)
             for name, run in passes.items():
                 start = time.process_time()
                 run()
                 if i:
-                    times[name, kind].append(time.process_time() - start)
-    varlen_gather.CALL_ELEMS = limits["gathered"]
+                    times[name, key].append(time.process_time() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
