@@ -86,15 +86,24 @@ def flops_metrics(flops: dict[str, float], times: dict[str, float], devices: dic
     return out
 
 
-def memory_metrics(groups: dict, driver: bool = True) -> tuple[dict[str, float], str | None]:
+def request_memory_stats(groups: dict) -> dict:
+    """Each distinct group's memory_stats call, issued without waiting (id(group) -> Future). Issued
+    before the driver waits for a step's last calls, it queues behind them on each worker and comes back
+    with them: the step pays no round trip of its own for its memory figures."""
+    return {id(group): group.memory_stats.future() for group in groups.values()}
+
+
+def memory_metrics(groups: dict, driver: bool = True, pending: dict | None = None) -> tuple[dict[str, float], str | None]:
     """perf/memory/<role>/{host_peak_rss_gb, max_memory_allocated_gb, max_memory_reserved_gb}: the max
     over the role's ranks (colocated roles share processes, so their figures coincide), plus the
-    driver's host RSS; -> (metrics, the accelerator's name or None)."""
+    driver's host RSS; -> (metrics, the accelerator's name or None). `pending`: request_memory_stats's
+    futures, read instead of calling the groups now."""
     out, name, seen = {}, None, {}
+    pending = pending or {}
     for role, group in groups.items():
         key = id(group)
         if key not in seen:
-            seen[key] = group.memory_stats()
+            seen[key] = pending[key].get() if key in pending else group.memory_stats()
         for stats in seen[key]:
             name = stats.get("device_name", name)
             for k, v in stats.items():
@@ -114,7 +123,8 @@ def step_resource_metrics(trainer, batch) -> dict[str, float]:
     if not hasattr(trainer, "_n_params"):
         m, critic = trainer.cfg.model, "critic" in trainer.groups
         trainer._n_params = (count_params(m.path), count_params(m.critic_path or m.path) if critic else 0)
-    out, device_name = memory_metrics(trainer.groups)
+    pending, trainer.memory_pending = getattr(trainer, "memory_pending", None), None
+    out, device_name = memory_metrics(trainer.groups, pending=pending)
     a, c = trainer.cfg.actor, trainer.cfg.critic
     tokens = float(batch["attention_mask"].sum())
     # old log-probs cost a forward only when the actor ran one for them (trainers/sources/base.py old_log_prob_source)

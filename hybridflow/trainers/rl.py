@@ -29,6 +29,7 @@ from hybridflow.algorithms import build_kl_controller
 from hybridflow.batch import Batch
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
+from hybridflow.trainers.perf import request_memory_stats
 from hybridflow.trainers.sources import OldLogProbs, source_class
 
 # phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
@@ -146,6 +147,7 @@ class RLTrainer(Trainer):
         """Wait for the step: its calls' timing, the updates' metrics and the experience's (data
         metrics, KL); the adaptive KL controller moves by this step's KL."""
         updates, self.updates = self.updates, []
+        self.memory_pending = request_memory_stats(self.groups)  # rides behind the updates (trainers/perf.py)
         self.timers.collect(OVERLAP_SECTIONS)
         metrics, self.metrics = self.metrics, {}
         for fut in updates:

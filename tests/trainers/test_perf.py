@@ -89,3 +89,10 @@ def test_worker_memory_stats_and_the_per_role_max(monkeypatch):
     assert actor.calls == 1 and name == "NVIDIA H200"  # a colocated group is asked once
     assert out["perf/memory/actor_rollout/host_peak_rss_gb"] == 2.0
     assert out["perf/memory/ref/max_memory_allocated_gb"] == 5.0
+
+    class Pending:  # request_memory_stats's Future: read at log time, no call of its own then
+        def get(self):
+            return [{"host_peak_rss_gb": 7.0}]
+
+    out, _ = memory_metrics({"actor_rollout": actor}, driver=False, pending={id(actor): Pending()})
+    assert actor.calls == 1 and out["perf/memory/actor_rollout/host_peak_rss_gb"] == 7.0
