@@ -75,10 +75,12 @@ def measure_profile(
         peak, half = mb.fit_gemm(rates)
         per_layer = mb.layer_overhead(dtype, device, repeats)
         per_step = mb.decode_step_overhead(dtype, per_layer, device)
+        per_value = mb.activation_cost(dtype, peak, half, device)
         raw[name] = {
             "gemm_flops_by_width": rates,
             "layer_overhead_s": per_layer,
             "decode_step_overhead_s": per_step,
+            "activation_s_per_element": per_value,
         }
         entry = get_device(base if name == "float32" or device != "cpu" else "cpu-bf16")
         devices[name] = replace(
@@ -91,6 +93,7 @@ def measure_profile(
             memory_efficiency=1.0,
             layer_overhead_s=per_layer,
             decode_step_overhead_s=per_step,
+            activation_s_per_element=per_value,
             bytes_per_param=dtype.itemsize,
             measured=True,
             **path_terms,

@@ -7,6 +7,8 @@
                     Python and dispatch cost a layer adds beyond its FLOPs
     decode step     HF generate's seconds per new token on a 1-layer model, less that layer's overhead:
                     sampling, cache bookkeeping and the generate loop
+    activations     a tiny Llama's forward + backward at 32 and 2,048 tokens: the seconds per activation
+                    value its non-matmul ops write (norms, rotary, SiLU, softmax), beyond its GEMMs
     collectives     gloo all-reduce between two processes: 4 bytes (latency) and 8 MiB (bandwidth)
     start-up        a fresh Python importing torch and transformers (recorded; paid once per run, so the
                     per-iteration model does not price it)
@@ -106,6 +108,38 @@ def layer_overhead(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) ->
         n: best_seconds(lambda m=_tiny(n, dtype, device): m(input_ids=ids), repeats, device) for n in (1, 9)
     }
     return max(0.0, (times[9] - times[1]) / 8)
+
+
+ACTIVATION_TOKENS = ((2, 16), (32, 64))  # rows x tokens: a fixed-cost-bound and a token-bound micro-batch
+
+
+def activation_cost(
+    dtype: torch.dtype, peak: float, half_width: float, device: str = "cpu", repeats: int = 3
+) -> float:
+    """Seconds per activation value (ModelSpec.layer_activation_elements) of a training pass: a tiny
+    Llama's forward + backward at two token counts, the difference less its GEMM FLOPs at the fitted rate,
+    over the difference in values written (a training micro-batch is 3 passes)."""
+    from hybridflow.planner.specs import ModelSpec
+
+    model = _tiny(2, dtype, device).train()
+    cfg = model.config
+    spec = ModelSpec("tiny", 2, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                     cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+    rate = peak * spec.hidden / (spec.hidden + half_width)
+    cost = []
+    for rows, n in ACTIVATION_TOKENS:
+        ids = torch.randint(5, cfg.vocab_size, (rows, n), device=device, generator=None)
+
+        def fwd_bwd(ids=ids):
+            model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
+
+        seconds = best_seconds(fwd_bwd, repeats, device, min_s=0.0)
+        tokens = rows * n
+        flops = 3 * tokens * spec.forward_flops_per_token(n / 2)
+        values = 3 * tokens * (2 * spec.layer_activation_elements(n / 2) + spec.head_activation_elements())
+        cost.append((seconds - flops / rate, values))
+    (lo_s, lo_v), (hi_s, hi_v) = cost
+    return max(0.0, (hi_s - lo_s) / (hi_v - lo_v))
 
 
 @torch.no_grad()

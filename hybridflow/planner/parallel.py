@@ -178,6 +178,7 @@ def enumerate_options(
     """
     dev, dpn = cluster.device, cluster.devices_per_node
     spec, bpp = task.spec, dev.bytes_per_param
+    wl = wl.for_role(task.role)
     budget = dev.memory_bytes * dev.usable_memory_fraction
     kinds = task.kinds()
     lm_head = task.role in ("actor", "reference")

@@ -7,14 +7,15 @@ compute dtype, memory bandwidth, the fixed cost per layer and per decode step, c
 bandwidth between two ranks, process start-up. It is a small versioned YAML/JSON file, one per machine
 kind, that users can share; `hybridflow plan --profile FILE` and `resources.planner_profile` plan with it.
 
-    version: 2
+    version: 3
     name: cpu-measured           # the device name plans made with it carry
     host: {...}                  # where it was measured (CPU model, torch version, threads)
     devices: {float32: {DeviceSpec fields}, bfloat16: {...}}   # one entry per compute dtype measured
     measurements: {...}          # the raw figures the coefficients came from, for the record
 
-Version 1 profiles (before the path's fixed costs were measured: PATH_FIELDS) still load: those terms
-take their DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note.
+Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the path's fixed costs,
+version 3 the activations' cost per value) take their DeviceSpec default, 0 (not priced, as when the
+profile was written), with a one-line note.
 
 Pure: no torch here, so the planner reads a profile without loading it.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 # the terms version 2 added (microbench_path.py): a version 1 profile has none of them
 PATH_FIELDS = (
     "call_overhead_s",
@@ -39,6 +40,8 @@ PATH_FIELDS = (
     "optimizer_layer_overhead_s",
     "optimizer_step_overhead_s",
 )
+# version -> the terms it added (a file of an earlier version prices them at 0)
+ADDED_FIELDS = {2: PATH_FIELDS, 3: ("activation_s_per_element",)}
 DTYPES = ("float32", "bfloat16")
 _DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}
 
@@ -52,7 +55,7 @@ class DeviceProfile:
     host: dict = field(default_factory=dict)
     measurements: dict = field(default_factory=dict)
     version: int = PROFILE_VERSION
-    notes: tuple[str, ...] = ()  # what loading it assumed (a version 1 file's missing terms)
+    notes: tuple[str, ...] = ()  # what loading it assumed (an older file's missing terms)
 
     def __post_init__(self):
         if not self.devices:
@@ -84,7 +87,7 @@ class DeviceProfile:
         if not isinstance(data, dict) or "devices" not in data:
             raise ValueError(f"{source}: not a device profile (no `devices` section)")
         version = data.get("version")
-        if version not in (1, PROFILE_VERSION):
+        if version not in range(1, PROFILE_VERSION + 1):
             raise ValueError(
                 f"{source}: device profile version {version!r}, this build reads version {PROFILE_VERSION}; "
                 "re-run `hybridflow calibrate --out FILE`"
@@ -123,10 +126,11 @@ class DeviceProfile:
 
 
 def _missing_path_terms(data: dict, version: int, source: str) -> tuple[str, ...]:
-    missing = sorted({f for spec in data["devices"].values() for f in PATH_FIELDS if f not in spec})
-    if version == PROFILE_VERSION or not missing:
+    newer = [f for v, added in ADDED_FIELDS.items() if v > version for f in added]
+    missing = sorted({f for spec in data["devices"].values() for f in newer if f not in spec})
+    if not missing:
         return ()
     return (
-        f"{source}: a version {version} device profile without the per-call terms ({', '.join(missing)}); "
+        f"{source}: a version {version} device profile without the terms measured since ({', '.join(missing)}); "
         "they are priced at 0, as it was written; `hybridflow calibrate --out FILE` measures them",
     )

@@ -13,6 +13,9 @@
   from the driver (a Ray round trip and the batch's transfer); each micro-batch pass pays a fixed cost
   beyond its layers, and each layer pass one for tensor parallelism (t > 1) and one for FSDP2 (d > 1);
   each optimizer step a per-layer and a fixed cost. They are what a small model's stage mostly is.
+- Non-matmul work per token (`activation_time`): the activation values a pass's norms, rotary, SiLU and
+  softmaxes write, at the profile's measured cost per value; memory-bound, it grows with tokens as the GEMMs
+  do but does not shrink with the GEMM rate.
 """
 
 from __future__ import annotations
@@ -75,6 +78,15 @@ def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     return dev.micro_batch_overhead_s + layers * layer_pass_overhead(dev, t) + fsdp
 
 
+def activation_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, context: float, layers: float, t: int,
+                    head: bool = True) -> float:  # fmt: skip
+    """Seconds of one forward pass's non-matmul ops over `tokens` tokens on a rank holding `layers` layers
+    (and the LM head if `head`) at tensor size t, which splits the heads and the MLP."""
+    elements = layers * spec.layer_activation_elements(context) / t
+    elements += spec.head_activation_elements() if head else 0.0
+    return tokens * elements * dev.activation_s_per_element
+
+
 def _matmul_time(dev: DeviceSpec, flops: float, width: float = math.inf) -> float:
     """`width` is the narrowest GEMM dimension a device sees (hidden / t): tensor parallelism makes
     GEMMs skinny, and skinny GEMMs reach less of the peak (half of it at width = gemm_half_width)."""
@@ -110,7 +122,7 @@ def training_time(
         _matmul_time(dev, flops, spec.hidden / t)
         + tp_comm
         + pp_comm
-        + passes * path_overhead(dev, layers, t, d)
+        + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, mbs * s, s / 2, layers, t))
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
@@ -135,6 +147,7 @@ def inference_time(
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
+    slot += activation_time(spec, dev, mbs * s, s / 2, layers, t)
     return (m + p - 1) * slot + call_time(dev, wl.sequences * s)
 
 
@@ -164,7 +177,7 @@ def generation_time(
     prefill = _matmul_time(dev, prefill_flops, spec.hidden / tg) + 2 * L * collective_time(
         dev, b * lp * spec.hidden * dev.bytes_per_param, tg, bw_tp
     )
-    prefill += path_overhead(dev, L, tg, 1)
+    prefill += path_overhead(dev, L, tg, 1) + activation_time(spec, dev, b * lp, lp / 2, L, tg)
     # decode: per step, read weights + KV cache (at the average context) once
     context = lp + lr / 2
     weights = spec.num_params * dev.bytes_per_param / tg
@@ -174,6 +187,7 @@ def generation_time(
     comm = 2 * L * collective_time(dev, b * spec.hidden * dev.bytes_per_param, tg, bw_tp)
     comm += (pg - 1) * dev.comm_latency_s
     step = (memory**2 + compute**2) ** 0.5 + comm + L * layer_pass_overhead(dev, tg)
+    step += activation_time(spec, dev, b, context, L, tg)
     step += dev.decode_step_overhead_s  # a decode step's fixed rest (sampling, cache bookkeeping)
     call = call_time(dev, wl.sequences * generation_factor * (lp + lr))  # the driver moves every sequence
     return waves * (prefill + lr * step) + call

@@ -49,6 +49,16 @@ class ModelSpec:
         """K and V for every layer: 2 * layers * kv_heads * head_dim values per token."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
 
+    def layer_activation_elements(self, context: float) -> float:
+        """Activation values one layer's non-matmul ops write per token in a forward pass: two RMSNorms and
+        the residual adds (~12 x hidden), rotary q/k, SiLU(gate) x up (~4 x ffn), attention's softmax (3 per
+        head and key). A count of the right shape: the profile's activation_s_per_element is fitted to it."""
+        return 12 * self.hidden + 4 * self.ffn_hidden + 3 * self.num_heads * context
+
+    def head_activation_elements(self) -> float:
+        """The same for the LM head's log-softmax over the vocabulary, per token."""
+        return 4 * self.vocab_size
+
     def forward_flops_per_token(self, context: float) -> float:
         """Matmul FLOPs of one forward pass per token attending to `context` earlier tokens."""
         dense = 2 * (self.num_layers * self.layer_params + self.vocab_size * self.hidden)
@@ -163,6 +173,9 @@ class DeviceSpec:
     fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks
     optimizer_layer_overhead_s: float = 0.0  # per layer per optimizer step: the per-tensor loop of AdamW
     optimizer_step_overhead_s: float = 0.0  # per optimizer step: the rest (embeddings, head, bookkeeping)
+    # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
+    # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
+    activation_s_per_element: float = 0.0
     usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers
     measured: bool = False  # True: from a device profile measured on the machine (profile.py); else datasheet
 
@@ -259,6 +272,10 @@ class WorkloadSpec:
     mini_batches: int = 8  # optimizer steps per epoch, each a gradient all-reduce (8 = 128 prompts each)
     micro_batch_size: int = 1  # sequences per device per forward/backward in training
     inference_micro_batch_size: int = 8  # sequences per device per forward in inference
+    # per role (the planner's names), its own (training, inference) micro-batch rows: each worker runs
+    # its passes at its section's size (the critic's values at critic's, old log-probs at the actor's); a
+    # role not named takes the two above. Pairs, not a dict: frozen and hashable
+    role_micro_batches: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self):
         for field in ("prompts", "samples_per_prompt", "prompt_len", "response_len", "ppo_epochs"):
@@ -270,6 +287,13 @@ class WorkloadSpec:
     @property
     def sequences(self) -> int:
         return self.prompts * self.samples_per_prompt
+
+    def for_role(self, role: str) -> WorkloadSpec:
+        """This workload with `role`'s own micro-batch sizes (role_micro_batches)."""
+        for name, train, infer in self.role_micro_batches:
+            if name == role:
+                return replace(self, micro_batch_size=train, inference_micro_batch_size=infer, role_micro_batches=())
+        return self
 
     @property
     def seq_len(self) -> int:

@@ -155,8 +155,16 @@ def build_planner_dataflow(cfg, rollout_ahead: int | None = None) -> Dataflow:
     return Dataflow(df.algorithm, models, df.old_log_probs)
 
 
+def _micro_batch_rows(section, seq_len: int) -> int:
+    """Rows a micro-batch of `section` holds: its max_tokens_per_micro_batch over full-length rows where set."""
+    tokens = getattr(section, "max_tokens_per_micro_batch", 0)
+    return max(1, tokens // seq_len) if tokens else section.micro_batch_size_per_device
+
+
 def build_planner_workload(cfg) -> WorkloadSpec:
     d, act = cfg.data, cfg.actor
+    seq_len = d.max_prompt_length + cfg.rollout.response_length
+    rows = {s: _micro_batch_rows(getattr(cfg, s), seq_len) for s in ("actor", "critic", "ref", "reward")}
     return WorkloadSpec(
         prompts=d.train_batch_size,
         samples_per_prompt=cfg.rollout.n,
@@ -164,8 +172,16 @@ def build_planner_workload(cfg) -> WorkloadSpec:
         response_len=cfg.rollout.response_length,
         ppo_epochs=act.ppo_epochs,
         mini_batches=act.num_mini_batches,
-        micro_batch_size=act.micro_batch_size_per_device,
-        inference_micro_batch_size=cfg.ref.micro_batch_size_per_device,
+        micro_batch_size=rows["actor"],
+        inference_micro_batch_size=rows["ref"],
+        # each worker's passes run at its own section's size (workers/common.py engine_config)
+        role_micro_batches=(
+            ("actor", rows["actor"], rows["actor"]),
+            ("critic", rows["critic"], rows["critic"]),
+            ("reference", rows["ref"], rows["ref"]),
+            ("reward", rows["reward"], rows["reward"]),
+            ("cost", rows["reward"], rows["reward"]),
+        ),
     )
 
 

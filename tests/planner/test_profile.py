@@ -13,7 +13,7 @@ from hybridflow.cli import main
 from hybridflow.planner import ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec, build_dataflow, plan
 from hybridflow.planner.microbench import fit_gemm
 from hybridflow.planner.microbench_path import fit_training_path
-from hybridflow.planner.profile import PATH_FIELDS, DeviceProfile
+from hybridflow.planner.profile import PATH_FIELDS, PROFILE_VERSION, DeviceProfile
 from hybridflow.planner.specs import get_device
 
 # the tiny "small" Llama (hybridflow.models.tiny) and a batch like examples/configs/grpo_tiny.yaml's
@@ -41,10 +41,11 @@ def test_profile_round_trips(tmp_path, suffix):
                 tp_layer_overhead_s=4e-3, fsdp_layer_overhead_s=2e-3, optimizer_layer_overhead_s=1e-3,
                 optimizer_step_overhead_s=1e-4)  # fmt: skip
     assert set(path) == set(PATH_FIELDS)
-    profile = _profile(layer_overhead_s=2e-4, **path)
+    profile = _profile(layer_overhead_s=2e-4, activation_s_per_element=3e-9, **path)
     loaded = DeviceProfile.load(profile.save(tmp_path / f"cpu{suffix}"))
     assert loaded == profile and loaded.notes == ()
     assert all(getattr(loaded.device("float32"), k) == v for k, v in path.items())
+    assert loaded.device("float32").activation_s_per_element == 3e-9
     assert loaded.device("bfloat16").bytes_per_param == 2 and loaded.device("float32").measured
 
 
@@ -53,7 +54,7 @@ def test_a_version_1_profile_loads_without_the_path_terms_and_says_so(tmp_path, 
     data = _profile().to_dict()
     data["version"] = 1
     for spec in data["devices"].values():
-        for name in PATH_FIELDS:
+        for name in (*PATH_FIELDS, "activation_s_per_element"):
             spec.pop(name)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
@@ -61,10 +62,25 @@ def test_a_version_1_profile_loads_without_the_path_terms_and_says_so(tmp_path, 
     assert all(getattr(loaded.device("float32"), name) == 0.0 for name in PATH_FIELDS)
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert note.startswith(
-        f"note: {path}: a version 1 device profile without the per-call terms (call_overhead_s"
+        f"note: {path}: a version 1 device profile without the terms measured since (activation_s_per_element, "
+        "call_overhead_s"
     )
     assert "hybridflow calibrate --out" in note
-    assert DeviceProfile.from_dict(loaded.to_dict()).version == 2  # saved again, it is a version 2 file
+    assert DeviceProfile.from_dict(loaded.to_dict()).version == PROFILE_VERSION  # saved again: this version
+
+
+def test_a_version_2_profile_prices_activations_at_0_and_says_so(tmp_path, capsys):
+    data = _profile().to_dict()
+    data["version"] = 2
+    for spec in data["devices"].values():
+        spec.pop("activation_s_per_element")
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    loaded = DeviceProfile.load(path)
+    assert loaded.device("float32").activation_s_per_element == 0.0
+    assert loaded.device("float32").call_overhead_s == _profile().device("float32").call_overhead_s
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert "a version 2 device profile without the terms measured since (activation_s_per_element)" in note
 
 
 def test_profile_refuses_what_it_cannot_read(tmp_path):
@@ -119,6 +135,22 @@ def test_a_plan_prices_the_path_where_the_profile_does():
     assert slow_calls.strategy == "standalone" and slow_calls.iteration_seconds > catalogue.iteration_seconds
     slow_tp = _grpo_plan(_profile(tp_layer_overhead_s=0.05).device("float32"))
     assert slow_tp.strategy == "colocate" and all(m.t == 1 for m in slow_tp.models)
+
+
+def test_activation_time_and_each_roles_micro_batch_by_hand():
+    """A pass's non-matmul values at the profile's cost per value; a role's passes at its own micro-batch."""
+    from hybridflow.planner.simulate import activation_time, inference_time
+
+    spec = ModelSpec("m", 2, 64, 4, 2, 128, vocab_size=100)
+    dev = _profile(activation_s_per_element=1e-9).device("float32")
+    per_token = 2 * (12 * 64 + 4 * 128 + 3 * 4 * 10) / 2 + 4 * 100  # t = 2 splits the layers, not the head
+    assert activation_time(spec, dev, 32, 10, 2, 2) == pytest.approx(32 * per_token * 1e-9)
+    assert activation_time(spec, _profile().device("float32"), 32, 10, 2, 1) == 0.0  # not measured: 0
+    wl = WorkloadSpec(64, 1, 8, 8, inference_micro_batch_size=8, role_micro_batches=(("critic", 4, 64),))
+    assert wl.for_role("critic").inference_micro_batch_size == 64 and wl.for_role("actor") == wl
+    dev = _profile(micro_batch_overhead_s=1e-2, layer_overhead_s=0.0).device("float32")
+    one, eight = (inference_time(spec, dev, w, 2, 1, 1, 1) for w in (wl.for_role("critic"), wl))
+    assert eight - one == pytest.approx(7 * 1e-2)  # 8 passes of 8 rows against 1 of 64
 
 
 def test_training_path_fit_by_hand():

@@ -68,6 +68,12 @@ def test_planner_inputs_from_the_config(make_config, tiny_model_dir):
     wl = build_planner_workload(cfg)
     assert (wl.prompts, wl.samples_per_prompt, wl.prompt_len, wl.response_len) == (8, 2, 16, 4)
     assert (wl.ppo_epochs, wl.mini_batches, wl.micro_batch_size) == (3, 4, 4)
+    # each worker's passes at its own section's micro-batch (the critic's values at critic's)
+    cfg = make_config("ppo", "critic.micro_batch_size_per_device=64", "ref.max_tokens_per_micro_batch=100")
+    wl = build_planner_workload(cfg)
+    assert wl.for_role("critic").inference_micro_batch_size == 64 == wl.for_role("critic").micro_batch_size
+    assert wl.for_role("reference").inference_micro_batch_size == 100 // (16 + 4)  # tokens over full rows
+    assert wl.for_role("actor").inference_micro_batch_size == cfg.actor.micro_batch_size_per_device
     assert build_planner_dataflow(make_config("rloo", KL_LOSS)).roles == ("actor", "reference")
 
 
