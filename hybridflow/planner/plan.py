@@ -285,7 +285,10 @@ def build_plan(
         device=cluster.device.name,
         num_devices=cluster.num_devices,
         devices_per_node=cluster.devices_per_node,
-        workload={**asdict(wl), "role_micro_batches": [list(r) for r in wl.role_micro_batches]},  # as YAML reads it
+        workload={
+            **asdict(wl),
+            "role_micro_batches": [list(r) for r in wl.role_micro_batches],
+        },  # as YAML reads it
         pools=pools,
         models=models,
         stage_seconds=stage,

@@ -292,7 +292,9 @@ class WorkloadSpec:
         """This workload with `role`'s own micro-batch sizes (role_micro_batches)."""
         for name, train, infer in self.role_micro_batches:
             if name == role:
-                return replace(self, micro_batch_size=train, inference_micro_batch_size=infer, role_micro_batches=())
+                return replace(
+                    self, micro_batch_size=train, inference_micro_batch_size=infer, role_micro_batches=()
+                )
         return self
 
     @property

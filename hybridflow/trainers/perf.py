@@ -93,7 +93,9 @@ def request_memory_stats(groups: dict) -> dict:
     return {id(group): group.memory_stats.future() for group in groups.values()}
 
 
-def memory_metrics(groups: dict, driver: bool = True, pending: dict | None = None) -> tuple[dict[str, float], str | None]:
+def memory_metrics(
+    groups: dict, driver: bool = True, pending: dict | None = None
+) -> tuple[dict[str, float], str | None]:
     """perf/memory/<role>/{host_peak_rss_gb, max_memory_allocated_gb, max_memory_reserved_gb}: the max
     over the role's ranks (colocated roles share processes, so their figures coincide), plus the
     driver's host RSS; -> (metrics, the accelerator's name or None). `pending`: request_memory_stats's
