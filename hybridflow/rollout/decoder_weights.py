@@ -77,10 +77,12 @@ def pack_layer(weights: Mapping[str, torch.Tensor], layer, prefix: str, pack: bo
         bs = [weights.get(prefix + n + ".bias") for n in names]
         if pack:
             w = torch.cat(ws) if len(ws) > 1 else ws[0]
+            if mkl:
+                return ((MklPacked(w), _cat_bias(ws, bs)),)
             # fp32: (in, out) copies for MKL; 16-bit (oneDNN): the (out, in) tensor's transposed view, 5-10%
             # faster at decode shapes (32 rows of the 25M model) than an (in, out) copy
             w_t = w.t().contiguous() if w.dtype == torch.float32 else w.t()
-            return ((MklPacked(w) if mkl else w_t, _cat_bias(ws, bs)),)
+            return ((w_t, _cat_bias(ws, bs)),)
         return tuple((w.t(), b) for w, b in zip(ws, bs))
 
     return PackedLayer(
