@@ -111,9 +111,10 @@ def training_time(
     seqs_per_replica = math.ceil(wl.sequences / wl.mini_batches / d)
     m = math.ceil(seqs_per_replica / mbs)
     passes = 4 if checkpoint else 3  # forward + backward (2x) [+ recomputed forward]
-    flops = mbs * s * spec.forward_flops_per_token(s / 2) * passes / (p * t)
+    tokens = mbs * wl.tokens_per_sequence(mbs)  # attention still sees the whole sequence (context s / 2)
+    flops = tokens * spec.forward_flops_per_token(s / 2) * passes / (p * t)
     layers = spec.num_layers / p
-    act_bytes = mbs * s * spec.hidden * dev.bytes_per_param
+    act_bytes = tokens * spec.hidden * dev.bytes_per_param
     tp_comm = (
         layers * (2 * passes) * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     )
@@ -122,7 +123,7 @@ def training_time(
         _matmul_time(dev, flops, spec.hidden / t)
         + tp_comm
         + pp_comm
-        + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, mbs * s, s / 2, layers, t))
+        + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
@@ -141,13 +142,14 @@ def inference_time(
     seqs_per_replica = math.ceil(wl.sequences / d)
     mbs = min(mbs, seqs_per_replica)
     m = math.ceil(seqs_per_replica / mbs)
-    flops = mbs * s * spec.forward_flops_per_token(s / 2) / (p * t)
+    tokens = mbs * wl.tokens_per_sequence(mbs)
+    flops = tokens * spec.forward_flops_per_token(s / 2) / (p * t)
     layers = spec.num_layers / p
-    act_bytes = mbs * s * spec.hidden * dev.bytes_per_param
+    act_bytes = tokens * spec.hidden * dev.bytes_per_param
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
-    slot += activation_time(spec, dev, mbs * s, s / 2, layers, t)
+    slot += activation_time(spec, dev, tokens, s / 2, layers, t)
     return (m + p - 1) * slot + call_time(dev, wl.sequences * s)
 
 
@@ -172,12 +174,14 @@ def generation_time(
     lp, lr = wl.prompt_len, wl.response_len
     bw_tp = _tp_bandwidth(dev, devices_per_node, tg)
     L = spec.num_layers
-    # prefill: compute-bound over the prompts; the pg stages run in turn, so only tg divides the work
-    prefill_flops = b * lp * spec.forward_flops_per_token(lp / 2) / tg
+    # prefill: compute-bound over the prompts, each once for its samples (the engines cache n copies of its
+    # k/v); the pg stages run in turn, so only tg divides the work
+    bp = math.ceil(b / wl.samples_per_prompt)
+    prefill_flops = bp * lp * spec.forward_flops_per_token(lp / 2) / tg
     prefill = _matmul_time(dev, prefill_flops, spec.hidden / tg) + 2 * L * collective_time(
-        dev, b * lp * spec.hidden * dev.bytes_per_param, tg, bw_tp
+        dev, bp * lp * spec.hidden * dev.bytes_per_param, tg, bw_tp
     )
-    prefill += path_overhead(dev, L, tg, 1) + activation_time(spec, dev, b * lp, lp / 2, L, tg)
+    prefill += path_overhead(dev, L, tg, 1) + activation_time(spec, dev, bp * lp, lp / 2, L, tg)
     # decode: per step, read weights + KV cache (at the average context) once
     context = lp + lr / 2
     weights = spec.num_params * dev.bytes_per_param / tg

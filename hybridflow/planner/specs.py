@@ -276,6 +276,8 @@ class WorkloadSpec:
     # its passes at its section's size (the critic's values at critic's, old log-probs at the actor's); a
     # role not named takes the two above. Pairs, not a dict: frozen and hashable
     role_micro_batches: tuple[tuple[str, int, int], ...] = ()
+    # the training-side forwards compute a prompt once for its samples in a micro-batch (model.share_prompt)
+    shared_prompts: bool = False
 
     def __post_init__(self):
         for field in ("prompts", "samples_per_prompt", "prompt_len", "response_len", "ppo_epochs"):
@@ -287,6 +289,13 @@ class WorkloadSpec:
     @property
     def sequences(self) -> int:
         return self.prompts * self.samples_per_prompt
+
+    def tokens_per_sequence(self, rows: int) -> float:
+        """Tokens a training-side forward computes per sequence in micro-batches of `rows` rows: with shared
+        prompts a prompt once for the samples of it a micro-batch holds (consecutive rows)."""
+        if not self.shared_prompts:
+            return float(self.seq_len)
+        return self.prompt_len / min(self.samples_per_prompt, rows) + self.response_len
 
     def for_role(self, role: str) -> WorkloadSpec:
         """This workload with `role`'s own micro-batch sizes (role_micro_batches)."""

@@ -161,6 +161,24 @@ def _micro_batch_rows(section, seq_len: int) -> int:
     return max(1, tokens // seq_len) if tokens else section.micro_batch_size_per_device
 
 
+def _shares_prompts(cfg) -> bool:
+    """Whether the training-side forwards compute each prompt once for its samples (model.share_prompt,
+    resolved for the actor's model type as the engines resolve it)."""
+    import json
+    from pathlib import Path
+
+    from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
+
+    config = Path(cfg.model.path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
+    try:
+        return resolve_share_prompt(
+            cfg.model.share_prompt, resolve_remove_padding(cfg.model.remove_padding, model_type)
+        )
+    except ValueError:  # a contradiction the engines refuse in one line when they start
+        return False
+
+
 def build_planner_workload(cfg) -> WorkloadSpec:
     d, act = cfg.data, cfg.actor
     seq_len = d.max_prompt_length + cfg.rollout.response_length
@@ -182,6 +200,7 @@ def build_planner_workload(cfg) -> WorkloadSpec:
             ("reward", rows["reward"], rows["reward"]),
             ("cost", rows["reward"], rows["reward"]),
         ),
+        shared_prompts=cfg.rollout.n > 1 and _shares_prompts(cfg),
     )
 
 

@@ -146,6 +146,9 @@ def test_activation_time_and_each_roles_micro_batch_by_hand():
     per_token = 2 * (12 * 64 + 4 * 128 + 3 * 4 * 10) / 2 + 4 * 100  # t = 2 splits the layers, not the head
     assert activation_time(spec, dev, 32, 10, 2, 2) == pytest.approx(32 * per_token * 1e-9)
     assert activation_time(spec, _profile().device("float32"), 32, 10, 2, 1) == 0.0  # not measured: 0
+    shared = WorkloadSpec(8, 4, 16, 4, shared_prompts=True)  # a prompt once for its samples in a micro-batch
+    assert shared.tokens_per_sequence(8) == 16 / 4 + 4 and shared.tokens_per_sequence(2) == 16 / 2 + 4
+    assert replace(shared, shared_prompts=False).tokens_per_sequence(8) == 20
     wl = WorkloadSpec(64, 1, 8, 8, inference_micro_batch_size=8, role_micro_batches=(("critic", 4, 64),))
     assert wl.for_role("critic").inference_micro_batch_size == 64 and wl.for_role("actor") == wl
     dev = _profile(micro_batch_overhead_s=1e-2, layer_overhead_s=0.0).device("float32")

@@ -74,6 +74,8 @@ def test_planner_inputs_from_the_config(make_config, tiny_model_dir):
     assert wl.for_role("critic").inference_micro_batch_size == 64 == wl.for_role("critic").micro_batch_size
     assert wl.for_role("reference").inference_micro_batch_size == 100 // (16 + 4)  # tokens over full rows
     assert wl.for_role("actor").inference_micro_batch_size == cfg.actor.micro_batch_size_per_device
+    assert wl.shared_prompts  # a llama model: padding removed, prompts shared, as the engines resolve it
+    assert not build_planner_workload(make_config("ppo", "model.share_prompt=false")).shared_prompts
     assert build_planner_dataflow(make_config("rloo", KL_LOSS)).roles == ("actor", "reference")
 
 
