@@ -128,7 +128,7 @@ def activation_cost(
     rate = peak * spec.hidden / (spec.hidden + half_width)
     cost = []
     for rows, n in ACTIVATION_TOKENS:
-        ids = torch.randint(5, cfg.vocab_size, (rows, n), device=device, generator=None)
+        ids = torch.randint(5, cfg.vocab_size, (rows, n), device=device)
 
         def fwd_bwd(ids=ids):
             model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()

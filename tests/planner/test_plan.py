@@ -138,4 +138,7 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "fsdp_layer_overhead_s"):
         assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0
     assert fp32.peak_flops >= 0.9 * min(raw["float32"]["gemm_flops_by_width"].values())
+    # 2,048 tokens' non-matmul work costs something on any CPU; per dtype, as measured
+    assert fp32.activation_s_per_element == raw["float32"]["activation_s_per_element"] > 0
+    assert bf16.activation_s_per_element == raw["bfloat16"]["activation_s_per_element"] > 0
     assert result["profile"] == profile.name == "cpu-measured"
