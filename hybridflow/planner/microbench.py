@@ -122,13 +122,11 @@ def activation_cost(
     from hybridflow.planner.specs import ModelSpec
 
     model = _tiny(2, dtype, device).train()
-    cfg = model.config
-    spec = ModelSpec("tiny", 2, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                     cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+    spec = ModelSpec.from_config_dict(model.config.to_dict())
     rate = peak * spec.hidden / (spec.hidden + half_width)
     cost = []
     for rows, n in ACTIVATION_TOKENS:
-        ids = torch.randint(5, cfg.vocab_size, (rows, n), device=device)
+        ids = torch.randint(5, spec.vocab_size, (rows, n), device=device)
 
         def fwd_bwd(ids=ids):
             model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
@@ -136,7 +134,11 @@ def activation_cost(
         seconds = best_seconds(fwd_bwd, repeats, device, min_s=0.0)
         tokens = rows * n
         flops = 3 * tokens * spec.forward_flops_per_token(n / 2)
-        values = 3 * tokens * (2 * spec.layer_activation_elements(n / 2) + spec.head_activation_elements())
+        values = (
+            3
+            * tokens
+            * (spec.num_layers * spec.layer_activation_elements(n / 2) + spec.head_activation_elements())
+        )
         cost.append((seconds - flops / rate, values))
     (lo_s, lo_v), (hi_s, hi_v) = cost
     return max(0.0, (hi_s - lo_s) / (hi_v - lo_v))

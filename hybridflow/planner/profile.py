@@ -104,7 +104,7 @@ class DeviceProfile:
             host=dict(data.get("host") or {}),
             measurements=dict(data.get("measurements") or {}),
             version=PROFILE_VERSION,
-            notes=_missing_path_terms(data, version, source),
+            notes=_missing_terms(data, version, source),
         )
 
     def save(self, path: str | Path) -> Path:
@@ -125,7 +125,7 @@ class DeviceProfile:
         return profile
 
 
-def _missing_path_terms(data: dict, version: int, source: str) -> tuple[str, ...]:
+def _missing_terms(data: dict, version: int, source: str) -> tuple[str, ...]:
     newer = [f for v, added in ADDED_FIELDS.items() if v > version for f in added]
     missing = sorted({f for spec in data["devices"].values() for f in newer if f not in spec})
     if not missing:

@@ -78,12 +78,12 @@ def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     return dev.micro_batch_overhead_s + layers * layer_pass_overhead(dev, t) + fsdp
 
 
-def activation_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, context: float, layers: float, t: int,
-                    head: bool = True) -> float:  # fmt: skip
-    """Seconds of one forward pass's non-matmul ops over `tokens` tokens on a rank holding `layers` layers
-    (and the LM head if `head`) at tensor size t, which splits the heads and the MLP."""
-    elements = layers * spec.layer_activation_elements(context) / t
-    elements += spec.head_activation_elements() if head else 0.0
+def activation_time(
+    spec: ModelSpec, dev: DeviceSpec, tokens: float, context: float, layers: float, t: int
+) -> float:
+    """Seconds of one forward pass's non-matmul ops over `tokens` tokens on a rank holding `layers` layers and
+    the LM head, at tensor size t, which splits the heads and the MLP (not the head's log-softmax)."""
+    elements = layers * spec.layer_activation_elements(context) / t + spec.head_activation_elements()
     return tokens * elements * dev.activation_s_per_element
 
 

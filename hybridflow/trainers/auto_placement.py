@@ -164,16 +164,13 @@ def _micro_batch_rows(section, seq_len: int) -> int:
 def _shares_prompts(cfg) -> bool:
     """Whether the training-side forwards compute each prompt once for its samples (model.share_prompt,
     resolved for the actor's model type as the engines resolve it)."""
-    import json
-    from pathlib import Path
-
     from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
+    from hybridflow.models.files import model_type
 
-    config = Path(cfg.model.path) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
+    kind = model_type(cfg.model.path) or ""
     try:
         return resolve_share_prompt(
-            cfg.model.share_prompt, resolve_remove_padding(cfg.model.remove_padding, model_type)
+            cfg.model.share_prompt, resolve_remove_padding(cfg.model.remove_padding, kind)
         )
     except ValueError:  # a contradiction the engines refuse in one line when they start
         return False

@@ -90,7 +90,8 @@ def request_memory_stats(groups: dict) -> dict:
     """Each distinct group's memory_stats call, issued without waiting (id(group) -> Future). Issued
     before the driver waits for a step's last calls, it queues behind them on each worker and comes back
     with them: the step pays no round trip of its own for its memory figures."""
-    return {id(group): group.memory_stats.future() for group in groups.values()}
+    distinct = {id(group): group for group in groups.values()}  # colocated roles: one call for their group
+    return {key: group.memory_stats.future() for key, group in distinct.items()}
 
 
 def memory_metrics(

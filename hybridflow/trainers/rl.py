@@ -171,6 +171,7 @@ class RLTrainer(Trainer):
 
     def load_extra_state(self, state: dict) -> None:
         self.updates = []  # a restart (lifecycle.py) drops the calls of the step that failed
+        self.memory_pending = None
         self.source.reset()  # a restart or a resume: what was in flight is gone (load_checkpoint restores it)
         if "kl_ctrl" in state:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
