@@ -110,11 +110,11 @@ def measure(dp: int, rows: int, steps: int, optimizer: str) -> dict[str, float]:
     for step in range(steps + 1):
         times.clear()
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         engine.train_step(
             batch, loss_fn, with_entropy="detached", loss_weighting=split_aggregation(actor.loss_agg_mode)[1]
         )
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu
         dist.barrier()
         gather = time.perf_counter()
         for unit in units:
@@ -124,6 +124,7 @@ def measure(dp: int, rows: int, steps: int, optimizer: str) -> dict[str, float]:
         if step == 0:
             continue  # warm-up
         samples["step"].append(total)
+        samples["step_cpu"].append(cpu)  # this process's CPU seconds (its gloo threads too): no waiting
         rest = total - sum(times[k] for k in ("plan", "forward", "loss", "clip", "adamw", "schedule"))
         samples["backward"].append(rest)  # the backward and what forward_backward does around the passes
         for k in PIECES:
@@ -159,7 +160,7 @@ def table(results: dict[int, dict], rows: list[int]) -> None:
     print("| piece | " + " | ".join(f"d={d} {r} rows" for d in results for r in rows) + " | "
           + " | ".join(f"d={d} fixed" for d in results) + " |")  # fmt: skip
     print("|---" * (1 + len(results) * (len(rows) + 1)) + "|")
-    for piece in ("step", *PIECES):
+    for piece in ("step", "step_cpu", *PIECES):
         cells = [f"{results[d][str(r)][piece] * 1e3:.1f}" for d in results for r in rows]
         fixed = []
         for d in results:

@@ -50,10 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure_profile(
-    base: str = "cpu", device: str = "cpu", dtypes=("float32",), repeats: int = 5
+    base: str = "cpu", device: str = "cpu", dtypes=("float32",), repeats: int = 5, size: str = "tiny"
 ) -> DeviceProfile:
     """Run the micro-benchmarks (microbench.py) and write their figures into `base`'s catalogue entry: a
-    DeviceSpec per dtype with measured GEMM rate and fall-off, bandwidth, overheads and (on CPU) links."""
+    DeviceSpec per dtype with measured GEMM rate and fall-off, bandwidth, overheads and (on CPU) links.
+    The training path's runs on layers of the tiny model `size` (FSDP2's gathers move their bytes)."""
     import platform
 
     import torch
@@ -65,7 +66,7 @@ def measure_profile(
     links, path = {}, {}
     if device == "cpu":  # two-rank gloo between processes of this machine: what its collectives run on
         raw["collectives"] = links = mb.collectives()
-        raw["training_path"] = path = mbp.training_path(3)  # (a GPU's runs on NCCL: the entry's)
+        raw["training_path"] = path = mbp.training_path(3, size)  # (a GPU's runs on NCCL: the entry's)
     raw["worker_call"] = calls = mbp.worker_call(repeats)
     path_terms = {**calls, **{k: path[k] for k in PATH_TERMS if k in path}}
     devices = {}
@@ -118,6 +119,8 @@ PATH_TERMS = (
     "fsdp_layer_overhead_s",
     "optimizer_layer_overhead_s",
     "optimizer_step_overhead_s",
+    "fsdp_optimizer_layer_overhead_s",
+    "tp_optimizer_layer_overhead_s",
 )
 
 
@@ -246,7 +249,7 @@ def run(args) -> int:
     start = time.perf_counter()
     profile = None
     if args.out:
-        profile = measure_profile(args.device, args.on, ("float32", "bfloat16"), args.repeats + 2)
+        profile = measure_profile(args.device, args.on, ("float32", "bfloat16"), args.repeats + 2, args.size)
         console.print(
             f"device profile written to {profile.save(args.out)} ({time.perf_counter() - start:.0f} s)"
         )

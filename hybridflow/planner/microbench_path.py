@@ -26,7 +26,7 @@ from hybridflow.planner.microbench import best_seconds
 
 LAYERS = (1, 5)
 LAYOUTS = ("t1d1", "t1d2", "t2d1")
-TOKENS = (2, 16)  # one micro-batch per rank: rows x tokens
+TOKENS = (2, 16)  # one micro-batch per rank: rows x tokens (the fixed costs; FLOPs are priced apart)
 
 
 class EchoWorker(Worker):
@@ -61,35 +61,42 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
     return {"call_overhead_s": call, "transfer_bandwidth": nbytes / max(big_call - call, 1e-9)}
 
 
-def _model(layers: int, tp: int, dp: int):
+def _model(size: str, layers: int, tp: int, dp: int):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
     from hybridflow.engines.parallelize import parallelize
     from hybridflow.models.tiny import build_tiny_config
 
-    cfg = build_tiny_config("tiny", "llama", num_hidden_layers=layers)
+    cfg = build_tiny_config(size, "llama", num_hidden_layers=layers)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")) if tp * dp > 1 else None
     return parallelize(model, model, mesh), cfg.vocab_size
 
 
-def _step_times(layers: int, tp: int, dp: int, repeats: int) -> tuple[float, float]:
-    """(forward + backward, AdamW step) seconds of one micro-batch."""
-    model, vocab = _model(layers, tp, dp)
+def _step_times(size: str, layers: int, tp: int, dp: int, repeats: int) -> tuple[float, float]:
+    """(forward + backward, optimizer step) seconds of one micro-batch; the step as the engine's
+    (engines/optim.py: clipping by the global norm, then AdamW as the engine builds it)."""
+    from hybridflow.engines.config import OptimConfig
+    from hybridflow.engines.optim import build_optimizer, clip_grad_norm_
+
+    model, vocab = _model(size, layers, tp, dp)
     ids = torch.randint(5, vocab, TOKENS, generator=torch.Generator().manual_seed(0))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optim = build_optimizer(model.parameters(), OptimConfig(lr=1e-5, grad_clip=1.0))
 
     def fwd_bwd():
         model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
 
+    def step():
+        clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+
     train = best_seconds(fwd_bwd, repeats, min_s=0.0)
-    step = best_seconds(optim.step, repeats, min_s=0.0)
-    return train, step
+    return train, best_seconds(step, repeats, min_s=0.0)
 
 
-def _training_child(rank: int, init_file: str, out: str, repeats: int) -> None:
+def _training_child(rank: int, init_file: str, out: str, repeats: int, size: str) -> None:
     import json
 
     import torch.distributed as dist
@@ -101,22 +108,23 @@ def _training_child(rank: int, init_file: str, out: str, repeats: int) -> None:
         tp, dp = int(layout[1]), int(layout[3])
         for layers in LAYERS:
             dist.barrier()  # both ranks time the same layout at once, as a run's ranks do
-            result[f"{layout}/{layers}"] = _step_times(layers, tp, dp, repeats)
+            result[f"{layout}/{layers}"] = _step_times(size, layers, tp, dp, repeats)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
 
 
-def training_path(repeats: int = 5) -> dict[str, float]:
-    """Per-layer and per-micro-batch costs of a training step as the engines run it on 2 gloo ranks."""
+def training_path(repeats: int = 5, size: str = "tiny") -> dict[str, float]:
+    """Per-layer and per-micro-batch costs of a training step as the engines run it on 2 gloo ranks, on
+    layers of the tiny model `size` (models/tiny.py: FSDP2's gathers move its layers' bytes)."""
     import json
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_training_child, args=(init, out, repeats), nprocs=2, join=True)
+        mp.spawn(_training_child, args=(init, out, repeats, size), nprocs=2, join=True)
         raw = {k: tuple(v) for k, v in json.load(open(out)).items()}
     return fit_training_path(raw)
 
@@ -137,5 +145,9 @@ def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
         "tp_layer_overhead_s": max(0.0, slope("t2d1", 0) - base) / 3,
         "optimizer_layer_overhead_s": max(0.0, slope("t1d1", 1)),
         "optimizer_step_overhead_s": max(0.0, raw[f"t1d1/{lo}"][1] - lo * slope("t1d1", 1)),
+        # the same step on DTensors: a list kernel per layout, each op through DTensor's dispatch, the
+        # norm's all-reduce
+        "fsdp_optimizer_layer_overhead_s": max(0.0, slope("t1d2", 1) - slope("t1d1", 1)),
+        "tp_optimizer_layer_overhead_s": max(0.0, slope("t2d1", 1) - slope("t1d1", 1)),
         "raw": {k: list(v) for k, v in raw.items()},
     }

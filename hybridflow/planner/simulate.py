@@ -12,7 +12,8 @@
 - Fixed costs of the path (`path_overhead`, `call_time`): each model's stage is one worker-group call
   from the driver (a Ray round trip and the batch's transfer); each micro-batch pass pays a fixed cost
   beyond its layers, and each layer pass one for tensor parallelism (t > 1) and one for FSDP2 (d > 1);
-  each optimizer step a per-layer and a fixed cost. They are what a small model's stage mostly is.
+  each optimizer step a per-layer and a fixed cost, the per-layer one higher on DTensors (t > 1, d > 1).
+  They are what a small model's stage mostly is.
 - Non-matmul work per token (`activation_time`): the activation values a pass's norms, rotary, SiLU and
   softmaxes write, at the profile's measured cost per value; memory-bound, it grows with tokens as the GEMMs
   do but does not shrink with the GEMM rate.
@@ -78,6 +79,15 @@ def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     return dev.micro_batch_overhead_s + layers * layer_pass_overhead(dev, t) + fsdp
 
 
+def optimizer_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
+    """Fixed seconds of one optimizer step (clipping, AdamW) on a rank holding `layers` layers at tensor
+    size t, data size d: on DTensors (t > 1 or d > 1) each layer costs more than on plain tensors."""
+    per_layer = dev.optimizer_layer_overhead_s
+    per_layer += dev.fsdp_optimizer_layer_overhead_s if d > 1 else 0.0
+    per_layer += dev.tp_optimizer_layer_overhead_s if t > 1 else 0.0
+    return dev.optimizer_step_overhead_s + layers * per_layer
+
+
 def activation_time(
     spec: ModelSpec, dev: DeviceSpec, tokens: float, context: float, layers: float, t: int
 ) -> float:
@@ -129,7 +139,7 @@ def training_time(
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
     sync = collective_time(dev, grads, d, dp_bandwidth(dev, devices_per_node, p, t, d))
     optimizer_step = 2 * (16 * spec.num_params / (p * t * d)) / (dev.hbm_bandwidth * dev.memory_efficiency)
-    optimizer_step += dev.optimizer_step_overhead_s + layers * dev.optimizer_layer_overhead_s
+    optimizer_step += optimizer_overhead(dev, layers, t, d)
     steps = wl.ppo_epochs * wl.mini_batches
     return steps * (pipeline + sync + optimizer_step) + call_time(dev, wl.sequences * s)
 

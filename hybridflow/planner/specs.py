@@ -171,8 +171,14 @@ class DeviceSpec:
     micro_batch_overhead_s: float = 0.0  # per micro-batch per pass beyond its layers: embeddings, head, loss
     tp_layer_overhead_s: float = 0.0  # per layer per pass at t > 1: DTensor dispatch, row-wise all-reduces
     fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks
-    optimizer_layer_overhead_s: float = 0.0  # per layer per optimizer step: the per-tensor loop of AdamW
+    optimizer_layer_overhead_s: float = (
+        0.0  # per layer per optimizer step: clipping and AdamW on plain tensors
+    )
     optimizer_step_overhead_s: float = 0.0  # per optimizer step: the rest (embeddings, head, bookkeeping)
+    # per layer per optimizer step beyond plain tensors' on FSDP2's (d > 1) and tensor parallelism's (t > 1)
+    # DTensors: each op through DTensor's dispatch, the norm's all-reduce (profiles before version 4: 0)
+    fsdp_optimizer_layer_overhead_s: float = 0.0
+    tp_optimizer_layer_overhead_s: float = 0.0
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0
