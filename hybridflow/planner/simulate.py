@@ -117,7 +117,7 @@ def training_time(
     checkpoint: bool,
 ) -> float:
     """Training stage of one model: epochs * mini-batches * (pipelined micro-batches + grad sync)."""
-    s, mbs = wl.seq_len, wl.micro_batch_size
+    s, mbs = wl.packed_seq_len, wl.micro_batch_size
     seqs_per_replica = math.ceil(wl.sequences / wl.mini_batches / d)
     m = math.ceil(seqs_per_replica / mbs)
     passes = 4 if checkpoint else 3  # forward + backward (2x) [+ recomputed forward]
@@ -141,14 +141,15 @@ def training_time(
     optimizer_step = 2 * (16 * spec.num_params / (p * t * d)) / (dev.hbm_bandwidth * dev.memory_efficiency)
     optimizer_step += optimizer_overhead(dev, layers, t, d)
     steps = wl.ppo_epochs * wl.mini_batches
-    return steps * (pipeline + sync + optimizer_step) + call_time(dev, wl.sequences * s)
+    call = call_time(dev, wl.sequences * wl.seq_len)  # the rows travel padded
+    return steps * (pipeline + sync + optimizer_step) + call
 
 
 def inference_time(
     spec: ModelSpec, dev: DeviceSpec, wl: WorkloadSpec, devices_per_node: int, p: int, t: int, d: int
 ) -> float:
     """One forward pass over every (prompt, response) sequence of the iteration."""
-    s, mbs = wl.seq_len, wl.inference_micro_batch_size
+    s, mbs = wl.packed_seq_len, wl.inference_micro_batch_size
     seqs_per_replica = math.ceil(wl.sequences / d)
     mbs = min(mbs, seqs_per_replica)
     m = math.ceil(seqs_per_replica / mbs)
@@ -160,7 +161,7 @@ def inference_time(
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
-    return (m + p - 1) * slot + call_time(dev, wl.sequences * s)
+    return (m + p - 1) * slot + call_time(dev, wl.sequences * wl.seq_len)
 
 
 def generation_time(

@@ -186,6 +186,34 @@ def test_activation_time_and_each_roles_micro_batch_by_hand():
     assert eight - one == pytest.approx(7 * 1e-2)  # 8 passes of 8 rows against 1 of 64
 
 
+def test_passes_are_priced_at_the_mean_prompt_and_memory_at_the_bound():
+    """A mean prompt of 7 tokens under a bound of 16: training and inference cost what 7-token prompts
+    cost; generation's padded prefill, the KV cache and activations' memory keep 16."""
+    from hybridflow.planner.parallel import enumerate_options
+    from hybridflow.planner.simulate import generation_time, inference_time, training_time
+
+    dev = get_device("cpu")  # no call or transfer terms: the rows' padded bytes cost nothing here
+    mean, short = replace(WORKLOAD, mean_prompt_len=7.0), replace(WORKLOAD, prompt_len=7)
+    assert mean.packed_seq_len == 11.0 and mean.seq_len == 20
+    assert training_time(SMALL, dev, mean, 4, 1, 1, 2, False) == training_time(
+        SMALL, dev, short, 4, 1, 1, 2, False
+    )
+    assert inference_time(SMALL, dev, mean, 4, 1, 1, 2) == inference_time(SMALL, dev, short, 4, 1, 1, 2)
+    assert training_time(SMALL, dev, mean, 4, 1, 1, 2, False) < training_time(
+        SMALL, dev, WORKLOAD, 4, 1, 1, 2, False
+    )
+    assert generation_time(SMALL, dev, mean, 4, 2, 1, 1) == generation_time(SMALL, dev, WORKLOAD, 4, 2, 1, 1)
+    actor = build_dataflow("grpo", SMALL, reward_model=False).model("actor")
+    cluster = ClusterSpec.build("cpu", 2, 2)
+    memory = [
+        [(o.persistent_bytes, o.transient_bytes) for o in enumerate_options(actor, cluster, w, 2)]
+        for w in (mean, WORKLOAD)
+    ]
+    assert memory[0] == memory[1] and memory[0]
+    with pytest.raises(ValueError, match="mean_prompt_len"):
+        replace(WORKLOAD, mean_prompt_len=17.0)
+
+
 def test_training_path_fit_by_hand():
     """Per-layer slopes of 1 and 5 layers; a micro-batch is 3 passes: t1d1's slope 3 ms is 1 ms a pass, its
     rest 7 ms is 2.33 ms a pass; d2's extra slope 3 ms and t2's 6 ms are 1 and 2 ms a layer pass; the
