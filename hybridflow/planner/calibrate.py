@@ -119,8 +119,8 @@ PATH_TERMS = (
     "fsdp_layer_overhead_s",
     "optimizer_layer_overhead_s",
     "optimizer_step_overhead_s",
-    "fsdp_optimizer_layer_overhead_s",
-    "tp_optimizer_layer_overhead_s",
+    "fsdp_optimizer_step_overhead_s",
+    "tp_optimizer_step_overhead_s",
 )
 
 

@@ -44,7 +44,7 @@ PATH_FIELDS = (
 ADDED_FIELDS = {
     2: PATH_FIELDS,
     3: ("activation_s_per_element",),
-    4: ("fsdp_optimizer_layer_overhead_s", "tp_optimizer_layer_overhead_s"),
+    4: ("fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s"),
 }
 DTYPES = ("float32", "bfloat16")
 _DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}

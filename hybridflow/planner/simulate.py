@@ -12,7 +12,7 @@
 - Fixed costs of the path (`path_overhead`, `call_time`): each model's stage is one worker-group call
   from the driver (a Ray round trip and the batch's transfer); each micro-batch pass pays a fixed cost
   beyond its layers, and each layer pass one for tensor parallelism (t > 1) and one for FSDP2 (d > 1);
-  each optimizer step a per-layer and a fixed cost, the per-layer one higher on DTensors (t > 1, d > 1).
+  each optimizer step a per-layer and a fixed cost, the fixed one higher on DTensors (t > 1, d > 1).
   They are what a small model's stage mostly is.
 - Non-matmul work per token (`activation_time`): the activation values a pass's norms, rotary, SiLU and
   softmaxes write, at the profile's measured cost per value; memory-bound, it grows with tokens as the GEMMs
@@ -81,11 +81,11 @@ def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
 
 def optimizer_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     """Fixed seconds of one optimizer step (clipping, AdamW) on a rank holding `layers` layers at tensor
-    size t, data size d: on DTensors (t > 1 or d > 1) each layer costs more than on plain tensors."""
-    per_layer = dev.optimizer_layer_overhead_s
-    per_layer += dev.fsdp_optimizer_layer_overhead_s if d > 1 else 0.0
-    per_layer += dev.tp_optimizer_layer_overhead_s if t > 1 else 0.0
-    return dev.optimizer_step_overhead_s + layers * per_layer
+    size t, data size d: on DTensors (t > 1 or d > 1) the step pays their reductions and dispatch too."""
+    fixed = dev.optimizer_step_overhead_s
+    fixed += dev.fsdp_optimizer_step_overhead_s if d > 1 else 0.0
+    fixed += dev.tp_optimizer_step_overhead_s if t > 1 else 0.0
+    return fixed + layers * dev.optimizer_layer_overhead_s
 
 
 def activation_time(

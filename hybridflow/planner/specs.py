@@ -175,10 +175,10 @@ class DeviceSpec:
         0.0  # per layer per optimizer step: clipping and AdamW on plain tensors
     )
     optimizer_step_overhead_s: float = 0.0  # per optimizer step: the rest (embeddings, head, bookkeeping)
-    # per layer per optimizer step beyond plain tensors' on FSDP2's (d > 1) and tensor parallelism's (t > 1)
-    # DTensors: each op through DTensor's dispatch, the norm's all-reduce (profiles before version 4: 0)
-    fsdp_optimizer_layer_overhead_s: float = 0.0
-    tp_optimizer_layer_overhead_s: float = 0.0
+    # per optimizer step beyond plain tensors' on FSDP2's (d > 1) and tensor parallelism's (t > 1) DTensors:
+    # the clipping norm's reductions and the fused kernel's dispatch per layout (profiles before version 4: 0)
+    fsdp_optimizer_step_overhead_s: float = 0.0
+    tp_optimizer_step_overhead_s: float = 0.0
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0

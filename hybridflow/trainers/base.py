@@ -149,12 +149,8 @@ class Trainer(ValidationMixin):
 
     def mean_prompt_len(self) -> float:
         """The training prompts' mean token count (0: no prompt dataset loaded)."""
-        samples = (
-            getattr(self.train_loader.dataset, "samples", None) if self.train_loader is not None else None
-        )
-        if not samples or not hasattr(samples[0], "input_ids"):
-            return 0.0
-        return sum(len(s.input_ids) for s in samples) / len(samples)
+        ds = self.train_loader.dataset if self.train_loader is not None else None
+        return ds.mean_length() if isinstance(ds, PromptDataset) else 0.0
 
     def reward_columns(self) -> set[str] | None:
         """The training prompts' columns a reward function may ask for (None: not a prompt dataset)."""

@@ -136,7 +136,7 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     assert fp32.call_overhead_s == raw["worker_call"]["call_overhead_s"] > 0
     assert fp32.transfer_bandwidth == raw["worker_call"]["transfer_bandwidth"] > 0
     for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "fsdp_layer_overhead_s",
-                 "fsdp_optimizer_layer_overhead_s", "tp_optimizer_layer_overhead_s"):  # fmt: skip
+                 "fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s"):  # fmt: skip
         assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0
     assert fp32.peak_flops >= 0.9 * min(raw["float32"]["gemm_flops_by_width"].values())
     # 2,048 tokens' non-matmul work costs something on any CPU; per dtype, as measured
