@@ -1,16 +1,17 @@
 """Where a training step's time goes, piece by piece, as the actor worker runs it (docs/bench/planner.md).
 
-On d gloo ranks (d = 1 and 2, one thread each) a TrainEngine holds the small tiny Llama with padding removal
-and shared prompts, as `hybridflow train` builds the GRPO actor (examples/configs/grpo_tiny.yaml: prompts of
-5-9 tokens, 8 samples of 4 tokens each, one micro-batch of up to 256 rows), and steps the actor's loss on
-`rows` rows a rank. Each piece of `TrainEngine.train_step` is timed where it runs: the micro-batch plan,
-each forward, the loss, the backward (with FSDP2's hooks, gathers and reduce-scatters at d = 2), the
-gradient clipping, AdamW and the LR schedule; FSDP2's unshard + reshard of every unit is timed on its own.
-Two row counts separate the fixed part from the per-token part. Medians over the steps after a warm-up,
-the max over ranks (a collective step waits for the slowest).
+A TrainEngine holds the small tiny Llama with padding removal and shared prompts, as `hybridflow train`
+builds the GRPO actor (examples/configs/grpo_tiny.yaml: prompts of 5-9 tokens, 8 samples of 4 tokens
+each, one micro-batch of up to 256 rows), and steps the actor's loss on `rows` rows a rank, one thread a
+process, in three layouts: d1 (one process), 2xd1 (two single-rank processes at once: the machine shared,
+no collective between them) and d2 (two gloo ranks, FSDP2). Each piece of `TrainEngine.train_step` is
+timed where it runs: the micro-batch plan, each forward, the loss, the backward (with FSDP2's hooks,
+gathers and reduce-scatters at d2), the gradient clipping, AdamW and the LR schedule; FSDP2's unshard +
+reshard of every unit is timed on its own, and the step's CPU seconds beside its wall seconds (the
+difference is waiting: for a peer at a collective, or for a core). Two row counts separate the fixed
+part from the per-token part. Medians over the steps after a warm-up, the max over ranks.
 
-    .venv/bin/python benchmarks/bench_train_breakdown.py [--rows 128 256] [--steps 6] [--optimizer loop|grouped]
-"""
+    .venv/bin/python benchmarks/bench_train_breakdown.py [--rows 128 256] [--steps 6] [--optimizer built|loop]"""
 
 from __future__ import annotations
 
@@ -29,20 +30,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 PIECES = ("plan", "forward", "loss", "backward", "clip", "adamw", "schedule", "unshard_reshard")
-
-
-def grpo_batch(vocab: int, rows: int, seed: int, n: int = 8):
-    """GRPO-shaped rows: prompts of 5-9 tokens (mean 7) shared by n consecutive rows, 4-token responses."""
-    from hybridflow.batch import position_ids_from_mask
-    from hybridflow.models.tiny import random_rl_batch
-
-    b = random_rl_batch(vocab, rows, lp=9, lr=4, seed=seed, min_prompt_len=5, min_response_len=4)
-    first = torch.arange(rows) // n * n
-    prompts = b["prompts"][first]
-    attn = torch.cat([(prompts != 0).long(), b["response_mask"]], 1)
-    b["prompts"], b["input_ids"], b["attention_mask"] = prompts, torch.cat([prompts, b["responses"]], 1), attn
-    b["position_ids"] = position_ids_from_mask(attn)
-    return b
 
 
 def _timed(times: dict, key: str, fn):
@@ -96,15 +83,16 @@ def _fsdp_units(engine) -> list:
 def measure(dp: int, rows: int, steps: int, optimizer: str) -> dict[str, float]:
     """Median seconds of each piece per train step on this rank (and the step's total, `step`)."""
     from hybridflow.config.schema import ActorConfig, AlgorithmConfig
+    from hybridflow.planner.microbench_path import grpo_rows
     from hybridflow.workers.losses import actor_loss_fn, split_aggregation
 
-    engine = _engine(dp, optimizer)
+    engine = _engine(dp, optimizer)  # dp = 1: plain tensors, no mesh
     times: dict[str, float] = defaultdict(float)
     _instrument(engine, times)
     actor = ActorConfig()
     inner = actor_loss_fn(actor, AlgorithmConfig(), 4, old_from_forward=True)
     loss_fn = _timed(times, "loss", inner)
-    batch = grpo_batch(engine.hf_model.config.vocab_size, rows, seed=dist.get_rank() if dp > 1 else 0)
+    batch = grpo_rows(engine.hf_model.config.vocab_size, rows, seed=dist.get_rank() if dp > 1 else 0)
     units = _fsdp_units(engine) if dp > 1 else []
     samples = defaultdict(list)
     for step in range(steps + 1):
@@ -133,32 +121,42 @@ def measure(dp: int, rows: int, steps: int, optimizer: str) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _child(rank: int, world: int, init: str, out: str, rows: list[int], steps: int, optimizer: str) -> None:
+def _child(rank: int, world: int, tmp: str, rows: list[int], steps: int, optimizer: str) -> None:
+    """One rank of the group rank // world (groups of `world` ranks, each its own process group)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    group, rank = divmod(rank, world)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init{group}", rank=rank, world_size=world)
     result = {str(r): measure(world, r, steps, optimizer) for r in rows}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
-        worst = {r: {k: max(g[r][k] for g in gathered) for k in gathered[0][r]} for r in result}
-        with open(out, "w") as f:
-            json.dump(worst, f)
+        with open(f"{tmp}/out{group}", "w") as f:
+            json.dump(gathered, f)
     dist.destroy_process_group()
 
 
-def run(world: int, rows: list[int], steps: int, optimizer: str) -> dict:
+# layout -> (processes, ranks a group): one process; two single-rank processes at once (the machine
+# shared, no collective between them); two ranks of one FSDP2 group
+LAYOUTS = {"d1": (1, 1), "2xd1": (2, 1), "d2": (2, 2)}
+
+
+def run(layout: str, rows: list[int], steps: int, optimizer: str) -> dict:
+    """Each piece's median seconds at each row count, the max over every rank of every group."""
+    procs, world = LAYOUTS[layout]
     with tempfile.TemporaryDirectory() as tmp:
-        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_child, args=(world, init, out, rows, steps, optimizer), nprocs=world, join=True)
-        with open(out) as f:
-            return json.load(f)
+        mp.spawn(_child, args=(world, tmp, rows, steps, optimizer), nprocs=procs, join=True)
+        ranks = []
+        for group in range(procs // world):
+            with open(f"{tmp}/out{group}") as f:
+                ranks += json.load(f)
+    return {r: {k: max(g[r][k] for g in ranks) for k in ranks[0][r]} for r in ranks[0]}
 
 
-def table(results: dict[int, dict], rows: list[int]) -> None:
-    """Pieces in ms per step at each (d, rows), and the fixed part (the intercept of the two row counts)."""
+def table(results: dict[str, dict], rows: list[int]) -> None:
+    """Pieces in ms per step at each (layout, rows), and the fixed part (the intercept of the row counts)."""
     lo, hi = rows[0], rows[-1]
-    print("| piece | " + " | ".join(f"d={d} {r} rows" for d in results for r in rows) + " | "
-          + " | ".join(f"d={d} fixed" for d in results) + " |")  # fmt: skip
+    print("| piece | " + " | ".join(f"{d} {r} rows" for d in results for r in rows) + " | "
+          + " | ".join(f"{d} fixed" for d in results) + " |")  # fmt: skip
     print("|---" * (1 + len(results) * (len(rows) + 1)) + "|")
     for piece in ("step", "step_cpu", *PIECES):
         cells = [f"{results[d][str(r)][piece] * 1e3:.1f}" for d in results for r in rows]
@@ -173,12 +171,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs=2, default=[128, 256], help="rows a rank, two counts")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--dp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--optimizer", choices=("built", "loop"), default="built",
                     help="built: the engine's own (build_optimizer); loop: AdamW's per-tensor loop")  # fmt: skip
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}; optimizer {args.optimizer}", flush=True)
-    results = {d: run(d, args.rows, args.steps, args.optimizer) for d in args.dp}
+    results = {d: run(d, args.rows, args.steps, args.optimizer) for d in args.layouts}
     print(json.dumps(results))
     table(results, args.rows)
 

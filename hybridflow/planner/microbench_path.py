@@ -7,7 +7,10 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
                         bytes per second of the driver's batch transfer (a 4 MiB batch, less that call)
     training step       forward + backward of a tiny Llama over 2 gloo ranks, parallelized as the engines
                         do it (engines/parallelize.py) at t1d1, t1d2 and t2d1, with 1 and 5 layers: the
-                        per-layer slope and the fixed rest per micro-batch; AdamW's step likewise
+                        per-layer slope and the fixed rest per micro-batch; the optimizer step likewise
+    engine passes       the engine's own training step and log-prob pass (TrainEngine) on 64 and 256
+                        GRPO-shaped rows in one process: per token, what the simulator's FLOP, activation
+                        and fixed terms leave out (calibrate.py fits it against them)
 
 The slopes' differences are the per-layer costs of FSDP2 over dp (gathers, reduce-scatters, hooks) and
 of tensor parallelism (DTensor dispatch and the all-reduces of its row-wise layers). Each figure is the
@@ -127,6 +130,81 @@ def training_path(repeats: int = 5, size: str = "tiny") -> dict[str, float]:
         mp.spawn(_training_child, args=(init, out, repeats, size), nprocs=2, join=True)
         raw = {k: tuple(v) for k, v in json.load(open(out)).items()}
     return fit_training_path(raw)
+
+
+# GRPO-shaped rows a micro-batch (examples/configs/grpo_tiny.yaml): 5-9-token prompts shared by n = 8
+# samples of 4 tokens; two counts, so the slope is per token and a pass's fixed costs cancel
+ENGINE_ROWS = (64, 256)
+GROUP, PROMPT, RESPONSE = 8, (5, 9), 4
+
+
+def grpo_rows(vocab: int, rows: int, seed: int = 0):
+    """`rows` rows of GROUP samples per prompt (consecutive), left-padded prompts, full responses."""
+    from hybridflow.batch import position_ids_from_mask
+    from hybridflow.models.tiny import random_rl_batch
+
+    lo, hi = PROMPT
+    b = random_rl_batch(
+        vocab, rows, lp=hi, lr=RESPONSE, seed=seed, min_prompt_len=lo, min_response_len=RESPONSE
+    )
+    first = torch.arange(rows) // GROUP * GROUP
+    prompts = b["prompts"][first]
+    attn = torch.cat([(prompts != 0).long(), b["response_mask"]], 1)
+    b["prompts"], b["input_ids"], b["attention_mask"] = prompts, torch.cat([prompts, b["responses"]], 1), attn
+    b["position_ids"] = position_ids_from_mask(attn)
+    return b
+
+
+def _pg_loss(outputs, mb):
+    mask = mb["response_mask"].float()
+    return -(outputs["log_probs"] * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1), {}
+
+
+def _engine_child(rank: int, init_file: str, out: str, size: str, repeats: int) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from hybridflow.engines.config import EngineConfig, OptimConfig
+    from hybridflow.engines.train_engine import TrainEngine
+    from hybridflow.models.tiny import build_tiny_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    cfg = EngineConfig(
+        optim=OptimConfig(lr=1e-5),
+        micro_batch_size_per_device=max(ENGINE_ROWS),
+        remove_padding=True,
+        share_prompt=True,
+    )
+    engine = TrainEngine(build_tiny_model(size, "llama", seed=0), cfg)
+    result = {"rows": list(ENGINE_ROWS), "prompt_len": [], "train_s": [], "infer_s": []}
+    for rows in ENGINE_ROWS:
+        batch = grpo_rows(engine.hf_model.config.vocab_size, rows)
+        result["prompt_len"].append(float((batch["prompts"] != 0).sum()) / rows)
+        result["train_s"].append(
+            best_seconds(lambda b=batch: engine.train_step(b, _pg_loss), repeats, min_s=0.0)
+        )
+        result["infer_s"].append(
+            best_seconds(lambda b=batch: engine.compute_log_probs(b), repeats, min_s=0.0)
+        )
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
+    """Seconds of the engine's own training step (TrainEngine.train_step: packed, shared prompts, the
+    log-prob chunks, clipping, AdamW) and log-prob pass (compute_log_probs) in one process, on ENGINE_ROWS
+    GRPO-shaped rows of the tiny model `size`: {"rows", "prompt_len" (their mean), "train_s", "infer_s"}."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(_engine_child, args=(init, out, size, repeats), nprocs=1, join=True)
+        return json.load(open(out))
 
 
 def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:

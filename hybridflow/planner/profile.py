@@ -14,7 +14,7 @@ kind, that users can share; `hybridflow plan --profile FILE` and `resources.plan
     measurements: {...}          # the raw figures the coefficients came from, for the record
 
 Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the path's fixed costs,
-version 3 the activations' cost per value, version 4 the optimizer step's on DTensors) take their
+version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per token) take their
 DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note.
 
 Pure: no torch here, so the planner reads a profile without loading it.
@@ -44,7 +44,12 @@ PATH_FIELDS = (
 ADDED_FIELDS = {
     2: PATH_FIELDS,
     3: ("activation_s_per_element",),
-    4: ("fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s"),
+    4: (
+        "fsdp_optimizer_step_overhead_s",
+        "tp_optimizer_step_overhead_s",
+        "train_token_overhead_s",
+        "infer_token_overhead_s",
+    ),
 }
 DTYPES = ("float32", "bfloat16")
 _DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}

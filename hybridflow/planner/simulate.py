@@ -16,7 +16,8 @@
   They are what a small model's stage mostly is.
 - Non-matmul work per token (`activation_time`): the activation values a pass's norms, rotary, SiLU and
   softmaxes write, at the profile's measured cost per value; memory-bound, it grows with tokens as the GEMMs
-  do but does not shrink with the GEMM rate.
+  do but does not shrink with the GEMM rate. Beyond it, what the engine's passes cost per token (packing,
+  shared-prompt attention, the log-prob chunks, the loss), measured on the engine itself.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def training_time(
         + tp_comm
         + pp_comm
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
+        + tokens * dev.train_token_overhead_s
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
@@ -160,7 +162,7 @@ def inference_time(
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
-    slot += activation_time(spec, dev, tokens, s / 2, layers, t)
+    slot += activation_time(spec, dev, tokens, s / 2, layers, t) + tokens * dev.infer_token_overhead_s
     return (m + p - 1) * slot + call_time(dev, wl.sequences * wl.seq_len)
 
 

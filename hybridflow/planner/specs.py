@@ -179,6 +179,11 @@ class DeviceSpec:
     # the clipping norm's reductions and the fused kernel's dispatch per layout (profiles before version 4: 0)
     fsdp_optimizer_step_overhead_s: float = 0.0
     tp_optimizer_step_overhead_s: float = 0.0
+    # per token of a rank's micro-batch, what the engine's passes cost beyond the FLOP, activation and fixed
+    # terms (packing, shared-prompt attention, the log-prob chunks, the loss): a training micro-batch's
+    # forward and backward, an inference forward (microbench_path.engine_passes; before version 4: 0)
+    train_token_overhead_s: float = 0.0
+    infer_token_overhead_s: float = 0.0
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0

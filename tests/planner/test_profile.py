@@ -111,6 +111,44 @@ def test_the_optimizer_on_dtensors_is_priced_where_the_layout_has_them():
         assert with_terms - without == pytest.approx(extra, abs=1e-12), (t, d)
 
 
+def test_the_engines_per_token_cost_by_hand():
+    """512 rows of GRPO's shape at d = 2: 256 rows a rank, one micro-batch of 256 x (7/8 + 4) = 1,248 tokens
+    (shared 7-token prompts, 4-token responses); the training term once per micro-batch (its passes
+    together), the inference term once per forward."""
+    from hybridflow.planner.simulate import inference_time, training_time
+
+    wl = replace(WORKLOAD, prompt_len=9, mean_prompt_len=7.0, shared_prompts=True)
+    base, terms = (
+        _profile().device("float32"),
+        _profile(train_token_overhead_s=1e-5, infer_token_overhead_s=1e-6),
+    )
+    terms = terms.device("float32")
+    train = [training_time(SMALL, dev, wl, 4, 1, 1, 2, False) for dev in (terms, base)]
+    infer = [inference_time(SMALL, dev, wl, 4, 1, 1, 2) for dev in (terms, base)]
+    assert train[0] - train[1] == pytest.approx(1248 * 1e-5) and infer[0] - infer[1] == pytest.approx(
+        1248 * 1e-6
+    )
+
+
+def test_engine_token_fit_recovers_a_known_residual():
+    """Measured = the simulator's own seconds for the same rows + 3 us (training) and 1 us (inference) a
+    token: the fit returns them; 64 and 256 rows of 7-token prompts are 312 and 1,248 tokens."""
+    from hybridflow.models.tiny import build_tiny_config
+    from hybridflow.planner.calibrate import fit_engine_tokens
+    from hybridflow.planner.simulate import inference_time, training_time
+
+    dev = _profile(micro_batch_overhead_s=1e-3, activation_s_per_element=1e-9).device("float32")
+    spec = ModelSpec.from_config_dict(build_tiny_config("tiny", "llama").to_dict())
+    raw = {"rows": [64, 256], "prompt_len": [7.0, 7.0], "train_s": [], "infer_s": []}
+    for rows, tokens in ((64, 312), (256, 1248)):
+        wl = WorkloadSpec(rows // 8, 8, 7, 4, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
+                          shared_prompts=True, mean_prompt_len=7.0)  # fmt: skip
+        raw["train_s"].append(training_time(spec, dev, wl, 1, 1, 1, 1, False) + 3e-6 * tokens)
+        raw["infer_s"].append(inference_time(spec, dev, wl, 1, 1, 1, 1) + 1e-6 * tokens)
+    fit = fit_engine_tokens(raw, dev, "tiny")
+    assert fit == pytest.approx({"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6}, rel=1e-6)
+
+
 def test_profile_refuses_what_it_cannot_read(tmp_path):
     good = _profile().to_dict()
     with pytest.raises(FileNotFoundError, match="hybridflow calibrate --out"):
