@@ -222,7 +222,14 @@ def measure(size: str, batch: int, prompt_len: int, response_len: int, repeats: 
 def predict(spec: ModelSpec, device: str | DeviceSpec, wl: WorkloadSpec) -> dict:
     """Simulated seconds for the same work on one device (p = t = d = 1)."""
     dev = get_device(device) if isinstance(device, str) else device
-    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0)  # measured in-process: no worker call
+    # measured in-process on a plain HF model: no worker call, none of the engine's own passes
+    dev = replace(
+        dev,
+        call_overhead_s=0.0,
+        transfer_bandwidth=0.0,
+        train_token_overhead_s=0.0,
+        infer_token_overhead_s=0.0,
+    )
     return {
         "training": sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False),
         "inference": sim.inference_time(spec, dev, wl, 1, 1, 1, 1),
