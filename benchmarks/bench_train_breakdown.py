@@ -65,7 +65,13 @@ def _engine(dp: int, optimizer: str):
 
 
 def _instrument(engine, times: dict) -> None:
+    import warnings
+
     import hybridflow.engines.train_engine as te
+
+    warnings.filterwarnings(
+        "ignore", "Seems like `optimizer.step()` has been overridden"
+    )  # the timer wraps it
 
     engine._plan = _timed(times, "plan", engine._plan)
     engine._forward = _timed(times, "forward", engine._forward)
