@@ -70,7 +70,7 @@ def global_grad_norm(params, pp_group=None) -> torch.Tensor:
     pipeline ranks holding the model's other stages (engines/pipeline.py), whose squares are summed in."""
     total_sq = torch.zeros((), dtype=torch.float32)
     for grads in layout_groups(p.grad for p in params if p.grad is not None):
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)  # foreach where the device has it
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total_sq = total_sq + norm.detach().float().cpu() ** 2
