@@ -120,6 +120,7 @@ def training_time(
     """Training stage of one model: epochs * mini-batches * (pipelined micro-batches + grad sync)."""
     s, mbs = wl.packed_seq_len, wl.micro_batch_size
     seqs_per_replica = math.ceil(wl.sequences / wl.mini_batches / d)
+    mbs = min(mbs, seqs_per_replica)  # a replica holding fewer rows runs one smaller micro-batch
     m = math.ceil(seqs_per_replica / mbs)
     passes = 4 if checkpoint else 3  # forward + backward (2x) [+ recomputed forward]
     tokens = mbs * wl.tokens_per_sequence(mbs)  # attention still sees the whole sequence (context s / 2)

@@ -169,38 +169,37 @@ def test_profile_refuses_what_it_cannot_read(tmp_path):
         only_fp32.device("bfloat16")
 
 
-def _grpo_plan(device):
-    return plan(
-        build_dataflow("grpo", SMALL, reward_model=False), ClusterSpec.build(device, 4, 4), WORKLOAD, LIMITS
-    )
+def _grpo_plan(device, wl=WORKLOAD):
+    return plan(build_dataflow("grpo", SMALL, reward_model=False), ClusterSpec.build(device, 4, 4), wl, LIMITS)
+
+
+# 4 sequences: a replica at d = 4 holds one, so FSDP2's collectives and the calls are most of a stage
+FEW_ROWS = replace(WORKLOAD, prompts=2, samples_per_prompt=2)
 
 
 def test_a_plan_with_a_profile_differs_where_the_profile_does():
-    """The catalogue's cpu entry makes tensor parallelism cheap (0.1 ms per collective hop), so GRPO's actor
-    takes t = 2 with the reference colocated; a profile that measured 50 ms per hop prices those
-    collectives out: no model keeps t > 1. A profile equal to the entry plans the same placement, and
-    says it was measured."""
-    catalogue = _grpo_plan(get_device("cpu"))
-    assert catalogue.strategy == "colocate" and catalogue.model("actor").t == 2
+    """The catalogue's cpu entry makes collectives cheap (0.1 ms per hop), so GRPO's actor and reference
+    share 4 devices at d = 4; a profile that measured 50 ms per hop prices the gradient all-reduce and the
+    switch's gathers out: each model on one device of its own, no collective at all. A profile equal to the
+    entry plans the same placement, and says it was measured."""
+    catalogue = _grpo_plan(get_device("cpu"), FEW_ROWS)
+    assert catalogue.strategy == "colocate" and catalogue.model("actor").d == 4
     assert not catalogue.device_measured
-    slow_links = _grpo_plan(_profile(comm_latency_s=0.05).device("float32"))
-    assert all(m.t == 1 for m in slow_links.models) and slow_links.device_measured
+    slow_links = _grpo_plan(_profile(comm_latency_s=0.05).device("float32"), FEW_ROWS)
+    assert all(m.n_devices == 1 for m in slow_links.models) and slow_links.device_measured
     assert slow_links.iteration_seconds > catalogue.iteration_seconds
-    same = _grpo_plan(_profile().device("float32"))
+    same = _grpo_plan(_profile().device("float32"), FEW_ROWS)
     assert [(m.pool, m.t, m.d) for m in same.models] == [(m.pool, m.t, m.d) for m in catalogue.models]
     assert same.iteration_seconds == pytest.approx(catalogue.iteration_seconds, rel=1e-12)
 
 
 def test_a_plan_prices_the_path_where_the_profile_does():
     """GRPO's actor and reference colocated take turns, so their worker calls add up; in pools of their own
-    they run at once. A profile measuring 1 s a call moves them apart (standalone); one measuring 50 ms a
-    layer pass for tensor parallelism (DTensor dispatch and all-reduces on gloo) leaves every model at t = 1."""
-    catalogue = _grpo_plan(get_device("cpu"))
-    assert catalogue.strategy == "colocate" and catalogue.model("actor").t == 2
-    slow_calls = _grpo_plan(_profile(call_overhead_s=1.0).device("float32"))
+    they run at once. A profile measuring 1 s a call moves them apart (standalone)."""
+    catalogue = _grpo_plan(get_device("cpu"), FEW_ROWS)
+    assert catalogue.strategy == "colocate"
+    slow_calls = _grpo_plan(_profile(call_overhead_s=1.0).device("float32"), FEW_ROWS)
     assert slow_calls.strategy == "standalone" and slow_calls.iteration_seconds > catalogue.iteration_seconds
-    slow_tp = _grpo_plan(_profile(tp_layer_overhead_s=0.05).device("float32"))
-    assert slow_tp.strategy == "colocate" and all(m.t == 1 for m in slow_tp.models)
 
 
 def test_activation_time_and_each_roles_micro_batch_by_hand():
