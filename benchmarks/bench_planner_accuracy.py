@@ -160,6 +160,11 @@ def run_one(recipe: str, args: list[str], plan_path: Path, ahead: int, run_dir: 
         if f"timing_s/stage/{s}" in rows[0]
     }
     measured["iteration"] = statistics.median(r["timing_s/step"] for r in rows)
+    if not ahead:  # the step less its stages: what plan.rest_seconds prices
+        stages = [k for k in STAGES if k in measured]
+        measured["rest"] = statistics.median(
+            r["timing_s/step"] - sum(r[f"timing_s/stage/{s}"] for s in stages) for r in rows
+        )
     return {"measured": measured, "wall_s": time.perf_counter() - start}
 
 
@@ -179,7 +184,7 @@ def bench_case(
         path = plan.save(tmp / f"{name}.yaml")
         args = overrides(str(model_dir), devices, steps, str(tmp), name, profile)
         result = run_one(RECIPES[algo], args, path, ahead, tmp / name)
-        predicted = {**plan.stage_seconds, "iteration": plan.iteration_seconds}
+        predicted = {**plan.stage_seconds, "rest": plan.rest_seconds, "iteration": plan.iteration_seconds}
         rows.append({"case": f"{algo}/{size}", "candidate": label, "predicted": predicted, **result})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -196,7 +201,7 @@ def report(rows: list[dict]) -> None:
     per-stage ratio measured / predicted; then whether the planner's first choice measured fastest."""
     print(
         "\n| case | candidate (planner's order) | predicted s | measured s | measured / predicted: "
-        "generation, preparation, training, iteration | measured rank |"
+        "generation, preparation, training, rest, iteration | measured rank |"
     )
     print("|---|---|---|---|---|---|")
     for case in dict.fromkeys(r["case"] for r in rows):
@@ -210,7 +215,7 @@ def report(rows: list[dict]) -> None:
                 continue
             ratios = ", ".join(
                 f"{r['measured'][k] / r['predicted'][k]:.2f}x" if _compared(r, k) else "-"
-                for k in (*STAGES, "iteration")
+                for k in (*STAGES, "rest", "iteration")
             )
             rank = order.index(r) + 1
             print(

@@ -25,6 +25,7 @@ from hybridflow.planner.ahead import FROZEN_POOLS, ROLLOUT_POOL, AheadResult, se
 from hybridflow.planner.dataflow import OLD_LOG_PROBS, STAGES, Dataflow, with_old_log_probs
 from hybridflow.planner.parallel import UNCONSTRAINED
 from hybridflow.planner.search import PlacementResult, search, strategy_name
+from hybridflow.planner.simulate import step_rest_time
 from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec, load_dict, save_dict
 
 
@@ -114,7 +115,7 @@ class Plan:
     pools: list[PoolPlan]
     models: list[ModelPlan]
     stage_seconds: dict[str, float]  # per stage: max over pools
-    iteration_seconds: float
+    iteration_seconds: float  # the stages + rest_seconds
     throughput_tokens_per_s: float  # (prompt + response tokens of the batch) / iteration time
     alternatives: list[Alternative] = field(default_factory=list)  # ranked, the winner first
     # EngineLimits fields the search ran under; {} (also a plan file without the field) = none
@@ -125,6 +126,9 @@ class Plan:
     old_log_probs: str = "actor"  # the synchronous schedule's: "free" = no actor preparation forward priced
     # priced with a device profile measured on the machine (profile.py); False: the catalogue's datasheet entry
     device_measured: bool = False
+    # the step's work no stage holds (simulate.step_rest_time: the advantages' call), in iteration_seconds;
+    # 0 for a plan file without the field
+    rest_seconds: float = 0.0
 
     @property
     def limits(self) -> EngineLimits:
@@ -207,12 +211,12 @@ def _pools_and_models(dataflow: Dataflow, best: PlacementResult) -> tuple[list[P
     return pools, models
 
 
-def _rollout_plan(ahead: AheadResult) -> RolloutPlan:
+def _rollout_plan(ahead: AheadResult, rest: float) -> RolloutPlan:
     r, train = ahead.rollout, ahead.train
     return RolloutPlan(
         n_devices=r.n_devices, first_device=sum(train.allocation), pg=r.pg, tg=r.tg, waves=r.waves,
         generation_seconds=r.generation_seconds, training_side_seconds=ahead.training_side_seconds,
-        sync_seconds=ahead.sync_seconds, sync_bytes=ahead.sync_bytes, iteration_seconds=ahead.iteration_time,
+        sync_seconds=ahead.sync_seconds, sync_bytes=ahead.sync_bytes, iteration_seconds=ahead.iteration_time + rest,
         placement=[list(s) for s in train.placement], allocation=list(train.allocation),
         weight_gib=r.weight_bytes / GiB, kv_gib=r.kv_bytes / GiB, frozen_pool=ahead.frozen_pool,
         frozen=list(ahead.frozen), scoring_seconds=ahead.scoring_seconds, sender_waits=ahead.sender_waits,
@@ -246,6 +250,7 @@ def build_plan(
     searched under `limits`, into a Plan running `schedule` (auto: the faster of the two)."""
     sync_best = results[0].iteration_time if results else None
     rollout_ahead = choose_schedule(schedule, sync_best, ahead.iteration_time if ahead else None)
+    rest = step_rest_time(cluster.device, wl)  # the same under every placement and schedule
     if not results and not rollout_ahead:
         within = "" if limits == UNCONSTRAINED else f" with layouts the engines run ({limits.describe()})"
         if schedule == "ahead":
@@ -264,17 +269,17 @@ def build_plan(
         side = training_side(with_old_log_probs(dataflow, ahead.old_log_probs), ahead.frozen_pool)
         pools, models = _pools_and_models(side, ahead.train)
         stage = dict(_stage_dict(ahead.train.stage_times), generation=ahead.rollout.generation_seconds)
-        iteration = ahead.iteration_time
+        iteration = ahead.iteration_time + rest
     else:
         pools, models = _pools_and_models(dataflow, results[0])
-        stage, iteration = _stage_dict(results[0].stage_times), results[0].iteration_time
+        stage, iteration = _stage_dict(results[0].stage_times), results[0].iteration_time + rest
     roles = list(dataflow.roles)
     alternatives = [
         Alternative(
             strategy_name([list(s) for s in r.placement], roles),
             [list(s) for s in r.placement],
             list(r.allocation),
-            r.iteration_time,
+            r.iteration_time + rest,
             _stage_dict(r.stage_times),
         )
         for r in results
@@ -297,10 +302,11 @@ def build_plan(
         alternatives=alternatives,
         engine_limits=json.loads(json.dumps(asdict(limits))),  # as a plan file reads back: lists, not tuples
         rollout_ahead=rollout_ahead,
-        ahead=_rollout_plan(ahead) if ahead else None,
-        synchronous_seconds=sync_best or 0.0,
+        ahead=_rollout_plan(ahead, rest) if ahead else None,
+        synchronous_seconds=sync_best + rest if sync_best else 0.0,
         old_log_probs=dataflow.old_log_probs,
         device_measured=cluster.device.measured,
+        rest_seconds=rest,
     )
 
 

@@ -68,6 +68,13 @@ def call_time(dev: DeviceSpec, tokens: float) -> float:
     return dev.call_overhead_s + transfer
 
 
+def step_rest_time(dev: DeviceSpec, wl: WorkloadSpec) -> float:
+    """What a step costs besides its stages' calls: the advantages' call on the actor's rank 0
+    (trainers/experience.py make_experience), which carries every row there and back. The estimator's
+    own arithmetic is ~0.2 ms on 512 rows, left out; so is the driver's own work (a rule reward)."""
+    return call_time(dev, wl.sequences * wl.seq_len)
+
+
 def layer_pass_overhead(dev: DeviceSpec, t: int) -> float:
     """Fixed seconds one layer adds to one pass at tensor size t, beyond its FLOPs."""
     return dev.layer_overhead_s + (dev.tp_layer_overhead_s if t > 1 else 0.0)
@@ -266,6 +273,31 @@ def switch_time(
     nbytes = switch_bytes(method, spec.num_params * bpp, p, t, d, pg, tg, whole)
     if nbytes <= 0:
         return 0.0
+    return _switch_transfer(dev, devices_per_node, nbytes, p, t, d, pg, tg, method) + unshard_time(
+        spec, dev, p, d, method
+    )
+
+
+def unshard_time(spec: ModelSpec, dev: DeviceSpec, p: int, d: int, method: str = "hybridflow") -> float:
+    """What FSDP2 costs beyond the bytes to unshard each unit (a layer; the root) once for the switch
+    (hybrid_engine/resharder.py): its gather's setup, copy-out and hooks, the per-unit pass cost the profile
+    measures (fsdp_layer_overhead_s); on small models most of the switch."""
+    if d <= 1 or method != "hybridflow":
+        return 0.0
+    return (spec.num_layers / p + 1) * dev.fsdp_layer_overhead_s
+
+
+def _switch_transfer(
+    dev: DeviceSpec,
+    devices_per_node: int,
+    nbytes: float,
+    p: int,
+    t: int,
+    d: int,
+    pg: int,
+    tg: int,
+    method: str,
+) -> float:
     # Ranks are laid out TP innermost, then DP, then PP; the gather stays inside a node only if every
     # shard it needs does: TP neighbours are adjacent, pipeline neighbours t*d ranks apart.
     if method == "hybridflow":

@@ -6,12 +6,14 @@ busy intervals (the earliest start to the latest end of `STAGE_PHASES[stage]`, f
 which is what the plan's stage time predicts: the models of one pool take turns, pools run at once.
 
     plan/predicted_s/<stage>    the plan's seconds for generation / preparation / training
+    plan/predicted_s/rest       the step's work no stage holds (the advantages' call); in the iteration
     plan/predicted_s/iteration  the plan's iteration seconds; measured: timing_s/step
     timing_s/stage/<stage>      the measured wall seconds of the stage's phases
 
-Left out of both: the advantage computation (`adv`, on the actor's rank 0 between preparation and training)
-and the driver's own work between phases, which the planner does not price; they are the difference
-between timing_s/step and the sum of the stages. One step ahead (plan rollout_ahead: 1) generation runs
+The difference between timing_s/step and the sum of the stages is the rest: the advantage computation
+(`adv`, a call on the actor's rank 0 between preparation and training), which the plan prices as
+`rest_seconds`, and the driver's own work between phases (a rule reward, issuing and collecting the
+calls), which it does not. One step ahead (plan rollout_ahead: 1) generation runs
 on its own pool during the step, and the step's `gen` phase is the wait for it, so that stage's measured
 figure is not logged.
 """
@@ -40,6 +42,7 @@ def stage_seconds(times: dict[str, float], phases: tuple[str, ...]) -> float | N
 def plan_metrics(plan, times: dict[str, float]) -> dict[str, float]:
     """plan/predicted_s/* from `plan` (a planner Plan) and timing_s/stage/* from a step's `times`."""
     out = {f"plan/predicted_s/{stage}": float(s) for stage, s in plan.stage_seconds.items()}
+    out["plan/predicted_s/rest"] = float(plan.rest_seconds)
     out["plan/predicted_s/iteration"] = float(plan.iteration_seconds)
     for stage, phases in STAGE_PHASES.items():
         if stage == "generation" and plan.rollout_ahead:

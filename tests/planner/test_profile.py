@@ -170,7 +170,9 @@ def test_profile_refuses_what_it_cannot_read(tmp_path):
 
 
 def _grpo_plan(device, wl=WORKLOAD):
-    return plan(build_dataflow("grpo", SMALL, reward_model=False), ClusterSpec.build(device, 4, 4), wl, LIMITS)
+    return plan(
+        build_dataflow("grpo", SMALL, reward_model=False), ClusterSpec.build(device, 4, 4), wl, LIMITS
+    )
 
 
 # 4 sequences: a replica at d = 4 holds one, so FSDP2's collectives and the calls are most of a stage

@@ -293,6 +293,9 @@ def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
         assert step[f"plan/predicted_s/{stage}"] == planned.stage_seconds[stage] > 0
         assert step[f"timing_s/stage/{stage}"] > 0
     assert step["plan/predicted_s/iteration"] == planned.iteration_seconds
+    assert (
+        step["plan/predicted_s/rest"] == planned.rest_seconds > 0
+    )  # the profile prices the advantages' call
     # the stages run one after another inside the step (one pool): their sum fits in it
     assert (
         sum(step[f"timing_s/stage/{s}"] for s in ("generation", "preparation", "training"))

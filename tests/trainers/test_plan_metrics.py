@@ -19,15 +19,16 @@ def _times(**spans) -> dict[str, float]:
 
 def test_stages_are_the_wall_time_of_their_phases():
     plan = SimpleNamespace(
-        stage_seconds={"generation": 1.0, "preparation": 0.5, "training": 2.0}, iteration_seconds=3.5,
-        rollout_ahead=0,
+        stage_seconds={"generation": 1.0, "preparation": 0.5, "training": 2.0}, iteration_seconds=3.6,
+        rest_seconds=0.1, rollout_ahead=0,
     )  # fmt: skip
     # generation 0..1.2; values 1.3..1.9 and ref 1.25..1.6 ran at once (split pools); adv 1.9..2.0 is not
     # a priced stage; the critic's update 2.0..3.0 and the actor's 2.0..3.5 ran at once
     times = _times(gen=(0.0, 1.2), values=(1.3, 1.9), ref=(1.25, 1.6), adv=(1.9, 2.0),
                    update_critic=(2.0, 3.0), update_actor=(2.0, 3.5))  # fmt: skip
     out = plan_metrics(plan, times)
-    assert out["plan/predicted_s/generation"] == 1.0 and out["plan/predicted_s/iteration"] == 3.5
+    assert out["plan/predicted_s/generation"] == 1.0 and out["plan/predicted_s/iteration"] == 3.6
+    assert out["plan/predicted_s/rest"] == 0.1  # the advantages' call, logged beside the stages
     assert out["timing_s/stage/generation"] == pytest.approx(1.2)
     assert out["timing_s/stage/preparation"] == pytest.approx(1.9 - 1.25)
     assert out["timing_s/stage/training"] == pytest.approx(1.5)

@@ -1,0 +1,56 @@
+"""The step's terms beyond the stages' passes, each by hand: a replica's training micro-batch holds at most its
+rows, the switch pays FSDP2's unshard per unit, the plan's iteration holds the advantages' call."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hybridflow.planner import ClusterSpec, ModelSpec, WorkloadSpec, build_dataflow, plan
+from hybridflow.planner.simulate import BATCH_BYTES_PER_TOKEN, switch_time, training_time
+from hybridflow.planner.specs import EngineLimits, get_device
+
+SPEC = ModelSpec("m", num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, ffn_hidden=384, vocab_size=64)
+CPU = replace(get_device("cpu"), call_overhead_s=7e-3, transfer_bandwidth=6e8, micro_batch_overhead_s=1e-3)
+
+
+def test_a_training_micro_batch_holds_at_most_the_replicas_rows():
+    """512 rows at d = 4 leave a replica 128: a micro-batch of 256 prices as one of 128 (the engine runs the
+    rows it holds); at d = 1 a replica holds 512 and the two micro-batch sizes differ."""
+    wl = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=256)
+    exact = replace(wl, micro_batch_size=128)
+    assert training_time(SPEC, CPU, wl, 4, 1, 1, 4, False) == pytest.approx(
+        training_time(SPEC, CPU, exact, 4, 1, 1, 4, False), rel=1e-12
+    )
+    assert training_time(SPEC, CPU, wl, 4, 1, 1, 1, False) != pytest.approx(
+        training_time(SPEC, CPU, exact, 4, 1, 1, 1, False), rel=1e-3
+    )
+
+
+def test_the_switch_pays_fsdp2s_unshard_per_unit_at_d_above_1():
+    """Each of the 4 layers and the root is unsharded once: 5 units at the profile's per-unit cost, at d = 2
+    only (d = 1 holds its weights whole); the GPU entries measure no such cost and keep their figures."""
+    unit = 2e-3
+    priced = replace(CPU, fsdp_layer_overhead_s=unit)
+    base = switch_time(SPEC, CPU, 4, 1, 1, 2, 1, 1)
+    assert switch_time(SPEC, priced, 4, 1, 1, 2, 1, 1) - base == pytest.approx(5 * unit, rel=1e-9)
+    assert switch_time(SPEC, priced, 4, 1, 2, 1, 1, 1) == switch_time(SPEC, CPU, 4, 1, 2, 1, 1, 1)
+    assert get_device("a100-80").fsdp_layer_overhead_s == 0.0
+
+
+def test_the_plans_iteration_holds_the_advantages_call():
+    """A synchronous plan's iteration is its stages plus one call carrying every row there and back (7 ms +
+    2 x 512 rows x 20 tokens x 32 bytes at 0.6 GB/s); the catalogue's cpu entry prices no call: 0."""
+    wl = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=256, inference_micro_batch_size=256)
+    flow = build_dataflow("grpo", SPEC, reward_model=False)
+    limits = EngineLimits(max_pp=1, max_pg=1)
+    p = plan(flow, ClusterSpec.build(CPU, 2, 2), wl, limits, schedule="sync")
+    rest = 7e-3 + 2 * 512 * 20 * BATCH_BYTES_PER_TOKEN / 6e8
+    assert p.rest_seconds == pytest.approx(rest, rel=1e-12)
+    assert p.iteration_seconds == pytest.approx(sum(p.stage_seconds.values()) + rest, rel=1e-12)
+    assert all(
+        a.iteration_seconds == pytest.approx(sum(a.stage_seconds.values()) + rest) for a in p.alternatives
+    )
+    catalogue = plan(flow, ClusterSpec.build(get_device("cpu"), 2, 2), wl, limits, schedule="sync")
+    assert catalogue.rest_seconds == 0.0
