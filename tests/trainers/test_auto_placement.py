@@ -271,7 +271,9 @@ def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
     """One CPU device keeps the run cheap; what `auto` chooses on more is checked without Ray above. The
     plan is priced with a device profile (resources.planner_profile), and each step logs its predicted
     stage seconds beside the measured ones."""
-    cpu = replace(get_device("cpu"), name="cpu-measured", measured=True, layer_overhead_s=2e-3)
+    cpu = replace(
+        get_device("cpu"), name="cpu-measured", measured=True, layer_overhead_s=2e-3, call_overhead_s=5e-3
+    )
     profile = DeviceProfile("cpu-measured", {"float32": cpu}).save(tmp_path / "cpu.yaml")
     overrides = (
         "resources.placement=auto",
