@@ -114,6 +114,16 @@ def _matmul_time(dev: DeviceSpec, flops: float, width: float = math.inf) -> floa
     return flops / (dev.peak_flops * efficiency)
 
 
+def pass_tokens(wl: WorkloadSpec, rows: int, p: int) -> tuple[float, float]:
+    """(tokens, sequence length) a micro-batch pass of `rows` rows computes. Unpipelined, the engines pack
+    real tokens (padding removed, a prompt once for its samples where shared); pipeline stages are built for
+    one micro-batch shape, so at p > 1 every row runs at the batch's full, padded length
+    (engines/pipeline_engine.py), prompts unshared."""
+    if p > 1:
+        return rows * wl.seq_len, float(wl.seq_len)
+    return rows * wl.tokens_per_sequence(rows), wl.packed_seq_len
+
+
 def training_time(
     spec: ModelSpec,
     dev: DeviceSpec,
@@ -125,12 +135,11 @@ def training_time(
     checkpoint: bool,
 ) -> float:
     """Training stage of one model: epochs * mini-batches * (pipelined micro-batches + grad sync)."""
-    s, mbs = wl.packed_seq_len, wl.micro_batch_size
     seqs_per_replica = math.ceil(wl.sequences / wl.mini_batches / d)
-    mbs = min(mbs, seqs_per_replica)  # a replica holding fewer rows runs one smaller micro-batch
+    mbs = min(wl.micro_batch_size, seqs_per_replica)  # a replica holding fewer rows runs one smaller one
     m = math.ceil(seqs_per_replica / mbs)
     passes = 4 if checkpoint else 3  # forward + backward (2x) [+ recomputed forward]
-    tokens = mbs * wl.tokens_per_sequence(mbs)  # attention still sees the whole sequence (context s / 2)
+    tokens, s = pass_tokens(wl, mbs, p)  # attention still sees the whole sequence (context s / 2)
     flops = tokens * spec.forward_flops_per_token(s / 2) * passes / (p * t)
     layers = spec.num_layers / p
     act_bytes = tokens * spec.hidden * dev.bytes_per_param
@@ -159,11 +168,10 @@ def inference_time(
     spec: ModelSpec, dev: DeviceSpec, wl: WorkloadSpec, devices_per_node: int, p: int, t: int, d: int
 ) -> float:
     """One forward pass over every (prompt, response) sequence of the iteration."""
-    s, mbs = wl.packed_seq_len, wl.inference_micro_batch_size
     seqs_per_replica = math.ceil(wl.sequences / d)
-    mbs = min(mbs, seqs_per_replica)
+    mbs = min(wl.inference_micro_batch_size, seqs_per_replica)
     m = math.ceil(seqs_per_replica / mbs)
-    tokens = mbs * wl.tokens_per_sequence(mbs)
+    tokens, s = pass_tokens(wl, mbs, p)
     flops = tokens * spec.forward_flops_per_token(s / 2) / (p * t)
     layers = spec.num_layers / p
     act_bytes = tokens * spec.hidden * dev.bytes_per_param

@@ -54,3 +54,23 @@ def test_the_plans_iteration_holds_the_advantages_call():
     )
     catalogue = plan(flow, ClusterSpec.build(get_device("cpu"), 2, 2), wl, limits, schedule="sync")
     assert catalogue.rest_seconds == 0.0
+
+
+def test_pipeline_stages_run_padded_rows_and_the_rest_packed_ones():
+    """At p = 2 a pass runs every row at its padded length with its own prompt (a stage is built for one
+    micro-batch shape): shared prompts and the prompts' mean length price as if absent. At p = 1 they cut
+    the tokens and the time."""
+    from hybridflow.planner.simulate import inference_time
+
+    padded = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=64, inference_micro_batch_size=64)
+    packed = replace(padded, shared_prompts=True, mean_prompt_len=7.0)
+    priced = replace(CPU, train_token_overhead_s=5e-5, infer_token_overhead_s=1e-5)
+    for p in (1, 2):
+        train = [training_time(SPEC, priced, wl, 2, p, 1, 1, False) for wl in (padded, packed)]
+        infer = [inference_time(SPEC, priced, wl, 2, p, 1, 1) for wl in (padded, packed)]
+        if p == 2:
+            assert train[0] == pytest.approx(train[1], rel=1e-12) and infer[0] == pytest.approx(
+                infer[1], rel=1e-12
+            )
+        else:
+            assert train[1] < 0.7 * train[0] and infer[1] < 0.7 * infer[0]
