@@ -73,7 +73,8 @@ def candidates(recipe: str, args: list[str], variants: bool = True) -> list[tupl
     from hybridflow.trainers.plan_schedule import planner_old_log_probs
 
     cfg = load_config(ROOT / recipe, args)
-    df, cluster, wl = build_planner_dataflow(cfg, 0), build_planner_cluster(cfg), build_planner_workload(cfg)
+    wl = build_planner_workload(cfg, mean_prompt_len(cfg))  # as `hybridflow train` prices it
+    df, cluster = build_planner_dataflow(cfg, 0), build_planner_cluster(cfg)
     results = search(df, cluster, wl, ENGINE_LIMITS)
     out = []
     for r in [
@@ -93,6 +94,17 @@ def candidates(recipe: str, args: list[str], variants: bool = True) -> list[tupl
             (f"one step ahead, rollout pool {p.ahead.n_devices}, frozen on {p.ahead.frozen_pool}", p, 1)
         )
     return sorted(out, key=lambda c: c[1].iteration_seconds)
+
+
+def mean_prompt_len(cfg) -> float:
+    """The training prompts' mean token count, loaded as the trainer loads them (trainers/base.py)."""
+    from hybridflow.agent import tool_schemas
+    from hybridflow.data import build_prompt_dataset
+    from hybridflow.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+    rule, tools = cfg.reward.kind == "rule", tool_schemas(cfg.rollout.multi_turn)
+    return build_prompt_dataset(cfg.data, tokenizer, "train", rule, tools).mean_length()
 
 
 def layout_variants(best, df, cluster, wl) -> list:

@@ -21,7 +21,7 @@ DESIGN = ROOT / "docs" / "design.md"
 # The planner is pure (docs/planner.md): besides itself, only these modules, which import nothing but the
 # standard library. calibrate.py is the `hybridflow calibrate` command, which times real models on this
 # machine beside the planner's predictions, and microbench.py / microbench_path.py its micro-benchmarks (the
-# latter on the worker path: a worker group, a parallelized model); no other planner module
+# latter on the worker path: a worker group, a parallelized model, the training engine); no other planner module
 # imports them.
 PLANNER_MAY_IMPORT = {"hybridflow.hybrid_engine.cost", "hybridflow.hybrid_engine.sync_budget"}
 PLANNER_MEASURES = {
@@ -30,6 +30,9 @@ PLANNER_MEASURES = {
     "hybridflow.planner.microbench_path": {
         "hybridflow.models.tiny",
         "hybridflow.engines.parallelize",
+        "hybridflow.engines.config",
+        "hybridflow.engines.optim",
+        "hybridflow.engines.train_engine",
         "hybridflow.controller",
         "hybridflow.batch",
     },

@@ -175,6 +175,10 @@ class PromptDataset:
     def __getitem__(self, i: int) -> PromptSample:
         return self.samples[i]
 
+    def mean_length(self) -> float:
+        """Mean tokens of a prompt (0 for none): what packed passes compute of one (the planner's time)."""
+        return sum(len(s.input_ids) for s in self.samples) / len(self.samples) if self.samples else 0.0
+
     @classmethod
     def from_records(
         cls,

@@ -142,12 +142,31 @@ def load(engine, directory: str | Path) -> None:
                 raise ValueError(f"{directory} holds no optimizer state (saved from a frozen model)")
             osd, flat = _optimizer_state(engine)
             load_tensors(flat, directory / "optim")
-            osd["param_groups"] = _with_betas_tuple(state["param_groups"])
+            osd["param_groups"] = _saved_settings(state["param_groups"], osd["param_groups"])
             set_optimizer_state_dict(engine.module, engine.optimizer, osd)
-            engine.scheduler.load_state_dict(state["scheduler"])
+            engine.scheduler.load_state_dict(_per_group(state["scheduler"], len(osd["param_groups"])))
     engine.global_step = int(state["global_step"])
 
 
-def _with_betas_tuple(groups: list[dict]) -> list[dict]:
-    """JSON has no tuples; AdamW reads betas as a pair either way, but keep the saved type exact."""
-    return [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in groups]
+# what a param group holds beside its settings: its members and the kernel this build picks for them
+_GROUP_OWN = ("params", "fused", "foreach")
+
+
+def _saved_settings(saved: list[dict], current: list[dict]) -> list[dict]:
+    """The current param groups with the saved settings (lr, betas, ...). The groups are the layout's
+    (engines/optim.py: one per mesh and placements), so a checkpoint of another layout has another count;
+    every group is built with the same settings, so the first saved group's are every group's."""
+    settings = {k: v for k, v in saved[0].items() if k not in _GROUP_OWN}
+    if "betas" in settings:  # JSON has no tuples; AdamW reads a pair either way, but keep the type exact
+        settings["betas"] = tuple(settings["betas"])
+    return [{**group, **settings} for group in current]
+
+
+def _per_group(scheduler: dict, groups: int) -> dict:
+    """The LR scheduler's state with its per-group lists (one value: every group has the same lr) as
+    long as this engine's param groups, which LambdaLR zips them with."""
+    out = dict(scheduler)
+    for key in ("base_lrs", "_last_lr"):
+        if key in out:
+            out[key] = out[key][:1] * groups
+    return out

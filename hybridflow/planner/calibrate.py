@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from dataclasses import replace
@@ -50,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure_profile(
-    base: str = "cpu", device: str = "cpu", dtypes=("float32",), repeats: int = 5
+    base: str = "cpu", device: str = "cpu", dtypes=("float32",), repeats: int = 5, size: str = "tiny"
 ) -> DeviceProfile:
     """Run the micro-benchmarks (microbench.py) and write their figures into `base`'s catalogue entry: a
-    DeviceSpec per dtype with measured GEMM rate and fall-off, bandwidth, overheads and (on CPU) links."""
+    DeviceSpec per dtype with measured GEMM rate and fall-off, bandwidth, overheads and (on CPU) links.
+    The training path's runs on layers of the tiny model `size` (FSDP2's gathers move their bytes)."""
     import platform
 
     import torch
@@ -65,7 +67,8 @@ def measure_profile(
     links, path = {}, {}
     if device == "cpu":  # two-rank gloo between processes of this machine: what its collectives run on
         raw["collectives"] = links = mb.collectives()
-        raw["training_path"] = path = mbp.training_path(3)  # (a GPU's runs on NCCL: the entry's)
+        raw["training_path"] = path = mbp.training_path(3, size)  # (a GPU's runs on NCCL: the entry's)
+        raw["engine_passes"] = mbp.engine_passes(size, 3)
     raw["worker_call"] = calls = mbp.worker_call(repeats)
     path_terms = {**calls, **{k: path[k] for k in PATH_TERMS if k in path}}
     devices = {}
@@ -100,6 +103,10 @@ def measure_profile(
             **({"intra_node_bandwidth": links["bandwidth"], "comm_latency_s": links["latency_s"],
                 "comm_efficiency": 1.0} if links else {}),
         )  # fmt: skip
+    if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
+        fp32 = devices.get("float32") or next(iter(devices.values()))
+        raw["engine_tokens"] = tokens = fit_engine_tokens(raw["engine_passes"], fp32, size)
+        devices = {k: replace(v, **tokens) for k, v in devices.items()}
     host = {
         "machine": platform.machine(),
         "processor": _cpu_model(),
@@ -111,6 +118,33 @@ def measure_profile(
     return DeviceProfile(f"{get_device(base).name}-measured", devices, host, raw)
 
 
+def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
+    """train_token_overhead_s and infer_token_overhead_s: per token of a micro-batch, the engine's
+    measured seconds (microbench_path.engine_passes, two row counts) beyond the simulator's with `dev`
+    for the same rows, slope against slope, so the fixed costs of a pass (priced apart) cancel."""
+    from hybridflow.models.tiny import build_tiny_config
+    from hybridflow.planner.microbench_path import GROUP, RESPONSE
+
+    spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
+    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0)  # measured in-process: no worker call
+    predicted, tokens = {"train_s": [], "infer_s": []}, []
+    for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
+        wl = WorkloadSpec(
+            prompts=rows // GROUP, samples_per_prompt=GROUP, prompt_len=math.ceil(prompt), response_len=RESPONSE,
+            mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows, shared_prompts=True,
+            mean_prompt_len=prompt,
+        )  # fmt: skip
+        tokens.append(rows * wl.tokens_per_sequence(rows))
+        predicted["train_s"].append(sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False))
+        predicted["infer_s"].append(sim.inference_time(spec, dev, wl, 1, 1, 1, 1))
+
+    def residual(key: str) -> float:
+        measured = raw[key][-1] - raw[key][0]
+        return max(0.0, (measured - (predicted[key][-1] - predicted[key][0])) / (tokens[-1] - tokens[0]))
+
+    return {"train_token_overhead_s": residual("train_s"), "infer_token_overhead_s": residual("infer_s")}
+
+
 # the coefficients microbench_path.training_path measures (the Python of a pass: the same in either dtype)
 PATH_TERMS = (
     "micro_batch_overhead_s",
@@ -118,6 +152,8 @@ PATH_TERMS = (
     "fsdp_layer_overhead_s",
     "optimizer_layer_overhead_s",
     "optimizer_step_overhead_s",
+    "fsdp_optimizer_step_overhead_s",
+    "tp_optimizer_step_overhead_s",
 )
 
 
@@ -186,7 +222,14 @@ def measure(size: str, batch: int, prompt_len: int, response_len: int, repeats: 
 def predict(spec: ModelSpec, device: str | DeviceSpec, wl: WorkloadSpec) -> dict:
     """Simulated seconds for the same work on one device (p = t = d = 1)."""
     dev = get_device(device) if isinstance(device, str) else device
-    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0)  # measured in-process: no worker call
+    # measured in-process on a plain HF model: no worker call, none of the engine's own passes
+    dev = replace(
+        dev,
+        call_overhead_s=0.0,
+        transfer_bandwidth=0.0,
+        train_token_overhead_s=0.0,
+        infer_token_overhead_s=0.0,
+    )
     return {
         "training": sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False),
         "inference": sim.inference_time(spec, dev, wl, 1, 1, 1, 1),
@@ -246,7 +289,7 @@ def run(args) -> int:
     start = time.perf_counter()
     profile = None
     if args.out:
-        profile = measure_profile(args.device, args.on, ("float32", "bfloat16"), args.repeats + 2)
+        profile = measure_profile(args.device, args.on, ("float32", "bfloat16"), args.repeats + 2, args.size)
         console.print(
             f"device profile written to {profile.save(args.out)} ({time.perf_counter() - start:.0f} s)"
         )

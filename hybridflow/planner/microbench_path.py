@@ -7,7 +7,10 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
                         bytes per second of the driver's batch transfer (a 4 MiB batch, less that call)
     training step       forward + backward of a tiny Llama over 2 gloo ranks, parallelized as the engines
                         do it (engines/parallelize.py) at t1d1, t1d2 and t2d1, with 1 and 5 layers: the
-                        per-layer slope and the fixed rest per micro-batch; AdamW's step likewise
+                        per-layer slope and the fixed rest per micro-batch; the optimizer step likewise
+    engine passes       the engine's own training step and log-prob pass (TrainEngine) on 64 and 256
+                        GRPO-shaped rows in one process: per token, what the simulator's FLOP, activation
+                        and fixed terms leave out (calibrate.py fits it against them)
 
 The slopes' differences are the per-layer costs of FSDP2 over dp (gathers, reduce-scatters, hooks) and
 of tensor parallelism (DTensor dispatch and the all-reduces of its row-wise layers). Each figure is the
@@ -26,7 +29,7 @@ from hybridflow.planner.microbench import best_seconds
 
 LAYERS = (1, 5)
 LAYOUTS = ("t1d1", "t1d2", "t2d1")
-TOKENS = (2, 16)  # one micro-batch per rank: rows x tokens
+TOKENS = (2, 16)  # one micro-batch per rank: rows x tokens (the fixed costs; FLOPs are priced apart)
 
 
 class EchoWorker(Worker):
@@ -61,35 +64,42 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
     return {"call_overhead_s": call, "transfer_bandwidth": nbytes / max(big_call - call, 1e-9)}
 
 
-def _model(layers: int, tp: int, dp: int):
+def _model(size: str, layers: int, tp: int, dp: int):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
     from hybridflow.engines.parallelize import parallelize
     from hybridflow.models.tiny import build_tiny_config
 
-    cfg = build_tiny_config("tiny", "llama", num_hidden_layers=layers)
+    cfg = build_tiny_config(size, "llama", num_hidden_layers=layers)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")) if tp * dp > 1 else None
     return parallelize(model, model, mesh), cfg.vocab_size
 
 
-def _step_times(layers: int, tp: int, dp: int, repeats: int) -> tuple[float, float]:
-    """(forward + backward, AdamW step) seconds of one micro-batch."""
-    model, vocab = _model(layers, tp, dp)
+def _step_times(size: str, layers: int, tp: int, dp: int, repeats: int) -> tuple[float, float]:
+    """(forward + backward, optimizer step) seconds of one micro-batch; the step as the engine's
+    (engines/optim.py: clipping by the global norm, then AdamW as the engine builds it)."""
+    from hybridflow.engines.config import OptimConfig
+    from hybridflow.engines.optim import build_optimizer, clip_grad_norm_
+
+    model, vocab = _model(size, layers, tp, dp)
     ids = torch.randint(5, vocab, TOKENS, generator=torch.Generator().manual_seed(0))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optim = build_optimizer(model.parameters(), OptimConfig(lr=1e-5, grad_clip=1.0))
 
     def fwd_bwd():
         model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
 
+    def step():
+        clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+
     train = best_seconds(fwd_bwd, repeats, min_s=0.0)
-    step = best_seconds(optim.step, repeats, min_s=0.0)
-    return train, step
+    return train, best_seconds(step, repeats, min_s=0.0)
 
 
-def _training_child(rank: int, init_file: str, out: str, repeats: int) -> None:
+def _training_child(rank: int, init_file: str, out: str, repeats: int, size: str) -> None:
     import json
 
     import torch.distributed as dist
@@ -101,24 +111,100 @@ def _training_child(rank: int, init_file: str, out: str, repeats: int) -> None:
         tp, dp = int(layout[1]), int(layout[3])
         for layers in LAYERS:
             dist.barrier()  # both ranks time the same layout at once, as a run's ranks do
-            result[f"{layout}/{layers}"] = _step_times(layers, tp, dp, repeats)
+            result[f"{layout}/{layers}"] = _step_times(size, layers, tp, dp, repeats)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
 
 
-def training_path(repeats: int = 5) -> dict[str, float]:
-    """Per-layer and per-micro-batch costs of a training step as the engines run it on 2 gloo ranks."""
+def training_path(repeats: int = 5, size: str = "tiny") -> dict[str, float]:
+    """Per-layer and per-micro-batch costs of a training step as the engines run it on 2 gloo ranks, on
+    layers of the tiny model `size` (models/tiny.py: FSDP2's gathers move its layers' bytes)."""
     import json
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_training_child, args=(init, out, repeats), nprocs=2, join=True)
+        mp.spawn(_training_child, args=(init, out, repeats, size), nprocs=2, join=True)
         raw = {k: tuple(v) for k, v in json.load(open(out)).items()}
     return fit_training_path(raw)
+
+
+# GRPO-shaped rows a micro-batch (examples/configs/grpo_tiny.yaml): 5-9-token prompts shared by n = 8
+# samples of 4 tokens; two counts, so the slope is per token and a pass's fixed costs cancel
+ENGINE_ROWS = (64, 256)
+GROUP, PROMPT, RESPONSE = 8, (5, 9), 4
+
+
+def grpo_rows(vocab: int, rows: int, seed: int = 0):
+    """`rows` rows of GROUP samples per prompt (consecutive), left-padded prompts, full responses."""
+    from hybridflow.batch import position_ids_from_mask
+    from hybridflow.models.tiny import random_rl_batch
+
+    lo, hi = PROMPT
+    b = random_rl_batch(
+        vocab, rows, lp=hi, lr=RESPONSE, seed=seed, min_prompt_len=lo, min_response_len=RESPONSE
+    )
+    first = torch.arange(rows) // GROUP * GROUP
+    prompts = b["prompts"][first]
+    attn = torch.cat([(prompts != 0).long(), b["response_mask"]], 1)
+    b["prompts"], b["input_ids"], b["attention_mask"] = prompts, torch.cat([prompts, b["responses"]], 1), attn
+    b["position_ids"] = position_ids_from_mask(attn)
+    return b
+
+
+def _pg_loss(outputs, mb):
+    mask = mb["response_mask"].float()
+    return -(outputs["log_probs"] * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1), {}
+
+
+def _engine_child(rank: int, init_file: str, out: str, size: str, repeats: int) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from hybridflow.engines.config import EngineConfig, OptimConfig
+    from hybridflow.engines.train_engine import TrainEngine
+    from hybridflow.models.tiny import build_tiny_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    cfg = EngineConfig(
+        optim=OptimConfig(lr=1e-5),
+        micro_batch_size_per_device=max(ENGINE_ROWS),
+        remove_padding=True,
+        share_prompt=True,
+    )
+    engine = TrainEngine(build_tiny_model(size, "llama", seed=0), cfg)
+    result = {"rows": list(ENGINE_ROWS), "prompt_len": [], "train_s": [], "infer_s": []}
+    for rows in ENGINE_ROWS:
+        batch = grpo_rows(engine.hf_model.config.vocab_size, rows)
+        result["prompt_len"].append(float((batch["prompts"] != 0).sum()) / rows)
+        result["train_s"].append(
+            best_seconds(lambda b=batch: engine.train_step(b, _pg_loss), repeats, min_s=0.0)
+        )
+        result["infer_s"].append(
+            best_seconds(lambda b=batch: engine.compute_log_probs(b), repeats, min_s=0.0)
+        )
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
+    """Seconds of the engine's own training step (TrainEngine.train_step: packed, shared prompts, the
+    log-prob chunks, clipping, AdamW) and log-prob pass (compute_log_probs) in one process, on ENGINE_ROWS
+    GRPO-shaped rows of the tiny model `size`: {"rows", "prompt_len" (their mean), "train_s", "infer_s"}."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(_engine_child, args=(init, out, size, repeats), nprocs=1, join=True)
+        return json.load(open(out))
 
 
 def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -129,6 +215,9 @@ def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
     def slope(layout: str, i: int) -> float:
         return (raw[f"{layout}/{hi}"][i] - raw[f"{layout}/{lo}"][i]) / (hi - lo)
 
+    def rest(layout: str) -> float:  # the optimizer step's intercept at 0 layers
+        return raw[f"{layout}/{lo}"][1] - lo * slope(layout, 1)
+
     base = slope("t1d1", 0)
     return {
         "train_layer_pass_s": base / 3,
@@ -137,5 +226,9 @@ def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
         "tp_layer_overhead_s": max(0.0, slope("t2d1", 0) - base) / 3,
         "optimizer_layer_overhead_s": max(0.0, slope("t1d1", 1)),
         "optimizer_step_overhead_s": max(0.0, raw[f"t1d1/{lo}"][1] - lo * slope("t1d1", 1)),
+        # the same step on DTensors: the clipping norm's reductions and each layout's kernel through
+        # DTensor's dispatch, a cost per step (the fused kernels' per-layer slope is no steeper)
+        "fsdp_optimizer_step_overhead_s": max(0.0, rest("t1d2") - rest("t1d1")),
+        "tp_optimizer_step_overhead_s": max(0.0, rest("t2d1") - rest("t1d1")),
         "raw": {k: list(v) for k, v in raw.items()},
     }

@@ -12,10 +12,12 @@
 - Fixed costs of the path (`path_overhead`, `call_time`): each model's stage is one worker-group call
   from the driver (a Ray round trip and the batch's transfer); each micro-batch pass pays a fixed cost
   beyond its layers, and each layer pass one for tensor parallelism (t > 1) and one for FSDP2 (d > 1);
-  each optimizer step a per-layer and a fixed cost. They are what a small model's stage mostly is.
+  each optimizer step a per-layer and a fixed cost, the fixed one higher on DTensors (t > 1, d > 1).
+  They are what a small model's stage mostly is.
 - Non-matmul work per token (`activation_time`): the activation values a pass's norms, rotary, SiLU and
   softmaxes write, at the profile's measured cost per value; memory-bound, it grows with tokens as the GEMMs
-  do but does not shrink with the GEMM rate.
+  do but does not shrink with the GEMM rate. Beyond it, what the engine's passes cost per token (packing,
+  shared-prompt attention, the log-prob chunks, the loss), measured on the engine itself.
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     return dev.micro_batch_overhead_s + layers * layer_pass_overhead(dev, t) + fsdp
 
 
+def optimizer_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
+    """Fixed seconds of one optimizer step (clipping, AdamW) on a rank holding `layers` layers at tensor
+    size t, data size d: on DTensors (t > 1 or d > 1) the step pays their reductions and dispatch too."""
+    fixed = dev.optimizer_step_overhead_s
+    fixed += dev.fsdp_optimizer_step_overhead_s if d > 1 else 0.0
+    fixed += dev.tp_optimizer_step_overhead_s if t > 1 else 0.0
+    return fixed + layers * dev.optimizer_layer_overhead_s
+
+
 def activation_time(
     spec: ModelSpec, dev: DeviceSpec, tokens: float, context: float, layers: float, t: int
 ) -> float:
@@ -107,7 +118,7 @@ def training_time(
     checkpoint: bool,
 ) -> float:
     """Training stage of one model: epochs * mini-batches * (pipelined micro-batches + grad sync)."""
-    s, mbs = wl.seq_len, wl.micro_batch_size
+    s, mbs = wl.packed_seq_len, wl.micro_batch_size
     seqs_per_replica = math.ceil(wl.sequences / wl.mini_batches / d)
     m = math.ceil(seqs_per_replica / mbs)
     passes = 4 if checkpoint else 3  # forward + backward (2x) [+ recomputed forward]
@@ -124,21 +135,23 @@ def training_time(
         + tp_comm
         + pp_comm
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
+        + tokens * dev.train_token_overhead_s
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
     sync = collective_time(dev, grads, d, dp_bandwidth(dev, devices_per_node, p, t, d))
     optimizer_step = 2 * (16 * spec.num_params / (p * t * d)) / (dev.hbm_bandwidth * dev.memory_efficiency)
-    optimizer_step += dev.optimizer_step_overhead_s + layers * dev.optimizer_layer_overhead_s
+    optimizer_step += optimizer_overhead(dev, layers, t, d)
     steps = wl.ppo_epochs * wl.mini_batches
-    return steps * (pipeline + sync + optimizer_step) + call_time(dev, wl.sequences * s)
+    call = call_time(dev, wl.sequences * wl.seq_len)  # the rows travel padded
+    return steps * (pipeline + sync + optimizer_step) + call
 
 
 def inference_time(
     spec: ModelSpec, dev: DeviceSpec, wl: WorkloadSpec, devices_per_node: int, p: int, t: int, d: int
 ) -> float:
     """One forward pass over every (prompt, response) sequence of the iteration."""
-    s, mbs = wl.seq_len, wl.inference_micro_batch_size
+    s, mbs = wl.packed_seq_len, wl.inference_micro_batch_size
     seqs_per_replica = math.ceil(wl.sequences / d)
     mbs = min(mbs, seqs_per_replica)
     m = math.ceil(seqs_per_replica / mbs)
@@ -149,8 +162,8 @@ def inference_time(
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
-    slot += activation_time(spec, dev, tokens, s / 2, layers, t)
-    return (m + p - 1) * slot + call_time(dev, wl.sequences * s)
+    slot += activation_time(spec, dev, tokens, s / 2, layers, t) + tokens * dev.infer_token_overhead_s
+    return (m + p - 1) * slot + call_time(dev, wl.sequences * wl.seq_len)
 
 
 def generation_time(

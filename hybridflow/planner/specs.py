@@ -171,8 +171,19 @@ class DeviceSpec:
     micro_batch_overhead_s: float = 0.0  # per micro-batch per pass beyond its layers: embeddings, head, loss
     tp_layer_overhead_s: float = 0.0  # per layer per pass at t > 1: DTensor dispatch, row-wise all-reduces
     fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks
-    optimizer_layer_overhead_s: float = 0.0  # per layer per optimizer step: the per-tensor loop of AdamW
+    optimizer_layer_overhead_s: float = (
+        0.0  # per layer per optimizer step: clipping and AdamW on plain tensors
+    )
     optimizer_step_overhead_s: float = 0.0  # per optimizer step: the rest (embeddings, head, bookkeeping)
+    # per optimizer step beyond plain tensors' on FSDP2's (d > 1) and tensor parallelism's (t > 1) DTensors:
+    # the clipping norm's reductions and the fused kernel's dispatch per layout (profiles before version 4: 0)
+    fsdp_optimizer_step_overhead_s: float = 0.0
+    tp_optimizer_step_overhead_s: float = 0.0
+    # per token of a rank's micro-batch, what the engine's passes cost beyond the FLOP, activation and fixed
+    # terms (packing, shared-prompt attention, the log-prob chunks, the loss): a training micro-batch's
+    # forward and backward, an inference forward (microbench_path.engine_passes; before version 4: 0)
+    train_token_overhead_s: float = 0.0
+    infer_token_overhead_s: float = 0.0
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0
@@ -278,6 +289,10 @@ class WorkloadSpec:
     role_micro_batches: tuple[tuple[str, int, int], ...] = ()
     # the training-side forwards compute a prompt once for its samples in a micro-batch (model.share_prompt)
     shared_prompts: bool = False
+    # the prompts' mean token count where the data is known and the training-side passes pack real tokens
+    # (padding removal); 0: prompt_len. Their time reads it; memory and generation's padded prefill read
+    # prompt_len, the bound
+    mean_prompt_len: float = 0.0
 
     def __post_init__(self):
         for field in ("prompts", "samples_per_prompt", "prompt_len", "response_len", "ppo_epochs"):
@@ -285,6 +300,10 @@ class WorkloadSpec:
                 raise ValueError(f"WorkloadSpec.{field} must be >= 1, got {getattr(self, field)}")
         if self.mini_batches < 1 or self.micro_batch_size < 1 or self.inference_micro_batch_size < 1:
             raise ValueError("WorkloadSpec: mini_batches and micro batch sizes must be >= 1")
+        if not 0 <= self.mean_prompt_len <= self.prompt_len:
+            raise ValueError(
+                f"WorkloadSpec.mean_prompt_len must be in [0, prompt_len], got {self.mean_prompt_len}"
+            )
 
     @property
     def sequences(self) -> int:
@@ -294,8 +313,17 @@ class WorkloadSpec:
         """Tokens a training-side forward computes per sequence in micro-batches of `rows` rows: with shared
         prompts a prompt once for the samples of it a micro-batch holds (consecutive rows)."""
         if not self.shared_prompts:
-            return float(self.seq_len)
-        return self.prompt_len / min(self.samples_per_prompt, rows) + self.response_len
+            return self.packed_seq_len
+        return self.packed_prompt_len / min(self.samples_per_prompt, rows) + self.response_len
+
+    @property
+    def packed_prompt_len(self) -> float:
+        """Prompt tokens a training-side pass computes per sequence (the mean where known)."""
+        return float(self.mean_prompt_len or self.prompt_len)
+
+    @property
+    def packed_seq_len(self) -> float:
+        return self.packed_prompt_len + self.response_len
 
     def for_role(self, role: str) -> WorkloadSpec:
         """This workload with `role`'s own micro-batch sizes (role_micro_batches)."""

@@ -161,25 +161,27 @@ def _micro_batch_rows(section, seq_len: int) -> int:
     return max(1, tokens // seq_len) if tokens else section.micro_batch_size_per_device
 
 
-def _shares_prompts(cfg) -> bool:
-    """Whether the training-side forwards compute each prompt once for its samples (model.share_prompt,
-    resolved for the actor's model type as the engines resolve it)."""
+def _packing(cfg) -> tuple[bool, bool]:
+    """(padding removal, shared prompts) of the training-side forwards (model.remove_padding,
+    model.share_prompt), resolved for the actor's model type as the engines resolve them."""
     from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
     from hybridflow.models.files import model_type
 
     kind = model_type(cfg.model.path) or ""
     try:
-        return resolve_share_prompt(
-            cfg.model.share_prompt, resolve_remove_padding(cfg.model.remove_padding, kind)
-        )
+        packs = resolve_remove_padding(cfg.model.remove_padding, kind)
+        return packs, resolve_share_prompt(cfg.model.share_prompt, packs)
     except ValueError:  # a contradiction the engines refuse in one line when they start
-        return False
+        return False, False
 
 
-def build_planner_workload(cfg) -> WorkloadSpec:
+def build_planner_workload(cfg, mean_prompt_len: float = 0.0) -> WorkloadSpec:
+    """The run's workload; `mean_prompt_len`, the training prompts' mean token count where the dataset is
+    loaded (0: unknown), is what passes that pack real tokens compute (data.max_prompt_length bounds memory)."""
     d, act = cfg.data, cfg.actor
     seq_len = d.max_prompt_length + cfg.rollout.response_length
     rows = {s: _micro_batch_rows(getattr(cfg, s), seq_len) for s in ("actor", "critic", "ref", "reward")}
+    packs, shares = _packing(cfg)
     return WorkloadSpec(
         prompts=d.train_batch_size,
         samples_per_prompt=cfg.rollout.n,
@@ -197,7 +199,8 @@ def build_planner_workload(cfg) -> WorkloadSpec:
             ("reward", rows["reward"], rows["reward"]),
             ("cost", rows["reward"], rows["reward"]),
         ),
-        shared_prompts=cfg.rollout.n > 1 and _shares_prompts(cfg),
+        shared_prompts=cfg.rollout.n > 1 and shares,
+        mean_prompt_len=min(mean_prompt_len, d.max_prompt_length) if packs else 0.0,
     )
 
 
@@ -287,15 +290,16 @@ def config_limits(cfg) -> EngineLimits:
     return replace(ENGINE_LIMITS, pipeline_max_tp=tuple(limits.items()))
 
 
-def plan_for_config(cfg) -> Plan:
+def plan_for_config(cfg, mean_prompt_len: float = 0.0) -> Plan:
     """Run the planner on the config's dataflow, cluster and workload, within the built-in engines'
     limits (so `check_plan` accepts every layout it returns), for the schedule the config runs. Where
     the build has trainer.rollout_ahead the other schedule is searched too, for comparison; each
-    schedule prices the old-log-prob forward as the trainer would run it under that schedule."""
+    schedule prices the old-log-prob forward as the trainer would run it under that schedule.
+    mean_prompt_len: the training prompts' mean token count, where the caller has loaded them (0: not)."""
     ahead, limits = config_rollout_ahead(cfg), config_limits(cfg)
     try:
         df = build_planner_dataflow(cfg, None if ahead is None else 0)
-        cluster, wl = build_planner_cluster(cfg), build_planner_workload(cfg)
+        cluster, wl = build_planner_cluster(cfg), build_planner_workload(cfg, mean_prompt_len)
         if ahead is None:
             return plan(df, cluster, wl, limits=limits)
         results = search(df, cluster, wl, limits)
@@ -312,11 +316,11 @@ def plan_for_config(cfg) -> Plan:
 
 
 # ---- plan -> placement ---------------------------------------------------------------------------------
-def load_plan(cfg) -> tuple[Plan, str]:
+def load_plan(cfg, mean_prompt_len: float = 0.0) -> tuple[Plan, str]:
     """(plan, where it came from) for resources.placement = auto or a plan file."""
     source = cfg.resources.placement
     if source == "auto":
-        return plan_for_config(cfg), "auto"
+        return plan_for_config(cfg, mean_prompt_len), "auto"
     if not os.path.isfile(source):
         raise FileNotFoundError(
             f"resources.placement: no plan file at {source!r}; write one with "

@@ -87,12 +87,13 @@ class Trainer(ValidationMixin):
         require_rollout_engine(cfg)
         if cfg.trainer.rollout_data_dir and not self.spec.generation:
             raise ConfigError([f"trainer.rollout_data_dir: {self.name} samples no rollouts; remove it"])
-        self.placement = placement or Placement.from_config(cfg)
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
         )
         self.tools = tool_schemas(cfg.rollout.multi_turn)  # the chat template lists them in each prompt
         self.train_loader = self.build_train_loader()
+        # placement=auto prices the passes at the loaded prompts' mean length
+        self.placement = placement or Placement.from_config(cfg, self.mean_prompt_len())
         rule = cfg.reward.kind == "rule"
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", rule, self.tools)
         if cfg.trainer.val_only and self.val_dataset is None:
@@ -145,6 +146,11 @@ class Trainer(ValidationMixin):
         return StatefulDataLoader(
             ds, self.cfg.data.train_batch_size, shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed
         )
+
+    def mean_prompt_len(self) -> float:
+        """The training prompts' mean token count (0: no prompt dataset loaded)."""
+        ds = self.train_loader.dataset if self.train_loader is not None else None
+        return ds.mean_length() if isinstance(ds, PromptDataset) else 0.0
 
     def reward_columns(self) -> set[str] | None:
         """The training prompts' columns a reward function may ask for (None: not a prompt dataset)."""

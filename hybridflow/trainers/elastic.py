@@ -107,7 +107,9 @@ def fit_devices(trainer) -> None:
             f"{lost}; no device count from {have} down to trainer.min_devices={trainer_cfg.min_devices} fits the "
             f"config ({first}); add devices and resume, or change the batch"
         )
-    trainer.cfg, trainer.placement = new, Placement.from_config(new)
+    planned = getattr(trainer.placement, "plan", None)  # auto re-plans at the prompts' length it planned
+    mean = planned.workload.get("mean_prompt_len", 0.0) if planned is not None else 0.0
+    trainer.cfg, trainer.placement = new, Placement.from_config(new, mean)
     _say(
         f"continuing on {n} devices instead of {need}: {lost}; actor dp={new.actor.parallel.dp} (trainer.min_devices={trainer_cfg.min_devices})"
     )

@@ -135,9 +135,14 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     # the path's terms (microbench_path.py): the call over Ray, the training step over gloo, both dtypes
     assert fp32.call_overhead_s == raw["worker_call"]["call_overhead_s"] > 0
     assert fp32.transfer_bandwidth == raw["worker_call"]["transfer_bandwidth"] > 0
-    for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "fsdp_layer_overhead_s"):
+    for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "fsdp_layer_overhead_s",
+                 "fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s"):  # fmt: skip
         assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0
     assert fp32.peak_flops >= 0.9 * min(raw["float32"]["gemm_flops_by_width"].values())
+    # the engine's own passes, per token beyond the simulator's terms (fitted on the fp32 entry, both dtypes)
+    for name in ("train_token_overhead_s", "infer_token_overhead_s"):
+        assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
+    assert raw["engine_passes"]["train_s"][1] > raw["engine_passes"]["train_s"][0] > 0  # 256 rows against 64
     # 2,048 tokens' non-matmul work costs something on any CPU; per dtype, as measured
     assert fp32.activation_s_per_element == raw["float32"]["activation_s_per_element"] > 0
     assert bf16.activation_s_per_element == raw["bfloat16"]["activation_s_per_element"] > 0

@@ -83,6 +83,72 @@ def test_a_version_2_profile_prices_activations_at_0_and_says_so(tmp_path, capsy
     assert "a version 2 device profile without the terms measured since (activation_s_per_element)" in note
 
 
+def test_a_version_3_profile_prices_the_optimizer_on_dtensors_as_plain_and_says_so(tmp_path, capsys):
+    data = _profile(fsdp_optimizer_step_overhead_s=1e-3).to_dict()
+    data["version"] = 3
+    for spec in data["devices"].values():
+        spec.pop("fsdp_optimizer_step_overhead_s"), spec.pop("tp_optimizer_step_overhead_s")
+    path = tmp_path / "v3.json"
+    path.write_text(json.dumps(data))
+    assert DeviceProfile.load(path).device("float32").fsdp_optimizer_step_overhead_s == 0.0
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        "version 3 device profile without the terms measured since (fsdp_optimizer_step_overhead_s, " in note
+    )
+
+
+def test_the_optimizer_on_dtensors_is_priced_where_the_layout_has_them():
+    """The small Llama's training stage (one optimizer step) gains the term at d > 1 (FSDP2) or t > 1
+    (tensor parallelism), each its own, and nothing at t = d = 1."""
+    from hybridflow.planner.simulate import training_time
+
+    base = _profile().device("float32")
+    terms = _profile(fsdp_optimizer_step_overhead_s=1e-3, tp_optimizer_step_overhead_s=1e-2).device("float32")
+    for (t, d), extra in {(1, 1): 0.0, (1, 2): 1e-3, (2, 1): 1e-2, (2, 2): 1.1e-2}.items():
+        with_terms, without = (
+            training_time(SMALL, dev, WORKLOAD, 4, 1, t, d, False) for dev in (terms, base)
+        )
+        assert with_terms - without == pytest.approx(extra, abs=1e-12), (t, d)
+
+
+def test_the_engines_per_token_cost_by_hand():
+    """512 rows of GRPO's shape at d = 2: 256 rows a rank, one micro-batch of 256 x (7/8 + 4) = 1,248 tokens
+    (shared 7-token prompts, 4-token responses); the training term once per micro-batch (its passes
+    together), the inference term once per forward."""
+    from hybridflow.planner.simulate import inference_time, training_time
+
+    wl = replace(WORKLOAD, prompt_len=9, mean_prompt_len=7.0, shared_prompts=True)
+    base, terms = (
+        _profile().device("float32"),
+        _profile(train_token_overhead_s=1e-5, infer_token_overhead_s=1e-6),
+    )
+    terms = terms.device("float32")
+    train = [training_time(SMALL, dev, wl, 4, 1, 1, 2, False) for dev in (terms, base)]
+    infer = [inference_time(SMALL, dev, wl, 4, 1, 1, 2) for dev in (terms, base)]
+    assert train[0] - train[1] == pytest.approx(1248 * 1e-5) and infer[0] - infer[1] == pytest.approx(
+        1248 * 1e-6
+    )
+
+
+def test_engine_token_fit_recovers_a_known_residual():
+    """Measured = the simulator's own seconds for the same rows + 3 us (training) and 1 us (inference) a
+    token: the fit returns them; 64 and 256 rows of 7-token prompts are 312 and 1,248 tokens."""
+    from hybridflow.models.tiny import build_tiny_config
+    from hybridflow.planner.calibrate import fit_engine_tokens
+    from hybridflow.planner.simulate import inference_time, training_time
+
+    dev = _profile(micro_batch_overhead_s=1e-3, activation_s_per_element=1e-9).device("float32")
+    spec = ModelSpec.from_config_dict(build_tiny_config("tiny", "llama").to_dict())
+    raw = {"rows": [64, 256], "prompt_len": [7.0, 7.0], "train_s": [], "infer_s": []}
+    for rows, tokens in ((64, 312), (256, 1248)):
+        wl = WorkloadSpec(rows // 8, 8, 7, 4, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
+                          shared_prompts=True, mean_prompt_len=7.0)  # fmt: skip
+        raw["train_s"].append(training_time(spec, dev, wl, 1, 1, 1, 1, False) + 3e-6 * tokens)
+        raw["infer_s"].append(inference_time(spec, dev, wl, 1, 1, 1, 1) + 1e-6 * tokens)
+    fit = fit_engine_tokens(raw, dev, "tiny")
+    assert fit == pytest.approx({"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6}, rel=1e-6)
+
+
 def test_profile_refuses_what_it_cannot_read(tmp_path):
     good = _profile().to_dict()
     with pytest.raises(FileNotFoundError, match="hybridflow calibrate --out"):
@@ -156,15 +222,45 @@ def test_activation_time_and_each_roles_micro_batch_by_hand():
     assert eight - one == pytest.approx(7 * 1e-2)  # 8 passes of 8 rows against 1 of 64
 
 
+def test_passes_are_priced_at_the_mean_prompt_and_memory_at_the_bound():
+    """A mean prompt of 7 tokens under a bound of 16: training and inference cost what 7-token prompts
+    cost; generation's padded prefill, the KV cache and activations' memory keep 16."""
+    from hybridflow.planner.parallel import enumerate_options
+    from hybridflow.planner.simulate import generation_time, inference_time, training_time
+
+    dev = get_device("cpu")  # no call or transfer terms: the rows' padded bytes cost nothing here
+    mean, short = replace(WORKLOAD, mean_prompt_len=7.0), replace(WORKLOAD, prompt_len=7)
+    assert mean.packed_seq_len == 11.0 and mean.seq_len == 20
+    assert training_time(SMALL, dev, mean, 4, 1, 1, 2, False) == training_time(
+        SMALL, dev, short, 4, 1, 1, 2, False
+    )
+    assert inference_time(SMALL, dev, mean, 4, 1, 1, 2) == inference_time(SMALL, dev, short, 4, 1, 1, 2)
+    assert training_time(SMALL, dev, mean, 4, 1, 1, 2, False) < training_time(
+        SMALL, dev, WORKLOAD, 4, 1, 1, 2, False
+    )
+    assert generation_time(SMALL, dev, mean, 4, 2, 1, 1) == generation_time(SMALL, dev, WORKLOAD, 4, 2, 1, 1)
+    actor = build_dataflow("grpo", SMALL, reward_model=False).model("actor")
+    cluster = ClusterSpec.build("cpu", 2, 2)
+    memory = [
+        [(o.persistent_bytes, o.transient_bytes) for o in enumerate_options(actor, cluster, w, 2)]
+        for w in (mean, WORKLOAD)
+    ]
+    assert memory[0] == memory[1] and memory[0]
+    with pytest.raises(ValueError, match="mean_prompt_len"):
+        replace(WORKLOAD, mean_prompt_len=17.0)
+
+
 def test_training_path_fit_by_hand():
     """Per-layer slopes of 1 and 5 layers; a micro-batch is 3 passes: t1d1's slope 3 ms is 1 ms a pass, its
-    rest 7 ms is 2.33 ms a pass; d2's extra slope 3 ms and t2's 6 ms are 1 and 2 ms a layer pass; AdamW 1 ms
-    a layer, 1 ms the rest."""
-    raw = {"t1d1/1": (0.010, 0.002), "t1d1/5": (0.022, 0.006), "t1d2/1": (0.016, 0.0),
-           "t1d2/5": (0.040, 0.0), "t2d1/1": (0.019, 0.0), "t2d1/5": (0.055, 0.0)}  # fmt: skip
+    rest 7 ms is 2.33 ms a pass; d2's extra slope 3 ms and t2's 6 ms are 1 and 2 ms a layer pass; the
+    optimizer step 1 ms a layer and 1 ms the rest on plain tensors; its rest at d2 (2 ms a layer) is 2 ms,
+    at t2 (1 ms a layer) 5 ms: 1 and 4 ms more a step."""
+    raw = {"t1d1/1": (0.010, 0.002), "t1d1/5": (0.022, 0.006), "t1d2/1": (0.016, 0.004),
+           "t1d2/5": (0.040, 0.012), "t2d1/1": (0.019, 0.006), "t2d1/5": (0.055, 0.010)}  # fmt: skip
     fit = fit_training_path(raw)
     expected = dict(train_layer_pass_s=0.001, micro_batch_overhead_s=0.007 / 3, fsdp_layer_overhead_s=0.001,
-                    tp_layer_overhead_s=0.002, optimizer_layer_overhead_s=0.001, optimizer_step_overhead_s=0.001)  # fmt: skip
+                    tp_layer_overhead_s=0.002, optimizer_layer_overhead_s=0.001, optimizer_step_overhead_s=0.001,
+                    fsdp_optimizer_step_overhead_s=0.001, tp_optimizer_step_overhead_s=0.004)  # fmt: skip
     assert {k: fit[k] for k in expected} == pytest.approx(expected, rel=1e-9)
 
 
