@@ -91,6 +91,11 @@ def _children_of(parents: set[int]) -> list[int]:
 
 def _run_init() -> None:
     """PID 1 of the namespace: reaps orphans until the worker dies (then the kernel kills all members)."""
+    # Nothing inherited stays open here (the worker's pipe to the trainer above all): a worker that dies
+    # before this process armed its death signal (a race under load) must still be seen at once by the
+    # trainer's EOF, not after reward.startup_timeout_s; what is left of this process goes with the
+    # worker's process group (pool.py kills it).
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != 0:  # the worker (outside the namespace, so seen as 0) is already gone
         os._exit(1)

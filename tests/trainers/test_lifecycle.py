@@ -169,7 +169,9 @@ def _stop_hung_run(proc, log: Path, signals: int, limit_s: float) -> tuple[float
     tree = descendants(proc.pid) | {proc.pid}
     ports = listening(tree)
     os.kill(worker, signal.SIGSTOP)
-    time.sleep(3)  # the driver reaches a call on the stopped worker (every step needs it) and waits there
+    # the driver reaches a call on the stopped worker (every step needs it, each a few tenths of a second
+    # under load) and waits there
+    time.sleep(1.5)
     try:
         start = time.monotonic()
         for _ in range(signals):
@@ -212,7 +214,8 @@ def test_hung_worker_is_killed_and_restarted_after_hang_timeout(config_file, tmp
     """trainer.hang_timeout_s: a worker stopped mid-run (alive, silent) is treated as dead: one line names
     group, rank and method, its process is killed, the run resumes from its last checkpoint and ends."""
     run = tmp_path / "run"
-    settings = ("trainer.total_steps=6", "trainer.save_every=1", "trainer.hang_timeout_s=15")
+    # 8 s: several times the longest call of this one-rank tiny run under load (a save, a validation)
+    settings = ("trainer.total_steps=6", "trainer.save_every=1", "trainer.hang_timeout_s=8")
     proc = start_train(config_file, *settings, log=tmp_path / "a.log")
     wait_for(lambda: any(r["step"] == 2 for r in metric_rows(run)), proc)
     (worker,) = worker_pids(proc.pid)
@@ -225,7 +228,7 @@ def test_hung_worker_is_killed_and_restarted_after_hang_timeout(config_file, tmp
     text = (tmp_path / "a.log").read_text()
     line = re.search(r"hybridflow train: restart 1/3 at step \d+: (.*)", text).group(1)
     assert re.fullmatch(
-        r"worker group 'actor_rollout': rank 0 \(of waiting ranks \[0\]\) made no progress in '\w+' for 15 s "
+        r"worker group 'actor_rollout': rank 0 \(of waiting ranks \[0\]\) made no progress in '\w+' for 8 s "
         r"\(trainer.hang_timeout_s\); treated as dead",
         line,
     ), line
