@@ -19,7 +19,9 @@ import pytest
 
 from hybridflow.config import ConfigError, validate_config
 from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
+from hybridflow.planner.plan import build_plan
 from hybridflow.planner.profile import DeviceProfile
+from hybridflow.planner.search import search, strategy_name
 from hybridflow.planner.specs import get_device
 from hybridflow.trainers import Placement, build_trainer
 from hybridflow.trainers.auto_placement import (
@@ -39,18 +41,34 @@ KL_LOSS = "algorithm.use_kl_loss=true"
 
 
 def _tiny_plan(
-    model_dir, algorithm: str, devices: int, reward_model: bool = False, old_log_probs: str = "actor"
+    model_dir,
+    algorithm: str,
+    devices: int,
+    reward_model: bool = False,
+    old_log_probs: str = "actor",
+    strategy: str | None = None,
 ) -> Plan:
     """What `hybridflow plan --model-config DIR --gpu cpu --gpus N` computes,
     for the tiny test run (old_log_probs="actor": with an actor forward for old log-probs, as the
-    trainer runs when it takes several optimizer steps; the CLI derives "free" for this one-step batch)."""
+    trainer runs when it takes several optimizer steps; the CLI derives "free" for this one-step batch).
+    `strategy` (e.g. "standalone"): that placement's best plan instead of the fastest one (for 8 rows the
+    fastest colocates every model at d = 4; the tests of pools of their own ask for standalone)."""
     model = ModelSpec.from_hf_config(model_dir)
     df = build_dataflow(algorithm, model, reward_model=reward_model, old_log_probs=old_log_probs)
     wl = WorkloadSpec(  # tests/trainers/configs.py's batch and the config's default micro-batch sizes
         prompts=4, samples_per_prompt=2, prompt_len=16, response_len=4, mini_batches=1,
         micro_batch_size=4, inference_micro_batch_size=8,
     )  # fmt: skip
-    return plan(df, ClusterSpec.build("cpu", devices, devices), wl, limits=ENGINE_LIMITS)
+    cluster = ClusterSpec.build("cpu", devices, devices)
+    if strategy is None:
+        return plan(df, cluster, wl, limits=ENGINE_LIMITS)
+    roles = list(df.roles)
+    named = [
+        r
+        for r in search(df, cluster, wl, ENGINE_LIMITS)
+        if strategy_name([list(s) for s in r.placement], roles) == strategy
+    ]
+    return build_plan(df, cluster, wl, named[:1], ENGINE_LIMITS)
 
 
 def _with_model(plan_: Plan, role: str, **changes) -> Plan:
@@ -130,8 +148,9 @@ def test_auto_plans_what_the_plan_api_plans(make_config, tiny_model_dir, capsys)
 
 
 def test_auto_plans_only_layouts_the_engines_run(make_config, tmp_path):
-    """A GQA model (12 heads, 2 KV heads) for GRPO on 8 CPU devices: the paper's search trains the actor
-    with t = 4 (KV heads replicated), which the engine refuses; `auto` plans t = 2 instead (and p = 2)."""
+    """A GQA model (12 heads, 2 KV heads) for GRPO on 8 CPU devices: the actor at t = 4 (KV heads
+    replicated, which the paper's search allows) is refused by the engine; `auto` plans within the engines'
+    limits (8 rows: t = 2 over d = 4, a replica's 2 rows one micro-batch)."""
     model_dir = tmp_path / "gqa"
     model_dir.mkdir()
     shape = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=2)
@@ -139,8 +158,7 @@ def test_auto_plans_only_layouts_the_engines_run(make_config, tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     cfg = make_config("grpo", KL_LOSS, f"model.path={model_dir}", "resources.placement=auto", devices=8)
     inputs = build_planner_dataflow(cfg), build_planner_cluster(cfg), build_planner_workload(cfg)
-    free = plan(*inputs)
-    assert free.model("actor").t == 4
+    free = _with_model(plan(*inputs), "actor", t=4, d=2)
     assert any("t=4 does not divide {'kv_heads': 2}" in e for e in check_plan(free, cfg, "auto"))
     auto = plan_for_config(cfg)
     assert auto.limits == ENGINE_LIMITS and check_plan(auto, cfg, "auto") == []
@@ -149,15 +167,15 @@ def test_auto_plans_only_layouts_the_engines_run(make_config, tmp_path):
     assert not auto.rollout_ahead and auto.models == sync.models and auto.ahead is not None
     for m in auto.models:
         assert m.pg == 1 and 2 % m.t == 0 and m.p * m.t * m.d == m.n_devices, m.role
-    # the actor trains in p x t x d (pipeline stages with TP, hybrid_engine/pipeline_switch.py)
+    # the actor trains in p x t x d as planned
     actor = placement_from_plan(auto, cfg, "auto").parallel["actor_rollout"]
-    assert (actor.pp, actor.tp, actor.pg) == (auto.model("actor").p, auto.model("actor").t, 1) == (2, 2, 1)
+    assert (actor.pp, actor.tp, actor.pg) == (auto.model("actor").p, auto.model("actor").t, 1) == (1, 2, 1)
 
 
 def test_models_the_config_does_not_use_are_skipped(make_config, tiny_model_dir):
     """GRPO with a rule reward and no KL term runs neither the plan's reward model nor its reference:
     their pools are not started."""
-    p = _tiny_plan(tiny_model_dir, "grpo", 4, reward_model=True)
+    p = _tiny_plan(tiny_model_dir, "grpo", 4, reward_model=True, strategy="standalone")
     assert [pool.roles for pool in p.pools] == [["actor"], ["reference"], ["reward"]]
     placement = placement_from_plan(p, make_config("grpo", devices=4))
     assert placement.pools == {"actor": p.model("actor").n_devices} and placement.num_devices == 2
@@ -177,7 +195,7 @@ def test_plan_file_errors(make_config, tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="is not a plan written by `hybridflow plan`"):
         Placement.from_config(make_config("grpo", f"resources.placement={garbage}"))
 
-    grpo4 = _tiny_plan(tiny_model_dir, "grpo", 4)
+    grpo4 = _tiny_plan(tiny_model_dir, "grpo", 4, strategy="standalone")
     with pytest.raises(ConfigError, match=r"no model \['critic'\].*--algorithm ppo"):
         placement_from_plan(grpo4, make_config("ppo", devices=4))
     with pytest.raises(ConfigError, match=r"needs 4 devices .* = 2; .*--gpus 2"):
@@ -255,7 +273,7 @@ def test_plan_file_runs_on_four_cpu_devices(ray_cluster, make_config, tiny_model
 def test_plan_file_with_the_actor_in_pipeline_stages_runs(ray_cluster, make_config, tiny_model_dir, tmp_path):
     """The 4-device plan with the actor at p = 2 on its 2 devices (a layout ENGINE_LIMITS plans: any p for
     the actor, pg = 1): the trainer runs its stages, and the switch's bytes equal the formula."""
-    p = _with_model(_tiny_plan(tiny_model_dir, "grpo", 4), "actor", p=2, t=1, d=1)
+    p = _with_model(_tiny_plan(tiny_model_dir, "grpo", 4, strategy="standalone"), "actor", p=2, t=1, d=1)
     assert ENGINE_LIMITS.allows("actor", 2, 1) and p.model("actor").n_devices == 2
     cfg = make_config(
         "grpo", DIGITS, KL_LOSS, f"resources.placement={p.save(tmp_path / 'plan.yaml')}", devices=4
