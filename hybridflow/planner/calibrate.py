@@ -142,7 +142,11 @@ def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
         measured = raw[key][-1] - raw[key][0]
         return max(0.0, (measured - (predicted[key][-1] - predicted[key][0])) / (tokens[-1] - tokens[0]))
 
-    return {"train_token_overhead_s": residual("train_s"), "infer_token_overhead_s": residual("infer_s")}
+    return {
+        "train_token_overhead_s": residual("train_s"),
+        "infer_token_overhead_s": residual("infer_s"),
+        "token_overhead_width": float(spec.hidden),
+    }
 
 
 # the coefficients microbench_path.training_path measures (the Python of a pass: the same in either dtype)

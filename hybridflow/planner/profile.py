@@ -7,14 +7,15 @@ compute dtype, memory bandwidth, the fixed cost per layer and per decode step, c
 bandwidth between two ranks, process start-up. It is a small versioned YAML/JSON file, one per machine
 kind, that users can share; `hybridflow plan --profile FILE` and `resources.planner_profile` plan with it.
 
-    version: 4
+    version: 5
     name: cpu-measured           # the device name plans made with it carry
     host: {...}                  # where it was measured (CPU model, torch version, threads)
     devices: {float32: {DeviceSpec fields}, bfloat16: {...}}   # one entry per compute dtype measured
     measurements: {...}          # the raw figures the coefficients came from, for the record
 
 Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the path's fixed costs,
-version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per token) take their
+version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per token,
+version 5 the width those per-token terms were measured at) take their
 DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note.
 
 Pure: no torch here, so the planner reads a profile without loading it.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 # the terms version 2 added (microbench_path.py): a version 1 profile has none of them
 PATH_FIELDS = (
     "call_overhead_s",
@@ -50,6 +51,7 @@ ADDED_FIELDS = {
         "train_token_overhead_s",
         "infer_token_overhead_s",
     ),
+    5: ("token_overhead_width",),
 }
 DTYPES = ("float32", "bfloat16")
 _DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}

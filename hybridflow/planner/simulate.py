@@ -124,11 +124,14 @@ def pass_tokens(wl: WorkloadSpec, rows: int, p: int) -> tuple[float, float]:
     return rows * wl.tokens_per_sequence(rows), wl.packed_seq_len
 
 
-def engine_token_overhead(per_token: float, p: int) -> float:
+def engine_token_overhead(spec: ModelSpec, dev: DeviceSpec, per_token: float, p: int) -> float:
     """The engine's per-token term where it was measured: the unpipelined passes (packing, the shared-prompt
-    attention: microbench_path.engine_passes). The pipelined passes run neither; their cost per padded token
-    beyond the FLOP, activation and fixed terms is not measured, so 0."""
-    return per_token if p == 1 else 0.0
+    attention: microbench_path.engine_passes), scaled from the width it was measured at to the model's. The
+    pipelined passes run neither; their cost per padded token beyond the FLOP, activation and fixed terms is
+    not measured, so 0."""
+    if p > 1:
+        return 0.0
+    return per_token * spec.hidden / dev.token_overhead_width if dev.token_overhead_width else per_token
 
 
 def training_time(
@@ -159,7 +162,7 @@ def training_time(
         + tp_comm
         + pp_comm
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
-        + tokens * engine_token_overhead(dev.train_token_overhead_s, p)
+        + tokens * engine_token_overhead(spec, dev, dev.train_token_overhead_s, p)
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
@@ -186,7 +189,7 @@ def inference_time(
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
-    slot += tokens * engine_token_overhead(dev.infer_token_overhead_s, p)
+    slot += tokens * engine_token_overhead(spec, dev, dev.infer_token_overhead_s, p)
     return (m + p - 1) * slot + call_time(dev, wl.sequences * wl.seq_len)
 
 

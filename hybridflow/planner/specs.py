@@ -184,6 +184,10 @@ class DeviceSpec:
     # forward and backward, an inference forward (microbench_path.engine_passes; before version 4: 0)
     train_token_overhead_s: float = 0.0
     infer_token_overhead_s: float = 0.0
+    # the hidden size the two terms above were measured at: a model of another width pays them times its
+    # hidden / this (the work is over hidden-sized vectors: measured 15 / 39 / 185 us a training token at
+    # widths 64 / 128 / 512); 0 (profiles before version 5): unscaled
+    token_overhead_width: float = 0.0
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0

@@ -128,6 +128,9 @@ def test_the_engines_per_token_cost_by_hand():
     assert train[0] - train[1] == pytest.approx(1248 * 1e-5) and infer[0] - infer[1] == pytest.approx(
         1248 * 1e-6
     )
+    # measured at half SMALL's width: SMALL pays twice the measured term a token
+    half = _profile(train_token_overhead_s=1e-5, token_overhead_width=SMALL.hidden / 2).device("float32")
+    assert training_time(SMALL, half, wl, 4, 1, 1, 2, False) - train[1] == pytest.approx(1248 * 2e-5)
 
 
 def test_engine_token_fit_recovers_a_known_residual():
@@ -146,7 +149,10 @@ def test_engine_token_fit_recovers_a_known_residual():
         raw["train_s"].append(training_time(spec, dev, wl, 1, 1, 1, 1, False) + 3e-6 * tokens)
         raw["infer_s"].append(inference_time(spec, dev, wl, 1, 1, 1, 1) + 1e-6 * tokens)
     fit = fit_engine_tokens(raw, dev, "tiny")
-    assert fit == pytest.approx({"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6}, rel=1e-6)
+    assert fit == pytest.approx(
+        {"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6, "token_overhead_width": spec.hidden},
+        rel=1e-6,
+    )
 
 
 def test_profile_refuses_what_it_cannot_read(tmp_path):
