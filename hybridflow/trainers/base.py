@@ -92,8 +92,9 @@ class Trainer(ValidationMixin):
         )
         self.tools = tool_schemas(cfg.rollout.multi_turn)  # the chat template lists them in each prompt
         self.train_loader = self.build_train_loader()
-        # placement=auto prices the passes at the loaded prompts' mean length
-        self.placement = placement or Placement.from_config(cfg, self.mean_prompt_len())
+        # placement=auto prices the passes at the loaded prompts' mean length (a pass over the dataset: only there)
+        auto = placement is None and cfg.resources.placement == "auto"
+        self.placement = placement or Placement.from_config(cfg, self.mean_prompt_len() if auto else 0.0)
         rule = cfg.reward.kind == "rule"
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", rule, self.tools)
         if cfg.trainer.val_only and self.val_dataset is None:
