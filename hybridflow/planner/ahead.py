@@ -136,6 +136,8 @@ def rollout_option(
                 kv = mem.kv_cache_bytes(spec, dev.bytes_per_param, concurrent, wl.seq_len, pg, tg)
                 if weights + kv <= budget:
                     gen = sim.generation_time(spec, dev, wl, dpn, n, pg, tg, task.generation_factor, waves)
+                    # its call is the rollout pool's, overlapping the step (not in the step's rest)
+                    gen += sim.stage_call_time(dev, wl, "generation", task.generation_factor)
                     option = RolloutOption(n, pg, tg, waves, gen, weights, kv)
                     if best is None or gen < best.generation_seconds:
                         best = option
@@ -174,7 +176,8 @@ def scoring_seconds(tasks: tuple[ModelTask, ...], cluster: ClusterSpec, wl: Work
     """The frozen models' forwards over the batch on a rollout pool of n devices, one after another
     (they share its processes), each data parallel over the pool."""
     dev, dpn = cluster.device, cluster.devices_per_node
-    return sum(sim.inference_time(m.spec, dev, wl, dpn, 1, 1, n) for m in tasks)
+    call = sim.stage_call_time(dev, wl, "preparation")  # each its own call, after generation on that pool
+    return sum(sim.inference_time(m.spec, dev, wl, dpn, 1, 1, n) + call for m in tasks)
 
 
 def frozen_bytes(tasks: tuple[ModelTask, ...], cluster: ClusterSpec) -> float:

@@ -70,7 +70,8 @@ def measure_profile(
         raw["training_path"] = path = mbp.training_path(3, size)  # (a GPU's runs on NCCL: the entry's)
         raw["engine_passes"] = mbp.engine_passes(size, 3)
     raw["worker_call"] = calls = mbp.worker_call(repeats)
-    path_terms = {**calls, **{k: path[k] for k in PATH_TERMS if k in path}}
+    call_terms = {k: v for k, v in calls.items() if k != "empty_step_s"}
+    path_terms = {**call_terms, **{k: path[k] for k in PATH_TERMS if k in path}}
     devices = {}
     for name in dtypes:
         dtype = getattr(torch, name)

@@ -5,6 +5,8 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
     worker-group call   a registered DP_PROTO method that returns its shard, on a 2-rank WorkerGroup:
                         seconds per call with an 8-row batch (Ray round trip, split, put, gather) and
                         bytes per second of the driver's batch transfer (a 4 MiB batch, less that call)
+    empty step          a GRPO step's calls with empty work, as the trainer issues and collects them: beyond
+                        the calls the step's rest prices, the driver's own work per step
     training step       forward + backward of a tiny Llama over 2 gloo ranks, parallelized as the engines
                         do it (engines/parallelize.py) at t1d1, t1d2 and t2d1, with 1 and 5 layers: the
                         per-layer slope and the fixed rest per micro-batch; the optimizer step likewise
@@ -39,9 +41,42 @@ class EchoWorker(Worker):
     def echo(self, batch):
         return batch
 
+    @register(Protocol.DP_PROTO)
+    def first(self, batch, *others):
+        """The advantages' shape: fed by the rollout and every preparation phase's output."""
+        return batch
+
+
+# the calls the step's rest prices (simulate.step_rest_time): generation's, preparation's, training's and
+# the advantages'; empty_step issues them as a GRPO step does
+REST_CALLS = 4
+
+
+def empty_step(group, batch) -> None:
+    """A GRPO step's calls as the trainer issues them (trainers/ppo.py), every stage's work empty: the
+    rollout comes back to the driver, preparation's two forwards go out at once, the advantages' call is
+    fed by their futures, the update by its; the phases' timers collect them (trainers/metrics.py)."""
+    from hybridflow.trainers.metrics import Timers
+
+    timers = Timers()
+    with timers.phase("gen"):
+        rollout = group.echo(batch)
+    with timers.phase("old_log_prob"):
+        log_probs = group.echo.future(rollout)
+    with timers.phase("ref"):
+        ref = group.echo.future(rollout)
+    with timers.phase("adv"):
+        experience = group.first.future(rollout, log_probs, ref)
+    with timers.phase("update_actor"):
+        update = group.echo.future(experience)
+    timers.collect()
+    update.get()
+    timers.pop()
+
 
 def worker_call(repeats: int = 5) -> dict[str, float]:
-    """call_overhead_s and transfer_bandwidth of a 2-rank worker group (starts and stops a local Ray)."""
+    """call_overhead_s, transfer_bandwidth and driver_step_overhead_s of a 2-rank worker group (starts and
+    stops a local Ray); empty_step_s, the empty step those came from, for the record."""
     import ray
 
     from hybridflow.batch import Batch
@@ -56,12 +91,19 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
             big = Batch({"x": torch.ones(2**16, 8, dtype=torch.long)})  # 4 MiB
             call = best_seconds(lambda: group.echo(small), repeats, min_s=0.0)
             big_call = best_seconds(lambda: group.echo(big), repeats, min_s=0.0)
+            step = best_seconds(lambda: empty_step(group, small), repeats, min_s=0.0)
             group.shutdown()
     finally:
         if started:
             ray.shutdown()
     nbytes = 2 * big["x"].numel() * 8  # to the workers and back
-    return {"call_overhead_s": call, "transfer_bandwidth": nbytes / max(big_call - call, 1e-9)}
+    return {
+        "call_overhead_s": call,
+        "transfer_bandwidth": nbytes / max(big_call - call, 1e-9),
+        # an empty step beyond the calls the rest prices: the driver's own work (futures, timers, joins)
+        "driver_step_overhead_s": max(0.0, step - REST_CALLS * call),
+        "empty_step_s": step,
+    }
 
 
 def _model(size: str, layers: int, tp: int, dp: int):

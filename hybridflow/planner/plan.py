@@ -126,8 +126,8 @@ class Plan:
     old_log_probs: str = "actor"  # the synchronous schedule's: "free" = no actor preparation forward priced
     # priced with a device profile measured on the machine (profile.py); False: the catalogue's datasheet entry
     device_measured: bool = False
-    # the step's work no stage holds (simulate.step_rest_time: the advantages' call), in iteration_seconds;
-    # 0 for a plan file without the field
+    # the step's work no stage holds (simulate.step_rest_time: the stages' and the advantages' calls, the
+    # driver's own work; plan.dataflow_rest), in iteration_seconds; 0 for a plan file without the field
     rest_seconds: float = 0.0
 
     @property
@@ -225,6 +225,15 @@ def _rollout_plan(ahead: AheadResult, rest: float) -> RolloutPlan:
     )  # fmt: skip
 
 
+def dataflow_rest(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec) -> float:
+    """The step's rest (simulate.step_rest_time) with a call for each stage `dataflow`'s models work in.
+    One step ahead the training side has no generation: the rollout pool's call is priced in its
+    generation seconds (ahead.rollout_option), issued a step before and overlapping this one."""
+    stages = tuple(s for s in STAGES if any(stage == s for m in dataflow.models for stage, _ in m.work))
+    factor = max((m.generation_factor for m in dataflow.models if m.generates), default=1.0)
+    return step_rest_time(cluster.device, wl, stages, factor)
+
+
 def choose_schedule(schedule: str, sync_seconds: float | None, ahead_seconds: float | None) -> int:
     """rollout_ahead (0 or 1) for `schedule`: "auto" takes one step ahead only when it predicts a
     strictly shorter iteration (off-policy by one step is a cost the synchronous schedule does not pay)."""
@@ -248,9 +257,13 @@ def build_plan(
 ) -> Plan:
     """Turn ranked synchronous search results (best first) and the best one-step-ahead result, both
     searched under `limits`, into a Plan running `schedule` (auto: the faster of the two)."""
-    sync_best = results[0].iteration_time if results else None
-    rollout_ahead = choose_schedule(schedule, sync_best, ahead.iteration_time if ahead else None)
-    rest = step_rest_time(cluster.device, wl)  # the same under every placement and schedule
+    sync_rest = dataflow_rest(dataflow, cluster, wl)  # the same under every synchronous placement
+    ahead_rest = 0.0
+    if ahead:
+        side = training_side(with_old_log_probs(dataflow, ahead.old_log_probs), ahead.frozen_pool)
+        ahead_rest = dataflow_rest(side, cluster, wl)
+    sync_best = results[0].iteration_time + sync_rest if results else None
+    rollout_ahead = choose_schedule(schedule, sync_best, ahead.iteration_time + ahead_rest if ahead else None)
     if not results and not rollout_ahead:
         within = "" if limits == UNCONSTRAINED else f" with layouts the engines run ({limits.describe()})"
         if schedule == "ahead":
@@ -266,20 +279,19 @@ def build_plan(
             "plan the synchronous schedule (--schedule sync) or add devices"
         )
     if rollout_ahead:
-        side = training_side(with_old_log_probs(dataflow, ahead.old_log_probs), ahead.frozen_pool)
         pools, models = _pools_and_models(side, ahead.train)
         stage = dict(_stage_dict(ahead.train.stage_times), generation=ahead.rollout.generation_seconds)
-        iteration = ahead.iteration_time + rest
+        rest, iteration = ahead_rest, ahead.iteration_time + ahead_rest
     else:
         pools, models = _pools_and_models(dataflow, results[0])
-        stage, iteration = _stage_dict(results[0].stage_times), results[0].iteration_time + rest
+        stage, rest, iteration = _stage_dict(results[0].stage_times), sync_rest, sync_best
     roles = list(dataflow.roles)
     alternatives = [
         Alternative(
             strategy_name([list(s) for s in r.placement], roles),
             [list(s) for s in r.placement],
             list(r.allocation),
-            r.iteration_time + rest,
+            r.iteration_time + sync_rest,
             _stage_dict(r.stage_times),
         )
         for r in results
@@ -302,8 +314,8 @@ def build_plan(
         alternatives=alternatives,
         engine_limits=json.loads(json.dumps(asdict(limits))),  # as a plan file reads back: lists, not tuples
         rollout_ahead=rollout_ahead,
-        ahead=_rollout_plan(ahead, rest) if ahead else None,
-        synchronous_seconds=sync_best + rest if sync_best else 0.0,
+        ahead=_rollout_plan(ahead, ahead_rest) if ahead else None,
+        synchronous_seconds=sync_best or 0.0,
         old_log_probs=dataflow.old_log_probs,
         device_measured=cluster.device.measured,
         rest_seconds=rest,

@@ -9,8 +9,9 @@
   cache of its sequences, and pays two TP all-reduces per layer, mostly latency; prefill is
   compute-bound. Pipeline stages run one after another for a single batch, so pg saves memory only.
 - The actor's train -> generate switch costs what docs/design.md §4 Table 2 says each method moves.
-- Fixed costs of the path (`path_overhead`, `call_time`): each model's stage is one worker-group call
-  from the driver (a Ray round trip and the batch's transfer); each micro-batch pass pays a fixed cost
+- Fixed costs of the path (`path_overhead`, `call_time`): a stage's work is started by worker-group calls
+  from the driver (a Ray round trip and the batch's transfer), priced in the step's rest (`step_rest_time`),
+  not in the stage: a stage is measured from its workers' start to their end; each micro-batch pass pays a fixed cost
   beyond its layers, and each layer pass one for tensor parallelism (t > 1) and one for FSDP2 (d > 1);
   each optimizer step a per-layer and a fixed cost, the fixed one higher on DTensors (t > 1, d > 1).
   They are what a small model's stage mostly is.
@@ -68,11 +69,27 @@ def call_time(dev: DeviceSpec, tokens: float) -> float:
     return dev.call_overhead_s + transfer
 
 
-def step_rest_time(dev: DeviceSpec, wl: WorkloadSpec) -> float:
-    """What a step costs besides its stages' calls: the advantages' call on the actor's rank 0
-    (trainers/experience.py make_experience), which carries every row there and back. The estimator's
-    own arithmetic is ~0.2 ms on 512 rows, left out; so is the driver's own work (a rule reward)."""
+def stage_call_time(dev: DeviceSpec, wl: WorkloadSpec, stage: str, generation_factor: float = 1.0) -> float:
+    """The driver's call that starts and ends a stage's work: generation moves every sequence (prompt and
+    response), preparation and training every row padded. A stage's calls are issued together and their
+    round trips overlap, so a stage costs one (its largest) however many models it runs."""
+    if stage == "generation":
+        return call_time(dev, wl.sequences * generation_factor * (wl.prompt_len + wl.response_len))
     return call_time(dev, wl.sequences * wl.seq_len)
+
+
+def step_rest_time(
+    dev: DeviceSpec, wl: WorkloadSpec, stages: tuple[str, ...] = (), generation_factor: float = 1.0
+) -> float:
+    """What a step costs beyond its stages' busy intervals (trainers/plan_metrics.py: a stage is timed from
+    its workers' first start to their last end): the calls of the `stages` that run (stage_call_time: each
+    stage's round trip lies between its workers' intervals and the driver's), the advantages' call on the
+    actor's rank 0 (trainers/experience.py make_experience, carrying every row there and back; its ~0.2 ms
+    of arithmetic left out) and the driver's own per-step work (`driver_step_overhead_s`: issuing and
+    collecting the futures, the phases' timers, the batch's assembly). A rule reward runs in the driver
+    while the preparation's workers run, inside that stage's interval: not here."""
+    calls = sum(stage_call_time(dev, wl, s, generation_factor) for s in stages)
+    return calls + call_time(dev, wl.sequences * wl.seq_len) + dev.driver_step_overhead_s
 
 
 def layer_pass_overhead(dev: DeviceSpec, t: int) -> float:
@@ -170,8 +187,7 @@ def training_time(
     optimizer_step = 2 * (16 * spec.num_params / (p * t * d)) / (dev.hbm_bandwidth * dev.memory_efficiency)
     optimizer_step += optimizer_overhead(dev, layers, t, d)
     steps = wl.ppo_epochs * wl.mini_batches
-    call = call_time(dev, wl.sequences * wl.seq_len)  # the rows travel padded
-    return steps * (pipeline + sync + optimizer_step) + call
+    return steps * (pipeline + sync + optimizer_step)
 
 
 def inference_time(
@@ -190,7 +206,7 @@ def inference_time(
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
     slot += tokens * engine_token_overhead(spec, dev, dev.infer_token_overhead_s, p)
-    return (m + p - 1) * slot + call_time(dev, wl.sequences * wl.seq_len)
+    return (m + p - 1) * slot
 
 
 def generation_time(
@@ -233,8 +249,7 @@ def generation_time(
     step = (memory**2 + compute**2) ** 0.5 + comm + L * layer_pass_overhead(dev, tg)
     step += activation_time(spec, dev, b, context, L, tg)
     step += dev.decode_step_overhead_s  # a decode step's fixed rest (sampling, cache bookkeeping)
-    call = call_time(dev, wl.sequences * generation_factor * (lp + lr))  # the driver moves every sequence
-    return waves * (prefill + lr * step) + call
+    return waves * (prefill + lr * step)
 
 
 SWITCH_METHODS = METHODS  # one vocabulary with rollout.reshard and the worker's counters

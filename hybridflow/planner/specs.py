@@ -168,6 +168,9 @@ class DeviceSpec:
     # leave out; 0 is "not priced" (profiles written before version 2).
     call_overhead_s: float = 0.0  # one worker-group call from the driver: Ray round trip, split, gather
     transfer_bandwidth: float = 0.0  # driver <-> workers batch bytes/s over Ray (0: not priced)
+    # the driver's own work per step beyond its calls' round trips: issuing and collecting the futures, the
+    # phases' timers, the batch's assembly (microbench_path.empty_step; profiles before version 6: 0)
+    driver_step_overhead_s: float = 0.0
     micro_batch_overhead_s: float = 0.0  # per micro-batch per pass beyond its layers: embeddings, head, loss
     tp_layer_overhead_s: float = 0.0  # per layer per pass at t > 1: DTensor dispatch, row-wise all-reduces
     fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks

@@ -6,14 +6,16 @@ busy intervals (the earliest start to the latest end of `STAGE_PHASES[stage]`, f
 which is what the plan's stage time predicts: the models of one pool take turns, pools run at once.
 
     plan/predicted_s/<stage>    the plan's seconds for generation / preparation / training
-    plan/predicted_s/rest       the step's work no stage holds (the advantages' call); in the iteration
+    plan/predicted_s/rest       the step's work no stage holds (the calls, the driver's); in the iteration
     plan/predicted_s/iteration  the plan's iteration seconds; measured: timing_s/step
     timing_s/stage/<stage>      the measured wall seconds of the stage's phases
 
-The difference between timing_s/step and the sum of the stages is the rest: the advantage computation
-(`adv`, a call on the actor's rank 0 between preparation and training), which the plan prices as
-`rest_seconds`, and the driver's own work between phases (a rule reward, issuing and collecting the
-calls), which it does not. One step ahead (plan rollout_ahead: 1) generation runs
+The difference between timing_s/step and the sum of the stages is the rest: a stage's busy interval starts
+when its workers start and ends when they end, so each stage's call (the driver's round trip to its workers
+and back, the batch's transfer), the advantage computation (`adv`, a call on the actor's rank 0 between
+preparation and training) and the driver's own work between phases (issuing and collecting the calls) fall
+there; the plan prices them as `rest_seconds` (planner/simulate.py step_rest_time). A rule reward runs in the
+driver while the preparation's calls run, inside that stage's interval. One step ahead (plan rollout_ahead: 1) generation runs
 on its own pool during the step, and the step's `gen` phase is the wait for it, so that stage's measured
 figure is not logged.
 """

@@ -160,9 +160,11 @@ def test_path_overheads_by_hand():
         optimizer_step_overhead_s=1e-5,
     )  # fmt: skip
     # t2 d2: one micro-batch of 256 per replica, 3 passes of (1 ms + 4 layers x 10 ms + 5 FSDP units x 100 ms),
-    # one optimizer step (10 us + 4 x 100 us), one call (1 s + 1 s of transfer)
-    assert sim.training_time(small, dev, wl, 4, 1, 2, 2, False) == pytest.approx(3 * 0.541 + 0.00041 + 2)
+    # one optimizer step (10 us + 4 x 100 us); the stage's call is the step's rest's, not the stage's
+    assert sim.training_time(small, dev, wl, 4, 1, 2, 2, False) == pytest.approx(3 * 0.541 + 0.00041)
     # t1 d1: two micro-batches of 1 ms each, no TP or FSDP term
-    assert sim.inference_time(small, dev, wl, 4, 1, 1, 1) == pytest.approx(0.002 + 2)
-    # tg2 on 2 devices (one replica): prefill 1 ms + 4 x 10 ms, 4 decode steps of 4 x 10 ms, one call
-    assert sim.generation_time(small, dev, wl, 4, 2, 1, 2) == pytest.approx(0.041 + 4 * 0.04 + 2)
+    assert sim.inference_time(small, dev, wl, 4, 1, 1, 1) == pytest.approx(0.002)
+    # tg2 on 2 devices (one replica): prefill 1 ms + 4 x 10 ms, 4 decode steps of 4 x 10 ms
+    assert sim.generation_time(small, dev, wl, 4, 2, 1, 2) == pytest.approx(0.041 + 4 * 0.04)
+    # the calls: 1 s + 1 s of transfer each, the generation's over prompt + response as well
+    assert sim.stage_call_time(dev, wl, "training") == sim.stage_call_time(dev, wl, "generation") == 2.0

@@ -135,6 +135,12 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     # the path's terms (microbench_path.py): the call over Ray, the training step over gloo, both dtypes
     assert fp32.call_overhead_s == raw["worker_call"]["call_overhead_s"] > 0
     assert fp32.transfer_bandwidth == raw["worker_call"]["transfer_bandwidth"] > 0
+    # an empty step's four calls and the driver's work beyond them
+    calls = raw["worker_call"]
+    assert fp32.driver_step_overhead_s == calls["driver_step_overhead_s"] >= 0
+    assert fp32.driver_step_overhead_s == pytest.approx(
+        max(0.0, calls["empty_step_s"] - 4 * fp32.call_overhead_s)
+    )
     for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "fsdp_layer_overhead_s",
                  "fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s"):  # fmt: skip
         assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0

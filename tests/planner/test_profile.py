@@ -97,6 +97,22 @@ def test_a_version_3_profile_prices_the_optimizer_on_dtensors_as_plain_and_says_
     )
 
 
+def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys):
+    """Version 6 added the driver's own work per step: a version 5 file loads it as 0 (the rest is then its
+    calls alone, as that version priced it less the stages' calls) with a note naming it."""
+    data = _profile(driver_step_overhead_s=4e-3, call_overhead_s=5e-3).to_dict()
+    data["version"] = 5
+    for spec in data["devices"].values():
+        spec.pop("driver_step_overhead_s")
+    path = tmp_path / "v5.json"
+    path.write_text(json.dumps(data))
+    loaded = DeviceProfile.load(path)
+    assert loaded.device("float32").driver_step_overhead_s == 0.0
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 6
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
+
+
 def test_the_optimizer_on_dtensors_is_priced_where_the_layout_has_them():
     """The small Llama's training stage (one optimizer step) gains the term at d > 1 (FSDP2) or t > 1
     (tensor parallelism), each its own, and nothing at t = d = 1."""
@@ -201,13 +217,16 @@ def test_a_plan_with_a_profile_differs_where_the_profile_does():
     assert same.iteration_seconds == pytest.approx(catalogue.iteration_seconds, rel=1e-12)
 
 
-def test_a_plan_prices_the_path_where_the_profile_does():
-    """GRPO's actor and reference colocated take turns, so their worker calls add up; in pools of their own
-    they run at once. A profile measuring 1 s a call moves them apart (standalone)."""
-    catalogue = _grpo_plan(get_device("cpu"), FEW_ROWS)
-    assert catalogue.strategy == "colocate"
+def test_a_plan_prices_the_calls_in_the_rest_whatever_the_placement():
+    """A stage's calls are issued together and overlap, and a stage is measured from its workers' start, so
+    a profile measuring 1 s a call (the catalogue's cpu entry none) adds one call for each of GRPO's three stages
+    and the advantages' to the step's rest (4 x 1 s), leaving the stages and the placement as they were."""
+    base = _grpo_plan(_profile().device("float32"), FEW_ROWS)
     slow_calls = _grpo_plan(_profile(call_overhead_s=1.0).device("float32"), FEW_ROWS)
-    assert slow_calls.strategy == "standalone" and slow_calls.iteration_seconds > catalogue.iteration_seconds
+    assert [(m.pool, m.t, m.d) for m in slow_calls.models] == [(m.pool, m.t, m.d) for m in base.models]
+    assert slow_calls.stage_seconds == pytest.approx(base.stage_seconds, rel=1e-12)
+    assert base.rest_seconds == 0.0 and slow_calls.rest_seconds == pytest.approx(4.0, rel=1e-12)
+    assert slow_calls.iteration_seconds - base.iteration_seconds == pytest.approx(4.0, rel=1e-12)
 
 
 def test_activation_time_and_each_roles_micro_batch_by_hand():

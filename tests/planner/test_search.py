@@ -106,8 +106,11 @@ def test_iteration_cost_is_sum_over_stages_of_max_over_pools(paper_plan):
     for stage, seconds in p.stage_seconds.items():
         per_pool = [sum(p.model(r).stage_seconds[stage] for r in pool.roles) for pool in p.pools]
         assert seconds == pytest.approx(max(per_pool))
-    # plus the advantages' call, which no stage holds (the GPU entry's 5 ms a call, 2 GB/s)
-    assert 0 < p.rest_seconds < 0.1
+    # plus the rest no stage holds: each stage's call and the advantages' (the GPU entry's 5 ms a call and 2 GB/s,
+    # every row's 32 bytes a token there and back; generation's calls move the same prompt + response tokens)
+    w = p.workload
+    tokens = w["prompts"] * w["samples_per_prompt"] * (w["prompt_len"] + w["response_len"])
+    assert p.rest_seconds == pytest.approx(4 * (5e-3 + 2 * tokens * 32 / 2e9), rel=1e-12)
     assert p.iteration_seconds == pytest.approx(sum(p.stage_seconds.values()) + p.rest_seconds)
     # alternatives are ranked and the winner is first
     times = [a.iteration_seconds for a in p.alternatives]

@@ -1,5 +1,5 @@
 """The step's terms beyond the stages' passes, each by hand: a replica's training micro-batch holds at most its
-rows, the switch pays FSDP2's unshard per unit, the plan's iteration holds the advantages' call."""
+rows, the switch pays FSDP2's unshard per unit, the plan's rest holds the step's calls and the driver's work."""
 
 from __future__ import annotations
 
@@ -39,21 +39,41 @@ def test_the_switch_pays_fsdp2s_unshard_per_unit_at_d_above_1():
     assert get_device("a100-80").fsdp_layer_overhead_s == 0.0
 
 
-def test_the_plans_iteration_holds_the_advantages_call():
-    """A synchronous plan's iteration is its stages plus one call carrying every row there and back (7 ms +
-    2 x 512 rows x 20 tokens x 32 bytes at 0.6 GB/s); the catalogue's cpu entry prices no call: 0."""
+def test_the_plans_rest_holds_every_stages_call_the_advantages_and_the_drivers_work():
+    """A stage is measured from its workers' start to their end, so its call is not in it: the rest holds
+    GRPO's generation, preparation and training calls and the advantages' (each 7 ms + 2 x 512 rows x 20
+    tokens x 32 bytes at 0.6 GB/s) and the driver's 2 ms a step; the catalogue's cpu entry prices none: 0.
+    One step ahead the generation's call is the rollout pool's (in its generation seconds): three calls."""
     wl = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=256, inference_micro_batch_size=256)
     flow = build_dataflow("grpo", SPEC, reward_model=False)
     limits = EngineLimits(max_pp=1, max_pg=1)
-    p = plan(flow, ClusterSpec.build(CPU, 2, 2), wl, limits, schedule="sync")
-    rest = 7e-3 + 2 * 512 * 20 * BATCH_BYTES_PER_TOKEN / 6e8
-    assert p.rest_seconds == pytest.approx(rest, rel=1e-12)
-    assert p.iteration_seconds == pytest.approx(sum(p.stage_seconds.values()) + rest, rel=1e-12)
+    dev = replace(CPU, driver_step_overhead_s=2e-3)
+    p = plan(flow, ClusterSpec.build(dev, 2, 2), wl, limits, schedule="sync")
+    call = 7e-3 + 2 * 512 * 20 * BATCH_BYTES_PER_TOKEN / 6e8
+    assert p.rest_seconds == pytest.approx(4 * call + 2e-3, rel=1e-12)
+    assert p.iteration_seconds == pytest.approx(sum(p.stage_seconds.values()) + p.rest_seconds, rel=1e-12)
     assert all(
-        a.iteration_seconds == pytest.approx(sum(a.stage_seconds.values()) + rest) for a in p.alternatives
+        a.iteration_seconds == pytest.approx(sum(a.stage_seconds.values()) + p.rest_seconds)
+        for a in p.alternatives
     )
+    ahead = plan(flow, ClusterSpec.build(dev, 2, 2), wl, limits, schedule="ahead")
+    assert ahead.rollout_ahead == 1 and ahead.rest_seconds == pytest.approx(3 * call + 2e-3, rel=1e-12)
     catalogue = plan(flow, ClusterSpec.build(get_device("cpu"), 2, 2), wl, limits, schedule="sync")
     assert catalogue.rest_seconds == 0.0
+
+
+def test_a_stage_prices_its_work_without_its_call():
+    """The same training, inference and generation with a 7 ms call and with none take the same seconds."""
+    from hybridflow.planner.simulate import generation_time, inference_time
+
+    wl = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=256, inference_micro_batch_size=256)
+    free = replace(CPU, call_overhead_s=0.0, transfer_bandwidth=0.0)
+    for dev in (CPU, free):
+        assert training_time(SPEC, dev, wl, 2, 1, 1, 2, False) == training_time(
+            SPEC, free, wl, 2, 1, 1, 2, False
+        )
+        assert inference_time(SPEC, dev, wl, 2, 1, 1, 2) == inference_time(SPEC, free, wl, 2, 1, 1, 2)
+        assert generation_time(SPEC, dev, wl, 2, 2, 1, 1) == generation_time(SPEC, free, wl, 2, 2, 1, 1)
 
 
 def test_pipeline_stages_run_padded_rows_and_the_rest_packed_ones():
