@@ -154,6 +154,7 @@ def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
 PATH_TERMS = (
     "micro_batch_overhead_s",
     "tp_layer_overhead_s",
+    "tp_token_overhead_s",
     "fsdp_layer_overhead_s",
     "optimizer_layer_overhead_s",
     "optimizer_step_overhead_s",

@@ -9,7 +9,8 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
                         the calls the step's rest prices, the driver's own work per step
     training step       forward + backward of a tiny Llama over 2 gloo ranks, parallelized as the engines
                         do it (engines/parallelize.py) at t1d1, t1d2 and t2d1, with 1 and 5 layers: the
-                        per-layer slope and the fixed rest per micro-batch; the optimizer step likewise
+                        per-layer slope and the fixed rest per micro-batch; the optimizer step likewise;
+                        t1d1 and t2d1 again at 512 tokens: tensor parallelism's per-layer cost per token
     engine passes       the engine's own training step and log-prob pass (TrainEngine) on 64 and 256
                         GRPO-shaped rows in one process: per token, what the simulator's FLOP, activation
                         and fixed terms leave out (calibrate.py fits it against them)
@@ -32,6 +33,10 @@ from hybridflow.planner.microbench import best_seconds
 LAYERS = (1, 5)
 LAYOUTS = ("t1d1", "t1d2", "t2d1")
 TOKENS = (2, 16)  # one micro-batch per rank: rows x tokens (the fixed costs; FLOPs are priced apart)
+# t = 1 and t = 2 again at a micro-batch of real size: DTensor's cost per layer grows with the tokens it
+# redistributes and reduces, which the 32 tokens above do not reach
+TP_TOKENS = (16, 32)
+TP_LAYOUTS = ("t1d1", "t2d1")
 
 
 class EchoWorker(Worker):
@@ -74,6 +79,22 @@ def empty_step(group, batch) -> None:
     timers.pop()
 
 
+def interleaved_best(fns, repeats: int) -> list[float]:
+    """The fastest of `repeats` timings of each of `fns`, taken in turns (after one warm-up each): on a
+    shared machine the figures are subtracted from one another, so each sees the same load."""
+    import time
+
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
 def worker_call(repeats: int = 5) -> dict[str, float]:
     """call_overhead_s, transfer_bandwidth and driver_step_overhead_s of a 2-rank worker group (starts and
     stops a local Ray); empty_step_s, the empty step those came from, for the record."""
@@ -89,9 +110,10 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
             group = WorkerGroup(EchoWorker, pool)
             small = Batch({"x": torch.ones(8, 16, dtype=torch.long)})
             big = Batch({"x": torch.ones(2**16, 8, dtype=torch.long)})  # 4 MiB
-            call = best_seconds(lambda: group.echo(small), repeats, min_s=0.0)
-            big_call = best_seconds(lambda: group.echo(big), repeats, min_s=0.0)
-            step = best_seconds(lambda: empty_step(group, small), repeats, min_s=0.0)
+            call, big_call, step = interleaved_best(
+                (lambda: group.echo(small), lambda: group.echo(big), lambda: empty_step(group, small)),
+                repeats,
+            )
             group.shutdown()
     finally:
         if started:
@@ -120,14 +142,16 @@ def _model(size: str, layers: int, tp: int, dp: int):
     return parallelize(model, model, mesh), cfg.vocab_size
 
 
-def _step_times(size: str, layers: int, tp: int, dp: int, repeats: int) -> tuple[float, float]:
+def _step_times(
+    size: str, layers: int, tp: int, dp: int, repeats: int, tokens: tuple[int, int] = TOKENS
+) -> tuple[float, float]:
     """(forward + backward, optimizer step) seconds of one micro-batch; the step as the engine's
     (engines/optim.py: clipping by the global norm, then AdamW as the engine builds it)."""
     from hybridflow.engines.config import OptimConfig
     from hybridflow.engines.optim import build_optimizer, clip_grad_norm_
 
     model, vocab = _model(size, layers, tp, dp)
-    ids = torch.randint(5, vocab, TOKENS, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(5, vocab, tokens, generator=torch.Generator().manual_seed(0))
     optim = build_optimizer(model.parameters(), OptimConfig(lr=1e-5, grad_clip=1.0))
 
     def fwd_bwd():
@@ -154,6 +178,13 @@ def _training_child(rank: int, init_file: str, out: str, repeats: int, size: str
         for layers in LAYERS:
             dist.barrier()  # both ranks time the same layout at once, as a run's ranks do
             result[f"{layout}/{layers}"] = _step_times(size, layers, tp, dp, repeats)
+    for layout in TP_LAYOUTS:
+        tp, dp = int(layout[1]), int(layout[3])
+        for layers in LAYERS:
+            dist.barrier()
+            result[f"{layout}/{layers}@{_count(TP_TOKENS)}"] = _step_times(
+                size, layers, tp, dp, repeats, TP_TOKENS
+            )
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -249,13 +280,18 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
         return json.load(open(out))
 
 
+def _count(tokens: tuple[int, int]) -> int:
+    return tokens[0] * tokens[1]
+
+
 def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
     """Coefficients from {"<layout>/<layers>": (fwd+bwd s, optimizer step s)}: per layer and per pass
-    (a training micro-batch is 3 passes: forward, backward counted as two), and the fixed rest."""
+    (a training micro-batch is 3 passes: forward, backward counted as two), and the fixed rest; with
+    "<layout>/<layers>@<tokens>" at TP_TOKENS too, tensor parallelism's per-layer cost as fixed + per token."""
     lo, hi = LAYERS
 
-    def slope(layout: str, i: int) -> float:
-        return (raw[f"{layout}/{hi}"][i] - raw[f"{layout}/{lo}"][i]) / (hi - lo)
+    def slope(layout: str, i: int, at: str = "") -> float:
+        return (raw[f"{layout}/{hi}{at}"][i] - raw[f"{layout}/{lo}{at}"][i]) / (hi - lo)
 
     def rest(layout: str) -> float:  # the optimizer step's intercept at 0 layers
         return raw[f"{layout}/{lo}"][1] - lo * slope(layout, 1)
@@ -265,7 +301,7 @@ def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
         "train_layer_pass_s": base / 3,
         "micro_batch_overhead_s": max(0.0, raw[f"t1d1/{lo}"][0] - lo * base) / 3,
         "fsdp_layer_overhead_s": max(0.0, slope("t1d2", 0) - base) / 3,  # per unit: a layer, or the root
-        "tp_layer_overhead_s": max(0.0, slope("t2d1", 0) - base) / 3,
+        **fit_tp_layer(raw, slope),
         "optimizer_layer_overhead_s": max(0.0, slope("t1d1", 1)),
         "optimizer_step_overhead_s": max(0.0, raw[f"t1d1/{lo}"][1] - lo * slope("t1d1", 1)),
         # the same step on DTensors: the clipping norm's reductions and each layout's kernel through
@@ -274,3 +310,18 @@ def fit_training_path(raw: dict[str, tuple[float, float]]) -> dict[str, float]:
         "tp_optimizer_step_overhead_s": max(0.0, rest("t2d1") - rest("t1d1")),
         "raw": {k: list(v) for k, v in raw.items()},
     }
+
+
+def fit_tp_layer(raw: dict, slope) -> dict[str, float]:
+    """tp_layer_overhead_s + tp_token_overhead_s x tokens: what a layer pass at t = 2 costs beyond t = 1's
+    at two token counts (32 and TP_TOKENS'), less the half of t = 1's token-dependent work t = 2 still does
+    (its GEMMs and activations are split across the ranks, which the simulator prices apart). Without the
+    second count (an older measurement) the per-token term is 0 and the fixed one is the 32 tokens' figure."""
+    n_lo, n_hi, at = _count(TOKENS), _count(TP_TOKENS), f"@{_count(TP_TOKENS)}"
+    at_lo = (slope("t2d1", 0) - slope("t1d1", 0)) / 3
+    if f"t2d1/{LAYERS[0]}{at}" not in raw:
+        return {"tp_layer_overhead_s": max(0.0, at_lo), "tp_token_overhead_s": 0.0}
+    split = (slope("t1d1", 0, at) - slope("t1d1", 0)) / 2  # t = 1's growth with tokens, half of it per rank
+    at_hi = (slope("t2d1", 0, at) - slope("t1d1", 0, at) + split) / 3
+    per_token = max(0.0, (at_hi - at_lo) / (n_hi - n_lo))
+    return {"tp_layer_overhead_s": max(0.0, at_lo - n_lo * per_token), "tp_token_overhead_s": per_token}

@@ -12,7 +12,7 @@
 - Fixed costs of the path (`path_overhead`, `call_time`): a stage's work is started by worker-group calls
   from the driver (a Ray round trip and the batch's transfer), priced in the step's rest (`step_rest_time`),
   not in the stage: a stage is measured from its workers' start to their end; each micro-batch pass pays a fixed cost
-  beyond its layers, and each layer pass one for tensor parallelism (t > 1) and one for FSDP2 (d > 1);
+  beyond its layers, and each layer pass one for tensor parallelism (t > 1, fixed and per token) and one for FSDP2 (d > 1);
   each optimizer step a per-layer and a fixed cost, the fixed one higher on DTensors (t > 1, d > 1).
   They are what a small model's stage mostly is.
 - Non-matmul work per token (`activation_time`): the activation values a pass's norms, rotary, SiLU and
@@ -97,6 +97,17 @@ def layer_pass_overhead(dev: DeviceSpec, t: int) -> float:
     return dev.layer_overhead_s + (dev.tp_layer_overhead_s if t > 1 else 0.0)
 
 
+def tp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, t: int) -> float:
+    """Seconds one layer's pass over `tokens` tokens adds at t > 1 beyond the fixed tp_layer_overhead_s:
+    DTensor's redistributions and the row-wise layers' reductions grow with the tokens (measured at 32 and
+    512 tokens, microbench_path.fit_tp_layer), and with the hidden size they move, scaled from the width
+    the profile measured at as the engine's per-token terms are."""
+    if t <= 1 or not dev.tp_token_overhead_s:
+        return 0.0
+    width = spec.hidden / dev.token_overhead_width if dev.token_overhead_width else 1.0
+    return tokens * dev.tp_token_overhead_s * width
+
+
 def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     """Fixed seconds of one micro-batch pass on a rank holding `layers` layers at tensor size t, data size
     d. FSDP2 wraps each layer and the rest (embeddings, norm, head) as one more unit (engines/parallelize.py)."""
@@ -179,6 +190,7 @@ def training_time(
         + tp_comm
         + pp_comm
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
+        + passes * layers * tp_token_time(spec, dev, tokens, t)
         + tokens * engine_token_overhead(spec, dev, dev.train_token_overhead_s, p)
     )
     pipeline = (m + p - 1) * slot
@@ -204,6 +216,7 @@ def inference_time(
     tp_comm = layers * 2 * collective_time(dev, act_bytes, t, _tp_bandwidth(dev, devices_per_node, t))
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
+    slot += layers * tp_token_time(spec, dev, tokens, t)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
     slot += tokens * engine_token_overhead(spec, dev, dev.infer_token_overhead_s, p)
     return (m + p - 1) * slot
@@ -238,6 +251,7 @@ def generation_time(
         dev, bp * lp * spec.hidden * dev.bytes_per_param, tg, bw_tp
     )
     prefill += path_overhead(dev, L, tg, 1) + activation_time(spec, dev, bp * lp, lp / 2, L, tg)
+    prefill += L * tp_token_time(spec, dev, bp * lp, tg)
     # decode: per step, read weights + KV cache (at the average context) once
     context = lp + lr / 2
     weights = spec.num_params * dev.bytes_per_param / tg
@@ -246,7 +260,11 @@ def generation_time(
     compute = _matmul_time(dev, b * spec.forward_flops_per_token(context) / tg, spec.hidden / tg)
     comm = 2 * L * collective_time(dev, b * spec.hidden * dev.bytes_per_param, tg, bw_tp)
     comm += (pg - 1) * dev.comm_latency_s
-    step = (memory**2 + compute**2) ** 0.5 + comm + L * layer_pass_overhead(dev, tg)
+    step = (
+        (memory**2 + compute**2) ** 0.5
+        + comm
+        + L * (layer_pass_overhead(dev, tg) + tp_token_time(spec, dev, b, tg))
+    )
     step += activation_time(spec, dev, b, context, L, tg)
     step += dev.decode_step_overhead_s  # a decode step's fixed rest (sampling, cache bookkeeping)
     return waves * (prefill + lr * step)

@@ -173,6 +173,9 @@ class DeviceSpec:
     driver_step_overhead_s: float = 0.0
     micro_batch_overhead_s: float = 0.0  # per micro-batch per pass beyond its layers: embeddings, head, loss
     tp_layer_overhead_s: float = 0.0  # per layer per pass at t > 1: DTensor dispatch, row-wise all-reduces
+    # and per token of the pass beyond that (the redistributions and reductions grow with the tokens), at
+    # token_overhead_width's hidden size (scaled like the engine's per-token terms; before version 7: 0)
+    tp_token_overhead_s: float = 0.0
     fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks
     optimizer_layer_overhead_s: float = (
         0.0  # per layer per optimizer step: clipping and AdamW on plain tensors

@@ -141,7 +141,7 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     assert fp32.driver_step_overhead_s == pytest.approx(
         max(0.0, calls["empty_step_s"] - 4 * fp32.call_overhead_s)
     )
-    for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "fsdp_layer_overhead_s",
+    for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "tp_token_overhead_s", "fsdp_layer_overhead_s",
                  "fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s"):  # fmt: skip
         assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0
     assert fp32.peak_flops >= 0.9 * min(raw["float32"]["gemm_flops_by_width"].values())

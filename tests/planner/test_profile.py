@@ -108,7 +108,7 @@ def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys)
     path.write_text(json.dumps(data))
     loaded = DeviceProfile.load(path)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 6
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 7
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
@@ -288,6 +288,57 @@ def test_training_path_fit_by_hand():
                     tp_layer_overhead_s=0.002, optimizer_layer_overhead_s=0.001, optimizer_step_overhead_s=0.001,
                     fsdp_optimizer_step_overhead_s=0.001, tp_optimizer_step_overhead_s=0.004)  # fmt: skip
     assert {k: fit[k] for k in expected} == pytest.approx(expected, rel=1e-9)
+
+
+def test_tp_layer_fit_by_hand_fixed_and_per_token():
+    """At 32 tokens t2's layer slope 9 ms is 6 ms beyond t1's 3 ms: 2 ms a layer pass. At 512 tokens t1's slope
+    8 ms grew 5 ms, of which a t = 2 rank does half (2.5 ms, priced as its split GEMMs and activations), so t2's
+    25 ms is (25 - 8 + 2.5) / 3 = 6.5 ms a layer pass: 4.5 ms over 480 tokens (9.375 us a token), 1.7 ms fixed.
+    Without the 512-token runs (an older measurement) the 32 tokens' figure is the fixed term, 0 per token."""
+    raw = {"t1d1/1": (0.010, 0.002), "t1d1/5": (0.022, 0.006), "t1d2/1": (0.016, 0.004),
+           "t1d2/5": (0.040, 0.012), "t2d1/1": (0.019, 0.006), "t2d1/5": (0.055, 0.010)}  # fmt: skip
+    more = {"t1d1/1@512": (0.030, 0.002), "t1d1/5@512": (0.062, 0.006),
+            "t2d1/1@512": (0.050, 0.006), "t2d1/5@512": (0.150, 0.010)}  # fmt: skip
+    fit = fit_training_path({**raw, **more})
+    assert fit["tp_token_overhead_s"] == pytest.approx(4.5e-3 / 480, rel=1e-9)
+    assert fit["tp_layer_overhead_s"] == pytest.approx(2e-3 - 32 * 4.5e-3 / 480, rel=1e-9)
+    old = fit_training_path(raw)
+    assert old["tp_token_overhead_s"] == 0.0 and old["tp_layer_overhead_s"] == pytest.approx(2e-3, rel=1e-9)
+
+
+def test_tp_per_token_term_grows_with_tokens_and_width_at_t_above_1():
+    """1e-5 s a token a layer pass measured at width 64, on a width-128 model: 2e-5 s. An inference of 512
+    rows of 20 tokens in two micro-batches of 5,120 tokens, 4 layers: 2 x 4 x 5,120 x 2e-5 = 0.8192 s more at
+    t = 2, nothing at t = 1; generation's prefill and decode steps pay it over their tokens too."""
+    from hybridflow.planner.simulate import generation_time, inference_time, tp_token_time
+
+    spec = ModelSpec("m", 4, 128, 4, 2, 384, vocab_size=64)
+    base = _profile(token_overhead_width=64.0).device("float32")
+    dev = replace(base, tp_token_overhead_s=1e-5)
+    assert tp_token_time(spec, dev, 100, 2) == pytest.approx(2e-3, rel=1e-12)
+    assert tp_token_time(spec, dev, 100, 1) == 0.0
+    assert tp_token_time(spec, replace(dev, token_overhead_width=0.0), 100, 2) == pytest.approx(
+        1e-3, rel=1e-12
+    )
+    wl = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=256, inference_micro_batch_size=256)
+    extra = inference_time(spec, dev, wl, 2, 1, 2, 1) - inference_time(spec, base, wl, 2, 1, 2, 1)
+    assert extra == pytest.approx(2 * 4 * 5120 * 2e-5, rel=1e-9)
+    assert inference_time(spec, dev, wl, 2, 1, 1, 1) == inference_time(spec, base, wl, 2, 1, 1, 1)
+    # generation at tg = 2: 64 prompts' prefill (16 tokens each) and 4 decode steps of 512 tokens
+    extra = generation_time(spec, dev, wl, 2, 2, 1, 2) - generation_time(spec, base, wl, 2, 2, 1, 2)
+    assert extra == pytest.approx(4 * (64 * 16 + 4 * 512) * 2e-5, rel=1e-9)
+
+
+def test_a_version_6_profile_prices_tp_per_token_at_0_and_says_so(tmp_path, capsys):
+    data = _profile(tp_token_overhead_s=1e-5).to_dict()
+    data["version"] = 6
+    for spec in data["devices"].values():
+        spec.pop("tp_token_overhead_s")
+    path = tmp_path / "v6.json"
+    path.write_text(json.dumps(data))
+    assert DeviceProfile.load(path).device("float32").tp_token_overhead_s == 0.0
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert "a version 6 device profile without the terms measured since (tp_token_overhead_s)" in note
 
 
 def test_plan_command_plans_with_a_profile(tmp_path, capsys):
