@@ -5,8 +5,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export OMP_NUM_THREADS ?= 1
-# Idle OpenMP threads sleep instead of spinning, so ranks sharing cores do not steal them from each other.
-export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_DEDUP_LOGS ?= 0
 
@@ -42,6 +40,7 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 
 # The vLLM tests (tests/rollout_vllm; elsewhere they skip, naming `make vllm`), and the rollout tests again
 # under the vLLM venv's transformers release (the package supports both).
+test-vllm: export OMP_WAIT_POLICY ?= PASSIVE
 test-vllm: $(VSTAMP)
 	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm tests/rollout
 
@@ -73,6 +72,9 @@ format: $(STAMP)
 PYTEST_WORKERS ?= 2
 # Tests marked `timing` assert wall-clock bounds (timeouts, a tool's wait, process start-ups within a
 # reward's timeout): they run in one process after the rest, so the other worker's load cannot move them.
+# In the tests idle OpenMP threads sleep at once: many ranks of two pytest workers share the cores, where a
+# spin would steal them from each other (a run's workers spin briefly: controller/resource_pool.py).
+test: export OMP_WAIT_POLICY ?= PASSIVE
 test: lint
 	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 -m "not timing" tests
 	$(BIN)/python -m pytest -q -x --durations=5 -m timing tests
@@ -86,6 +88,7 @@ test: lint
 ISA_TESTS ?= tests/rollout tests/engines tests/hybrid_engine tests/algorithms \
 	--ignore=tests/hybrid_engine/test_train_reshard.py
 ISA_SETTINGS ?= default ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+test-isa: export OMP_WAIT_POLICY ?= PASSIVE
 test-isa: $(STAMP)
 	@for isa in $(ISA_SETTINGS); do \
 	  echo "== test-isa: $$isa"; \

@@ -19,7 +19,8 @@ Each (side, row) runs in its own subprocess (vs_trl_trl.py / vs_trl_hybridflow.p
 between two step ends (median over the steps after --warmup); tokens/s = (prompt + response tokens of
 the step) / that time; CPU s/iter = CPU seconds of the side's whole process tree per iteration
 (steadier than wall time when the machine is shared), and the best iteration's speedup (the
-least disturbed one). OMP_WAIT_POLICY=PASSIVE on both sides (see side_env). Neither side uses
+least disturbed one). Each side keeps its own OpenMP wait (`--omp-wait passive`: both sleep at once;
+see side_env). Neither side uses
 activation checkpointing (TRL's GRPOConfig turns it on by default; the benchmark turns it off, as
 hybridflow's default is off).
 
@@ -59,15 +60,34 @@ from vs_trl_limits import report as limits_report  # noqa: E402
 PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
 
+def cpu_name() -> str:
+    """The CPU's model name and whether it has AMX (ratios differ between CPUs: docs/bench/vs_trl.md)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    return f"{name or platform.machine()} ({'AMX' if 'amx_tile' in info else 'no AMX'})"
+
+
 def side_env(args) -> dict:
     """The environment both sides (and the warm start) run in."""
     env = dict(os.environ)
+    # hybridflow's workers take their share of the cores (controller/process.py cpu_threads), as a user's
+    # run does; a HYBRIDFLOW_CPU_THREADS left in the shell (the tests pin it to 1) would silently run them
+    # on one thread against TRL's `--threads`.
+    env.pop("HYBRIDFLOW_CPU_THREADS", None)
+    # OpenMP's wait: "default" leaves each side its own, as its users run it (TRL: libgomp's ~300k-turn
+    # spin; hybridflow: its workers' short spin, controller/resource_pool.py), so the shell's must go;
+    # "passive" puts both to sleep at once, steadier on a shared machine, where spinning threads made the
+    # same step vary 10x in wall and CPU time.
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        env.pop(key, None)
+    if args.omp_wait == "passive":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     env.update(
         OMP_NUM_THREADS=str(args.threads),
         MKL_NUM_THREADS=str(args.threads),
-        # Idle OpenMP threads sleep instead of spinning: on a shared, oversubscribed machine spinning
-        # threads made the same step vary 10x in wall *and* CPU time; passive waits keep CPU s/iter steady.
-        OMP_WAIT_POLICY="PASSIVE",
         TOKENIZERS_PARALLELISM="false",
         RAY_AUTH_MODE="disabled",
         RAY_DEDUP_LOGS="0",
@@ -240,6 +260,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cores", default="0,1", help="taskset CPU list for both sides ('' = no pinning)")
     p.add_argument(
+        "--omp-wait",
+        choices=("default", "passive"),
+        default="default",
+        help="OpenMP wait of both sides: each its own default (a quiet machine), or PASSIVE (a shared one)",
+    )
+    p.add_argument(
         "--ppo", action="store_true", help="also run hybridflow PPO on the small/32 and medium/32 rows"
     )
     p.add_argument(
@@ -342,7 +368,8 @@ def report(args, rows, curves, seconds, eos_rows=(), limits=None, real=(), param
         "",
         f"{args.batch_size} prompts x n={args.n} per iteration, lr {args.lr}, KL beta {args.kl_coef}; medians "
         f"over {args.steps - args.warmup} iterations after {args.warmup} warm-up; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at the end {load}; "
+        f"{cpu_name()}, {os.cpu_count()} CPUs, load average at the end {load}; OpenMP wait: "
+        f"{'PASSIVE on both sides' if args.omp_wait == 'passive' else 'each side its own default'}; "
         f"whole benchmark {seconds / 60:.1f} min.",
         "",
     ]

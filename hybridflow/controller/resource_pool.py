@@ -64,18 +64,26 @@ def _start_local(init_kwargs: dict, attempts: int = 3) -> None:
             print(f"hybridflow: {note}", file=sys.stderr, flush=True)
 
 
+# libgomp's spin before an idle intra-op thread sleeps, in turns of its wait loop: long enough to bridge
+# the Python between two ops, short enough to give the core back soon to whatever else needs it.
+WORKER_SPIN_COUNT = "3000"
+
+
 def embedded_worker_env() -> dict[str, str]:
     """Environment of the worker processes of an embedded cluster, set before they start, i.e. before
     torch loads its OpenMP runtime (libgomp on CPU), which reads these variables only then.
 
-    OMP_WAIT_POLICY=PASSIVE: an intra-op thread waiting for work sleeps at once instead of spinning
-    (libgomp's default spins ~300k turns first). A rank's threads fill its share of the cores
-    (process.cpu_threads); whenever anything else needs a core (another pool, the driver, reward
-    workers, other jobs) a spinning thread holds the core the others wait for. On the 2-core machine
-    under load the 25M model's update took several times the wall time with the default
-    (docs/bench/omp_wait.md; docs/design.md §3). The driver's own OMP_WAIT_POLICY, when
-    set, wins; so does its GOMP_SPINCOUNT, which libgomp puts above the policy."""
-    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    GOMP_SPINCOUNT=3000: an intra-op thread waiting for work spins ~3000 turns, then sleeps. libgomp's
+    default spins ~300k turns: whenever anything else wants a core (another pool, the driver, reward
+    workers, other jobs) the spinning holds the core the team waits for, and on a loaded 2-core machine
+    the 25M model's update took several times the wall time. PASSIVE (sleep at once) pays a kernel
+    wake-up at every parallel op instead: on an idle machine the update and decode ran 1.14-1.75x slower
+    than with a spin. The short spin keeps most of the idle gain and costs 1.05-1.3x PASSIVE's time beside
+    a busy process (docs/bench/omp_wait.md; docs/design.md §3). The driver's own OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT, when set, wins."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}  # the user's choice reaches the workers through the inherited environment
+    return {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
 
 
 class ResourcePool:

@@ -47,6 +47,7 @@ def test_worker_threads_colocate_vs_split_vs_rollout_pool():
     env.pop("RAY_ADDRESS", None)
     env.pop("HYBRIDFLOW_CPU_THREADS", None)  # the session pins it; the rule is what a user gets
     env.pop("OMP_WAIT_POLICY", None)  # `make test` exports it; the default is what a user gets
+    env.pop("GOMP_SPINCOUNT", None)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.trainers.threads_check"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -58,9 +59,12 @@ def test_worker_threads_colocate_vs_split_vs_rollout_pool():
     half = cores // 2  # two pools of one device each run at once: half the cores each
     assert r["split_2"] == {"actor_rollout": [half], "critic": [half]}
     assert r["rollout_ahead_2"] == {"actor_rollout": [half], "rollout": [half]}
-    # Every worker process started with OMP_WAIT_POLICY=PASSIVE (resource_pool.embedded_worker_env),
-    # the driver's environment left as it was; a driver's own setting reaches the workers instead.
+    # Every worker process started with a short OpenMP spin and no wait policy
+    # (resource_pool.embedded_worker_env), the driver's environment left as it was; a driver's own
+    # OMP_WAIT_POLICY reaches the workers instead, with no spin count above it.
     assert r["driver_wait_policy"] is None
     for name in ("colocate_1", "split_2", "rollout_ahead_2"):
-        assert {k: set(v) for k, v in r[name + "_wait_policy"].items()} == dict.fromkeys(r[name], {"PASSIVE"})
+        assert {k: set(v) for k, v in r[name + "_spin_count"].items()} == dict.fromkeys(r[name], {"3000"})
+        assert {k: set(v) for k, v in r[name + "_wait_policy"].items()} == dict.fromkeys(r[name], {None})
     assert r["user_wait_policy"] == {"actor_rollout": ["passive"]}
+    assert r["user_spin_count"] == {"actor_rollout": [None]}

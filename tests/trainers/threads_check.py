@@ -1,9 +1,9 @@
 """Run by test_cpu_threads.py in a subprocess with its own Ray cluster and no HYBRIDFLOW_CPU_THREADS
-(the test session pins it to 1 in every worker) nor OMP_WAIT_POLICY (`make test` exports it): builds
-real trainers for several placements and prints each worker group's torch threads per rank and the
-OMP_WAIT_POLICY each rank's process started with, as one RESULT line of JSON. Then the same for one
-placement on a fresh cluster whose driver sets OMP_WAIT_POLICY itself ("passive": libgomp reads it
-case-blind, and it differs from the default's spelling)."""
+(the test session pins it to 1 in every worker) nor OMP_WAIT_POLICY / GOMP_SPINCOUNT (`make test`
+exports the policy): builds real trainers for several placements and prints each worker group's torch
+threads per rank and the OMP_WAIT_POLICY and GOMP_SPINCOUNT each rank's process started with, as one
+RESULT line of JSON. Then the same for one placement on a fresh cluster whose driver sets
+OMP_WAIT_POLICY itself ("passive": libgomp reads it case-blind)."""
 
 from __future__ import annotations
 
@@ -49,11 +49,15 @@ def run_cases(model: Path, tmp: Path, names) -> dict:
             out[name + "_wait_policy"] = {
                 role: group.execute_all("apply", start_env) for role, group in trainer.groups.items()
             }
+            out[name + "_spin_count"] = {
+                role: group.execute_all("apply", start_env, "GOMP_SPINCOUNT")
+                for role, group in trainer.groups.items()
+            }
     return out
 
 
 def main() -> None:
-    assert "HYBRIDFLOW_CPU_THREADS" not in os.environ and "OMP_WAIT_POLICY" not in os.environ
+    assert not {"HYBRIDFLOW_CPU_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)
     tmp = Path(tempfile.mkdtemp(prefix="threads_check_"))
     model = save_tiny_model(tmp / "model", size="tiny", arch="llama", seed=0)
     start_local_ray(8)
@@ -64,6 +68,7 @@ def main() -> None:
     start_local_ray(8)
     user = run_cases(model, tmp / "user", ["colocate_1"])
     out["user_wait_policy"] = user["colocate_1_wait_policy"]
+    out["user_spin_count"] = user["colocate_1_spin_count"]
     print("RESULT " + json.dumps(out), flush=True)
 
 
