@@ -35,6 +35,18 @@ def _profile(**changes) -> DeviceProfile:
     )
 
 
+def _load_old(tmp_path, version: int, dropped, **changes) -> DeviceProfile:
+    """A profile written at `version`, without the `dropped` fields later versions added, loaded back."""
+    data = _profile(**changes).to_dict()
+    data["version"] = version
+    for spec in data["devices"].values():
+        for name in dropped:
+            spec.pop(name)
+    path = tmp_path / f"v{version}.json"
+    path.write_text(json.dumps(data))
+    return DeviceProfile.load(path)
+
+
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_profile_round_trips(tmp_path, suffix):
     path = dict(call_overhead_s=9e-3, transfer_bandwidth=3e8, micro_batch_overhead_s=5e-3,
@@ -51,18 +63,11 @@ def test_profile_round_trips(tmp_path, suffix):
 
 def test_a_version_1_profile_loads_without_the_path_terms_and_says_so(tmp_path, capsys):
     """Written before the path's fixed costs were measured: they stay 0 (not priced, as then), in one line."""
-    data = _profile().to_dict()
-    data["version"] = 1
-    for spec in data["devices"].values():
-        for name in (*PATH_FIELDS, "activation_s_per_element"):
-            spec.pop(name)
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps(data))
-    loaded = DeviceProfile.load(path)
+    loaded = _load_old(tmp_path, 1, (*PATH_FIELDS, "activation_s_per_element"))
     assert all(getattr(loaded.device("float32"), name) == 0.0 for name in PATH_FIELDS)
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert note.startswith(
-        f"note: {path}: a version 1 device profile without the terms measured since (activation_s_per_element, "
+        f"note: {tmp_path / 'v1.json'}: a version 1 device profile without the terms measured since (activation_s_per_element, "
         "call_overhead_s"
     )
     assert "hybridflow calibrate --out" in note
@@ -70,13 +75,7 @@ def test_a_version_1_profile_loads_without_the_path_terms_and_says_so(tmp_path, 
 
 
 def test_a_version_2_profile_prices_activations_at_0_and_says_so(tmp_path, capsys):
-    data = _profile().to_dict()
-    data["version"] = 2
-    for spec in data["devices"].values():
-        spec.pop("activation_s_per_element")
-    path = tmp_path / "v2.json"
-    path.write_text(json.dumps(data))
-    loaded = DeviceProfile.load(path)
+    loaded = _load_old(tmp_path, 2, ("activation_s_per_element",))
     assert loaded.device("float32").activation_s_per_element == 0.0
     assert loaded.device("float32").call_overhead_s == _profile().device("float32").call_overhead_s
     (note,) = capsys.readouterr().err.strip().splitlines()
@@ -84,13 +83,9 @@ def test_a_version_2_profile_prices_activations_at_0_and_says_so(tmp_path, capsy
 
 
 def test_a_version_3_profile_prices_the_optimizer_on_dtensors_as_plain_and_says_so(tmp_path, capsys):
-    data = _profile(fsdp_optimizer_step_overhead_s=1e-3).to_dict()
-    data["version"] = 3
-    for spec in data["devices"].values():
-        spec.pop("fsdp_optimizer_step_overhead_s"), spec.pop("tp_optimizer_step_overhead_s")
-    path = tmp_path / "v3.json"
-    path.write_text(json.dumps(data))
-    assert DeviceProfile.load(path).device("float32").fsdp_optimizer_step_overhead_s == 0.0
+    dropped = ("fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s")
+    loaded = _load_old(tmp_path, 3, dropped, fsdp_optimizer_step_overhead_s=1e-3)
+    assert loaded.device("float32").fsdp_optimizer_step_overhead_s == 0.0
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert (
         "version 3 device profile without the terms measured since (fsdp_optimizer_step_overhead_s, " in note
@@ -100,13 +95,8 @@ def test_a_version_3_profile_prices_the_optimizer_on_dtensors_as_plain_and_says_
 def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys):
     """Version 6 added the driver's own work per step: a version 5 file loads it as 0 (the rest is then its
     calls alone, as that version priced it less the stages' calls) with a note naming it."""
-    data = _profile(driver_step_overhead_s=4e-3, call_overhead_s=5e-3).to_dict()
-    data["version"] = 5
-    for spec in data["devices"].values():
-        spec.pop("driver_step_overhead_s")
-    path = tmp_path / "v5.json"
-    path.write_text(json.dumps(data))
-    loaded = DeviceProfile.load(path)
+    dropped = ("driver_step_overhead_s",)
+    loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
     assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 7
     (note,) = capsys.readouterr().err.strip().splitlines()
@@ -330,13 +320,8 @@ def test_tp_per_token_term_grows_with_tokens_and_width_at_t_above_1():
 
 
 def test_a_version_6_profile_prices_tp_per_token_at_0_and_says_so(tmp_path, capsys):
-    data = _profile(tp_token_overhead_s=1e-5).to_dict()
-    data["version"] = 6
-    for spec in data["devices"].values():
-        spec.pop("tp_token_overhead_s")
-    path = tmp_path / "v6.json"
-    path.write_text(json.dumps(data))
-    assert DeviceProfile.load(path).device("float32").tp_token_overhead_s == 0.0
+    loaded = _load_old(tmp_path, 6, ("tp_token_overhead_s",), tp_token_overhead_s=1e-5)
+    assert loaded.device("float32").tp_token_overhead_s == 0.0
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 6 device profile without the terms measured since (tp_token_overhead_s)" in note
 
