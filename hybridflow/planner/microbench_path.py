@@ -60,8 +60,8 @@ REST_CALLS = 4
 def empty_step(group, batch) -> None:
     """A GRPO step's calls as the trainer issues them (trainers/ppo.py), every stage's work empty: the
     rollout comes back to the driver, preparation's two forwards go out at once, the advantages' call is
-    fed by their futures, the update by its; the phases' timers collect them (trainers/metrics.py)."""
-    from hybridflow.trainers.metrics import Timers
+    fed by their futures, the update by its; the phases' timers collect them (controller/timers.py)."""
+    from hybridflow.controller.timers import Timers
 
     timers = Timers()
     with timers.phase("gen"):

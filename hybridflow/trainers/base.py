@@ -47,6 +47,7 @@ from hybridflow.config import ConfigError, config_to_dict, resolve_config, valid
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
 from hybridflow.controller.future import hang_timeout
+from hybridflow.controller.timers import Timers
 from hybridflow.data import PromptDataset, StatefulDataLoader, build_prompt_dataset
 from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
@@ -54,7 +55,7 @@ from hybridflow.rollout.factory import require_rollout_engine
 from hybridflow.trainers import cluster_loss, lifecycle, supervised
 from hybridflow.trainers.dump import batch_scores, generation_rows, write_generations
 from hybridflow.trainers.lifecycle import start_ray
-from hybridflow.trainers.metrics import Timers, throughput_metrics
+from hybridflow.trainers.metrics import throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
 from hybridflow.trainers.plan_metrics import plan_metrics
 from hybridflow.trainers.validation import ValidationMixin

@@ -1,7 +1,7 @@
 """A plan's predictions beside what the run measured, per step (runs with resources.placement=auto or a plan file).
 
 The planner prices an iteration as three stages one after another (planner/dataflow.py STAGES); the trainer
-times phases (trainers/metrics.py Timers). A stage's measured seconds are the wall time of its phases'
+times phases (controller/timers.py Timers). A stage's measured seconds are the wall time of its phases'
 busy intervals (the earliest start to the latest end of `STAGE_PHASES[stage]`, from timing_s/timeline/),
 which is what the plan's stage time predicts: the models of one pool take turns, pools run at once.
 
