@@ -62,12 +62,13 @@ PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
 def cpu_name() -> str:
     """The CPU's model name and whether it has AMX (ratios differ between CPUs: docs/bench/vs_trl.md)."""
+    from hybridflow.planner.calibrate import cpu_model
+
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine()
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-    return f"{name or platform.machine()} ({'AMX' if 'amx_tile' in info else 'no AMX'})"
+        amx = False
+    return f"{cpu_model() or platform.machine()} ({'AMX' if amx else 'no AMX'})"
 
 
 def side_env(args) -> dict:

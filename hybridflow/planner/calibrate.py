@@ -110,7 +110,7 @@ def measure_profile(
         devices = {k: replace(v, **tokens) for k, v in devices.items()}
     host = {
         "machine": platform.machine(),
-        "processor": _cpu_model(),
+        "processor": cpu_model(),
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
         "torch": str(torch.__version__),
         "threads": torch.get_num_threads(),
@@ -163,7 +163,7 @@ PATH_TERMS = (
 )
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")

@@ -46,13 +46,10 @@ def run_cases(model: Path, tmp: Path, names) -> dict:
                 role: group.execute_all("apply", torch.get_num_threads)
                 for role, group in trainer.groups.items()
             }
-            out[name + "_wait_policy"] = {
-                role: group.execute_all("apply", start_env) for role, group in trainer.groups.items()
-            }
-            out[name + "_spin_count"] = {
-                role: group.execute_all("apply", start_env, "GOMP_SPINCOUNT")
-                for role, group in trainer.groups.items()
-            }
+            for suffix, key in (("_wait_policy", "OMP_WAIT_POLICY"), ("_spin_count", "GOMP_SPINCOUNT")):
+                out[name + suffix] = {
+                    role: group.execute_all("apply", start_env, key) for role, group in trainer.groups.items()
+                }
     return out
 
 
