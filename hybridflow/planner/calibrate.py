@@ -122,12 +122,16 @@ def measure_profile(
 def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
     """train_token_overhead_s and infer_token_overhead_s: per token of a micro-batch, the engine's
     measured seconds (microbench_path.engine_passes, two row counts) beyond the simulator's with `dev`
-    for the same rows, slope against slope, so the fixed costs of a pass (priced apart) cancel."""
+    for the same rows, slope against slope, so the fixed costs of a pass cancel; then
+    train_batch_overhead_s and infer_batch_overhead_s: what the smaller run measured beyond the simulator's
+    seconds with that slope priced, the engine's fixed cost per micro-batch that the plain model's fixed
+    terms (microbench.layer_overhead, microbench_path.training_path) do not see."""
     from hybridflow.models.tiny import build_tiny_config
     from hybridflow.planner.microbench_path import GROUP, RESPONSE
 
     spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
-    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0)  # measured in-process: no worker call
+    # measured in-process (no worker call), the engine's own terms being what is fitted
+    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
     predicted, tokens = {"train_s": [], "infer_s": []}, []
     for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
         wl = WorkloadSpec(
@@ -139,15 +143,28 @@ def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
         predicted["train_s"].append(sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False))
         predicted["infer_s"].append(sim.inference_time(spec, dev, wl, 1, 1, 1, 1))
 
-    def residual(key: str) -> float:
+    def residual(key: str) -> tuple[float, float]:
         measured = raw[key][-1] - raw[key][0]
-        return max(0.0, (measured - (predicted[key][-1] - predicted[key][0])) / (tokens[-1] - tokens[0]))
+        per_token = max(0.0, (measured - (predicted[key][-1] - predicted[key][0])) / (tokens[-1] - tokens[0]))
+        return per_token, max(0.0, raw[key][0] - predicted[key][0] - tokens[0] * per_token)
 
+    (train_token, train_batch), (infer_token, infer_batch) = residual("train_s"), residual("infer_s")
     return {
-        "train_token_overhead_s": residual("train_s"),
-        "infer_token_overhead_s": residual("infer_s"),
+        "train_token_overhead_s": train_token,
+        "infer_token_overhead_s": infer_token,
         "token_overhead_width": float(spec.hidden),
+        "train_batch_overhead_s": train_batch,
+        "infer_batch_overhead_s": infer_batch,
     }
+
+
+# what fit_engine_tokens measures: the engine's passes beyond the plain model's terms
+ENGINE_TERMS = (
+    "train_token_overhead_s",
+    "infer_token_overhead_s",
+    "train_batch_overhead_s",
+    "infer_batch_overhead_s",
+)
 
 
 # the coefficients microbench_path.training_path measures (the Python of a pass: the same in either dtype)
@@ -229,13 +246,7 @@ def predict(spec: ModelSpec, device: str | DeviceSpec, wl: WorkloadSpec) -> dict
     """Simulated seconds for the same work on one device (p = t = d = 1)."""
     dev = get_device(device) if isinstance(device, str) else device
     # measured in-process on a plain HF model: no worker call, none of the engine's own passes
-    dev = replace(
-        dev,
-        call_overhead_s=0.0,
-        transfer_bandwidth=0.0,
-        train_token_overhead_s=0.0,
-        infer_token_overhead_s=0.0,
-    )
+    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
     return {
         "training": sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False),
         "inference": sim.inference_time(spec, dev, wl, 1, 1, 1, 1),

@@ -7,15 +7,16 @@ compute dtype, memory bandwidth, the fixed cost per layer and per decode step, c
 bandwidth between two ranks, process start-up. It is a small versioned YAML/JSON file, one per machine
 kind, that users can share; `hybridflow plan --profile FILE` and `resources.planner_profile` plan with it.
 
-    version: 7
+    version: 8
     name: cpu-measured           # the device name plans made with it carry
     host: {...}                  # where it was measured (CPU model, torch version, threads)
     devices: {float32: {DeviceSpec fields}, bfloat16: {...}}   # one entry per compute dtype measured
     measurements: {...}          # the raw figures the coefficients came from, for the record
 
 Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the path's fixed costs,
-version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per token,
-version 5 the width those per-token terms were measured at, version 6 the driver's own work per step, version 7 tensor parallelism's per token) take their
+version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per
+token, version 5 the width those per-token terms were measured at, version 6 the driver's own work per step,
+version 7 tensor parallelism's per token, version 8 the engine's per micro-batch) take their
 DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note.
 
 Pure: no torch here, so the planner reads a profile without loading it.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 # the terms version 2 added (microbench_path.py): a version 1 profile has none of them
 PATH_FIELDS = (
     "call_overhead_s",
@@ -54,6 +55,7 @@ ADDED_FIELDS = {
     5: ("token_overhead_width",),
     6: ("driver_step_overhead_s",),
     7: ("tp_token_overhead_s",),
+    8: ("train_batch_overhead_s", "infer_batch_overhead_s"),
 }
 DTYPES = ("float32", "bfloat16")
 _DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}

@@ -152,14 +152,17 @@ def pass_tokens(wl: WorkloadSpec, rows: int, p: int) -> tuple[float, float]:
     return rows * wl.tokens_per_sequence(rows), wl.packed_seq_len
 
 
-def engine_token_overhead(spec: ModelSpec, dev: DeviceSpec, per_token: float, p: int) -> float:
-    """The engine's per-token term where it was measured: the unpipelined passes (packing, the shared-prompt
-    attention: microbench_path.engine_passes), scaled from the width it was measured at to the model's. The
-    pipelined passes run neither; their cost per padded token beyond the FLOP, activation and fixed terms is
-    not measured, so 0."""
+def engine_overhead(
+    spec: ModelSpec, dev: DeviceSpec, tokens: float, per_token: float, per_batch: float, p: int
+) -> float:
+    """The engine's own terms for a micro-batch of `tokens` where they were measured, the unpipelined passes
+    (packing, the shared-prompt attention, the loss: microbench_path.engine_passes): per token, scaled from
+    the width it was measured at to the model's, and per micro-batch. The pipelined passes run neither;
+    their cost beyond the FLOP, activation and fixed terms is not measured, so 0."""
     if p > 1:
         return 0.0
-    return per_token * spec.hidden / dev.token_overhead_width if dev.token_overhead_width else per_token
+    width = spec.hidden / dev.token_overhead_width if dev.token_overhead_width else 1.0
+    return tokens * per_token * width + per_batch
 
 
 def training_time(
@@ -191,7 +194,7 @@ def training_time(
         + pp_comm
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
         + passes * layers * tp_token_time(spec, dev, tokens, t)
-        + tokens * engine_token_overhead(spec, dev, dev.train_token_overhead_s, p)
+        + engine_overhead(spec, dev, tokens, dev.train_token_overhead_s, dev.train_batch_overhead_s, p)
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
@@ -218,7 +221,7 @@ def inference_time(
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
     slot += layers * tp_token_time(spec, dev, tokens, t)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
-    slot += tokens * engine_token_overhead(spec, dev, dev.infer_token_overhead_s, p)
+    slot += engine_overhead(spec, dev, tokens, dev.infer_token_overhead_s, dev.infer_batch_overhead_s, p)
     return (m + p - 1) * slot
 
 

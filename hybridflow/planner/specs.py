@@ -190,6 +190,11 @@ class DeviceSpec:
     # forward and backward, an inference forward (microbench_path.engine_passes; before version 4: 0)
     train_token_overhead_s: float = 0.0
     infer_token_overhead_s: float = 0.0
+    # and per micro-batch, the engine's fixed cost beyond the simulator's fixed terms (the loss and its
+    # metrics, packing's index set-up, the log-prob chunks' loop, the step's bookkeeping): the same runs'
+    # intercept, at any width (before version 8: 0)
+    train_batch_overhead_s: float = 0.0
+    infer_batch_overhead_s: float = 0.0
     # the hidden size the two terms above were measured at: a model of another width pays them times its
     # hidden / this (the work is over hidden-sized vectors: measured 15 / 39 / 185 us a training token at
     # widths 64 / 128 / 512); 0 (profiles before version 5): unscaled

@@ -146,7 +146,8 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
         assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0
     assert fp32.peak_flops >= 0.9 * min(raw["float32"]["gemm_flops_by_width"].values())
     # the engine's own passes, per token beyond the simulator's terms (fitted on the fp32 entry, both dtypes)
-    for name in ("train_token_overhead_s", "infer_token_overhead_s", "token_overhead_width"):
+    for name in ("train_token_overhead_s", "infer_token_overhead_s", "token_overhead_width",
+                 "train_batch_overhead_s", "infer_batch_overhead_s"):  # fmt: skip
         assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
     assert fp32.token_overhead_width == 64  # --size tiny's hidden size
     assert raw["engine_passes"]["train_s"][1] > raw["engine_passes"]["train_s"][0] > 0  # 256 rows against 64

@@ -98,7 +98,7 @@ def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys)
     dropped = ("driver_step_overhead_s",)
     loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 7
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 8
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
@@ -134,31 +134,38 @@ def test_the_engines_per_token_cost_by_hand():
     assert train[0] - train[1] == pytest.approx(1248 * 1e-5) and infer[0] - infer[1] == pytest.approx(
         1248 * 1e-6
     )
-    # measured at half SMALL's width: SMALL pays twice the measured term a token
-    half = _profile(train_token_overhead_s=1e-5, token_overhead_width=SMALL.hidden / 2).device("float32")
-    assert training_time(SMALL, half, wl, 4, 1, 1, 2, False) - train[1] == pytest.approx(1248 * 2e-5)
+    # measured at half SMALL's width: SMALL pays twice the measured term a token; the per-micro-batch
+    # terms once, at any width
+    half = _profile(
+        train_token_overhead_s=1e-5, token_overhead_width=SMALL.hidden / 2, train_batch_overhead_s=3e-3,
+        infer_batch_overhead_s=1e-3,
+    ).device("float32")  # fmt: skip
+    assert training_time(SMALL, half, wl, 4, 1, 1, 2, False) - train[1] == pytest.approx(1248 * 2e-5 + 3e-3)
+    assert inference_time(SMALL, half, wl, 4, 1, 1, 2) - infer[1] == pytest.approx(1e-3)
 
 
 def test_engine_token_fit_recovers_a_known_residual():
     """Measured = the simulator's own seconds for the same rows + 3 us (training) and 1 us (inference) a
-    token: the fit returns them; 64 and 256 rows of 7-token prompts are 312 and 1,248 tokens."""
+    token + 2 ms and 0.5 ms a micro-batch: the fit returns them; 64 and 256 rows of 7-token prompts are 312
+    and 1,248 tokens. The profile's own engine terms (here the ones fitted before) are not part of the
+    simulator's seconds it compares with."""
     from hybridflow.models.tiny import build_tiny_config
     from hybridflow.planner.calibrate import fit_engine_tokens
     from hybridflow.planner.simulate import inference_time, training_time
 
     dev = _profile(micro_batch_overhead_s=1e-3, activation_s_per_element=1e-9).device("float32")
+    stale = replace(dev, train_token_overhead_s=1e-4, train_batch_overhead_s=1.0, infer_batch_overhead_s=1.0)
     spec = ModelSpec.from_config_dict(build_tiny_config("tiny", "llama").to_dict())
     raw = {"rows": [64, 256], "prompt_len": [7.0, 7.0], "train_s": [], "infer_s": []}
     for rows, tokens in ((64, 312), (256, 1248)):
         wl = WorkloadSpec(rows // 8, 8, 7, 4, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
                           shared_prompts=True, mean_prompt_len=7.0)  # fmt: skip
-        raw["train_s"].append(training_time(spec, dev, wl, 1, 1, 1, 1, False) + 3e-6 * tokens)
-        raw["infer_s"].append(inference_time(spec, dev, wl, 1, 1, 1, 1) + 1e-6 * tokens)
-    fit = fit_engine_tokens(raw, dev, "tiny")
-    assert fit == pytest.approx(
-        {"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6, "token_overhead_width": spec.hidden},
-        rel=1e-6,
-    )
+        raw["train_s"].append(training_time(spec, dev, wl, 1, 1, 1, 1, False) + 3e-6 * tokens + 2e-3)
+        raw["infer_s"].append(inference_time(spec, dev, wl, 1, 1, 1, 1) + 1e-6 * tokens + 5e-4)
+    expected = {"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6, "token_overhead_width": spec.hidden,
+                "train_batch_overhead_s": 2e-3, "infer_batch_overhead_s": 5e-4}  # fmt: skip
+    assert fit_engine_tokens(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_engine_tokens(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
 
 
 def test_profile_refuses_what_it_cannot_read(tmp_path):
