@@ -7,7 +7,8 @@ inference = forward without gradients, generation = HF `generate` with a KV cach
 predicted seconds (the same simulator functions the planner uses, p = t = d = 1) beside the median
 of a few measured repeats, with the ratio measured / predicted. It finishes well within a minute.
 
-`--out FILE` first runs the micro-benchmarks (microbench.py) and writes a device profile (profile.py):
+`--out FILE` first runs the micro-benchmarks (microbench.py) `--rounds` times (each coefficient the median
+of its rounds', ~40 s a round on 2 cores) and writes a device profile (profile.py):
 the catalogue entry `--device` with every coefficient they measure replaced, per compute dtype (float32,
 bfloat16); the table then shows the profile's predictions too. `--on cuda` measures a GPU's compute
 figures (the links stay the entry's). `--profile FILE` compares an existing profile instead.
@@ -38,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per stage (median is reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a CPU 'device' is one worker)")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --out: measure the machine this many times, each coefficient the median of the rounds'",
+    )
+    parser.add_argument(
         "--out",
         default=None,
         help="run the micro-benchmarks and write a device profile here (YAML/JSON) for `hybridflow plan "
@@ -51,8 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure_profile(
-    base: str = "cpu", device: str = "cpu", dtypes=("float32",), repeats: int = 5, size: str = "tiny"
+    base: str = "cpu",
+    device: str = "cpu",
+    dtypes=("float32",),
+    repeats: int = 5,
+    size: str = "tiny",
+    rounds: int = 1,
 ) -> DeviceProfile:
+    """`rounds` measurements of the machine (measure_once), each coefficient the median of its rounds'
+    (DeviceProfile.median_of)."""
+    return DeviceProfile.median_of([measure_once(base, device, dtypes, repeats, size) for _ in range(rounds)])
+
+
+def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> DeviceProfile:
     """Run the micro-benchmarks (microbench.py) and write their figures into `base`'s catalogue entry: a
     DeviceSpec per dtype with measured GEMM rate and fall-off, bandwidth, overheads and (on CPU) links.
     The training path's runs on layers of the tiny model `size` (FSDP2's gathers move their bytes)."""
@@ -305,8 +323,12 @@ def run(args) -> int:
     console = Console(width=160)
     start = time.perf_counter()
     profile = None
+    if args.out and args.rounds < 1:
+        console.print(f"[red]hybridflow calibrate: --rounds must be at least 1 (got {args.rounds})[/]")
+        return 2
     if args.out:
-        profile = measure_profile(args.device, args.on, ("float32", "bfloat16"), args.repeats + 2, args.size)
+        dtypes = ("float32", "bfloat16")
+        profile = measure_profile(args.device, args.on, dtypes, args.repeats + 2, args.size, args.rounds)
         console.print(
             f"device profile written to {profile.save(args.out)} ({time.perf_counter() - start:.0f} s)"
         )

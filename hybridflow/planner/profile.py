@@ -25,6 +25,7 @@ Pure: no torch here, so the planner reads a profile without loading it.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -121,6 +122,26 @@ class DeviceProfile:
             version=PROFILE_VERSION,
             notes=_missing_terms(data, version, source),
         )
+
+    @classmethod
+    def median_of(cls, rounds: list[DeviceProfile]) -> DeviceProfile:
+        """One profile from several measurements of the same machine: each numeric coefficient the median
+        of its rounds'. A coefficient is a difference of two timings (a slope, an intercept), so a burst of
+        other work on the machine during one round moves it a lot, in either direction; the median of
+        three drops one such round whole. The raw figures keep every round."""
+        if len(rounds) == 1:
+            return rounds[0]
+        first = rounds[0]
+        devices = {}
+        for dtype, spec in first.devices.items():
+            numeric = {
+                f.name: statistics.median(getattr(r.devices[dtype], f.name) for r in rounds)
+                for f in fields(DeviceSpec)
+                if isinstance(getattr(spec, f.name), float)
+            }
+            devices[dtype] = replace(spec, **numeric)
+        measurements = {"rounds": [r.measurements for r in rounds]}
+        return replace(first, devices=devices, host={**first.host, "rounds": len(rounds)}, measurements=measurements)
 
     def save(self, path: str | Path) -> Path:
         """Write YAML (.yaml/.yml) or JSON (anything else)."""

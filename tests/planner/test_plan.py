@@ -116,7 +116,9 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     measured; the table sets the catalogue's and the profile's predictions beside the measured seconds."""
     out, profile_path = tmp_path / "cal.json", tmp_path / "cpu.yaml"
     args = ["calibrate", "--batch", "2", "--prompt-len", "8", "--response-len", "4", "--repeats", "1"]
-    assert main([*args, "--out", str(profile_path), "--results", str(out)]) == 0
+    assert main([*args, "--rounds", "0", "--out", str(profile_path)]) == 2 and not profile_path.exists()
+    assert "--rounds must be at least 1" in capsys.readouterr().out
+    assert main([*args, "--rounds", "1", "--out", str(profile_path), "--results", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in ("stages", "profile_stages"):
         assert set(result[key]) == {"training", "inference", "generation"}

@@ -61,6 +61,29 @@ def test_profile_round_trips(tmp_path, suffix):
     assert loaded.device("bfloat16").bytes_per_param == 2 and loaded.device("float32").measured
 
 
+def test_rounds_combine_by_each_coefficients_median(tmp_path):
+    """Three rounds, one measured during a burst of other work: each coefficient is the middle round's,
+    whichever round that is per coefficient; non-numeric fields and the host are the first's, and the
+    saved file keeps every round's raw figures and loads back equal."""
+    rounds = [
+        _profile(call_overhead_s=5e-3, layer_overhead_s=3e-4, peak_flops=9e10),
+        _profile(call_overhead_s=15e-3, layer_overhead_s=2e-4, peak_flops=8e10),  # the burst
+        _profile(call_overhead_s=6e-3, layer_overhead_s=9e-4, peak_flops=9.2e10),
+    ]
+    for i, r in enumerate(rounds):
+        r.measurements["startup_s"] = i
+    combined = DeviceProfile.median_of(rounds)
+    for dtype in ("float32", "bfloat16"):
+        dev = combined.device(dtype)
+        assert (dev.call_overhead_s, dev.layer_overhead_s) == (6e-3, 3e-4)
+        assert dev.bytes_per_param == rounds[0].device(dtype).bytes_per_param and dev.measured
+    assert combined.device("float32").peak_flops == 9e10 and combined.device("bfloat16").peak_flops == 2.7e11
+    assert combined.host == {"threads": 1, "rounds": 3}
+    assert [r["startup_s"] for r in combined.measurements["rounds"]] == [0, 1, 2]
+    assert DeviceProfile.load(combined.save(tmp_path / "median.yaml")) == combined
+    assert DeviceProfile.median_of(rounds[:1]) is rounds[0]
+
+
 def test_a_version_1_profile_loads_without_the_path_terms_and_says_so(tmp_path, capsys):
     """Written before the path's fixed costs were measured: they stay 0 (not priced, as then), in one line."""
     loaded = _load_old(tmp_path, 1, (*PATH_FIELDS, "activation_s_per_element"))
