@@ -3,7 +3,8 @@
 The planner prices an iteration as three stages one after another (planner/dataflow.py STAGES); the trainer
 times phases (controller/timers.py Timers). A stage's measured seconds are the wall time of its phases'
 busy intervals (the earliest start to the latest end of `STAGE_PHASES[stage]`, from timing_s/timeline/),
-which is what the plan's stage time predicts: the models of one pool take turns, pools run at once.
+which is what the plan's stage time predicts: the models of one pool take turns, pools run at once. A phase
+that did no work (under MIN_PHASE_SECONDS: the old log-probs taken from the update) does not start its stage.
 
     plan/predicted_s/<stage>    the plan's seconds for generation / preparation / training
     plan/predicted_s/rest       the step's work no stage holds (the calls, the driver's); in the iteration
@@ -29,13 +30,22 @@ STAGE_PHASES = {
 }
 
 
+MIN_PHASE_SECONDS = 1e-3
+"""A phase's span below which it did no work (the timers' resolution in practice): the old log-probs taken
+from the update are a point in the driver's time, set before the next phase's call reaches its workers.
+Counted, it would start the stage there and put that call's round trip, which the plan prices in the
+rest, inside the stage."""
+
+
 def stage_seconds(times: dict[str, float], phases: tuple[str, ...]) -> float | None:
-    """Wall seconds from the first of `phases` to start to the last to end; None if none ran."""
+    """Wall seconds from the first of `phases` to start to the last to end, over the phases that worked
+    (MIN_PHASE_SECONDS); None if none did."""
     spans = [
         (times[f"timing_s/timeline/{p}/start"], times[f"timing_s/timeline/{p}/end"])
         for p in phases
         if f"timing_s/timeline/{p}/start" in times
     ]
+    spans = [(start, end) for start, end in spans if end - start >= MIN_PHASE_SECONDS]
     if not spans:
         return None
     return max(end for _, end in spans) - min(start for start, _ in spans)

@@ -37,3 +37,19 @@ def test_stages_are_the_wall_time_of_their_phases():
     assert "timing_s/stage/generation" not in ahead and "plan/predicted_s/generation" in ahead
     # a stage none of whose phases ran is not reported as 0
     assert "timing_s/stage/training" not in plan_metrics(plan, _times(gen=(0.0, 1.0)))
+
+
+def test_a_phase_that_did_no_work_does_not_start_its_stage():
+    """PPO with the old log-probs from the update (the no-op driver phase at 24.7 ms): preparation runs from
+    the values' start, when their call reached the critic, to their end, as the plan prices it (its call
+    is in the rest); the rule reward in the driver (2.8 ms) is work and counts."""
+    plan = SimpleNamespace(
+        stage_seconds={"generation": 0.02, "preparation": 0.03, "training": 0.08}, iteration_seconds=0.17,
+        rest_seconds=0.04, rollout_ahead=0,
+    )  # fmt: skip
+    times = _times(gen=(0.0, 0.0196), old_log_prob=(0.0247, 0.0248), reward=(0.0278, 0.0306),
+                   values=(0.0311, 0.0767))  # fmt: skip
+    assert plan_metrics(plan, times)["timing_s/stage/preparation"] == pytest.approx(0.0767 - 0.0278)
+    times["timing_s/timeline/reward/end"] = 0.0279  # a reward of no rows: nothing before the values
+    assert plan_metrics(plan, times)["timing_s/stage/preparation"] == pytest.approx(0.0767 - 0.0311)
+    assert "timing_s/stage/preparation" not in plan_metrics(plan, _times(old_log_prob=(0.0247, 0.0248)))
