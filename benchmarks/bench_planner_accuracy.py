@@ -4,12 +4,13 @@ For the PPO and GRPO recipes (examples/configs/ppo_tiny.yaml, grpo_tiny.yaml) at
 `--devices` CPU ranks: the planner (priced with a device profile measured here, `hybridflow calibrate
 --out`) ranks its candidates - each synchronous placement's best allocation and layouts (colocate,
 split, standalone, ... as set partitions of the models) and the one-step-ahead schedule - and each one
-is written as a plan file and run through `hybridflow train` for a few steps. The first step is warm-up;
-the rest give the measured medians of timing_s/stage/<stage> and timing_s/step beside the plan's
+is written as a plan file and run through `hybridflow train` for a few steps (`--repeats` times, in rounds
+over the candidates; each figure the median of the runs'). The first step is warm-up; the rest give the
+measured medians of timing_s/stage/<stage> and timing_s/step beside the plan's
 plan/predicted_s/<stage> and iteration. Prints per case the predicted and measured ranking and per
 candidate the per-stage error.
 
-    .venv/bin/python benchmarks/bench_planner_accuracy.py --profile cpu.yaml [--steps 5] [--devices 2]
+    .venv/bin/python benchmarks/bench_planner_accuracy.py --profile cpu.yaml [--steps 5] [--devices 2] [--repeats 3]
     .venv/bin/python benchmarks/bench_planner_accuracy.py --report run.log   # the tables of a logged run
 
 docs/bench/planner.md has one run's figures.
@@ -169,25 +170,51 @@ def run_one(recipe: str, args: list[str], plan_path: Path, ahead: int, run_dir: 
 
 
 def bench_case(
-    algo: str, size: str, devices: int, steps: int, profile: str, tmp: Path, variants: bool = True
+    algo: str,
+    size: str,
+    devices: int,
+    steps: int,
+    profile: str,
+    tmp: Path,
+    variants: bool = True,
+    repeats: int = 1,
 ) -> list[dict]:
     from hybridflow.models.tiny import save_tiny_model
 
     model_dir = tmp / f"model-{size}"
     if not model_dir.exists():
         save_tiny_model(model_dir, size, "llama", seed=0)
-    rows = []
     probe = overrides(str(model_dir), devices, steps, str(tmp), "probe", profile)
     cands = candidates(RECIPES[algo], probe, variants)
-    for i, (label, plan, ahead) in enumerate(cands):
-        name = f"{algo}-{size}-{i}"
-        path = plan.save(tmp / f"{name}.yaml")
-        args = overrides(str(model_dir), devices, steps, str(tmp), name, profile)
-        result = run_one(RECIPES[algo], args, path, ahead, tmp / name)
+    runs: list[list[dict]] = [[] for _ in cands]
+    # round-robin: a slow minute of a shared machine falls on different candidates in each round
+    for r in range(repeats):
+        for i, (label, plan, ahead) in enumerate(cands):
+            name = f"{algo}-{size}-{i}-{r}"
+            path = plan.save(tmp / f"{name}.yaml")
+            args = overrides(str(model_dir), devices, steps, str(tmp), name, profile)
+            runs[i].append(run_one(RECIPES[algo], args, path, ahead, tmp / name))
+            print(
+                f"{algo}/{size} {label} round {r + 1}: {json.dumps(runs[i][-1])}", file=sys.stderr, flush=True
+            )
+    rows = []
+    for (label, plan, _), results in zip(cands, runs):
         predicted = {**plan.stage_seconds, "rest": plan.rest_seconds, "iteration": plan.iteration_seconds}
-        rows.append({"case": f"{algo}/{size}", "candidate": label, "predicted": predicted, **result})
+        rows.append(
+            {"case": f"{algo}/{size}", "candidate": label, "predicted": predicted, **combine(results)}
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def combine(results: list[dict]) -> dict:
+    """One candidate's runs as one row: each figure the median of the runs' medians (an error if none ran)."""
+    ok = [r["measured"] for r in results if "measured" in r]
+    wall = sum(r["wall_s"] for r in results)
+    if not ok:
+        return {"error": next(r["error"] for r in results), "wall_s": wall}
+    measured = {k: statistics.median(m[k] for m in ok if k in m) for k in ok[0]}
+    return {"measured": measured, "runs": len(ok), "wall_s": wall}
 
 
 def _compared(row: dict, key: str) -> bool:
@@ -251,6 +278,12 @@ def main() -> int:
         choices=("all", "best"),
         help="all: every placement's tp/dp variants too; best: each placement's best layouts (fewer runs)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per candidate, in rounds over them; figures: their median",
+    )
     parser.add_argument("--out", default=None, help="also write the rows as JSON")
     parser.add_argument(
         "--report", nargs="+", default=None, help="only print the tables from the rows logged by earlier runs"
@@ -269,7 +302,7 @@ def main() -> int:
         for case in args.cases.split(","):
             algo, size = case.split("/")
             rows += bench_case(
-                algo, size, args.devices, args.steps, profile, Path(tmp), args.layouts == "all"
+                algo, size, args.devices, args.steps, profile, Path(tmp), args.layouts == "all", args.repeats
             )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

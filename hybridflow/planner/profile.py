@@ -141,7 +141,9 @@ class DeviceProfile:
             }
             devices[dtype] = replace(spec, **numeric)
         measurements = {"rounds": [r.measurements for r in rounds]}
-        return replace(first, devices=devices, host={**first.host, "rounds": len(rounds)}, measurements=measurements)
+        return replace(
+            first, devices=devices, host={**first.host, "rounds": len(rounds)}, measurements=measurements
+        )
 
     def save(self, path: str | Path) -> Path:
         """Write YAML (.yaml/.yml) or JSON (anything else)."""
