@@ -5,7 +5,7 @@ For the PPO and GRPO recipes (examples/configs/ppo_tiny.yaml, grpo_tiny.yaml) at
 --out`) ranks its candidates - each synchronous placement's best allocation and layouts (colocate,
 split, standalone, ... as set partitions of the models) and the one-step-ahead schedule - and each one
 is written as a plan file and run through `hybridflow train` for a few steps (`--repeats` times, in rounds
-over the candidates; each figure the median of the runs'). The first step is warm-up; the rest give the
+over the candidates; the run of the fastest iteration is kept). The first step is warm-up; the rest give the
 measured medians of timing_s/stage/<stage> and timing_s/step beside the plan's
 plan/predicted_s/<stage> and iteration. Prints per case the predicted and measured ranking and per
 candidate the per-stage error.
@@ -208,13 +208,15 @@ def bench_case(
 
 
 def combine(results: list[dict]) -> dict:
-    """One candidate's runs as one row: each figure the median of the runs' medians (an error if none ran)."""
+    """One candidate's runs as one row: the run of the fastest iteration, its figures as they are (an error if
+    none ran). The profile holds each coefficient's fastest samples, which a busy host's other work did not
+    slow (microbench.best_seconds); a run's figures are compared the same way (docs/bench/planner.md: on the
+    AMD VM one plan's two runs measured 0.31 and 0.91 s)."""
     ok = [r["measured"] for r in results if "measured" in r]
     wall = sum(r["wall_s"] for r in results)
     if not ok:
         return {"error": next(r["error"] for r in results), "wall_s": wall}
-    measured = {k: statistics.median(m[k] for m in ok if k in m) for k in ok[0]}
-    return {"measured": measured, "runs": len(ok), "wall_s": wall}
+    return {"measured": min(ok, key=lambda m: m["iteration"]), "runs": len(ok), "wall_s": wall}
 
 
 def _compared(row: dict, key: str) -> bool:
@@ -282,7 +284,7 @@ def main() -> int:
         "--repeats",
         type=int,
         default=1,
-        help="runs per candidate, in rounds over them; figures: their median",
+        help="runs per candidate, in rounds over them; figures: the fastest run's",
     )
     parser.add_argument("--out", default=None, help="also write the rows as JSON")
     parser.add_argument(
