@@ -124,8 +124,8 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         )  # fmt: skip
     if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
         fp32 = devices.get("float32") or next(iter(devices.values()))
-        raw["engine_tokens"] = tokens = fit_engine_tokens(raw["engine_passes"], fp32, size)
-        devices = {k: replace(v, **tokens) for k, v in devices.items()}
+        raw["engine_tokens"] = terms = fit_engine_terms(raw["engine_passes"], fp32, size)
+        devices = {k: replace(v, **terms) for k, v in devices.items()}
     host = {
         "machine": platform.machine(),
         "processor": cpu_model(),
@@ -137,7 +137,7 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
     return DeviceProfile(f"{get_device(base).name}-measured", devices, host, raw)
 
 
-def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
+def fit_engine_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     """train_token_overhead_s and infer_token_overhead_s: per token of a micro-batch, the engine's
     measured seconds (microbench_path.engine_passes, two row counts) beyond the simulator's with `dev`
     for the same rows, slope against slope, so the fixed costs of a pass cancel; then
@@ -148,8 +148,7 @@ def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
     from hybridflow.planner.microbench_path import GROUP, RESPONSE
 
     spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
-    # measured in-process (no worker call), the engine's own terms being what is fitted
-    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
+    dev = in_process(dev)  # the engine's own terms being what is fitted
     predicted, tokens = {"train_s": [], "infer_s": []}, []
     for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
         wl = WorkloadSpec(
@@ -176,13 +175,18 @@ def fit_engine_tokens(raw: dict, dev: DeviceSpec, size: str) -> dict:
     }
 
 
-# what fit_engine_tokens measures: the engine's passes beyond the plain model's terms
+# what fit_engine_terms measures: the engine's passes beyond the plain model's terms
 ENGINE_TERMS = (
     "train_token_overhead_s",
     "infer_token_overhead_s",
     "train_batch_overhead_s",
     "infer_batch_overhead_s",
 )
+
+
+def in_process(dev: DeviceSpec) -> DeviceSpec:
+    """`dev` as a run in this process sees it: no worker call, none of the engine's own terms."""
+    return replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
 
 
 # the coefficients microbench_path.training_path measures (the Python of a pass: the same in either dtype)
@@ -262,9 +266,7 @@ def measure(size: str, batch: int, prompt_len: int, response_len: int, repeats: 
 
 def predict(spec: ModelSpec, device: str | DeviceSpec, wl: WorkloadSpec) -> dict:
     """Simulated seconds for the same work on one device (p = t = d = 1)."""
-    dev = get_device(device) if isinstance(device, str) else device
-    # measured in-process on a plain HF model: no worker call, none of the engine's own passes
-    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
+    dev = in_process(get_device(device) if isinstance(device, str) else device)  # a plain HF model
     return {
         "training": sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False),
         "inference": sim.inference_time(spec, dev, wl, 1, 1, 1, 1),
@@ -323,10 +325,10 @@ def run(args) -> int:
     console = Console(width=160)
     start = time.perf_counter()
     profile = None
-    if args.out and args.rounds < 1:
-        console.print(f"[red]hybridflow calibrate: --rounds must be at least 1 (got {args.rounds})[/]")
-        return 2
     if args.out:
+        if args.rounds < 1:
+            console.print(f"[red]hybridflow calibrate: --rounds must be at least 1 (got {args.rounds})[/]")
+            return 2
         dtypes = ("float32", "bfloat16")
         profile = measure_profile(args.device, args.on, dtypes, args.repeats + 2, args.size, args.rounds)
         console.print(

@@ -173,7 +173,7 @@ def test_engine_token_fit_recovers_a_known_residual():
     and 1,248 tokens. The profile's own engine terms (here the ones fitted before) are not part of the
     simulator's seconds it compares with."""
     from hybridflow.models.tiny import build_tiny_config
-    from hybridflow.planner.calibrate import fit_engine_tokens
+    from hybridflow.planner.calibrate import fit_engine_terms
     from hybridflow.planner.simulate import inference_time, training_time
 
     dev = _profile(micro_batch_overhead_s=1e-3, activation_s_per_element=1e-9).device("float32")
@@ -187,8 +187,8 @@ def test_engine_token_fit_recovers_a_known_residual():
         raw["infer_s"].append(inference_time(spec, dev, wl, 1, 1, 1, 1) + 1e-6 * tokens + 5e-4)
     expected = {"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6, "token_overhead_width": spec.hidden,
                 "train_batch_overhead_s": 2e-3, "infer_batch_overhead_s": 5e-4}  # fmt: skip
-    assert fit_engine_tokens(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
-    assert fit_engine_tokens(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_engine_terms(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_engine_terms(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
 
 
 def test_profile_refuses_what_it_cannot_read(tmp_path):
