@@ -2,7 +2,8 @@
 
 - GEMM peak: the best FLOP/s of a square matmul (2 n^3 FLOPs) per dtype and thread count, the ceiling of
   the training and log-prob phases, whose work is GEMMs of the model's weights (2 N FLOPs per token
-  forward, 6 N forward + backward: trainers/perf.py).
+  forward, 6 N forward + backward: trainers/perf.py). In fp32 the faster of PyTorch's matmul (MKL) and
+  oneDNN's (models/cpu_gemm.py, which the engines use where it is faster): on some CPUs they differ 2x.
 - Memory bandwidth: bytes/s of a large copy (read + write), the floor of decode: every decode step reads
   the whole generation weights once, so a step of a batch small enough to be bandwidth-bound takes at
   least weight bytes / bandwidth.
@@ -18,6 +19,8 @@ import statistics
 import time
 
 import torch
+
+from hybridflow.models import cpu_gemm
 
 GEMM_N = 1024  # square matmul side: big enough to reach MKL / oneDNN's rate, small enough to time in ms
 COPY_BYTES = 256 * 2**20  # far larger than the last-level cache
@@ -41,7 +44,10 @@ def gemm_peak(dtype: torch.dtype, threads: int, n: int = GEMM_N, seconds: float 
     try:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         out = torch.empty(n, n, dtype=dtype)
-        return _best_rate(lambda: torch.mm(a, b, out=out), 2.0 * n**3, seconds)
+        rate = _best_rate(lambda: torch.mm(a, b, out=out), 2.0 * n**3, seconds)
+        if dtype == torch.float32 and cpu_gemm.available():
+            rate = max(rate, _best_rate(lambda: cpu_gemm.matmul(a, b), 2.0 * n**3, seconds))
+        return rate
     finally:
         torch.set_num_threads(before)
 

@@ -25,8 +25,8 @@ DESIGN = ROOT / "docs" / "design.md"
 # imports them.
 PLANNER_MAY_IMPORT = {"hybridflow.hybrid_engine.cost", "hybridflow.hybrid_engine.sync_budget"}
 PLANNER_MEASURES = {
-    "hybridflow.planner.calibrate": {"hybridflow.models.tiny"},
-    "hybridflow.planner.microbench": {"hybridflow.models.tiny"},
+    "hybridflow.planner.calibrate": {"hybridflow.models.tiny", "hybridflow.models.cpu_gemm"},
+    "hybridflow.planner.microbench": {"hybridflow.models.tiny", "hybridflow.models.cpu_gemm"},
     "hybridflow.planner.microbench_path": {
         "hybridflow.models.tiny",
         "hybridflow.engines.parallelize",

@@ -24,13 +24,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridflow.engines import packing, shared_prompt, varlen
+from hybridflow.models import cpu_gemm
 from hybridflow.models.hf import model_kind, scalar_head
 
 
-def _log_probs_chunk(hidden, weight, bias, labels, temperature: float, with_entropy: bool | str):
+def _log_probs_chunk(
+    hidden, weight, bias, labels, temperature: float, with_entropy: bool | str, linear=F.linear
+):
     """hidden (B, C, H), labels (B, C) -> log_probs (B, C) [, entropy (B, C)], all fp32.
-    with_entropy="detached": the entropy is a metric only, computed without grad (nothing saved for backward)."""
-    logits = F.linear(hidden, weight, bias).float()  # (B, C, V)
+    with_entropy="detached": the entropy is a metric only, computed without grad (nothing saved for backward).
+    linear: F.linear, or models/cpu_gemm.linear where the lm_head's layers go through oneDNN."""
+    logits = linear(hidden, weight, bias).float()  # (B, C, V)
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)  # (B, C)
@@ -68,6 +72,7 @@ def chunked_log_probs(
             labels[:, s : s + chunk_size],
             temperature,
             with_entropy,
+            cpu_gemm.linear if cpu_gemm.routed(lm_head) else F.linear,
         )
         if needs_grad:  # drop the chunk's logits after forward; recompute them in backward
             lp, ent = checkpoint(_log_probs_chunk, *args, use_reentrant=False)

@@ -50,7 +50,7 @@ from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, us
 from hybridflow.engines.pipeline import hf_name
 from hybridflow.engines.pipeline_engine import PipelinedModel, micro_batch_rows
 from hybridflow.engines.sharded_init import materialize
-from hybridflow.models import lora
+from hybridflow.models import cpu_gemm, lora
 from hybridflow.models.hf import model_kind, scalar_head
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -116,6 +116,8 @@ class TrainEngine:
             self.module = RLForward(model, self.config.logits_chunk_size, self.share_prompt)
         if self.remove_padding:  # packed micro-batches: one row, attention per sequence (engines/varlen.py)
             varlen.install(model)
+        if cpu_gemm.resolve(self.config.cpu_gemm, self.device):  # fp32 linear layers through oneDNN
+            cpu_gemm.use_onednn(model)
         parallelize(
             self.module,
             model,

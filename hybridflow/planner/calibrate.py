@@ -99,6 +99,7 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         per_step = mb.decode_step_overhead(dtype, per_layer, device)
         per_value = mb.activation_cost(dtype, peak, half, device)
         raw[name] = {
+            "gemm_library": "onednn" if mb.onednn(dtype, device) else "default",
             "gemm_flops_by_width": rates,
             "layer_overhead_s": per_layer,
             "decode_step_overhead_s": per_step,
@@ -224,9 +225,13 @@ def measure(size: str, batch: int, prompt_len: int, response_len: int, repeats: 
     """Measured seconds per stage on this machine: {"training", "inference", "generation"}."""
     import torch
 
+    import hybridflow.models.cpu_gemm as cpu_gemm
     from hybridflow.models.tiny import build_tiny_model
+    from hybridflow.planner.microbench import onednn
 
     model = build_tiny_model(size, "llama", seed)
+    if onednn(torch.float32, "cpu"):  # its linear layers as a run's engines multiply them
+        cpu_gemm.use_onednn(model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     seq = torch.randint(5, vocab, (batch, prompt_len + response_len), generator=gen)

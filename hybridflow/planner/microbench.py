@@ -58,13 +58,25 @@ def best_seconds(fn, repeats: int = 5, device: str = "cpu", min_s: float = 0.02)
     return min(samples)
 
 
+def onednn(dtype: torch.dtype, device: str) -> bool:
+    """Whether a run's fp32 linear layers go through oneDNN here (model.cpu_gemm=auto, the default:
+    models/cpu_gemm.py), so the profile times the products the engines run."""
+    import hybridflow.models.cpu_gemm as cpu_gemm
+
+    return dtype == torch.float32 and cpu_gemm.resolve("auto", device)
+
+
 def gemm_rates(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) -> dict[str, float]:
-    """FLOP/s of (GEMM_ROWS x w) @ (w x w) per width w (keys are strings: a profile's JSON keeps them so)."""
+    """FLOP/s of (GEMM_ROWS x w) @ (w x w) per width w (keys are strings: a profile's JSON keeps them so),
+    through the library a run's linear layers use (`onednn`)."""
+    import hybridflow.models.cpu_gemm as cpu_gemm
+
+    mm = cpu_gemm.matmul if onednn(dtype, device) else (lambda a, b: a @ b.t())
     rates = {}
     for w in WIDTHS:
         a = torch.randn(GEMM_ROWS, w, device=device).to(dtype)
         b = torch.randn(w, w, device=device).to(dtype)
-        seconds = best_seconds(lambda a=a, b=b: a @ b, repeats, device)
+        seconds = best_seconds(lambda a=a, b=b: mm(a, b), repeats, device)
         rates[str(w)] = 2.0 * GEMM_ROWS * w * w / seconds
     return rates
 
@@ -93,11 +105,15 @@ def memory_bandwidth(device: str = "cpu", repeats: int = 5, mib: int = 128) -> f
 def _tiny(layers: int, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
+    import hybridflow.models.cpu_gemm as cpu_gemm
     from hybridflow.models.tiny import build_tiny_config
 
     cfg = build_tiny_config("tiny", "llama", num_hidden_layers=layers)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+    if onednn(dtype, device):  # as the engines run it
+        cpu_gemm.use_onednn(model)
+    return model
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.models.cpu_gemm import OneDnnWeight
 from hybridflow.rollout.cpu.mkl_packed import MklPacked
 from hybridflow.rollout.decoder_ops import _functional_act
 
@@ -24,14 +25,14 @@ RAW_WEIGHTS_FROM_ROWS = 512
 
 def _mm(x: torch.Tensor, w_t, bias: torch.Tensor | None) -> torch.Tensor:
     """x (N, in) @ w_t (in, out) [+ bias]: a linear layer with the weight already transposed (or packed)."""
-    if isinstance(w_t, MklPacked):
+    if isinstance(w_t, (MklPacked, OneDnnWeight)):
         return w_t(x, bias)
     return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
 
 
 def _mm_residual(x: torch.Tensor, a: torch.Tensor, w_t, bias: torch.Tensor | None):
     """x + (a @ w_t [+ bias]); without a bias the residual add rides in the GEMM (beta=1)."""
-    if isinstance(w_t, MklPacked):
+    if isinstance(w_t, (MklPacked, OneDnnWeight)):
         return w_t(a, bias).add_(x)
     return torch.addmm(x, a, w_t) if bias is None else x + torch.addmm(bias, a, w_t)
 
@@ -43,7 +44,8 @@ def _cat_bias(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) ->
 
 
 Linear = tuple
-"""(weight, bias): weight stored (in, out) (a transposed view or copy) or as an MklPacked; bias or None."""
+"""(weight, bias): weight stored (in, out) (a transposed view or copy), as an MklPacked or as a OneDnnWeight;
+bias or None."""
 
 
 @dataclass
@@ -61,24 +63,27 @@ class PackedLayer:
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
-def pack_layer(weights: Mapping[str, torch.Tensor], layer, prefix: str, pack: bool, mkl: bool = False):
+def pack_layer(weights: Mapping[str, torch.Tensor], layer, prefix: str, pack: bool, kernel: str = ""):
     """Decoder layer `prefix` ("model.layers.3.") as a PackedLayer, from `weights` (HF name -> this
     rank's tensor: the whole weight, or its generation shard under tensor parallelism); `layer` is the
     HF module, read only for the norms' eps and the activation.
 
     pack=True copies: q/k/v and gate/up concatenated (one matmul each instead of three and two); each
-    matrix then stored either in MKL's packed GEMM format (mkl=True; see cpu/mkl_packed.py) or transposed and
-    contiguous, the (in, out) layout that single-threaded MKL multiplies ~1.3-1.6x faster than the
-    (out, in) one at decode shapes. Costs one extra copy of the decoder layers' weights while a
-    `generate` call runs. pack=False: transposed views of the given tensors."""
+    matrix then stored in MKL's packed GEMM format (kernel="mkl"; see cpu/mkl_packed.py), as a OneDnnWeight
+    (kernel="onednn": fp32 through oneDNN, models/cpu_gemm.py) or transposed and contiguous, the (in, out)
+    layout that single-threaded MKL multiplies ~1.3-1.6x faster than the (out, in) one at decode shapes.
+    Costs one extra copy of the decoder layers' weights while a `generate` call runs. pack=False:
+    transposed views of the given tensors."""
 
     def group(*names: str) -> tuple[Linear, ...]:
         ws = [weights[prefix + n + ".weight"] for n in names]
         bs = [weights.get(prefix + n + ".bias") for n in names]
         if pack:
             w = torch.cat(ws) if len(ws) > 1 else ws[0]
-            if mkl:
+            if kernel == "mkl":
                 return ((MklPacked(w), _cat_bias(ws, bs)),)
+            if kernel == "onednn":
+                return ((OneDnnWeight(w), _cat_bias(ws, bs)),)
             # fp32: (in, out) copies for MKL; 16-bit (oneDNN): the (out, in) tensor's transposed view, 5-10%
             # faster at decode shapes (32 rows of the 25M model) than an (in, out) copy
             w_t = w.t().contiguous() if w.dtype == torch.float32 else w.t()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.batch import Batch, position_ids_from_mask
+from hybridflow.models import cpu_gemm
 from hybridflow.rollout.base import (
     GenerationEngine,
     SamplingParams,
@@ -68,6 +69,10 @@ class BuiltinEngineConfig:
     runs on a copy of the weights cast to it at each call (none when they are stored in it: a rollout
     pool's) with its KV cache in it, and the HF fallback runs under autocast (docs/rollout.md, "Compute
     dtype", says when bf16 pays on CPU)."""
+    cpu_gemm: str = "auto"
+    """fp32 CPU GEMMs through "mkl", "onednn" or "auto" (oneDNN where it measured clearly faster:
+    models/cpu_gemm.py): the functional decoder's packed weights, the HF fallback's linear layers;
+    model.cpu_gemm."""
     max_num_seqs: int = 0
     """Most sequences (prompts x n) decoded at once; larger batches run in chunks (the agent loop's
     continuous batch: trajectories past it wait for a finished one's cache row). 0 = no limit.
@@ -114,10 +119,12 @@ class BuiltinEngine(GenerationEngine):
         if self.shard is None and (backend == "hf" or reason is not None):
             if self._replica is None:
                 self._replica = PlainReplica(self.model)
+                if cpu_gemm.resolve(self.config.cpu_gemm, self._device()):  # its fp32 layers, as the engines'
+                    cpu_gemm.use_onednn(self._replica.model)
             replica = self._replica.bind(self.model)
             return HFDecoder(replica, self.config.dtype, release=self._replica.release)
         return LlamaFamilyDecoder(
-            self.model, self.config.pack_weights, self.shard, self.tp, dtype=self.config.dtype
+            self.model, self.config.pack_weights, self.shard, self.tp, self.config.dtype, self.config.cpu_gemm
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -34,7 +34,8 @@ def build_generation_engine(
     if r.engine == "builtin":
         from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
 
-        return BuiltinEngine(model, BuiltinEngineConfig(cpu_threads=r.cpu_threads, dtype=dtype))
+        cfg = BuiltinEngineConfig(cpu_threads=r.cpu_threads, dtype=dtype, cpu_gemm=config.model.cpu_gemm)
+        return BuiltinEngine(model, cfg)
     if r.engine == "vllm":
         from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 

@@ -29,11 +29,13 @@ padding. Rows that finished are removed by `select` (compaction), so they stop c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
+from hybridflow.models import cpu_gemm
 from hybridflow.rollout.cpu.mkl_packed import MklPacked, mkl_pack_works
 from hybridflow.rollout.decoder_ops import _rms_norm, _rope, _scalar, signed_sin
 from hybridflow.rollout.decoder_weights import (
@@ -48,6 +50,8 @@ from hybridflow.rollout.decoder_weights import (
     pack_layer,
 )
 from hybridflow.rollout.tp_group import TPGroup
+
+_HEADS = {"mkl": MklPacked, "onednn": cpu_gemm.OneDnnWeight}  # lm_head in the layers' packed format
 
 FAMILY = ("llama", "qwen2", "mistral")
 
@@ -127,9 +131,11 @@ class LlamaFamilyDecoder:
         weights: Mapping[str, torch.Tensor] | None = None,
         tp: TPGroup | None = None,
         dtype: torch.dtype | None = None,
+        cpu_gemm: str = "auto",
     ):
         self.model = model
         self.dtype = dtype  # compute dtype; None = the weights' own (see load)
+        self.cpu_gemm = cpu_gemm  # fp32 CPU GEMMs through MKL or oneDNN (models/cpu_gemm.py)
         self.pack_weights = pack_weights
         self.weights, self.tp = weights, tp
         cfg = model.config
@@ -157,19 +163,19 @@ class LlamaFamilyDecoder:
             w = _cast(w, self.dtype)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
         head_bias = w.get("lm_head.bias")
-        mkl = self.pack_weights and head.device.type == "cpu" and head.dtype == torch.float32
-        mkl = mkl and mkl_pack_works()
+        kernel = self._kernel(head)
         mods = self.model.model.layers
         names = [f"model.layers.{i}." for i in range(len(mods))]
-        self.layers = [pack_layer(w, m, p, self.pack_weights, mkl) for m, p in zip(mods, names)]
+        self.layers = [pack_layer(w, m, p, self.pack_weights, kernel) for m, p in zip(mods, names)]
         self.embed = w["model.embed_tokens.weight"]
         self.final_norm = (w["model.norm.weight"], _norm_eps(self.model.model.norm))
-        self.lm_head = (MklPacked(head) if mkl else head.t(), head_bias)
-        # Views of the (out, in) weights (no copy). MKL multiplies them faster than the packed copies at
+        self.lm_head = (_HEADS.get(kernel, torch.Tensor.t)(head), head_bias)
+        # Views of the (out, in) weights (no copy). MKL multiplies them faster than its packed copies at
         # 1 row (a plain gemv) and at prefill sizes (~10% at ~1,300 rows), so those two cases use them
-        # (see _weights_for).
-        self.raw_layers = [pack_layer(w, m, p, False) for m, p in zip(mods, names)] if mkl else self.layers
+        # (see _weights_for); oneDNN runs every size but the gemv from its own.
+        self.raw_layers = [pack_layer(w, m, p, False) for m, p in zip(mods, names)] if kernel else self.layers
         self.raw_lm_head = (head.t(), head_bias)
+        self.raw_from_rows = math.inf if kernel == "onednn" else RAW_WEIGHTS_FROM_ROWS
         # Vocab-parallel (docs/hybrid_engine.md): a generation shard with 1/tg of the embedding rows holds
         # rows [rank * V/tg, (rank + 1) * V/tg) of the embeddings and lm_head.
         whole = self.tp is None or self.embed.shape[0] == self.model.get_input_embeddings().num_embeddings
@@ -245,8 +251,17 @@ class LlamaFamilyDecoder:
         out = x + self.tp.all_reduce(_mm(a, linear[0], None))
         return out if linear[1] is None else out.add_(linear[1])
 
+    def _kernel(self, head: torch.Tensor) -> str:
+        """The packed weights' format: "onednn" or "mkl" for fp32 on CPU (models/cpu_gemm.py,
+        cpu/mkl_packed.py), "" for plain tensors."""
+        if not self.pack_weights or head.device.type != "cpu" or head.dtype != torch.float32:
+            return ""
+        if cpu_gemm.resolve(self.cpu_gemm, head.device):
+            return "onednn"
+        return "mkl" if mkl_pack_works() else ""
+
     def _weights_for(self, rows: int) -> list[PackedLayer]:
-        return self.raw_layers if rows == 1 or rows >= RAW_WEIGHTS_FROM_ROWS else self.layers
+        return self.raw_layers if rows == 1 or rows >= self.raw_from_rows else self.layers
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """x_last: (b, hidden) -> logits (b, vocab)."""

@@ -97,7 +97,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         self.actor = self.ref = self.rollout = self.resharder = self.pool_tp = self.agent = None
         self._gen_calls = 0
         seed = config.seed
-        pack = {"remove_padding": config.model.remove_padding, "share_prompt": config.model.share_prompt}
+        pack = {
+            "remove_padding": config.model.remove_padding,
+            "share_prompt": config.model.share_prompt,
+            "cpu_gemm": config.model.cpu_gemm,
+        }
         # each role's engine config only where it runs: a role on another pool has that pool's dp
         # (the reference on the rollout pool of rollout_ahead=1 while the actor's pool is smaller)
         self.actor_cfg = self.ref_cfg = None

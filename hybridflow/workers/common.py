@@ -65,9 +65,11 @@ def engine_config(
     remove_padding: bool | None = None,
     share_prompt: bool | None = None,
     lora: LoraConfig | None = None,
+    cpu_gemm: str = "auto",
 ) -> EngineConfig:
     """An EngineConfig from an actor / critic / ref / reward config section (remove_padding, share_prompt:
-    model.remove_padding, model.share_prompt; lora: model.lora for a model that trains adapters)."""
+    model.remove_padding, model.share_prompt; lora: model.lora for a model that trains adapters; cpu_gemm:
+    model.cpu_gemm)."""
     optim = getattr(section, "optim", None)
     return EngineConfig(
         parallel=engine_parallel(section.parallel, world_size, what),
@@ -80,6 +82,7 @@ def engine_config(
         mixed_precision=_MIXED_PRECISION[model_dtype],
         offload=getattr(section, "offload", False),
         seed=seed,
+        cpu_gemm=cpu_gemm,
         lora=lora or LoraConfig(),
     )
 

@@ -63,6 +63,7 @@ class CriticWorker(Worker):
             total_optim_steps,
             remove_padding=config.model.remove_padding,
             share_prompt=config.model.share_prompt,
+            cpu_gemm=config.model.cpu_gemm,
             lora=config.model.lora if config.model.lora.critic else None,
         )
         set_train_layout(self, "train", self.engine_cfg.parallel)

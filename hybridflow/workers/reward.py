@@ -34,6 +34,7 @@ class RewardModelWorker(Worker):
         self.engine_cfg = engine_config(
             config.reward, self.world_size, "reward", config.seed, config.model.dtype,
             remove_padding=config.model.remove_padding, share_prompt=config.model.share_prompt,
+            cpu_gemm=config.model.cpu_gemm,
         )  # fmt: skip
         set_train_layout(self, "train", self.engine_cfg.parallel)
         self.engine = None

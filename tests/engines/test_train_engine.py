@@ -252,3 +252,26 @@ def test_metric_sums_are_read_once_per_step(model_dirs):
     assert m12["m0"] == 0.0 and m12["loss"] == m1["loss"]
     for i in range(2, 12):  # m_i = i x m_1 in every micro-batch, so in the token-weighted mean too
         assert math.isclose(m12[f"m{i}"], i * m12["m1"], rel_tol=1e-6)
+
+
+def test_cpu_gemm_routes_the_engines_linear_layers_with_the_same_gradients(model_dirs):
+    """model.cpu_gemm (models/cpu_gemm.py): under onednn every fp32 linear layer and the chunked lm_head go
+    through oneDNN, with packed rows and micro-batches; the loss and gradients are MKL's."""
+    from hybridflow.models import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("this torch build has no oneDNN linear op")
+    engines = {
+        choice: TrainEngine(load_causal_lm(model_dirs["llama"]), EngineConfig(cpu_gemm=choice))
+        for choice in ("mkl", "onednn")
+    }
+    linears = {
+        c: [cpu_gemm.routed(m) for m in e.hf_model.modules() if type(m) is torch.nn.Linear]
+        for c, e in engines.items()
+    }
+    assert linears["onednn"] and all(linears["onednn"]) and not any(linears["mkl"])
+    batch = make_rl_batch(engines["mkl"].hf_model.config.vocab_size, batch_size=8, seed=5)
+    (m_mkl, g_mkl), (m_dnn, g_dnn) = (_grads(e, batch, micro_batch_size=3) for e in engines.values())
+    assert m_dnn["loss"] == pytest.approx(m_mkl["loss"], rel=1e-5, abs=1e-6)
+    for name, grad in g_mkl.items():
+        torch.testing.assert_close(g_dnn[name], grad, atol=1e-6, rtol=1e-4, msg=name)

@@ -41,6 +41,31 @@ def test_greedy_matches_hf_generate(models, tokenizer, arch):
     check_greedy_matches_hf(BuiltinEngine(models[arch]).generate, models[arch], prompt_batch(tokenizer))
 
 
+@pytest.mark.parametrize("cpu_gemm", ["mkl", "onednn"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_hf_generate_under_either_cpu_gemm(models, tokenizer, arch, cpu_gemm):
+    """The decoder's fp32 GEMMs through MKL or oneDNN (models/cpu_gemm.py): HF generate's tokens either way
+    (qwen2: q/k/v biases), prefill and decode, rows finishing at EOS."""
+    from hybridflow.models.cpu_gemm import available
+
+    if cpu_gemm == "onednn" and not available():
+        pytest.skip("this torch build has no oneDNN linear op")
+    engine = BuiltinEngine(models[arch], BuiltinEngineConfig(cpu_gemm=cpu_gemm))
+    check_greedy_matches_hf(engine.generate, models[arch], prompt_batch(tokenizer))
+
+
+def test_hf_fallback_routes_its_replica_under_onednn(models, tokenizer):
+    """The HF fallback (Qwen3 here) runs a replica of the model: under cpu_gemm=onednn its linear layers go
+    through oneDNN too, with HF generate's tokens."""
+    from hybridflow.models.cpu_gemm import available, routed
+
+    if not available():
+        pytest.skip("this torch build has no oneDNN linear op")
+    engine = BuiltinEngine(models["qwen3"], BuiltinEngineConfig(cpu_gemm="onednn"))
+    check_greedy_matches_hf(engine.generate, models["qwen3"], prompt_batch(tokenizer))
+    assert routed(engine._replica.model.lm_head)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_matches_hf_generate_without_packed_weights(models, tokenizer, arch):
     """pack_weights=False runs on transposed views of the model's tensors (qwen2: q/k/v biases)."""
@@ -290,15 +315,24 @@ def test_mkl_packed_linear_equals_matmul_for_any_row_count():
         torch.testing.assert_close(_mm_residual(res, x, packed, None), res + x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_decoder_uses_mkl_packs_on_fp32_cpu(models):
+def test_decoder_packs_for_the_chosen_cpu_gemm(models):
+    """model.cpu_gemm: MKL's packed format under mkl, oneDNN weights under onednn (fp32 on CPU)."""
+    from hybridflow.models.cpu_gemm import OneDnnWeight, available
     from hybridflow.rollout.cpu.mkl_packed import MklPacked, mkl_pack_works
     from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder
 
-    decoder = LlamaFamilyDecoder(models["llama"], pack_weights=True)
+    decoder = LlamaFamilyDecoder(models["llama"], pack_weights=True, cpu_gemm="mkl")
     decoder.load()
     qkv = decoder.layers[0].qkv[0][0]
     assert isinstance(qkv, MklPacked) == mkl_pack_works()
     assert isinstance(decoder.lm_head[0], MklPacked) == mkl_pack_works()
+    if available():
+        decoder = LlamaFamilyDecoder(models["llama"], pack_weights=True, cpu_gemm="onednn")
+        decoder.load()
+        assert isinstance(decoder.layers[0].qkv[0][0], OneDnnWeight)
+        assert isinstance(decoder.lm_head[0], OneDnnWeight)
+        assert decoder._weights_for(300) is decoder.layers  # prefill too; a 1-row gemv on the raw views
+        assert decoder._weights_for(1) is decoder.raw_layers
     decoder = LlamaFamilyDecoder(models["llama"], pack_weights=False)
     decoder.load()
     assert (

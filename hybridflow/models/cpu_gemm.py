@@ -1,0 +1,176 @@
+"""fp32 linear layers through oneDNN on CPUs where its kernels outrun MKL's (`model.cpu_gemm`).
+
+PyTorch runs fp32 `F.linear` on CPU through MKL's sgemm. On some CPUs MKL takes a slow path (an AMD EPYC
+with AVX-512, 2 threads: 165 GFLOP/s at the 25M model's training shapes, against 376 for oneDNN's JIT kernels
+on the same tensors; docs/bench/vs_trl.md), so `use_onednn(model)` routes a plain model's fp32 `nn.Linear`
+layers through `torch.ops.mkldnn._linear_pointwise`, forward and both backward GEMMs, and the built-in
+decoder multiplies by `OneDnnWeight`s, where `resolve` says so: "auto" when `onednn_faster()` measured it
+clearly faster on this machine. Nothing changes on GPUs, under autocast, for DTensor (tensor-parallel)
+weights or for other dtypes: those calls take `F.linear` as before.
+
+oneDNN builds (JIT-compiles) a kernel per GEMM shape, ~10-20 ms each: a packed micro-batch's token count
+changes every step, so rows are padded up to a bucket (`bucket_rows`, at most 1/8 extra) and a run meets a
+few dozen shapes, not one per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHOICES = ("auto", "onednn", "mkl")
+# auto takes oneDNN only when clearly faster: a machine where the two are close keeps MKL (PyTorch's own
+# path) rather than flipping between them with the probe's noise from one process to the next
+MIN_SPEEDUP = 1.3
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def bucket_rows(m: int) -> int:
+    """Rows padded to: a multiple of 8 up to 64, then 8 buckets per doubling (<= 12.5% padding)."""
+    if m <= 64:
+        return max(8, -(-m // 8) * 8)
+    step = 1 << (int(math.log2(m)) - 3)
+    return -(-m // step) * step
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w (N, K)^T through oneDNN; M already a bucket."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T [+ bias] through oneDNN, no autograd: rows padded to their bucket."""
+    m = x.shape[0]
+    y = _mm(_padded(x, bucket_rows(m)), weight)[:m]
+    return y if bias is None else y.add_(bias)
+
+
+class OneDnnWeight:
+    """A (out, in) fp32 weight the built-in decoder multiplies through oneDNN: (x, bias) -> x @ w.T + b."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return matmul(x, self.weight, bias)
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows and x.is_contiguous():
+        return x
+    out = x.new_empty((rows, x.shape[1]))
+    out[: x.shape[0]] = x
+    out[x.shape[0] :] = 0  # zeros: padded rows add nothing to the weight's gradient (0 * NaN would)
+    return out
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        m = x2.shape[0]
+        xp = _padded(x2, bucket_rows(m))
+        ctx.save_for_backward(xp, weight)
+        ctx.rows, ctx.has_bias = m, bias is not None
+        y = _mm(xp, weight)[:m]
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xp, weight = ctx.saved_tensors
+        g = _padded(grad.reshape(-1, grad.shape[-1]), xp.shape[0])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): weight^T as a (K, N) "weight"
+            gx = _mm(g, weight.t())[: ctx.rows].reshape(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): the padded rows are zeros in both
+            gw = _mm(g.t(), xp.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return gx, gw, gb
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and type(weight) in (torch.Tensor, nn.Parameter)  # not a DTensor
+        and x.numel() > 0
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through oneDNN where eligible (fp32 on CPU, plain tensors, no autocast), else F.linear."""
+    if not _eligible(x, weight):
+        return F.linear(x, weight, bias)
+    return _OneDnnLinear.apply(x, weight, bias)
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def use_onednn(model: nn.Module) -> int:
+    """Route every `nn.Linear` of `model` through `linear`; returns how many. Idempotent."""
+    n = 0
+    for mod in model.modules():
+        if type(mod) is nn.Linear and "forward" not in mod.__dict__:
+            mod.forward = _forward.__get__(mod)
+            n += 1
+    return n
+
+
+def routed(module: nn.Module) -> bool:
+    """Whether `use_onednn` routed this layer."""
+    fwd = module.__dict__.get("forward")
+    return getattr(fwd, "__func__", None) is _forward
+
+
+@functools.cache
+def onednn_faster(threads: int) -> bool:
+    """Whether oneDNN ran a training-shaped fp32 GEMM at least MIN_SPEEDUP x faster than MKL on `threads`
+    threads here (best of 3 each, ~0.1 s; once per process and thread count)."""
+    if not available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(512, 512, generator=g), torch.randn(1024, 512, generator=g)
+
+    def best(fn) -> float:
+        fn()  # the first call builds oneDNN's kernel
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(lambda: _mm(x, w)) * MIN_SPEEDUP < best(lambda: F.linear(x, w))
+
+
+def resolve(choice: str, device: torch.device | str) -> bool:
+    """Whether fp32 linear layers on `device` go through oneDNN for `choice` ("auto" | "onednn" | "mkl")."""
+    if choice not in CHOICES:
+        raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if torch.device(device).type != "cpu" or choice == "mkl":
+        return False
+    if not available():
+        if choice == "onednn":
+            raise ValueError(
+                "model.cpu_gemm=onednn: this PyTorch build has no oneDNN linear op; use auto or mkl"
+            )
+        return False
+    return choice == "onednn" or onednn_faster(torch.get_num_threads())
