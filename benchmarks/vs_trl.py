@@ -358,6 +358,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def gemm_library(threads: int) -> str:
+    """What model.cpu_gemm=auto picks for a worker on `threads` threads here (models/cpu_gemm.py)."""
+    import torch
+
+    from hybridflow.models import cpu_gemm
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return "oneDNN" if cpu_gemm.resolve("auto", "cpu") else "MKL"
+    finally:
+        torch.set_num_threads(before)
+
+
 def report(args, rows, curves, seconds, eos_rows=(), limits=None, real=(), params=None) -> str:
     try:
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -371,6 +385,7 @@ def report(args, rows, curves, seconds, eos_rows=(), limits=None, real=(), param
         f"over {args.steps - args.warmup} iterations after {args.warmup} warm-up; "
         f"{cpu_name()}, {os.cpu_count()} CPUs, load average at the end {load}; OpenMP wait: "
         f"{'PASSIVE on both sides' if args.omp_wait == 'passive' else 'each side its own default'}; "
+        f"hybridflow's fp32 GEMMs: {gemm_library(args.threads)} (model.cpu_gemm=auto), TRL's: PyTorch's own (MKL); "
         f"whole benchmark {seconds / 60:.1f} min.",
         "",
     ]

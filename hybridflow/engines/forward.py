@@ -195,7 +195,10 @@ class RLForward(nn.Module):
         (b, j), (row, col), prev = plan.response_index(attention_mask, response_length)
         # one row of N tokens: chunks of B x logits_chunk_size tokens hold as many logits as the padded ones
         chunk = self.logits_chunk_size * attention_mask.shape[0]
-        heads = self._heads(hidden[prev].unsqueeze(0), ids[row, col].unsqueeze(0), temperature,
-                            with_entropy, chunk)  # fmt: skip
+        # index_select on the flat rows: its backward is an index_add_, not advanced indexing's
+        # accumulating index_put_ (several ms a call on CPU; engines/varlen_gather.py)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        h_prev = torch.index_select(flat, 0, prev[0] * hidden.shape[1] + prev[1])
+        heads = self._heads(h_prev.unsqueeze(0), ids[row, col].unsqueeze(0), temperature, with_entropy, chunk)
         shape = (attention_mask.shape[0], response_length)
         return {k: v.new_zeros(shape).index_put((b, j), v[0]) for k, v in heads.items()}
