@@ -117,7 +117,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear` through oneDNN where eligible (fp32 on CPU, plain tensors, no autocast), else F.linear."""
     if not _eligible(x, weight):
         return F.linear(x, weight, bias)
-    return _OneDnnLinear.apply(x, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _OneDnnLinear.apply(x, weight, bias)
+    # nothing to differentiate (log-probs, generation): no autograd node, ~10 us less a call
+    return matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ def test_linear_equals_f_linear_forward_and_backward(rows):
     for mine, ref in zip(grads, (x.grad, w.grad, b.grad)):
         torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(cpu_gemm.matmul(x.detach(), w.detach(), b.detach()), want.detach())
+    with torch.no_grad():  # the no-autograd path
+        torch.testing.assert_close(cpu_gemm.linear(x[None], w, b)[0], want.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_padding_never_leaks_nan_into_the_weight_gradient():
@@ -72,14 +74,16 @@ def test_routed_model_trains_as_the_plain_one():
 
 def test_what_is_not_fp32_on_cpu_stays_on_f_linear(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_gemm._OneDnnLinear, "apply", lambda *a: calls.append(a) or F.linear(*a))
+    real = cpu_gemm._mm
+    monkeypatch.setattr(cpu_gemm, "_mm", lambda *a: calls.append(a) or real(*a))
     w, x = torch.randn(8, 8), torch.randn(4, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert cpu_gemm.linear(x, w).dtype == torch.bfloat16  # autocast's cast, as F.linear's
     cpu_gemm.linear(x.bfloat16(), w.bfloat16())
     assert not calls
-    cpu_gemm.linear(x, w)
-    assert len(calls) == 1
+    cpu_gemm.linear(x, w)  # no grad: oneDNN without an autograd node
+    cpu_gemm.linear(x, w.requires_grad_()).sum().backward()  # forward + the weight's gradient
+    assert len(calls) == 3
 
 
 def test_resolve():
