@@ -80,23 +80,25 @@ class _OneDnnLinear(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         m = x2.shape[0]
-        xp = _padded(x2, bucket_rows(m))
-        ctx.save_for_backward(xp, weight)
+        # the input itself is kept for backward, not its padded copy: one copy per layer would add up to
+        # one more activation per linear layer (q, k and v each pad the same input)
+        ctx.save_for_backward(x, weight)
         ctx.rows, ctx.has_bias = m, bias is not None
-        y = _mm(xp, weight)[:m]
+        y = _mm(_padded(x2, bucket_rows(m)), weight)[:m]
         if bias is not None:
             y = y + bias
         return y.reshape(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        xp, weight = ctx.saved_tensors
-        g = _padded(grad.reshape(-1, grad.shape[-1]), xp.shape[0])
+        x, weight = ctx.saved_tensors
+        rows = bucket_rows(ctx.rows)
+        g = _padded(grad.reshape(-1, grad.shape[-1]), rows)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): weight^T as a (K, N) "weight"
             gx = _mm(g, weight.t())[: ctx.rows].reshape(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): the padded rows are zeros in both
-            gw = _mm(g.t(), xp.t())
+            gw = _mm(g.t(), _padded(x.reshape(-1, x.shape[-1]), rows).t())
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = grad.reshape(-1, grad.shape[-1]).sum(0)
         return gx, gw, gb
