@@ -1,14 +1,14 @@
 """fp32 linear layers through oneDNN on CPUs where its kernels outrun MKL's (`model.cpu_gemm`).
 
 PyTorch runs fp32 `F.linear` on CPU through MKL's sgemm. On some CPUs MKL takes a slow path (an AMD EPYC
-with AVX-512, 2 threads: 165 GFLOP/s at the 25M model's training shapes, against 376 for oneDNN's JIT kernels
-on the same tensors; docs/bench/vs_trl.md), so `use_onednn(model)` routes a plain model's fp32 `nn.Linear`
+with AVX-512, 2 threads: 194 GFLOP/s at the 25M model's training shapes, against 423 for oneDNN's JIT kernels
+on the same tensors; docs/bench/cpu_gemm.md), so `use_onednn(model)` routes a plain model's fp32 `nn.Linear`
 layers through `torch.ops.mkldnn._linear_pointwise`, forward and both backward GEMMs, and the built-in
 decoder multiplies by `OneDnnWeight`s, where `resolve` says so: "auto" when `onednn_faster()` measured it
 clearly faster on this machine. Nothing changes on GPUs, under autocast, for DTensor (tensor-parallel)
 weights or for other dtypes: those calls take `F.linear` as before.
 
-oneDNN builds (JIT-compiles) a kernel per GEMM shape, ~10-20 ms each: a packed micro-batch's token count
+oneDNN builds (JIT-compiles) a kernel per GEMM shape, 1-3 ms each at the 25M model's: a packed micro-batch's token count
 changes every step, so rows are padded up to a bucket (`bucket_rows`, at most 1/8 extra) and a run meets a
 few dozen shapes, not one per step.
 """
