@@ -8,9 +8,9 @@ decoder multiplies by `OneDnnWeight`s, where `resolve` says so: "auto" when `one
 clearly faster on this machine. Nothing changes on GPUs, under autocast, for DTensor (tensor-parallel)
 weights or for other dtypes: those calls take `F.linear` as before.
 
-oneDNN builds (JIT-compiles) a kernel per GEMM shape, 1-3 ms each at the 25M model's: a packed micro-batch's token count
-changes every step, so rows are padded up to a bucket (`bucket_rows`, at most 1/8 extra) and a run meets a
-few dozen shapes, not one per step.
+oneDNN builds (JIT-compiles) a kernel per GEMM shape, 1-3 ms each at the 25M model's: a packed micro-batch's
+token count changes every step, so rows are padded up to a bucket (`bucket_rows`, at most 1/8 extra) and a
+run meets a few dozen shapes, not one per step.
 """
 
 from __future__ import annotations
