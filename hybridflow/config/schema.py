@@ -96,8 +96,9 @@ class ModelConfig:
     cpu_gemm: str = _f(
         "auto",
         "library for fp32 matrix products on CPU (the training engines' linear layers and the built-in "
-        "decoder): mkl (PyTorch's own), onednn, or auto = oneDNN where a 0.1 s probe at start measures it "
-        ">= 1.3x faster (docs/rollout.md, 'CPU GEMMs'); no effect on GPUs, in 16-bit or under tensor parallelism",
+        "decoder): mkl (PyTorch's own), onednn, or auto = oneDNN on x86 CPUs with AVX-512 that are not Intel's, "
+        "where MKL runs its AVX2 kernels (docs/rollout.md, 'CPU GEMMs'); no effect on GPUs, in 16-bit or under "
+        "tensor parallelism",
         choices=("auto", "onednn", "mkl"),
     )
     lora: LoraConfig = _sub(

@@ -62,6 +62,7 @@ def chunked_log_probs(
     it is neither kept for backward nor recomputed there).
     """
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    linear = cpu_gemm.linear if cpu_gemm.routed(lm_head) else F.linear
     lps, ents = [], []
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     for s in range(0, hidden.shape[1], chunk_size):
@@ -72,7 +73,7 @@ def chunked_log_probs(
             labels[:, s : s + chunk_size],
             temperature,
             with_entropy,
-            cpu_gemm.linear if cpu_gemm.routed(lm_head) else F.linear,
+            linear,
         )
         if needs_grad:  # drop the chunk's logits after forward; recompute them in backward
             lp, ent = checkpoint(_log_probs_chunk, *args, use_reentrant=False)

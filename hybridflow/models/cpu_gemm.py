@@ -4,8 +4,8 @@ PyTorch runs fp32 `F.linear` on CPU through MKL's sgemm. On some CPUs MKL takes 
 with AVX-512, 2 threads: 194 GFLOP/s at the 25M model's training shapes, against 423 for oneDNN's JIT kernels
 on the same tensors; docs/bench/cpu_gemm.md), so `use_onednn(model)` routes a plain model's fp32 `nn.Linear`
 layers through `torch.ops.mkldnn._linear_pointwise`, forward and both backward GEMMs, and the built-in
-decoder multiplies by `OneDnnWeight`s, where `resolve` says so: "auto" when `onednn_faster()` measured it
-clearly faster on this machine. Nothing changes on GPUs, under autocast, for DTensor (tensor-parallel)
+decoder multiplies by `OneDnnWeight`s, where `resolve` says so: "auto" on the CPUs where MKL takes that
+path (`mkl_slow_path`). Nothing changes on GPUs, under autocast, for DTensor (tensor-parallel)
 weights or for other dtypes: those calls take `F.linear` as before.
 
 oneDNN builds (JIT-compiles) a kernel per GEMM shape, 1-3 ms each at the 25M model's: a packed micro-batch's
@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 CHOICES = ("auto", "onednn", "mkl")
-# auto takes oneDNN only when clearly faster: a machine where the two are close keeps MKL (PyTorch's own
-# path) rather than flipping between them with the probe's noise from one process to the next
-MIN_SPEEDUP = 1.3
 
 
 def available() -> bool:
@@ -77,17 +73,11 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 class _OneDnnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        m = x2.shape[0]
         # the input itself is kept for backward, not its padded copy: one copy per layer would add up to
         # one more activation per linear layer (q, k and v each pad the same input)
         ctx.save_for_backward(x, weight)
-        ctx.rows, ctx.has_bias = m, bias is not None
-        y = _mm(_padded(x2, bucket_rows(m)), weight)[:m]
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*shape[:-1], weight.shape[0])
+        ctx.rows, ctx.has_bias = x.numel() // x.shape[-1], bias is not None
+        return matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -146,24 +136,25 @@ def routed(module: nn.Module) -> bool:
 
 
 @functools.cache
-def onednn_faster(threads: int) -> bool:
-    """Whether oneDNN ran a training-shaped fp32 GEMM at least MIN_SPEEDUP x faster than MKL on `threads`
-    threads here (best of 3 each, ~0.1 s; once per process and thread count)."""
-    if not available():
-        return False
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(512, 512, generator=g), torch.randn(1024, 512, generator=g)
+def _cpu() -> tuple[str, frozenset[str]]:
+    """This CPU's vendor id and feature flags (Linux's /proc/cpuinfo; nothing where it is missing)."""
+    try:
+        text = open("/proc/cpuinfo").read(1 << 16)
+    except OSError:
+        return "", frozenset()
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
 
-    def best(fn) -> float:
-        fn()  # the first call builds oneDNN's kernel
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
 
-    return best(lambda: _mm(x, w)) * MIN_SPEEDUP < best(lambda: F.linear(x, w))
+def mkl_slow_path() -> bool:
+    """Whether MKL's sgemm runs below this CPU's vector width: an x86 CPU with AVX-512 that is not Intel's.
+    MKL picks its kernels by vendor and gives such CPUs its AVX2 ones, half the width (the AMD EPYC above:
+    185-194 GFLOP/s against oneDNN's 399-423). A rule, not a timing probe: every process of a job, and a
+    resumed job, must multiply the same way to give the same numbers, and a probe near its threshold
+    flips with the machine's load from one process to the next."""
+    vendor, flags = _cpu()
+    return vendor not in ("", "GenuineIntel") and "avx512f" in flags
 
 
 def resolve(choice: str, device: torch.device | str) -> bool:
@@ -178,4 +169,4 @@ def resolve(choice: str, device: torch.device | str) -> bool:
                 "model.cpu_gemm=onednn: this PyTorch build has no oneDNN linear op; use auto or mkl"
             )
         return False
-    return choice == "onednn" or onednn_faster(torch.get_num_threads())
+    return choice == "onednn" or mkl_slow_path()

@@ -90,6 +90,19 @@ def test_resolve():
     assert cpu_gemm.resolve("onednn", "cpu") is True
     assert cpu_gemm.resolve("mkl", "cpu") is False
     assert cpu_gemm.resolve("onednn", torch.device("cuda", 0)) is False  # GPUs: cuBLAS, untouched
-    assert cpu_gemm.resolve("auto", "cpu") == cpu_gemm.onednn_faster(torch.get_num_threads())
+    assert cpu_gemm.resolve("auto", "cpu") == cpu_gemm.mkl_slow_path()
     with pytest.raises(ValueError, match="model.cpu_gemm must be one of auto, onednn, mkl"):
         cpu_gemm.resolve("blas", "cpu")
+
+
+@pytest.mark.parametrize(
+    "vendor, flags, onednn",
+    [("AuthenticAMD", "fpu avx2 avx512f avx512bw", True),  # MKL's AVX2 kernels on an AVX-512 CPU
+     ("AuthenticAMD", "fpu avx2", False),  # AVX2 either way
+     ("GenuineIntel", "fpu avx2 avx512f avx512bw", False),  # MKL's own full-width kernels
+     ("", "", False)],  # no /proc/cpuinfo (not Linux): PyTorch's path
+)  # fmt: skip
+def test_auto_follows_the_cpu_not_a_timing(monkeypatch, vendor, flags, onednn):
+    monkeypatch.setattr(cpu_gemm, "_cpu", lambda: (vendor, frozenset(flags.split())))
+    assert cpu_gemm.resolve("auto", "cpu") is (onednn and cpu_gemm.available())
+    assert cpu_gemm.resolve("mkl", "cpu") is False
