@@ -200,8 +200,8 @@ class EngineConfig:
     # Move params + optimizer state to CPU after each phase (GPU only; colocated models take turns).
     offload: bool = False
     seed: int = 0
-    # fp32 linear layers on CPU through "mkl" (PyTorch's path), "onednn" or "auto" (oneDNN where it measured
-    # clearly faster: models/cpu_gemm.py). Nothing on GPUs, in 16-bit or under tensor parallelism.
+    # fp32 linear layers on CPU through "mkl" (PyTorch's path), "onednn" or "auto" (oneDNN where MKL runs
+    # below the CPU's vector width: models/cpu_gemm.py). Nothing on GPUs, in 16-bit or under tensor parallelism.
     cpu_gemm: str = "auto"
     # Low-rank adapters (models/lora.py); rank 0 trains every weight.
     lora: LoraConfig = field(default_factory=LoraConfig)

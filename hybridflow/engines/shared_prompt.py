@@ -104,22 +104,30 @@ def prompt_groups(
     prompt_mask: torch.Tensor, prompt_ids: torch.Tensor, prompt_pos: torch.Tensor
 ) -> list[list[int]]:
     """Rows grouped by identical attended prompt tokens and positions, in order of first appearance;
-    rows with an empty prompt are groups of their own. All tensors (B, Lp) on the CPU."""
-    by_key: dict[tuple, list[int]] = {}
-    groups: list[list[int]] = []
-    for b in range(prompt_mask.shape[0]):
-        m = prompt_mask[b]
-        if not bool(m.any()):
-            groups.append([b])
-            continue
-        # bytes of the attended tokens and positions: a cheap exact key (one dtype per batch field)
-        key = (prompt_ids[b][m].numpy().tobytes(), prompt_pos[b][m].numpy().tobytes())
-        if key in by_key:
-            by_key[key].append(b)
-        else:
-            by_key[key] = [b]
-            groups.append(by_key[key])
-    return groups
+    rows with an empty prompt are groups of their own. All tensors (B, Lp) on the CPU, each row's attended
+    tokens one contiguous run (packing.contiguous). One pass over the batch (a loop over rows cost ~13 us
+    a row: 7 ms of a 512-row micro-batch's forward)."""
+    rows, width = prompt_mask.shape
+    if rows == 0 or width == 0:
+        return [[b] for b in range(rows)]
+    count = prompt_mask.sum(-1)
+    cols = torch.arange(width)
+    start = torch.where(prompt_mask, cols, width).amin(-1).clamp(max=width - 1)
+    # each row's run moved to column 0, -1 after it: rows equal exactly when their runs are
+    idx = (start[:, None] + cols).clamp(max=width - 1)
+    after = cols >= count[:, None]
+    keys = torch.cat([prompt_ids.long().gather(1, idx), prompt_pos.long().gather(1, idx)], 1)
+    keys.masked_fill_(after.repeat(1, 2), -1)
+    keys[count == 0, 0] = -2 - torch.nonzero(count == 0).flatten()  # an empty prompt matches no other row
+    _, group = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(group.max()) + 1,), rows).scatter_reduce(0, group, torch.arange(rows), "amin")
+    order = torch.argsort(first[group] * rows + torch.arange(rows))  # by group's first row, then row
+    sizes = torch.bincount(group)[group[order]]
+    out, i, order, sizes = [], 0, order.tolist(), sizes.tolist()
+    while i < rows:
+        out.append(order[i : i + sizes[i]])
+        i += sizes[i]
+    return out
 
 
 def plan(
@@ -143,8 +151,8 @@ def plan(
 
     def place(b: int, start: int, n: int) -> int:
         """Row b's columns start..start+n-1 as the next segment; returns its index."""
-        src_b.append(torch.full((n,), b))
-        src_l.append(torch.arange(start, start + n))
+        src_b.append(b)
+        src_l.append(start)
         sizes.append(n)
         return len(sizes) - 1
 
@@ -170,6 +178,11 @@ def plan(
                 col += resp_len[b]
                 seq_end[b] = col - 1
     dst = torch.arange(col)
+    n = torch.tensor(sizes)
+    offset = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)  # each column's segment's first column
+    src = (
+        torch.repeat_interleave(torch.tensor(src_b), n),
+        torch.repeat_interleave(torch.tensor(src_l), n) + dst - offset,
+    )
     layout = SharedLayout(sizes, sorted(causal.items()), sorted(shared.items()))
-    return SharedPlan(col, (torch.cat(src_b), torch.cat(src_l)), dst, torch.tensor(seq_end),
-                      torch.tensor(first_prev), layout, saved)  # fmt: skip
+    return SharedPlan(col, src, dst, torch.tensor(seq_end), torch.tensor(first_prev), layout, saved)

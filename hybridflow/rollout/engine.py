@@ -70,7 +70,7 @@ class BuiltinEngineConfig:
     pool's) with its KV cache in it, and the HF fallback runs under autocast (docs/rollout.md, "Compute
     dtype", says when bf16 pays on CPU)."""
     cpu_gemm: str = "auto"
-    """fp32 CPU GEMMs through "mkl", "onednn" or "auto" (oneDNN where it measured clearly faster:
+    """fp32 CPU GEMMs through "mkl", "onednn" or "auto" (oneDNN where MKL runs below the CPU's vector width:
     models/cpu_gemm.py): the functional decoder's packed weights, the HF fallback's linear layers;
     model.cpu_gemm."""
     max_num_seqs: int = 0

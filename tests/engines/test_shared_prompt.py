@@ -78,6 +78,16 @@ def test_groups_found_by_content_in_any_order():
     assert p.cols == int(batch["attention_mask"].sum()) - p.saved  # every real token once, nothing else
 
 
+def test_groups_match_prompts_wherever_their_run_sits():
+    """Rows equal by their attended tokens and positions, not by column: the same prompt padded to another
+    offset joins its group; an empty prompt, or one whose positions differ, does not. Groups in order of
+    first appearance, rows ascending."""
+    mask = torch.tensor([[0, 1, 1], [1, 1, 0], [0, 1, 1], [0, 0, 0], [0, 1, 1], [0, 0, 0], [0, 0, 1]]).bool()
+    ids = torch.tensor([[9, 5, 6], [5, 6, 9], [0, 5, 6], [0, 0, 0], [0, 5, 6], [0, 0, 0], [0, 0, 5]])
+    pos = torch.tensor([[0, 0, 1], [0, 1, 1], [0, 0, 1], [0, 0, 0], [0, 1, 2], [0, 0, 0], [0, 0, 0]])
+    assert shared_prompt.prompt_groups(mask, ids, pos) == [[0, 1, 2], [3], [4], [5], [6]]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_shared_log_probs_entropy_and_grads_equal_unshared_and_padded(model_dirs, arch):
     padded, packed, shared = _engines(model_dirs[arch], trainable=True)
