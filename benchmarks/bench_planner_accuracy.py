@@ -8,7 +8,9 @@ is written as a plan file and run through `hybridflow train` for a few steps (`-
 over the candidates; the run of the fastest iteration is kept). The first step is warm-up; the rest give the
 measured medians of timing_s/stage/<stage> and timing_s/step beside the plan's
 plan/predicted_s/<stage> and iteration. Prints per case the predicted and measured ranking and per
-candidate the per-stage error.
+candidate the per-stage error. Each JSON row also holds the measured phases' medians ("phases":
+timing_s/<phase>, e.g. values, update_critic, reshard) and the plan's per-model seconds ("models"), to find
+which pass a stage's error is in.
 
     .venv/bin/python benchmarks/bench_planner_accuracy.py --profile cpu.yaml [--steps 5] [--devices 2] [--repeats 3]
     .venv/bin/python benchmarks/bench_planner_accuracy.py --report run.log   # the tables of a logged run
@@ -161,12 +163,19 @@ def run_one(recipe: str, args: list[str], plan_path: Path, ahead: int, run_dir: 
         if f"timing_s/stage/{s}" in rows[0]
     }
     measured["iteration"] = statistics.median(r["timing_s/step"] for r in rows)
+    # each phase's busy seconds (timing_s/<phase>: values, ref, update_critic, reshard, ...), to set beside
+    # the plan's per-model figures where a stage is off
+    phases = {
+        k.removeprefix("timing_s/"): statistics.median(r.get(k, 0.0) for r in rows)
+        for k in rows[0]
+        if k.startswith("timing_s/") and k.count("/") == 1 and k != "timing_s/step"
+    }
     if not ahead:  # the step less its stages: what plan.rest_seconds prices
         stages = [k for k in STAGES if k in measured]
         measured["rest"] = statistics.median(
             r["timing_s/step"] - sum(r[f"timing_s/stage/{s}"] for s in stages) for r in rows
         )
-    return {"measured": measured, "wall_s": time.perf_counter() - start}
+    return {"measured": measured, "phases": phases, "wall_s": time.perf_counter() - start}
 
 
 def bench_case(
@@ -200,9 +209,11 @@ def bench_case(
     rows = []
     for (label, plan, _), results in zip(cands, runs):
         predicted = {**plan.stage_seconds, "rest": plan.rest_seconds, "iteration": plan.iteration_seconds}
+        models = {m.role: {**m.stage_seconds, "switch": m.switch_seconds} for m in plan.models}
         rows.append(
-            {"case": f"{algo}/{size}", "candidate": label, "predicted": predicted, **combine(results)}
-        )
+            {"case": f"{algo}/{size}", "candidate": label, "predicted": predicted, "models": models,
+             **combine(results)}
+        )  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -216,7 +227,8 @@ def combine(results: list[dict]) -> dict:
     wall = sum(r["wall_s"] for r in results)
     if not ok:
         return {"error": next(r["error"] for r in results), "wall_s": wall}
-    return {"measured": min(ok, key=lambda m: m["iteration"]), "runs": len(ok), "wall_s": wall}
+    fastest = min((r for r in results if "measured" in r), key=lambda r: r["measured"]["iteration"])
+    return {"measured": fastest["measured"], "phases": fastest["phases"], "runs": len(ok), "wall_s": wall}
 
 
 def _compared(row: dict, key: str) -> bool:
