@@ -223,11 +223,11 @@ def combine(results: list[dict]) -> dict:
     none ran). The profile holds each coefficient's fastest samples, which a busy host's other work did not
     slow (microbench.best_seconds); a run's figures are compared the same way (docs/bench/planner.md: on the
     AMD VM one plan's two runs measured 0.31 and 0.91 s)."""
-    ok = [r["measured"] for r in results if "measured" in r]
+    ok = [r for r in results if "measured" in r]
     wall = sum(r["wall_s"] for r in results)
     if not ok:
         return {"error": next(r["error"] for r in results), "wall_s": wall}
-    fastest = min((r for r in results if "measured" in r), key=lambda r: r["measured"]["iteration"])
+    fastest = min(ok, key=lambda r: r["measured"]["iteration"])
     return {"measured": fastest["measured"], "phases": fastest["phases"], "runs": len(ok), "wall_s": wall}
 
 

@@ -62,13 +62,10 @@ PHASES = ("generation", "ref", "old", "values", "reward", "update", "other")
 
 def cpu_name() -> str:
     """The CPU's model name and whether it has AMX (ratios differ between CPUs: docs/bench/vs_trl.md)."""
-    from hybridflow.planner.calibrate import cpu_model
+    from hybridflow.models.cpu import this_cpu
 
-    try:
-        amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        amx = False
-    return f"{cpu_model() or platform.machine()} ({'AMX' if amx else 'no AMX'})"
+    cpu = this_cpu()
+    return f"{cpu.model or platform.machine()} ({'AMX' if 'amx_tile' in cpu.flags else 'no AMX'})"
 
 
 def side_env(args) -> dict:

@@ -25,7 +25,11 @@ DESIGN = ROOT / "docs" / "design.md"
 # imports them.
 PLANNER_MAY_IMPORT = {"hybridflow.hybrid_engine.cost", "hybridflow.hybrid_engine.sync_budget"}
 PLANNER_MEASURES = {
-    "hybridflow.planner.calibrate": {"hybridflow.models.tiny", "hybridflow.models.cpu_gemm"},
+    "hybridflow.planner.calibrate": {
+        "hybridflow.models.tiny",
+        "hybridflow.models.cpu_gemm",
+        "hybridflow.models.cpu",
+    },
     "hybridflow.planner.microbench": {"hybridflow.models.tiny", "hybridflow.models.cpu_gemm"},
     "hybridflow.planner.microbench_path": {
         "hybridflow.models.tiny",

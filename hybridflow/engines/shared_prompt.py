@@ -122,12 +122,9 @@ def prompt_groups(
     _, group = torch.unique(keys, dim=0, return_inverse=True)
     first = torch.full((int(group.max()) + 1,), rows).scatter_reduce(0, group, torch.arange(rows), "amin")
     order = torch.argsort(first[group] * rows + torch.arange(rows))  # by group's first row, then row
-    sizes = torch.bincount(group)[group[order]]
-    out, i, order, sizes = [], 0, order.tolist(), sizes.tolist()
-    while i < rows:
-        out.append(order[i : i + sizes[i]])
-        i += sizes[i]
-    return out
+    # each group's rows sit together in `order`, the groups in order of their first rows
+    counts = torch.bincount(group)[torch.argsort(first)]
+    return [part.tolist() for part in order.split(counts.tolist())]
 
 
 def plan(

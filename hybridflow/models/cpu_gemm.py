@@ -15,12 +15,13 @@ run meets a few dozen shapes, not one per step.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridflow.models.cpu import this_cpu
 
 CHOICES = ("auto", "onednn", "mkl")
 
@@ -47,6 +48,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x.shape[0]
     y = _mm(_padded(x, bucket_rows(m)), weight)[:m]
     return y if bias is None else y.add_(bias)
+
+
+def _linear_nd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T [+ bias] -> (..., N) through `matmul`."""
+    return matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 class OneDnnWeight:
@@ -77,7 +83,7 @@ class _OneDnnLinear(torch.autograd.Function):
         # one more activation per linear layer (q, k and v each pad the same input)
         ctx.save_for_backward(x, weight)
         ctx.rows, ctx.has_bias = x.numel() // x.shape[-1], bias is not None
-        return matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return _linear_nd(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -112,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _OneDnnLinear.apply(x, weight, bias)
     # nothing to differentiate (log-probs, generation): no autograd node, ~10 us less a call
-    return matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _linear_nd(x, weight, bias)
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -135,26 +141,14 @@ def routed(module: nn.Module) -> bool:
     return getattr(fwd, "__func__", None) is _forward
 
 
-@functools.cache
-def _cpu() -> tuple[str, frozenset[str]]:
-    """This CPU's vendor id and feature flags (Linux's /proc/cpuinfo; nothing where it is missing)."""
-    try:
-        text = open("/proc/cpuinfo").read(1 << 16)
-    except OSError:
-        return "", frozenset()
-    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
-
-
 def mkl_slow_path() -> bool:
     """Whether MKL's sgemm runs below this CPU's vector width: an x86 CPU with AVX-512 that is not Intel's.
     MKL picks its kernels by vendor and gives such CPUs its AVX2 ones, half the width (the AMD EPYC above:
     185-194 GFLOP/s against oneDNN's 399-423). A rule, not a timing probe: every process of a job, and a
     resumed job, must multiply the same way to give the same numbers, and a probe near its threshold
     flips with the machine's load from one process to the next."""
-    vendor, flags = _cpu()
-    return vendor not in ("", "GenuineIntel") and "avx512f" in flags
+    cpu = this_cpu()
+    return cpu.vendor not in ("", "GenuineIntel") and "avx512f" in cpu.flags
 
 
 def resolve(choice: str, device: torch.device | str) -> bool:

@@ -78,6 +78,7 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
 
     import torch
 
+    from hybridflow.models.cpu import this_cpu
     from hybridflow.planner import microbench as mb
     from hybridflow.planner import microbench_path as mbp
 
@@ -129,7 +130,7 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     host = {
         "machine": platform.machine(),
-        "processor": cpu_model(),
+        "processor": this_cpu().model,
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
         "torch": str(torch.__version__),
         "threads": torch.get_num_threads(),
@@ -201,14 +202,6 @@ PATH_TERMS = (
     "fsdp_optimizer_step_overhead_s",
     "tp_optimizer_step_overhead_s",
 )
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 def _median_time(fn, repeats: int) -> float:

@@ -11,7 +11,8 @@ changes by itself: each trades something (a policy one step old, bf16 rounding),
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
+
+from hybridflow.models.cpu import CpuInfo, this_cpu
 
 MIN_GAIN = 1.1
 """The smallest predicted gain worth a line. The planner prices CPU steps coarsely (one catalogue entry
@@ -26,13 +27,9 @@ AHEAD, BF16 = "trainer.rollout_ahead=1", "model.dtype=bfloat16"
 TRADE = {AHEAD: "trains on rollouts one step old", BF16: "computes in bf16 over fp32 master weights"}
 
 
-def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16), from /proc/cpuinfo's flags."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
-    flags = set(cpuinfo.split())
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+def cpu_computes_bf16(cpu: CpuInfo | None = None) -> bool:
+    """Whether this CPU (or `cpu`) multiplies bf16 natively: AMX-BF16 or AVX512-BF16 among its flags."""
+    return bool((cpu or this_cpu()).flags & {"amx_bf16", "avx512_bf16"})
 
 
 def predicted_seconds(cfg) -> float | None:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.models import cpu_gemm
+from hybridflow.models.cpu import CpuInfo
 from hybridflow.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch build has no oneDNN linear op")
@@ -103,6 +104,6 @@ def test_resolve():
      ("", "", False)],  # no /proc/cpuinfo (not Linux): PyTorch's path
 )  # fmt: skip
 def test_auto_follows_the_cpu_not_a_timing(monkeypatch, vendor, flags, onednn):
-    monkeypatch.setattr(cpu_gemm, "_cpu", lambda: (vendor, frozenset(flags.split())))
+    monkeypatch.setattr(cpu_gemm, "this_cpu", lambda: CpuInfo(vendor, "", frozenset(flags.split())))
     assert cpu_gemm.resolve("auto", "cpu") is (onednn and cpu_gemm.available())
     assert cpu_gemm.resolve("mkl", "cpu") is False

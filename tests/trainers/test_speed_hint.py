@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import load_config
+from hybridflow.models.cpu import parse
 from hybridflow.models.tiny import save_tiny_model
 from hybridflow.trainers import speed_hint
 from hybridflow.trainers.speed_hint import AHEAD, BF16, candidates, cpu_computes_bf16, faster_setting
 
 
 def test_bf16_cpus_from_their_flags():
-    assert cpu_computes_bf16("flags : fpu sse avx2 amx_bf16 amx_tile\n")
-    assert cpu_computes_bf16("flags : fpu avx512f avx512_bf16\n")
-    assert not cpu_computes_bf16("flags : fpu sse avx2 fma\n")  # AVX2 only: bf16 far slower than fp32
+    assert cpu_computes_bf16(parse("flags : fpu sse avx2 amx_bf16 amx_tile\n"))
+    assert cpu_computes_bf16(parse("flags : fpu avx512f avx512_bf16\n"))
+    assert not cpu_computes_bf16(parse("flags : fpu sse avx2 fma\n"))  # AVX2 only: bf16 far slower than fp32
 
 
 @pytest.fixture(scope="module")
