@@ -121,7 +121,7 @@ def start_ray_retrying(num_cpus: int, tries: int = 4) -> None:
 
     for attempt in range(tries):
         try:
-            return start_local_ray(num_cpus)
+            return start_local_ray(num_cpus, compute_on_cpu=True)  # as `hybridflow train` does on CPU
         except Exception as e:  # noqa: BLE001 — Ray raises a bare Exception on a start timeout
             print(f"Ray did not start ({e}); retrying", file=sys.stderr)
             if ray.is_initialized():

@@ -125,7 +125,7 @@ def main() -> None:
     model_dir = save_tiny_model(tmp / "policy", size=args.size, arch="llama", seed=0)
     torch.manual_seed(3)
     rm_dir = save_hf_model(load_reward_model(model_dir), tmp / "rm")
-    start_local_ray(8)
+    start_local_ray(8, compute_on_cpu=True)  # as `hybridflow train` starts it for a CPU run
     rows: dict[bool, list[dict]] = {True: [], False: []}
     load = [os.getloadavg()[0]]
     try:

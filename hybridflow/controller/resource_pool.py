@@ -22,9 +22,10 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 
-def ensure_ray(**init_kwargs) -> None:
+def ensure_ray(*, compute_on_cpu: bool = False, **init_kwargs) -> None:
     """Start (or join, when RAY_ADDRESS is set) a Ray cluster if this process has none yet. A cluster
-    started here runs its processes in `embedded_worker_env()`; a joined one keeps its nodes' own."""
+    started here runs its processes in `embedded_worker_env(compute_on_cpu)`; a joined one keeps its
+    nodes' own."""
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         init_kwargs.setdefault("include_dashboard", False)
@@ -35,7 +36,7 @@ def ensure_ray(**init_kwargs) -> None:
         # Ray's processes (raylet, then every worker it starts) inherit the environment ray.init
         # starts them in; this process gets its own back. (A job runtime_env would do the same but
         # made each worker start ~2.5x slower: no pre-started workers, a runtime-env agent round trip.)
-        env = embedded_worker_env()
+        env = embedded_worker_env(compute_on_cpu)
         previous = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
@@ -67,11 +68,17 @@ def _start_local(init_kwargs: dict, attempts: int = 3) -> None:
 # libgomp's spin before an idle intra-op thread sleeps, in turns of its wait loop: long enough to bridge
 # the Python between two ops, short enough to give the core back soon to whatever else needs it.
 WORKER_SPIN_COUNT = "3000"
+# jemalloc's settings for workers that compute on CPU: freed pages are never returned to the kernel, so
+# the next step's tensors reuse them (jemalloc otherwise purges them over 10 s, about one CPU step)
+CPU_MALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+# what, in the driver's environment, is the user's own allocator choice (then it reaches the workers as is)
+_ALLOCATOR_KEYS = ("LD_PRELOAD", "MALLOC_CONF", "RAY_LD_PRELOAD_ON_WORKERS")
 
 
-def embedded_worker_env() -> dict[str, str]:
+def embedded_worker_env(compute_on_cpu: bool = False) -> dict[str, str]:
     """Environment of the worker processes of an embedded cluster, set before they start, i.e. before
-    torch loads its OpenMP runtime (libgomp on CPU), which reads these variables only then.
+    torch loads its OpenMP runtime (libgomp on CPU) and the dynamic linker its allocator, which read these
+    variables only then.
 
     GOMP_SPINCOUNT=3000: an intra-op thread waiting for work spins ~3000 turns, then sleeps. libgomp's
     default spins ~300k turns: whenever anything else wants a core (another pool, the driver, reward
@@ -80,10 +87,28 @@ def embedded_worker_env() -> dict[str, str]:
     wake-up at every parallel op instead: on an idle machine the update and decode ran 1.14-1.75x slower
     than with a spin. The short spin keeps most of the idle gain and costs 1.05-1.3x PASSIVE's time beside
     a busy process (docs/bench/omp_wait.md; docs/design.md §3). The driver's own OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT, when set, wins."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return {}  # the user's choice reaches the workers through the inherited environment
-    return {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
+    GOMP_SPINCOUNT, when set, wins.
+
+    Where the workers compute on CPU, the jemalloc that Ray ships (and already preloads into its own
+    daemons) is preloaded into them too, with CPU_MALLOC_CONF. glibc maps each block over 32 MB afresh and
+    unmaps it when freed, and returns freed heap memory, so every step's large tensors (logits, the
+    embedding's gradient, activations) page-fault their memory in again, zeroed by the kernel: at
+    Qwen2.5-0.5B's shape 12 of the update's 17.5 s were kernel time (docs/bench/vs_trl.md). On GPUs those
+    tensors live on the device, so GPU workers keep the default. A driver's own LD_PRELOAD, MALLOC_CONF or
+    RAY_LD_PRELOAD_ON_WORKERS wins, and a Ray build without jemalloc changes nothing."""
+    env = {}
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        env["GOMP_SPINCOUNT"] = WORKER_SPIN_COUNT  # else the user's choice reaches them by inheritance
+    if compute_on_cpu and ray_jemalloc() and not any(k in os.environ for k in _ALLOCATOR_KEYS):
+        env.update(RAY_LD_PRELOAD_ON_WORKERS="1", MALLOC_CONF=CPU_MALLOC_CONF)
+    return env
+
+
+def ray_jemalloc() -> str | None:
+    """The jemalloc library Ray preloads into its processes (None where its build has none, e.g. macOS)."""
+    from ray._private import services
+
+    return services.JEMALLOC_SO
 
 
 class ResourcePool:

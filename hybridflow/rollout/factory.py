@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from hybridflow.config.run_config import uses_cuda
 from hybridflow.rollout.base import GenerationEngine
 from hybridflow.rollout.vllm_pad import VLLM_CPU_HEAD_DIMS, unsupported_reason  # noqa: F401  (re-exported)
 
@@ -104,7 +105,7 @@ def rollout_engine_errors(cfg) -> list[str]:
                 f"actor.parallel.tp={tp} groups ranks {tp // r.tg} apart (use tg={tp}, reshard=vanilla or engine=builtin)"
             )
         reason = _pad_reason(cfg.model.path)  # an unsupported head_dim is zero-padded (rollout/vllm_pad.py)
-        if reason is not None and not _cuda(cfg):
+        if reason is not None and not uses_cuda(cfg.resources):
             errors.append(f"rollout.engine: {cfg.model.path}: {reason} (use rollout.engine=builtin)")
     return errors
 
@@ -121,7 +122,3 @@ def _pad_reason(model_path: str) -> str | None:
         return unsupported_reason(SimpleNamespace(**c))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None  # unreadable configs are reported by the model checks
-
-
-def _cuda(cfg) -> bool:
-    return cfg.resources.device == "cuda" or (cfg.resources.device == "auto" and torch.cuda.is_available())

@@ -28,6 +28,7 @@ from pathlib import Path
 import ray
 
 from hybridflow.checkpoint import CheckpointError
+from hybridflow.config.run_config import uses_cuda
 from hybridflow.controller import WorkerDiedError, WorkerError, ensure_ray, future
 from hybridflow.trainers import cluster_loss, supervised
 
@@ -68,7 +69,11 @@ def start_ray(cfg, num_devices: int) -> None:
     else:
         if ACTIVE is not None:  # `hybridflow train`: this process is the run's, so is everything below it
             start_reaper()
-        start_local_ray(max(r.ray_num_cpus or os.cpu_count() or 1, num_devices), r.ray_dashboard)
+        start_local_ray(
+            max(r.ray_num_cpus or os.cpu_count() or 1, num_devices),
+            r.ray_dashboard,
+            compute_on_cpu=not uses_cuda(r),
+        )
         supervised.report(cluster=cluster_loss.cluster_pids())  # the supervisor watches them
     if ACTIVE is not None:
         ACTIVE.install()  # ray.init replaced the SIGTERM handler with sys.exit

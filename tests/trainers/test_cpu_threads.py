@@ -48,6 +48,8 @@ def test_worker_threads_colocate_vs_split_vs_rollout_pool():
     env.pop("HYBRIDFLOW_CPU_THREADS", None)  # the session pins it; the rule is what a user gets
     env.pop("OMP_WAIT_POLICY", None)  # `make test` exports it; the default is what a user gets
     env.pop("GOMP_SPINCOUNT", None)
+    for key in ("MALLOC_CONF", "LD_PRELOAD", "RAY_LD_PRELOAD_ON_WORKERS"):
+        env.pop(key, None)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.trainers.threads_check"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -68,3 +70,9 @@ def test_worker_threads_colocate_vs_split_vs_rollout_pool():
         assert {k: set(v) for k, v in r[name + "_wait_policy"].items()} == dict.fromkeys(r[name], {None})
     assert r["user_wait_policy"] == {"actor_rollout": ["passive"]}
     assert r["user_spin_count"] == {"actor_rollout": [None]}
+    # workers that compute on CPU keep freed memory for their next tensors (Ray's jemalloc, preloaded by
+    # resource_pool.embedded_worker_env): a 64 MB tensor allocated again faults no page in; with glibc it
+    # faults every page of it in again, >= 32 even with 2 MB pages
+    for name in ("colocate_1", "split_2", "rollout_ahead_2"):
+        assert all(n <= 8 for faults in r[name + "_refaults"].values() for n in faults), r[name + "_refaults"]
+    assert all(n >= 32 for n in r["gpu_run_refaults"]["actor_rollout"]), r["gpu_run_refaults"]

@@ -36,6 +36,17 @@ def start_env(key: str = "OMP_WAIT_POLICY") -> str | None:
     return None if value is None else value.decode()
 
 
+def refaults() -> int:
+    """Page faults of a 64 MB tensor allocated and written again after one of that size was freed: ~0 where
+    the freed memory stayed in the heap, one per page (or per huge page) where glibc unmapped it."""
+    import resource
+
+    torch.ones(64 << 20, dtype=torch.uint8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(64 << 20, dtype=torch.uint8)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
 def run_cases(model: Path, tmp: Path, names) -> dict:
     out = {}
     for name in names:
@@ -46,6 +57,8 @@ def run_cases(model: Path, tmp: Path, names) -> dict:
                 role: group.execute_all("apply", torch.get_num_threads)
                 for role, group in trainer.groups.items()
             }
+            groups = trainer.groups.items()
+            out[name + "_refaults"] = {role: group.execute_all("apply", refaults) for role, group in groups}
             for suffix, key in (("_wait_policy", "OMP_WAIT_POLICY"), ("_spin_count", "GOMP_SPINCOUNT")):
                 out[name + suffix] = {
                     role: group.execute_all("apply", start_env, key) for role, group in trainer.groups.items()
@@ -54,18 +67,21 @@ def run_cases(model: Path, tmp: Path, names) -> dict:
 
 
 def main() -> None:
-    assert not {"HYBRIDFLOW_CPU_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)
+    assert not {"HYBRIDFLOW_CPU_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MALLOC_CONF"} & set(
+        os.environ
+    )
     tmp = Path(tempfile.mkdtemp(prefix="threads_check_"))
     model = save_tiny_model(tmp / "model", size="tiny", arch="llama", seed=0)
-    start_local_ray(8)
+    start_local_ray(8, compute_on_cpu=True)  # as start_ray does for a run on CPU
     out = {"cores": len(os.sched_getaffinity(0)), "driver_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     out.update(run_cases(model, tmp, sys.argv[1:] or CASES))
     ray.shutdown()
     os.environ["OMP_WAIT_POLICY"] = "passive"  # the user's own setting
-    start_local_ray(8)
+    start_local_ray(8)  # compute_on_cpu=False: what a run on GPUs starts
     user = run_cases(model, tmp / "user", ["colocate_1"])
     out["user_wait_policy"] = user["colocate_1_wait_policy"]
     out["user_spin_count"] = user["colocate_1_spin_count"]
+    out["gpu_run_refaults"] = user["colocate_1_refaults"]  # a cluster not started for CPU workers: glibc
     print("RESULT " + json.dumps(out), flush=True)
 
 
