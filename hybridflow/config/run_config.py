@@ -143,15 +143,6 @@ def resources_errors(r: ResourcesConfig) -> list[str]:
     return errors
 
 
-def uses_cuda(r: ResourcesConfig) -> bool:
-    """Whether the run's workers compute on CUDA devices: device cuda, or auto on a machine torch finds one on."""
-    if r.device != "auto":
-        return r.device == "cuda"
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def machine_errors(r: ResourcesConfig) -> list[str]:
     """What this machine must have for the section: checked by `hybridflow train` only, since a config
     may be written or shown (`hybridflow config show`) on a machine other than the one it runs on."""

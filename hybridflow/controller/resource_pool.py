@@ -104,6 +104,16 @@ def embedded_worker_env(compute_on_cpu: bool = False) -> dict[str, str]:
     return env
 
 
+def uses_cuda(device: str) -> bool:
+    """Whether a run's workers compute on CUDA devices for resources.device=`device`: cuda, or auto on a
+    machine torch finds one on."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def ray_jemalloc() -> str | None:
     """The jemalloc library Ray preloads into its processes (None where its build has none, e.g. macOS)."""
     from ray._private import services

@@ -28,8 +28,8 @@ from pathlib import Path
 import ray
 
 from hybridflow.checkpoint import CheckpointError
-from hybridflow.config.run_config import uses_cuda
 from hybridflow.controller import WorkerDiedError, WorkerError, ensure_ray, future
+from hybridflow.controller.resource_pool import uses_cuda
 from hybridflow.trainers import cluster_loss, supervised
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def start_ray(cfg, num_devices: int) -> None:
         start_local_ray(
             max(r.ray_num_cpus or os.cpu_count() or 1, num_devices),
             r.ray_dashboard,
-            compute_on_cpu=not uses_cuda(r),
+            compute_on_cpu=not uses_cuda(r.device),
         )
         supervised.report(cluster=cluster_loss.cluster_pids())  # the supervisor watches them
     if ACTIVE is not None:
