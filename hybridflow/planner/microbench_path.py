@@ -104,9 +104,8 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
     from hybridflow.controller import ResourcePool, WorkerGroup, ensure_ray
 
     started = not ray.is_initialized()
-    ensure_ray(
-        compute_on_cpu=True, address="local", num_cpus=2, log_to_driver=False
-    )  # as a CPU run starts it
+    # started as `hybridflow train` starts it for a run on CPU
+    ensure_ray(compute_on_cpu=True, address="local", num_cpus=2, log_to_driver=False)
     try:
         with ResourcePool(2, name="microbench") as pool:
             group = WorkerGroup(EchoWorker, pool)

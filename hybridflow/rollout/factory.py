@@ -104,11 +104,12 @@ def rollout_engine_errors(cfg) -> list[str]:
                 f"actor.parallel.tp={tp} groups ranks {tp // r.tg} apart (use tg={tp}, reshard=vanilla or engine=builtin)"
             )
         reason = _pad_reason(cfg.model.path)  # an unsupported head_dim is zero-padded (rollout/vllm_pad.py)
-        # imported here: the config checks import this module, and Ray only for this case
-        from hybridflow.controller.resource_pool import uses_cuda
+        if reason is not None:
+            # imported here: the config checks import this module, and Ray only for this case
+            from hybridflow.controller.resource_pool import uses_cuda
 
-        if reason is not None and not uses_cuda(cfg.resources.device):
-            errors.append(f"rollout.engine: {cfg.model.path}: {reason} (use rollout.engine=builtin)")
+            if not uses_cuda(cfg.resources.device):
+                errors.append(f"rollout.engine: {cfg.model.path}: {reason} (use rollout.engine=builtin)")
     return errors
 
 

@@ -61,7 +61,7 @@ def run_cases(model: Path, tmp: Path, names) -> dict:
             out[name + "_refaults"] = {role: group.execute_all("apply", refaults) for role, group in groups}
             for suffix, key in (("_wait_policy", "OMP_WAIT_POLICY"), ("_spin_count", "GOMP_SPINCOUNT")):
                 out[name + suffix] = {
-                    role: group.execute_all("apply", start_env, key) for role, group in trainer.groups.items()
+                    role: group.execute_all("apply", start_env, key) for role, group in groups
                 }
     return out
 
