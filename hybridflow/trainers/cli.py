@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
 
 
@@ -122,8 +123,9 @@ def train(args: argparse.Namespace) -> int:
     trainer, rc, trained = None, 1, False
     with StopSignals(cfg.trainer.stop_grace_s) as signals:
         try:
-            trainer = build_trainer(cfg)
-            history = trainer.fit()
+            with signals.running():  # an Abandoned raised as it ends is caught below, not in the shutdown
+                trainer = build_trainer(cfg)
+                history = trainer.fit()
             val = {
                 k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")
             }
@@ -151,8 +153,7 @@ def train(args: argparse.Namespace) -> int:
             print(f"hybridflow train: failed after {restarts} restarts: {one_line(e)}", file=sys.stderr)
             rc = 1
         finally:
-            signals.shield()  # a further Ctrl-C must not interrupt the shutdown below
-            shut_down(trainer, embedded, rc)
+            shut_down(trainer, embedded, rc)  # signals are only noted now (StopSignals.running)
     if trained:
         write_report_if_logged(cfg)
     return rc
@@ -201,5 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the driver `hybridflow train` supervises
+    code = main()
+    for s in (signal.SIGTERM, signal.SIGINT):  # its outcome is out: a late signal must not cut its exit
+        signal.signal(s, signal.SIG_IGN)
+    sys.exit(code)

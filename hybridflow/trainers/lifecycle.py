@@ -16,6 +16,7 @@ How these behave for a user is in docs/operations.md. In short:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import secrets
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -150,7 +152,11 @@ def stop_reaper() -> None:
 # ---- stop signals ------------------------------------------------------------------------------------
 class StopSignals:
     """SIGTERM/SIGINT handling of one `hybridflow train` (a context manager; see the module doc).
-    grace_s: after the first signal, how long the step and its checkpoint may take (0 = no limit)."""
+    grace_s: after the first signal, how long the step and its checkpoint may take (0 = no limit).
+
+    Only `running()`, the run's body, can be abandoned. A handler may fire between any two bytecodes, so
+    the body's end is where abandoning stops: an Abandoned raised as it ends is still the body's, caught
+    with its outcomes, and a signal after it cannot interrupt the cleanup (it only notes the signal)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -158,7 +164,7 @@ class StopSignals:
         self.grace_s = grace_s
         self.signum: int | None = None
         self.abandoned = False
-        self.shielded = False
+        self.live = False  # inside running()
         self._timer: threading.Timer | None = None
         self._previous: dict = {}
 
@@ -178,9 +184,24 @@ class StopSignals:
         for s in self.SIGNALS:
             signal.signal(s, self._handle)
 
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The run's body: a second signal (or the grace period passing) here raises Abandoned."""
+        self.live = True
+        try:
+            yield
+        finally:
+            self.live = False
+            self._pending = None  # an abandonment noted in a Ray wait just as the body ended: too late
+            if self._timer is not None:
+                self._timer.cancel()
+
     def _handle(self, signum, frame) -> None:
-        if self.shielded or self.abandoned:
-            return  # shutting down already: nothing may interrupt the cleanup
+        if not self.live:  # before the body (it stops after its first step) or shutting down already
+            self.signum = self.signum or signum
+            return
+        if self.abandoned:
+            return
         if self.signum is None:
             self.signum = signum
             limit = f" within {self.grace_s:g} s" if self.grace_s else ""
@@ -215,15 +236,11 @@ class StopSignals:
         self._why = f"trainer.stop_grace_s={self.grace_s:g} passed after {signal.Signals(signum).name}"
         os.kill(os.getpid(), signum)
 
-    def shield(self) -> None:
-        """From now on signals are ignored: the caller is cleaning up."""
-        self.shielded = True
-        if self._timer is not None:
-            self._timer.cancel()
-
     def __exit__(self, *exc) -> None:
         global ACTIVE
-        self.shield()
+        self.live = False
+        if self._timer is not None:
+            self._timer.cancel()
         future.remove_wait_check(self.check)
         ACTIVE = None
         for s, h in self._previous.items():

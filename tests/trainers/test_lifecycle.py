@@ -270,20 +270,30 @@ def test_checkpoints_by_time(ray_cluster, make_config):
     assert CheckpointManager(cfg.run_dir).steps() == [1, 2, 3]
 
 
-def test_stop_signals_grace_second_signal_and_shield():
-    """The first signal only asks; a second one, or trainer.stop_grace_s passing, abandons; after
-    shield() (the CLI's cleanup) nothing interrupts. In-process, no Ray."""
-    with StopSignals(grace_s=0.3) as signals:
+def test_stop_signals_grace_second_signal_and_cleanup():
+    """The first signal only asks; a second one, or trainer.stop_grace_s passing, abandons the run's body
+    (running()); once the body has ended nothing interrupts the cleanup. In-process, no Ray."""
+    with StopSignals(grace_s=0.3) as signals, signals.running():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop_requested() == signal.SIGTERM
         with pytest.raises(Abandoned, match=r"trainer.stop_grace_s=0.3 passed after SIGTERM: the step"):
             time.sleep(5)  # a step that overruns the grace period
     assert stop_requested() is None
     with StopSignals() as signals:
-        os.kill(os.getpid(), signal.SIGINT)
-        with pytest.raises(Abandoned, match="SIGINT again"):
+        with pytest.raises(Abandoned, match="SIGINT again"), signals.running():
+            os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
-        signals.shield()
-        os.kill(os.getpid(), signal.SIGINT)  # ignored during cleanup
+        for _ in range(2):  # after the body (the CLI's shutdown): noted, never raised
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    with StopSignals() as signals:
+        with signals.running():
+            os.kill(os.getpid(), signal.SIGTERM)  # asks; the body ends on its own (a step's end)
+        os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
+        assert signals.signum == signal.SIGTERM and not signals.abandoned
+    with StopSignals(grace_s=0.2) as signals:
+        with signals.running():
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)  # the grace timer went with the body: no abandonment during the cleanup
