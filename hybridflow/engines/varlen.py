@@ -20,8 +20,9 @@ a row holds groups [prompt, r_1, ..., r_k], and each response attends to its pro
 Which sdpa kernel (`_Sdpa`): on CPU in bf16 / fp16, PyTorch's flash kernel runs forward + backward 2.6-3.7x
 slower than its math kernel on sequences of up to ~150 tokens, though its forward alone is 2.6x faster (one thread;
 bench_update.py --attention, docs/bench/vs_trl.md "The synchronous update"). So a differentiated packed call over
-at most MATH_MAX_TOKENS keys there runs flash's forward and, in backward, the math kernel's gradient (its forward
-recomputed from the saved q, k, v). Forward-only passes run the same flash forward, so a no-grad pass's log-probs
+at most MATH_MAX_TOKENS keys there runs flash's forward and, in backward, the gradient of attention recomputed from
+the saved q, k, v as two matmuls and an fp32 softmax (`_attention_matmuls`: 1.5-2x faster than the math kernel's
+backward in bf16). Forward-only passes run the same flash forward, so a no-grad pass's log-probs
 stay bit-equal to the training forward's (the first PPO ratio is exactly 1, tests/engines/test_dtypes.py). fp32,
 GPUs and the padded forward keep PyTorch's choice.
 """
@@ -96,8 +97,8 @@ def _sdpa_for(query: torch.Tensor, keys: int, dropout: float):
 
 
 class _FlashForwardMathBackward(torch.autograd.Function):
-    """sdpa with PyTorch's forward and the math kernel's gradient: q, k, v saved, the math forward recomputed
-    in backward in the dtype the forward ran in (autocast's, if on)."""
+    """sdpa with PyTorch's forward and, in backward, the gradient of attention recomputed as plain matmuls
+    (`_attention_matmuls`) from the saved q, k, v in the dtype the forward ran in (autocast's, if on)."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, scale, enable_gqa):
@@ -110,10 +111,36 @@ class _FlashForwardMathBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors]
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False), sdpa_kernel(SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(*(t.to(ctx.dtype) for t in leaves), **ctx.how)
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            out = _attention_matmuls(*(t.to(ctx.dtype) for t in leaves), **ctx.how)
             grads = torch.autograd.grad(out, leaves, grad_out)
         return (*grads, None, None, None, None)
+
+
+def _attention_matmuls(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False) -> torch.Tensor:
+    """sdpa (4-D q (B, H, n, D), k and v (B, Hk, s, D), a boolean mask or is_causal) as two matmuls and an
+    fp32 softmax. Why not the math kernel: in bf16 it scales a transposed k and copies k and v per query head
+    (GQA), and those strided bf16 passes made its backward 1.5-2x slower than this one at the packed rows'
+    shapes (docs/bench/vs_trl.md). A group's query heads share one matmul against their k and v instead."""
+    b, h, n, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    plain = attn_mask is None or (attn_mask.dtype == torch.bool and attn_mask.dim() in (2, 4))
+    if not plain or (h != hk and not enable_gqa):
+        with sdpa_kernel(SDPBackend.MATH):  # an additive or 3-D mask, or a call sdpa itself would refuse
+            how = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            return F.scaled_dot_product_attention(q, k, v, **how)
+    g = h // hk
+    scale = d**-0.5 if scale is None else scale
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.reshape(b, hk, g * n, d), k.transpose(-1, -2)).to(wide).mul_(scale)
+    scores = scores.view(b, hk, g, n, s)
+    if is_causal:  # sdpa's: query i sees keys 0..i (top-left)
+        attn_mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:  # (n, s) or (B | 1, H | 1, n, s): the head axis split into (Hk, group)
+        m = attn_mask if attn_mask.dim() < 4 else attn_mask.unflatten(1, (-1, g if attn_mask.shape[1] == h else 1))
+        scores = scores.masked_fill(~m, float("-inf"))
+    probs = torch._safe_softmax(scores, -1).to(v.dtype)  # an all-masked row weighs 0, as sdpa's math kernel
+    return torch.matmul(probs.view(b, hk, g * n, s), v).view(b, h, n, d)
 
 
 def _sdpa_math_backward(
