@@ -117,7 +117,9 @@ class _FlashForwardMathBackward(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _attention_matmuls(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False) -> torch.Tensor:
+def _attention_matmuls(
+    q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
+) -> torch.Tensor:
     """sdpa (4-D q (B, H, n, D), k and v (B, Hk, s, D), a boolean mask or is_causal) as two matmuls and an
     fp32 softmax. Why not the math kernel: in bf16 it scales a transposed k and copies k and v per query head
     (GQA), and those strided bf16 passes made its backward 1.5-2x slower than this one at the packed rows'
@@ -137,7 +139,11 @@ def _attention_matmuls(q, k, v, attn_mask=None, is_causal=False, scale=None, ena
     if is_causal:  # sdpa's: query i sees keys 0..i (top-left)
         attn_mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril()
     if attn_mask is not None:  # (n, s) or (B | 1, H | 1, n, s): the head axis split into (Hk, group)
-        m = attn_mask if attn_mask.dim() < 4 else attn_mask.unflatten(1, (-1, g if attn_mask.shape[1] == h else 1))
+        m = (
+            attn_mask
+            if attn_mask.dim() < 4
+            else attn_mask.unflatten(1, (-1, g if attn_mask.shape[1] == h else 1))
+        )
         scores = scores.masked_fill(~m, float("-inf"))
     probs = torch._safe_softmax(scores, -1).to(v.dtype)  # an all-masked row weighs 0, as sdpa's math kernel
     return torch.matmul(probs.view(b, hk, g * n, s), v).view(b, h, n, d)

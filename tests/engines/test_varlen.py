@@ -63,7 +63,9 @@ def test_attention_matmuls_is_sdpa():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
         for a, w in zip(grads, want_grads):
             torch.testing.assert_close(a, w, atol=1e-12, rtol=0)
-    assert float(varlen._attention_matmuls(q, k, v, attn_mask=empty, enable_gqa=True)[1, :2, 2].abs().max()) == 0
+    assert (
+        float(varlen._attention_matmuls(q, k, v, attn_mask=empty, enable_gqa=True)[1, :2, 2].abs().max()) == 0
+    )
 
 
 def test_chosen_only_for_differentiated_short_low_precision_cpu_calls():
