@@ -21,7 +21,7 @@ Which sdpa kernel (`_Sdpa`): on CPU in bf16 / fp16, PyTorch's flash kernel runs 
 slower than its math kernel on sequences of up to ~150 tokens, though its forward alone is 2.6x faster (one thread;
 bench_update.py --attention, docs/bench/vs_trl.md "The synchronous update"). So a differentiated packed call over
 at most MATH_MAX_TOKENS keys there runs flash's forward and, in backward, the gradient of attention recomputed from
-the saved q, k, v as two matmuls and an fp32 softmax (`_attention_matmuls`: 1.5-2x faster than the math kernel's
+the saved q, k, v as two matmuls and an fp32 softmax (`_attention_matmuls`: 1.1-2x faster than the math kernel's
 backward in bf16). Forward-only passes run the same flash forward, so a no-grad pass's log-probs
 stay bit-equal to the training forward's (the first PPO ratio is exactly 1, tests/engines/test_dtypes.py). fp32,
 GPUs and the padded forward keep PyTorch's choice.
@@ -43,8 +43,9 @@ from hybridflow.engines import varlen_gather
 
 NAME = "hybridflow_sdpa"
 _NO_MASK = contextvars.ContextVar("hybridflow_varlen_no_mask", default=False)
-# Longest key run for which a low-precision CPU call takes the math kernel's backward: flash's forward +
-# backward was 1.7x slower than math's at 150 keys and even at 200; from ~250 keys on flash wins.
+# Longest key run for which a low-precision CPU call takes the recomputed gradient: flash's forward + backward
+# was 1.7x slower than the math kernel's at 150 keys and even at 200 (1.5x the matmuls' at 160); from ~250
+# keys on flash won.
 MATH_MAX_TOKENS = 160
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -122,7 +123,7 @@ def _attention_matmuls(
 ) -> torch.Tensor:
     """sdpa (4-D q (B, H, n, D), k and v (B, Hk, s, D), a boolean mask or is_causal) as two matmuls and an
     fp32 softmax. Why not the math kernel: in bf16 it scales a transposed k and copies k and v per query head
-    (GQA), and those strided bf16 passes made its backward 1.5-2x slower than this one at the packed rows'
+    (GQA), and those strided bf16 passes made its forward + backward 1.1-2x slower than this one at the packed rows'
     shapes (docs/bench/vs_trl.md). A group's query heads share one matmul against their k and v instead."""
     b, h, n, d = q.shape
     hk, s = k.shape[1], k.shape[2]
