@@ -17,7 +17,7 @@ mask the call does not read. Activation checkpointing recomputes a layer with th
 recomputation takes the same path. With `shared_layout` instead (engines/shared_prompt.py, model.share_prompt)
 a row holds groups [prompt, r_1, ..., r_k], and each response attends to its prompt's keys and causally to its own.
 
-Which sdpa kernel (`_Sdpa`): on CPU in bf16 / fp16, PyTorch's flash kernel runs forward + backward 2.6-3.7x
+Which sdpa kernel (`_sdpa_for`): on CPU in bf16 / fp16, PyTorch's flash kernel runs forward + backward 2.6-3.7x
 slower than its math kernel on sequences of up to ~150 tokens, though its forward alone is 2.6x faster (one thread;
 bench_update.py --attention, docs/bench/vs_trl.md "The synchronous update"). So a differentiated packed call over
 at most MATH_MAX_TOKENS keys there runs flash's forward and, in backward, the gradient of attention recomputed from
@@ -93,11 +93,11 @@ def _sdpa_for(query: torch.Tensor, keys: int, dropout: float):
     dtype = torch.get_autocast_dtype("cpu") if cpu and torch.is_autocast_enabled("cpu") else query.dtype
     differentiated = torch.is_grad_enabled() and query.requires_grad
     if cpu and differentiated and dtype in _LOW_PRECISION and keys <= MATH_MAX_TOKENS and dropout == 0.0:
-        return _sdpa_math_backward
+        return _sdpa_matmul_backward
     return F.scaled_dot_product_attention
 
 
-class _FlashForwardMathBackward(torch.autograd.Function):
+class _FlashForwardMatmulBackward(torch.autograd.Function):
     """sdpa with PyTorch's forward and, in backward, the gradient of attention recomputed as plain matmuls
     (`_attention_matmuls`) from the saved q, k, v in the dtype the forward ran in (autocast's, if on)."""
 
@@ -150,11 +150,11 @@ def _attention_matmuls(
     return torch.matmul(probs.view(b, hk, g * n, s), v).view(b, h, n, d)
 
 
-def _sdpa_math_backward(
+def _sdpa_matmul_backward(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    """F.scaled_dot_product_attention's signature (dropout_p must be 0) through _FlashForwardMathBackward."""
-    return _FlashForwardMathBackward.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    """F.scaled_dot_product_attention's signature (dropout_p must be 0) through _FlashForwardMatmulBackward."""
+    return _FlashForwardMatmulBackward.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
 
 def _per_sequence(query, key, value, dropout, scaling, seq_lens, sdpa) -> torch.Tensor:

@@ -23,7 +23,7 @@ def test_flash_forward_and_the_matmul_gradient():
     grad_out = torch.randn(3, 4, 9, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for how in ({"is_causal": True}, {"attn_mask": mask}):
         q, k, v = _qkv(torch.bfloat16)
-        out = varlen._sdpa_math_backward(q, k, v, **how)
+        out = varlen._sdpa_matmul_backward(q, k, v, **how)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
         q2, k2, v2 = _qkv(torch.bfloat16)
         assert torch.equal(out, F.scaled_dot_product_attention(q2, k2, v2, **how))  # the forward: PyTorch's
@@ -70,7 +70,7 @@ def test_attention_matmuls_is_sdpa():
 
 def test_chosen_only_for_differentiated_short_low_precision_cpu_calls():
     q = _qkv(torch.bfloat16)[0]
-    assert varlen._sdpa_for(q, 9, 0.0) is varlen._sdpa_math_backward
+    assert varlen._sdpa_for(q, 9, 0.0) is varlen._sdpa_matmul_backward
     assert varlen._sdpa_for(q, varlen.MATH_MAX_TOKENS + 1, 0.0) is F.scaled_dot_product_attention
     assert varlen._sdpa_for(q, 9, 0.1) is F.scaled_dot_product_attention  # a recomputed dropout would differ
     with torch.no_grad():  # forward-only passes: PyTorch's kernel, the same forward as training's
@@ -78,7 +78,7 @@ def test_chosen_only_for_differentiated_short_low_precision_cpu_calls():
     q32 = _qkv(torch.float32)[0]
     assert varlen._sdpa_for(q32, 9, 0.0) is F.scaled_dot_product_attention
     with torch.autocast("cpu", dtype=torch.bfloat16):  # HF's rope hands sdpa fp32 q, k under autocast
-        assert varlen._sdpa_for(q32, 9, 0.0) is varlen._sdpa_math_backward
+        assert varlen._sdpa_for(q32, 9, 0.0) is varlen._sdpa_matmul_backward
 
 
 def _row(heads=4, kv_heads=2, n=23, d=8, dtype=torch.float32):
@@ -100,7 +100,7 @@ def test_gathered_call_equals_one_call_per_length():
     fp32 sums over at most 23 keys of unit-variance products: 1e-5 absolute is ~100 ulps of the largest."""
     lens = [5, 5, 3, 7, 1, 2]
     plain = varlen.varlen_gather.build(varlen.varlen_gather.from_lengths(lens, 4), "cpu")
-    for sdpa in (F.scaled_dot_product_attention, varlen._sdpa_math_backward):
+    for sdpa in (F.scaled_dot_product_attention, varlen._sdpa_matmul_backward):
         row = _row()
         want = _outputs_and_grads(
             lambda q, k, v, sdpa=sdpa: varlen._per_sequence(q, k, v, 0.0, None, lens, sdpa), row
