@@ -191,10 +191,15 @@ class StopSignals:
         try:
             yield
         finally:
-            self.live = False
-            self._pending = None  # an abandonment noted in a Ray wait just as the body ended: too late
-            if self._timer is not None:
-                self._timer.cancel()
+            self._body_over()
+
+    def _body_over(self) -> None:
+        """Signals are only noted from now on; an abandonment noted in a Ray wait just as the body ended,
+        or a grace period still running, comes too late."""
+        self.live = False
+        self._pending = None
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _handle(self, signum, frame) -> None:
         if not self.live:  # before the body (it stops after its first step) or shutting down already
@@ -238,9 +243,7 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         global ACTIVE
-        self.live = False
-        if self._timer is not None:
-            self._timer.cancel()
+        self._body_over()
         future.remove_wait_check(self.check)
         ACTIVE = None
         for s, h in self._previous.items():
