@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.controller import strict_device
 from hybridflow.engines import full_weights, varlen
+from hybridflow.engines.compute_copies import ComputeCopies
 from hybridflow.engines.config import EngineConfig, compute_dtype
 from hybridflow.engines.forward import RLForward
 from hybridflow.engines.mesh import build_mesh
@@ -90,10 +91,16 @@ class TrainEngine:
             param_dtype = self.compute_dtype
         elif self.compute_dtype is not None:
             param_dtype = self.compute_dtype  # fp32 master weights, low-precision compute
-        # Without FSDP (one process, or one dp rank) mixed precision comes from autocast instead of the
-        # FSDP policy. Rollout log-probs recomputed by this engine use the same path as training, so
-        # the first mini-batch's ratio is exactly 1 (docs/checkpoints.md, "Dtypes").
-        self._autocast = param_dtype if (param_dtype is not None and not fsdp) else None
+        # Without FSDP (one process, or one dp rank) mixed precision is computed as the FSDP policy
+        # computes it: compute-dtype copies of the parameters (engines/compute_copies.py), or autocast
+        # where those cannot be swapped in (DTensor TP weights, pipeline stages, LoRA). Rollout log-probs
+        # recomputed by this engine use the same path as training, so the first mini-batch's ratio is
+        # exactly 1 (docs/checkpoints.md, "Dtypes").
+        one_rank_mp = param_dtype is not None and not fsdp
+        parallel = self.config.parallel
+        copies = one_rank_mp and not self.lora_layers and parallel.tp == 1 and parallel.pp == 1
+        self._autocast = param_dtype if one_rank_mp and not copies else None
+        self._copies_dtype = param_dtype if copies else None
         # A meta-built model (load_*(..., device="meta")) is sharded first and then each rank reads
         # only its own shards from disk (sharded_init.py); a loaded one is moved, then sharded.
         on_meta = any(p.is_meta for p in model.parameters())
@@ -134,6 +141,7 @@ class TrainEngine:
                 self.module, model, self.device, transforms, self.config.seed, names
             )
         strict_device.mark_device(self.module)  # device-strict mode (CPU tests of the GPU path)
+        self._copies = ComputeCopies(self.module, self._copies_dtype) if self._copies_dtype else None
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)
@@ -206,10 +214,16 @@ class TrainEngine:
                                0 if self.remove_padding else None)  # fmt: skip
 
     def _autocast_ctx(self):
-        """Autocast to the compute dtype where FSDP does not cast (one dp rank)."""
+        """Autocast to the compute dtype where neither FSDP nor compute copies cast (one dp rank with
+        tensor parallelism, pipeline stages or LoRA)."""
         if self._autocast:
             return torch.autocast(self.device.type, dtype=self._autocast)
         return contextlib.nullcontext()
+
+    def _compute_copies(self):
+        """Context: the parameters in the compute dtype for the forwards and backwards inside it, where
+        one rank computes in low precision without FSDP (engines/compute_copies.py)."""
+        return self._copies.active() if self._copies is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def _infer(self, batch, keys, micro_batch_size, max_tokens, **forward_kwargs) -> dict[str, torch.Tensor]:
@@ -223,11 +237,12 @@ class TrainEngine:
             lr = response_length(batch)
             groups = self._plan(batch, micro_batch_size, max_tokens)
             chunks = defaultdict(list)
-            for mb in split_micro_batches(batch, groups):
-                out = self._forward(mb, **forward_kwargs)
-                for k in keys:
-                    v = out[k].float().cpu()
-                    chunks[k].append(pad_response_aligned(v, lr) if v.dim() == 2 else v)
+            with self._compute_copies():
+                for mb in split_micro_batches(batch, groups):
+                    out = self._forward(mb, **forward_kwargs)
+                    for k in keys:
+                        v = out[k].float().cpu()
+                        chunks[k].append(pad_response_aligned(v, lr) if v.dim() == 2 else v)
             return {k: restore_order(chunks[k], groups) for k in keys}
 
     def compute_log_probs(
@@ -329,20 +344,23 @@ class TrainEngine:
             global_total = self._all_reduce(local_total, dist.ReduceOp.SUM, self.dp_group())
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, torch.Tensor] = {}
-            for mb, n in zip(mbs, counts):
-                # the whole micro-batch to the device once: the loss reads its fields (advantages, old / ref
-                # log-probs, returns, masks) beside the device outputs
-                mb = mb.to(self.device)
-                out = self._forward(mb, temperature, with_entropy)
-                loss, metrics = loss_fn(out, mb)
-                # token-sum: the global sum, the token-mean times the global token count
-                normaliser = 1.0 if loss_weighting == "token-sum" else max(global_total, 1e-8)
-                (loss * (n * self.dp_size / normaliser)).backward()
-                share = n * (
-                    self.dp_size / max(global_total, 1e-8) if global_metrics else 1 / max(local_total, 1e-8)
-                )
-                for k, v in {"loss": loss, **metrics}.items():
-                    sums[k] = _weighted(v, share, self.device) + sums.get(k, 0.0)
+            with self._compute_copies():
+                for mb, n in zip(mbs, counts):
+                    # the whole micro-batch to the device once: the loss reads its fields (advantages, old / ref
+                    # log-probs, returns, masks) beside the device outputs
+                    mb = mb.to(self.device)
+                    out = self._forward(mb, temperature, with_entropy)
+                    loss, metrics = loss_fn(out, mb)
+                    # token-sum: the global sum, the token-mean times the global token count
+                    normaliser = 1.0 if loss_weighting == "token-sum" else max(global_total, 1e-8)
+                    (loss * (n * self.dp_size / normaliser)).backward()
+                    share = n * (
+                        self.dp_size / max(global_total, 1e-8)
+                        if global_metrics
+                        else 1 / max(local_total, 1e-8)
+                    )
+                    for k, v in {"loss": loss, **metrics}.items():
+                        sums[k] = _weighted(v, share, self.device) + sums.get(k, 0.0)
             return _to_floats(sums)
 
     def _pipeline_forward_backward(
