@@ -85,9 +85,9 @@ def test_micro_batches_accumulate_in_fp32_and_the_step_moves_fp32_weights(tiny_m
     before = [p.detach().clone() for p in engine.hf_model.parameters()]
     metrics = engine.optimizer_step()
     assert metrics["step_skipped"] == 0.0 and metrics["grad_norm"] > 0
-    for p, old in zip(engine.hf_model.parameters(), before):
-        assert p.dtype == torch.float32 and p.grad is None
-    assert sum(int(not torch.equal(p, old)) for p, old in zip(engine.hf_model.parameters(), before)) > 0
+    params = list(engine.hf_model.parameters())
+    assert all(p.dtype == torch.float32 and p.grad is None for p in params)
+    assert sum(int(not torch.equal(p, old)) for p, old in zip(params, before)) > 0
 
 
 def test_a_raising_loss_leaves_fp32_weights_and_no_gradient(tiny_model_dir):
