@@ -8,8 +8,8 @@ without AVX-512 / AMX, whose kernels sum in different orders):
         of the dot products (64, 128: ~1e-5 relative at worst), on logits of size ~1-10, and a log-prob
         inherits the difference of two of them: far below 1e-4 per token, even at the max.
   bf16: 8 bits of mantissa, so each rounding is up to 2^-9 ~ 2e-3 relative; the rollout (bf16 weights,
-        KV-cached decode) and the update's forward (autocast over fp32 master weights) round at different
-        places, so log-probs of size ~1-3 differ by ~1e-3-1e-2 per token: the mean is above 1e-4
+        KV-cached decode) and the update's forward (bf16 copies of fp32 master weights) round at different
+        places, so log-probs of size ~1-3 differ by ~1e-4-1e-2 per token: the mean is above 1e-4
         (measurably more than fp32's) and far below 0.1; one token's max below 0.5.
 The rollout_corr/* metrics follow from the per-token log-ratio d: k3 = e^d - 1 - d ~ d^2 / 2, so fp32's
 |d| < 1e-4 bounds it by 5e-9 and the k1 KL by 1e-4, and bf16's mean |d| > 1e-4 puts k3's mean above
