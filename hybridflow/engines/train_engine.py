@@ -33,7 +33,6 @@ import torch.distributed as dist
 from hybridflow.batch import Batch, position_ids_from_mask
 from hybridflow.controller import strict_device
 from hybridflow.engines import full_weights, varlen
-from hybridflow.engines.compute_copies import ComputeCopies
 from hybridflow.engines.config import EngineConfig, compute_dtype
 from hybridflow.engines.forward import RLForward
 from hybridflow.engines.mesh import build_mesh
@@ -50,6 +49,7 @@ from hybridflow.engines.packing import resolve_remove_padding, resolve_share_pro
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.engines.pipeline import hf_name
 from hybridflow.engines.pipeline_engine import PipelinedModel, micro_batch_rows
+from hybridflow.engines.precision import ComputeCopies, cast_parameters, one_rank_precision
 from hybridflow.engines.sharded_init import materialize
 from hybridflow.models import cpu_gemm, lora
 from hybridflow.models.hf import model_kind, scalar_head
@@ -91,16 +91,12 @@ class TrainEngine:
             param_dtype = self.compute_dtype
         elif self.compute_dtype is not None:
             param_dtype = self.compute_dtype  # fp32 master weights, low-precision compute
-        # Without FSDP (one process, or one dp rank) mixed precision is computed as the FSDP policy
-        # computes it: compute-dtype copies of the parameters (engines/compute_copies.py), or autocast
-        # where those cannot be swapped in (DTensor TP weights, pipeline stages, LoRA). Rollout log-probs
-        # recomputed by this engine use the same path as training, so the first mini-batch's ratio is
-        # exactly 1 (docs/checkpoints.md, "Dtypes").
-        one_rank_mp = param_dtype is not None and not fsdp
-        parallel = self.config.parallel
-        copies = one_rank_mp and not self.lora_layers and parallel.tp == 1 and parallel.pp == 1
-        self._autocast = param_dtype if one_rank_mp and not copies else None
-        self._copies_dtype = param_dtype if copies else None
+        # Without FSDP (one dp rank) mixed precision as FSDP computes it, or autocast (precision.py).
+        # Rollout log-probs recomputed by this engine use the same path as training, so the first
+        # mini-batch's ratio is exactly 1 (docs/checkpoints.md, "Dtypes").
+        self._autocast, self._copies_dtype = one_rank_precision(
+            param_dtype if not fsdp else None, bool(self.lora_layers), self.config.parallel
+        )
         # A meta-built model (load_*(..., device="meta")) is sharded first and then each rank reads
         # only its own shards from disk (sharded_init.py); a loaded one is moved, then sharded.
         on_meta = any(p.is_meta for p in model.parameters())
@@ -222,7 +218,7 @@ class TrainEngine:
 
     def _compute_copies(self):
         """Context: the parameters in the compute dtype for the forwards and backwards inside it, where
-        one rank computes in low precision without FSDP (engines/compute_copies.py)."""
+        one rank computes in low precision without FSDP (engines/precision.py)."""
         return self._copies.active() if self._copies is not None else contextlib.nullcontext()
 
     @torch.no_grad()
@@ -492,15 +488,3 @@ def _to_floats(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     if not sums:
         return {}
     return dict(zip(sums, torch.stack(list(sums.values())).tolist()))
-
-
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype, frozen_only: bool = False) -> None:
-    """Parameters (not buffers: rotary tables stay fp32, as HF keeps them) to `dtype`, ties kept;
-    frozen_only: only those that need no grad (a LoRA model's base)."""
-    new: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and p.is_floating_point() and not (frozen_only and p.requires_grad):
-                if id(p) not in new:
-                    new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-                module._parameters[name] = new[id(p)]

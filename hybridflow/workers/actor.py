@@ -40,7 +40,7 @@ from hybridflow.checkpoint import load_engine_state, save_engine_state
 from hybridflow.config.roles import ActorWorkerConfig
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.engines import TrainEngine
-from hybridflow.engines.train_engine import cast_parameters
+from hybridflow.engines.precision import cast_parameters
 from hybridflow.hybrid_engine.pipeline_switch import PipelineResharder, skeleton_on
 from hybridflow.hybrid_engine.resharder import build_resharder, generation_layout
 from hybridflow.models import load_causal_lm, load_tokenizer, lora

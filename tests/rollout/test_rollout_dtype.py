@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from hybridflow.engines.train_engine import cast_parameters
+from hybridflow.engines.precision import cast_parameters
 from hybridflow.models.tiny import build_char_tokenizer, build_tiny_model
 from hybridflow.rollout import BuiltinEngine, BuiltinEngineConfig, SamplingParams
 from hybridflow.workers.common import model_compute_dtype

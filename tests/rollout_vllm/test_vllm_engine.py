@@ -167,7 +167,7 @@ def test_compute_dtype_bf16_runs_vllm_in_bf16(batch):
     """VLLMEngineConfig.dtype (the actor's compute dtype under model.dtype=bfloat16): vLLM is built in bf16
     and the fp32 actor's weights are cast on each load; its log-probs then match a bf16 forward of the same
     weights to bf16 rounding, and differ from the fp32 forward's (the setting is used)."""
-    from hybridflow.engines.train_engine import cast_parameters
+    from hybridflow.engines.precision import cast_parameters
     from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     for e in _ENGINES.values():

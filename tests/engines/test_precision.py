@@ -1,4 +1,4 @@
-"""One dp rank in bf16 computes as FSDP2 does over several (engines/compute_copies.py): the forward and
+"""One dp rank in bf16 computes as FSDP2 does over several (engines/precision.py): the forward and
 backward are those of a bf16 copy of the model, the gradients arrive as fp32 sums, and the fp32 weights
 are what the optimizer, clipping and checkpoints see."""
 
@@ -8,7 +8,7 @@ import torch
 from rl_data import make_rl_batch as make_batch
 
 from hybridflow.engines import EngineConfig, TrainEngine
-from hybridflow.engines.train_engine import cast_parameters
+from hybridflow.engines.precision import cast_parameters
 from hybridflow.models import load_causal_lm
 
 

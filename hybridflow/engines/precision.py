@@ -1,4 +1,6 @@
-"""Mixed precision on one data-parallel rank, computed as FSDP2's MixedPrecisionPolicy computes it over several.
+"""An engine's dtypes (docs/checkpoints.md, "Dtypes"): frozen models' parameters stored in the compute
+dtype (`cast_parameters`), and mixed precision on one data-parallel rank computed as FSDP2's
+MixedPrecisionPolicy computes it over several (`ComputeCopies`).
 
 With FSDP2 (dp >= 2) the gathered parameters are cast to the compute dtype, so the whole forward and
 backward run in it (residual stream, norms, activations) and each gradient is reduced into the fp32
@@ -21,6 +23,17 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+
+def one_rank_precision(param_dtype, lora: bool, parallel) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(autocast dtype, compute-copies dtype) of a trainable engine that computes in `param_dtype` with no
+    FSDP (None: fp32, or FSDP casts): copies where its parameters are plain tensors it may swap, autocast
+    for DTensor (tp > 1) weights, pipeline stages and LoRA (whose base is stored in the dtype already)."""
+    if param_dtype is None:
+        return None, None
+    if lora or parallel.tp > 1 or parallel.pp > 1:
+        return param_dtype, None
+    return None, param_dtype
 
 
 class ComputeCopies:
@@ -67,3 +80,15 @@ class ComputeCopies:
                 p.data = m
                 total = sums.get(p)
                 p.grad = g if total is None else (total if g is None else g.add_(total))
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype, frozen_only: bool = False) -> None:
+    """Parameters (not buffers: rotary tables stay fp32, as HF keeps them) to `dtype`, ties kept;
+    frozen_only: only those that need no grad (a LoRA model's base)."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point() and not (frozen_only and p.requires_grad):
+                if id(p) not in new:
+                    new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
