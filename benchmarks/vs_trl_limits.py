@@ -34,8 +34,8 @@ def real_rows(args, workdir: Path, run_grpo_side, common_args, summarize_eos, su
         base = common_args(args, model, args.real_length, args.real_steps, workdir)
         extra = [*base, "--stop-at-eos", "--precision", prec, "--cli", "--workers", "1"]
         res = run_grpo_side("hybridflow", args, extra, workdir / f"hf_real_{prec}.log")
-        summary = summarize_eos(res, args.warmup, summarize)
-        steps = res["steps"][args.warmup :] or res["steps"][-1:]
+        summary = summarize_eos(res, args.real_warmup, summarize)
+        steps = res["steps"][args.real_warmup :] or res["steps"][-1:]
         summary["steps"] = steps
         rows.append({"size": args.real_size, "length": args.real_length, "precision": prec,
                      "params": count_params(model), "run": summary})  # fmt: skip
