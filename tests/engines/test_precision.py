@@ -105,3 +105,17 @@ def test_a_raising_loss_leaves_fp32_weights_and_no_gradient(tiny_model_dir):
     assert all(p.grad is None for p in engine.hf_model.parameters())
     engine.forward_backward(batch, _loss)  # and the next call trains normally
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in engine.hf_model.parameters())
+
+
+def test_activation_checkpointing_recomputes_on_the_copies(tiny_model_dir):
+    """The backward's recompute sees the same bf16 copies as the forward: the gradients are identical."""
+    batch = make_batch(load_causal_lm(tiny_model_dir).config.vocab_size, batch_size=8, seed=3, group=4)
+    grads = []
+    for checkpointing in (False, True):
+        cfg = EngineConfig(mixed_precision="bf16", micro_batch_size_per_device=4,
+                           gradient_checkpointing=checkpointing)  # fmt: skip
+        engine = TrainEngine(load_causal_lm(tiny_model_dir), cfg)
+        assert engine._copies is not None
+        engine.forward_backward(batch, _loss)
+        grads.append(_grads(engine))
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
