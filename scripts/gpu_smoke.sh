@@ -13,7 +13,8 @@
 #     on all GPUs when more than one is visible; then with vLLM if it imports;
 #  4. ONE result file (SMOKE_RESULT, default SMOKE_DIR/result.json): every figure (tokens/s, peak memory,
 #     log-prob gaps, per-step rollout/log_prob_diff_* where the trainer logs them) and pass/fail per stage.
-# SMOKE_DEVICE=cpu runs the same stages on CPU (gloo, bf16 as one rank computes it: engines/precision.py): the rehearsal of docs/bench/gpu.md.
+# SMOKE_DEVICE=cpu runs the same stages on CPU (gloo, bf16 as engines/precision.py computes it): the
+# rehearsal of docs/bench/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

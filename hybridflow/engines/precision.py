@@ -10,9 +10,9 @@ fp32 sum as it is accumulated (FSDP2's reduce_dtype); on exit the fp32 values ar
 as their `.grad`, for clipping, the optimizer, checkpoints and weight sync, which never see the copies.
 
 Why not autocast, which this replaces on that path: autocast keeps the residual stream and the elementwise
-ops in fp32 and casts each linear layer's input to bf16, and on a CPU those casts and fp32 elementwise
-passes cost more than the bf16 matmuls save (the 25M model's bf16 update: docs/bench/vs_trl.md, "One-rank
-bf16 as FSDP2 computes it"). It also made dp = 1 round differently from dp = 2.
+ops in fp32 and casts each linear layer's input to bf16; on a CPU those casts and fp32 passes made the 25M
+model's bf16 update ~1.15x slower (docs/bench/vs_trl.md, "One-rank bf16 as FSDP2 computes it"). It also
+made dp = 1 round differently from dp = 2.
 
 Plain (non-DTensor) parameters only: tensor-parallel, pipelined and LoRA engines keep autocast (their
 parameters are DTensors, stage modules or already in the compute dtype).
@@ -62,7 +62,7 @@ class ComputeCopies:
     def active(self):
         """Parameters in the compute dtype for the body's forwards and backwards; fp32 again after it,
         each trainable one's `.grad` the fp32 sum of the gradients the body's backwards produced."""
-        if self._sums is not None:  # nested (a forward inside forward_backward): already active
+        if self._sums is not None:  # already active: a second swap would take the copies for the masters
             yield
             return
         masters = [p.data for p in self.params]

@@ -94,7 +94,7 @@ class TrainEngine:
         # Without FSDP (one dp rank) mixed precision as FSDP computes it, or autocast (precision.py).
         # Rollout log-probs recomputed by this engine use the same path as training, so the first
         # mini-batch's ratio is exactly 1 (docs/checkpoints.md, "Dtypes").
-        self._autocast, self._copies_dtype = one_rank_precision(
+        self._autocast, copies_dtype = one_rank_precision(
             param_dtype if not fsdp else None, bool(self.lora_layers), self.config.parallel
         )
         # A meta-built model (load_*(..., device="meta")) is sharded first and then each rank reads
@@ -137,7 +137,7 @@ class TrainEngine:
                 self.module, model, self.device, transforms, self.config.seed, names
             )
         strict_device.mark_device(self.module)  # device-strict mode (CPU tests of the GPU path)
-        self._copies = ComputeCopies(self.module, self._copies_dtype) if self._copies_dtype else None
+        self._copies = ComputeCopies(self.module, copies_dtype) if copies_dtype else None
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)
