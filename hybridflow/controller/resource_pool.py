@@ -69,8 +69,10 @@ def _start_local(init_kwargs: dict, attempts: int = 3) -> None:
 # the Python between two ops, short enough to give the core back soon to whatever else needs it.
 WORKER_SPIN_COUNT = "3000"
 # jemalloc's settings for workers that compute on CPU: freed pages are never returned to the kernel, so
-# the next step's tensors reuse them (jemalloc otherwise purges them over 10 s, about one CPU step)
-CPU_MALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+# the next step's tensors reuse them (jemalloc otherwise purges them over 10 s, about one CPU step); and
+# address space it no longer uses is unmapped, not retained: with it retained, a 0.5B model's worker grew
+# by ~0.125 GB every step without bound as response lengths varied (docs/bench/vs_trl.md)
+CPU_MALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1,retain:false"
 # what, in the driver's environment, is the user's own allocator choice (then it reaches the workers as is)
 _ALLOCATOR_KEYS = ("LD_PRELOAD", "MALLOC_CONF", "RAY_LD_PRELOAD_ON_WORKERS")
 
