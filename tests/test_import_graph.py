@@ -21,8 +21,8 @@ DESIGN = ROOT / "docs" / "design.md"
 # The planner is pure (docs/planner.md): besides itself, only these modules, which import nothing but the
 # standard library. calibrate.py is the `hybridflow calibrate` command, which times real models on this
 # machine beside the planner's predictions, and microbench.py / microbench_path.py its micro-benchmarks (the
-# latter on the worker path: a worker group, a parallelized model, the training engine); no other planner module
-# imports them.
+# latter on the worker path: a worker group, a parallelized model, the training engine, the 3D-HybridEngine's
+# switch); no other planner module imports them.
 PLANNER_MAY_IMPORT = {"hybridflow.hybrid_engine.cost", "hybridflow.hybrid_engine.sync_budget"}
 PLANNER_MEASURES = {
     "hybridflow.planner.calibrate": {
@@ -37,6 +37,8 @@ PLANNER_MEASURES = {
         "hybridflow.engines.config",
         "hybridflow.engines.optim",
         "hybridflow.engines.train_engine",
+        "hybridflow.hybrid_engine.resharder",
+        "hybridflow.hybrid_engine.pipeline_switch",
         "hybridflow.controller",
         "hybridflow.controller.timers",  # the empty step is timed through the trainer's own timers
         "hybridflow.batch",

@@ -88,6 +88,7 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         raw["collectives"] = links = mb.collectives()
         raw["training_path"] = path = mbp.training_path(3, size)  # (a GPU's runs on NCCL: the entry's)
         raw["engine_passes"] = mbp.engine_passes(size, 3)
+        raw["switch_rounds"] = mbp.switch_rounds(size)
     raw["worker_call"] = calls = mbp.worker_call(repeats)
     call_terms = {k: v for k, v in calls.items() if k != "empty_step_s"}
     path_terms = {**call_terms, **{k: path[k] for k in PATH_TERMS if k in path}}
@@ -127,6 +128,10 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
     if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
         fp32 = devices.get("float32") or next(iter(devices.values()))
         raw["engine_tokens"] = terms = fit_engine_terms(raw["engine_passes"], fp32, size)
+        devices = {k: replace(v, **terms) for k, v in devices.items()}
+    if "switch_rounds" in raw:  # measured in fp32 (the bytes priced per dtype; the fixed costs are Python)
+        fp32 = devices.get("float32") or next(iter(devices.values()))
+        raw["switch_terms"] = terms = fit_switch_terms(raw["switch_rounds"], fp32, size)
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     host = {
         "machine": platform.machine(),
@@ -175,6 +180,28 @@ def fit_engine_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
         "train_batch_overhead_s": train_batch,
         "infer_batch_overhead_s": infer_batch,
     }
+
+
+def fit_switch_terms(raw: dict[str, float], dev: DeviceSpec, size: str) -> dict[str, float]:
+    """switch_fsdp_unit_s, switch_tp_unit_s and switch_stage_s: each switch round measured
+    (microbench_path.switch_rounds: t1d2, t2d1 and p2t1d1 on 2 ranks, to tg = 1) beyond the simulator's
+    seconds for the same round without these terms (its bytes over the link, the counters' all-reduce), per
+    unit the round gathers (simulate.switch_overhead): the model's layers and root at d = 2, its layers at
+    t = 2, its 2 stages at p = 2."""
+    from hybridflow.models.tiny import build_tiny_config
+    from hybridflow.planner.microbench_path import SWITCH_LAYOUTS
+
+    spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
+    names = {"t1d2": "switch_fsdp_unit_s", "t2d1": "switch_tp_unit_s", "p2t1d1": "switch_stage_s"}
+    bare = replace(dev, **dict.fromkeys(names.values(), 0.0))
+    out = {}
+    for layout, (p, t, d) in SWITCH_LAYOUTS.items():
+        priced = sim.switch_time(spec, bare, 2, p, t, d, 1, 1)
+        # the units this layout gathers, as the simulator counts them: its term at 1 s, nothing else
+        one = replace(bare, comm_latency_s=0.0, **{names[layout]: 1.0})
+        units = sim.switch_overhead(spec, one, p, t, d, 1, 1, "hybridflow")
+        out[names[layout]] = max(0.0, raw[layout] - priced) / units
+    return out
 
 
 # what fit_engine_terms measures: the engine's passes beyond the plain model's terms

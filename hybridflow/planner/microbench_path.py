@@ -14,6 +14,10 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
     engine passes       the engine's own training step and log-prob pass (TrainEngine) on 64 and 256
                         GRPO-shaped rows in one process: per token, what the simulator's FLOP, activation
                         and fixed terms leave out (calibrate.py fits it against them)
+    switch rounds       the 3D-HybridEngine's train -> generate -> train round (hybrid_engine/resharder.py,
+                        pipeline_switch.py) of a TrainEngine at t1d2, t2d1 and p2t1d1 on 2 gloo ranks, to
+                        tg = 1, with the worker's exchange of the round's counters: calibrate.py fits the
+                        fixed cost per unit gathered beyond the bytes
 
 The slopes' differences are the per-layer costs of FSDP2 over dp (gathers, reduce-scatters, hooks) and
 of tensor parallelism (DTensor dispatch and the all-reduces of its row-wise layers). Each figure is the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import torch
 
@@ -278,6 +283,68 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
         mp.spawn(_engine_child, args=(init, out, size, repeats), nprocs=1, join=True)
+        return json.load(open(out))
+
+
+# (pp, tp, dp) of each switch round measured: FSDP2's unshard, the TP pieces' gather, the stages' exchange
+SWITCH_LAYOUTS = {"t1d2": (1, 1, 2), "t2d1": (1, 2, 1), "p2t1d1": (2, 1, 1)}
+
+
+def _switch_child(rank: int, init_file: str, out: str, size: str, repeats: int) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from hybridflow.engines.config import EngineConfig, OptimConfig, ParallelConfig
+    from hybridflow.engines.train_engine import TrainEngine
+    from hybridflow.hybrid_engine.pipeline_switch import PipelineResharder
+    from hybridflow.hybrid_engine.resharder import Resharder
+    from hybridflow.models.tiny import build_tiny_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    result = {}
+    for layout, (pp, tp, dp) in SWITCH_LAYOUTS.items():
+        parallel = ParallelConfig(pp=pp, tp=tp, dp=dp)
+        engine = TrainEngine(
+            build_tiny_model(size, "llama"), EngineConfig(optim=OptimConfig(), parallel=parallel)
+        )
+        if pp > 1:  # the generation engine's names: a whole model, parameters on meta (as the worker's)
+            skeleton = build_tiny_model(size, "llama")
+            for module in skeleton.modules():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
+            resharder = PipelineResharder(engine, skeleton, 1, split_vocab=True)
+        else:
+            resharder = Resharder(engine, 1, split_vocab=True)
+
+        samples = []
+        for _ in range(repeats + 1):  # the first round allocates and exchanges the layout: left out
+            dist.barrier()  # both ranks start together: their skew is not the switch's
+            start = time.perf_counter()
+            with resharder.generation():
+                pass
+            counters = torch.tensor(list(resharder.stats.as_metrics().values()), dtype=torch.float64)
+            dist.all_reduce(counters, op=dist.ReduceOp.MAX)  # the worker's max over ranks (workers/actor.py)
+            samples.append(time.perf_counter() - start)
+        result[layout] = min(samples[1:])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def switch_rounds(size: str = "tiny", repeats: int = 8) -> dict[str, float]:
+    """Seconds of one switch round (train -> generate -> train, nothing generated) at each of
+    SWITCH_LAYOUTS on 2 gloo ranks, the tiny model `size`: {"t1d2": s, "t2d1": s, "p2t1d1": s}."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(_switch_child, args=(init, out, size, repeats), nprocs=2, join=True)
         return json.load(open(out))
 
 

@@ -16,8 +16,10 @@ kind, that users can share; `hybridflow plan --profile FILE` and `resources.plan
 Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the path's fixed costs,
 version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per
 token, version 5 the width those per-token terms were measured at, version 6 the driver's own work per step,
-version 7 tensor parallelism's per token, version 8 the engine's per micro-batch) take their
-DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note.
+version 7 tensor parallelism's per token, version 8 the engine's per micro-batch, version 9 the switch's
+per unit gathered) take their DeviceSpec default, 0 (not priced, as when the profile was written), with a
+one-line note; the switch's per FSDP2 unit takes the per-pass figure it was priced at before
+(fsdp_layer_overhead_s).
 
 Pure: no torch here, so the planner reads a profile without loading it.
 """
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 # the terms version 2 added (microbench_path.py): a version 1 profile has none of them
 PATH_FIELDS = (
     "call_overhead_s",
@@ -57,7 +59,10 @@ ADDED_FIELDS = {
     6: ("driver_step_overhead_s",),
     7: ("tp_token_overhead_s",),
     8: ("train_batch_overhead_s", "infer_batch_overhead_s"),
+    9: ("switch_fsdp_unit_s", "switch_tp_unit_s", "switch_stage_s"),
 }
+# a term a newer version measures that an older file had priced by another: it loads as that one
+INHERITED = {"switch_fsdp_unit_s": "fsdp_layer_overhead_s"}
 DTYPES = ("float32", "bfloat16")
 _DEVICE_FIELDS = {f.name for f in fields(DeviceSpec)}
 
@@ -113,6 +118,7 @@ class DeviceProfile:
             unknown = sorted(set(spec) - _DEVICE_FIELDS)
             if unknown:
                 raise ValueError(f"{source}: devices.{dtype} has unknown fields {unknown}")
+            spec = {**{new: spec[old] for new, old in INHERITED.items() if old in spec}, **spec}
             devices[dtype] = replace(DeviceSpec(**spec), measured=True)
         return cls(
             name=str(data["name"]),
@@ -165,7 +171,9 @@ class DeviceProfile:
 
 def _missing_terms(data: dict, version: int, source: str) -> tuple[str, ...]:
     newer = [f for v, added in ADDED_FIELDS.items() if v > version for f in added]
-    missing = sorted({f for spec in data["devices"].values() for f in newer if f not in spec})
+    missing = sorted(
+        {f for spec in data["devices"].values() for f in newer if f not in spec and f not in INHERITED}
+    )
     if not missing:
         return ()
     return (

@@ -320,26 +320,35 @@ def switch_time(
     tg: int,
     method: str = "hybridflow",
 ) -> float:
-    """Train -> generate transition time of the actor (generate -> train just drops the extra shards).
-    With p = pg = 1 it prices what the engines run: FSDP2's all-gather over dp, then the method's gather
-    (embeddings and lm_head stay whole over tp: engines/parallelize.py)."""
+    """Train -> generate -> train round of the actor (generate -> train drops the extra shards): the bytes
+    over the link and, for the engines' method, the round's fixed costs (switch_overhead). With p = pg = 1
+    it prices what the engines run: FSDP2's all-gather over dp, then the method's gather (embeddings and
+    lm_head stay whole over tp: engines/parallelize.py)."""
     bpp = dev.bytes_per_param
     whole = 2 * spec.vocab_size * spec.hidden * bpp
     nbytes = switch_bytes(method, spec.num_params * bpp, p, t, d, pg, tg, whole)
     if nbytes <= 0:
         return 0.0
-    return _switch_transfer(dev, devices_per_node, nbytes, p, t, d, pg, tg, method) + unshard_time(
-        spec, dev, p, d, method
+    return _switch_transfer(dev, devices_per_node, nbytes, p, t, d, pg, tg, method) + switch_overhead(
+        spec, dev, p, t, d, pg, tg, method
     )
 
 
-def unshard_time(spec: ModelSpec, dev: DeviceSpec, p: int, d: int, method: str = "hybridflow") -> float:
-    """What FSDP2 costs beyond the bytes to unshard each unit (a layer; the root) once for the switch
-    (hybrid_engine/resharder.py): its gather's setup, copy-out and hooks, the per-unit pass cost the profile
-    measures (fsdp_layer_overhead_s); on small models most of the switch."""
-    if d <= 1 or method != "hybridflow":
+def switch_overhead(
+    spec: ModelSpec, dev: DeviceSpec, p: int, t: int, d: int, pg: int, tg: int, method: str
+) -> float:
+    """What the engines' switch (hybrid_engine/resharder.py, pipeline_switch.py) costs beyond its bytes, per
+    unit it gathers, as microbench_path.switch_rounds measures it: FSDP2 unshards each of a stage's units (its
+    layers and the root) at d > 1, the TP pieces of each layer are gathered at t > tg (the root's embeddings
+    and lm_head are whole over tp), each of p > pg stages is exchanged; then one all-reduce of the round's
+    counters. On small models most of the switch."""
+    if method != "hybridflow":
         return 0.0
-    return (spec.num_layers / p + 1) * dev.fsdp_layer_overhead_s
+    layers = spec.num_layers / p
+    fsdp = (layers + 1) * dev.switch_fsdp_unit_s if d > 1 else 0.0
+    tp = layers * dev.switch_tp_unit_s if t > tg else 0.0
+    stages = p * dev.switch_stage_s if p > pg else 0.0
+    return fsdp + tp + stages + dev.comm_latency_s
 
 
 def _switch_transfer(

@@ -202,6 +202,13 @@ class DeviceSpec:
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0
+    # what the 3D-HybridEngine's switch round (train -> generate -> train) costs beyond its bytes, per unit
+    # it gathers (microbench_path.switch_rounds; before version 9: the FSDP2 unit at fsdp_layer_overhead_s,
+    # the others 0): per FSDP2 unit unsharded at d > 1, per layer whose TP pieces are gathered (t > tg), per
+    # pipeline stage exchanged (p > pg)
+    switch_fsdp_unit_s: float = 0.0
+    switch_tp_unit_s: float = 0.0
+    switch_stage_s: float = 0.0
     usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers
     measured: bool = False  # True: from a device profile measured on the machine (profile.py); else datasheet
 

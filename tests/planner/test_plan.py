@@ -153,6 +153,10 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
         assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
     assert fp32.token_overhead_width == 64  # --size tiny's hidden size
     assert raw["engine_passes"]["train_s"][1] > raw["engine_passes"]["train_s"][0] > 0  # 256 rows against 64
+    # the switch's rounds on the resharders, per unit gathered beyond the bytes (fitted on fp32, both dtypes)
+    assert set(raw["switch_rounds"]) == {"t1d2", "t2d1", "p2t1d1"} and min(raw["switch_rounds"].values()) > 0
+    for name in ("switch_fsdp_unit_s", "switch_tp_unit_s", "switch_stage_s"):
+        assert getattr(fp32, name) == getattr(bf16, name) == raw["switch_terms"][name] >= 0
     # 2,048 tokens' non-matmul work costs something on any CPU; per dtype, as measured
     assert fp32.activation_s_per_element == raw["float32"]["activation_s_per_element"] > 0
     assert bf16.activation_s_per_element == raw["bfloat16"]["activation_s_per_element"] > 0

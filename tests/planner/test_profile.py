@@ -121,7 +121,7 @@ def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys)
     dropped = ("driver_step_overhead_s",)
     loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 8
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 9
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
@@ -354,6 +354,42 @@ def test_a_version_6_profile_prices_tp_per_token_at_0_and_says_so(tmp_path, caps
     assert loaded.device("float32").tp_token_overhead_s == 0.0
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 6 device profile without the terms measured since (tp_token_overhead_s)" in note
+
+
+def test_a_version_8_profile_prices_the_switch_per_fsdp_unit_as_then_and_says_so(tmp_path, capsys):
+    """Version 9 measures the switch's fixed cost per unit gathered. A version 8 file priced FSDP2's unshard
+    at its per-pass figure: it loads as that; the TP and stage terms, never priced, load as 0, named."""
+    dropped = ("switch_fsdp_unit_s", "switch_tp_unit_s", "switch_stage_s")
+    loaded = _load_old(tmp_path, 8, dropped, fsdp_layer_overhead_s=2e-3, switch_tp_unit_s=1e-3)
+    dev = loaded.device("float32")
+    assert (dev.switch_fsdp_unit_s, dev.switch_tp_unit_s, dev.switch_stage_s) == (2e-3, 0.0, 0.0)
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        "a version 8 device profile without the terms measured since (switch_stage_s, switch_tp_unit_s)"
+        in note
+    )
+
+
+def test_switch_fit_recovers_known_costs_per_unit():
+    """Measured rounds = the simulator's bytes and all-reduce for the same rounds + 0.7 ms per FSDP2 unit (the
+    tiny model's 2 layers and root), 0.5 ms per TP-gathered layer (2), 0.2 ms per stage (2): the fit returns
+    them, whatever the profile's own switch terms were."""
+    from hybridflow.models.tiny import build_tiny_config
+    from hybridflow.planner.calibrate import fit_switch_terms
+    from hybridflow.planner.simulate import switch_time
+
+    dev = _profile(fsdp_layer_overhead_s=3e-3).device("float32")
+    stale = replace(dev, switch_fsdp_unit_s=1.0, switch_tp_unit_s=1.0, switch_stage_s=1.0)
+    spec = ModelSpec.from_config_dict(build_tiny_config("tiny", "llama").to_dict())
+    bare = replace(dev, switch_fsdp_unit_s=0.0)
+    raw = {
+        "t1d2": switch_time(spec, bare, 2, 1, 1, 2, 1, 1) + 3 * 7e-4,
+        "t2d1": switch_time(spec, bare, 2, 1, 2, 1, 1, 1) + 2 * 5e-4,
+        "p2t1d1": switch_time(spec, bare, 2, 2, 1, 1, 1, 1) + 2 * 2e-4,
+    }
+    expected = {"switch_fsdp_unit_s": 7e-4, "switch_tp_unit_s": 5e-4, "switch_stage_s": 2e-4}
+    assert fit_switch_terms(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_switch_terms(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
 
 
 def test_plan_command_plans_with_a_profile(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The step's terms beyond the stages' passes, each by hand: a replica's training micro-batch holds at most its
-rows, the switch pays FSDP2's unshard per unit, the plan's rest holds the step's calls and the driver's work."""
+rows, the switch pays per unit it gathers, the plan's rest holds the step's calls and the driver's work."""
 
 from __future__ import annotations
 
@@ -28,15 +28,27 @@ def test_a_training_micro_batch_holds_at_most_the_replicas_rows():
     )
 
 
-def test_the_switch_pays_fsdp2s_unshard_per_unit_at_d_above_1():
-    """Each of the 4 layers and the root is unsharded once: 5 units at the profile's per-unit cost, at d = 2
-    only (d = 1 holds its weights whole); the GPU entries measure no such cost and keep their figures."""
-    unit = 2e-3
-    priced = replace(CPU, fsdp_layer_overhead_s=unit)
-    base = switch_time(SPEC, CPU, 4, 1, 1, 2, 1, 1)
-    assert switch_time(SPEC, priced, 4, 1, 1, 2, 1, 1) - base == pytest.approx(5 * unit, rel=1e-9)
-    assert switch_time(SPEC, priced, 4, 1, 2, 1, 1, 1) == switch_time(SPEC, CPU, 4, 1, 2, 1, 1, 1)
-    assert get_device("a100-80").fsdp_layer_overhead_s == 0.0
+def test_the_switch_pays_each_unit_it_gathers():
+    """Beyond its bytes, a switch round to tg = 1 pays per unit it gathers (simulate.switch_overhead): at d = 2
+    FSDP2 unshards each of the 4 layers and the root (5 units); at t = 2 each layer's TP pieces are gathered (4:
+    the root's embeddings and lm_head are whole over tp); at p = 2 each of the 2 stages is exchanged, and a
+    stage of 2 layers at d = 2 unshards 3 units. Each term alone, at its layouts only; a layout that moves
+    nothing pays nothing; the GPU entries measure no such cost."""
+    fsdp, tp, stage = 2e-3, 3e-4, 5e-5
+    terms = {"switch_fsdp_unit_s": fsdp, "switch_tp_unit_s": tp, "switch_stage_s": stage}
+    cases = [((1, 1, 2), {"switch_fsdp_unit_s": 5}), ((1, 2, 1), {"switch_tp_unit_s": 4}),
+             ((2, 1, 1), {"switch_stage_s": 2}), ((2, 1, 2), {"switch_stage_s": 2, "switch_fsdp_unit_s": 3}),
+             ((2, 2, 2), {"switch_stage_s": 2, "switch_fsdp_unit_s": 3, "switch_tp_unit_s": 2})]  # fmt: skip
+    for (p, t, d), units in cases:
+        base = switch_time(SPEC, CPU, 4, p, t, d, 1, 1)
+        priced = switch_time(SPEC, replace(CPU, **terms), 4, p, t, d, 1, 1)
+        assert priced - base == pytest.approx(sum(n * terms[k] for k, n in units.items()), rel=1e-9), (
+            p,
+            t,
+            d,
+        )
+    assert switch_time(SPEC, replace(CPU, **terms), 4, 1, 2, 1, 1, 2) == 0.0  # tg = t, p = d = 1: no switch
+    assert all(getattr(get_device("a100-80"), k) == 0.0 for k in terms)
 
 
 def test_the_plans_rest_holds_every_stages_call_the_advantages_and_the_drivers_work():
