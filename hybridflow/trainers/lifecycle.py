@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -167,6 +168,8 @@ class StopSignals:
         self.live = False  # inside running()
         self._timer: threading.Timer | None = None
         self._previous: dict = {}
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._previous_fd = -1
 
     def __enter__(self) -> StopSignals:
         global ACTIVE
@@ -183,6 +186,22 @@ class StopSignals:
             return  # Python delivers signals to the main thread only; a caller elsewhere keeps its handlers
         for s in self.SIGNALS:
             signal.signal(s, self._handle)
+        if self._wakeup is None:
+            self._wakeup = socket.socketpair()
+            for sock in self._wakeup:
+                sock.setblocking(False)
+            self._previous_fd = signal.set_wakeup_fd(self._wakeup[1].fileno(), warn_on_full_buffer=False)
+
+    def _deliveries(self) -> int:
+        """How many stop signals arrived since the last handler call (at least this one). Python runs a
+        handler once for signals that arrive while the main thread is inside one C call (a Ray wait
+        checks for them once a second), so two quick SIGTERMs would read as one; its C handler writes
+        a byte per delivery to the wakeup fd, which counts them."""
+        n = 0
+        with contextlib.suppress(BlockingIOError, OSError, AttributeError, TypeError):
+            while chunk := self._wakeup[0].recv(64):
+                n += sum(b in self.SIGNALS for b in chunk)
+        return max(n, 1)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -202,6 +221,10 @@ class StopSignals:
             self._timer.cancel()
 
     def _handle(self, signum, frame) -> None:
+        for _ in range(self._deliveries()):
+            self._one(signum)
+
+    def _one(self, signum: int) -> None:
         if not self.live:  # before the body (it stops after its first step) or shutting down already
             self.signum = self.signum or signum
             return
@@ -248,6 +271,11 @@ class StopSignals:
         ACTIVE = None
         for s, h in self._previous.items():
             signal.signal(s, h)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            for sock in self._wakeup:
+                sock.close()
+            self._wakeup = None
 
 
 ACTIVE: StopSignals | None = None
