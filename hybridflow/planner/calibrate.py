@@ -127,7 +127,10 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         )  # fmt: skip
     if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
         fp32 = devices.get("float32") or next(iter(devices.values()))
-        raw["engine_tokens"] = terms = fit_engine_terms(raw["engine_passes"], fp32, size)
+        terms = fit_engine_terms(raw["engine_passes"], fp32, size)
+        if "dp2" in raw["engine_passes"]:
+            terms |= fit_fsdp_token_terms(raw["engine_passes"], replace(fp32, **terms), size)
+        raw["engine_tokens"] = terms
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     if "switch_rounds" in raw:  # measured in fp32 (the bytes priced per dtype; the fixed costs are Python)
         fp32 = devices.get("float32") or next(iter(devices.values()))
@@ -152,17 +155,12 @@ def fit_engine_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     seconds with that slope priced, the engine's fixed cost per micro-batch that the plain model's fixed
     terms (microbench.layer_overhead, microbench_path.training_path) do not see."""
     from hybridflow.models.tiny import build_tiny_config
-    from hybridflow.planner.microbench_path import GROUP, RESPONSE
 
     spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
     dev = in_process(dev)  # the engine's own terms being what is fitted
     predicted, tokens = {"train_s": [], "infer_s": []}, []
     for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
-        wl = WorkloadSpec(
-            prompts=rows // GROUP, samples_per_prompt=GROUP, prompt_len=math.ceil(prompt), response_len=RESPONSE,
-            mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows, shared_prompts=True,
-            mean_prompt_len=prompt,
-        )  # fmt: skip
+        wl = _engine_workload(rows, prompt, 1)
         tokens.append(rows * wl.tokens_per_sequence(rows))
         predicted["train_s"].append(sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False))
         predicted["infer_s"].append(sim.inference_time(spec, dev, wl, 1, 1, 1, 1))
@@ -180,6 +178,45 @@ def fit_engine_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
         "train_batch_overhead_s": train_batch,
         "infer_batch_overhead_s": infer_batch,
     }
+
+
+def fit_fsdp_token_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
+    """fsdp_train_token_overhead_s and fsdp_infer_token_overhead_s: per token of a layer's pass, what the
+    engine's passes on 2 FSDP2 ranks (microbench_path.engine_passes' "dp2", the same rows a rank) measured
+    beyond the simulator's seconds for them at d = 2 with every other term `dev` has (the engine's included),
+    slope against slope, so the fixed costs (FSDP2's per unit among them) cancel."""
+    from hybridflow.models.tiny import build_tiny_config
+
+    spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
+    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, fsdp_train_token_overhead_s=0.0,
+                  fsdp_infer_token_overhead_s=0.0)  # fmt: skip
+    predicted, tokens = {"train_s": [], "infer_s": []}, []
+    for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
+        wl = _engine_workload(rows, prompt, 2)
+        tokens.append(rows * wl.tokens_per_sequence(rows))
+        predicted["train_s"].append(sim.training_time(spec, dev, wl, 2, 1, 1, 2, checkpoint=False))
+        predicted["infer_s"].append(sim.inference_time(spec, dev, wl, 2, 1, 1, 2))
+
+    def per_layer_token(key: str, passes: int) -> float:
+        measured = raw["dp2"][key][-1] - raw["dp2"][key][0]
+        extra = measured - (predicted[key][-1] - predicted[key][0])
+        return max(0.0, extra / (tokens[-1] - tokens[0]) / (passes * spec.num_layers))
+
+    return {
+        "fsdp_train_token_overhead_s": per_layer_token("train_s", 3),  # forward, backward (two)
+        "fsdp_infer_token_overhead_s": per_layer_token("infer_s", 1),
+    }
+
+
+def _engine_workload(rows: int, prompt: float, ranks: int) -> WorkloadSpec:
+    """microbench_path.engine_passes' batch: `rows` GRPO rows a rank in one micro-batch, on `ranks` ranks."""
+    from hybridflow.planner.microbench_path import GROUP, RESPONSE
+
+    return WorkloadSpec(
+        prompts=ranks * rows // GROUP, samples_per_prompt=GROUP, prompt_len=math.ceil(prompt),
+        response_len=RESPONSE, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
+        shared_prompts=True, mean_prompt_len=prompt,
+    )  # fmt: skip
 
 
 def fit_switch_terms(raw: dict[str, float], dev: DeviceSpec, size: str) -> dict[str, float]:

@@ -13,7 +13,8 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
                         t1d1 and t2d1 again at 512 tokens: tensor parallelism's per-layer cost per token
     engine passes       the engine's own training step and log-prob pass (TrainEngine) on 64 and 256
                         GRPO-shaped rows in one process: per token, what the simulator's FLOP, activation
-                        and fixed terms leave out (calibrate.py fits it against them)
+                        and fixed terms leave out (calibrate.py fits it against them); again on 2 ranks
+                        sharded by FSDP2: what dp = 2 adds per token beyond its fixed cost per unit
     switch rounds       the 3D-HybridEngine's train -> generate -> train round (hybrid_engine/resharder.py,
                         pipeline_switch.py) of a TrainEngine at t1d2, t2d1 and p2t1d1 on 2 gloo ranks, to
                         tg = 1, with the worker's exchange of the round's counters: calibrate.py fits the
@@ -21,14 +22,17 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
 
 The slopes' differences are the per-layer costs of FSDP2 over dp (gathers, reduce-scatters, hooks) and
 of tensor parallelism (DTensor dispatch and the all-reduces of its row-wise layers). Each figure is the
-fastest of a few samples (microbench.best_seconds).
+fastest of a few samples (microbench.best_seconds). The processes they spawn start as a run's CPU workers
+(`as_workers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -134,6 +138,25 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
     }
 
 
+@contextlib.contextmanager
+def as_workers() -> Iterator[None]:
+    """Processes spawned inside start as a run's CPU workers do (controller/resource_pool.py
+    embedded_worker_env): Ray's jemalloc preloaded with the workers' settings, libgomp's short spin; not
+    glibc's allocator, under which a pass's large tensors page-fault their memory in afresh."""
+    from hybridflow.controller.resource_pool import embedded_worker_env, ray_jemalloc
+
+    env = embedded_worker_env(compute_on_cpu=True)
+    if env.pop("RAY_LD_PRELOAD_ON_WORKERS", None):  # Ray's own switch; a spawned process reads LD_PRELOAD
+        env["LD_PRELOAD"] = ray_jemalloc()
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
 def _model(size: str, layers: int, tp: int, dp: int):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -204,7 +227,7 @@ def training_path(repeats: int = 5, size: str = "tiny") -> dict[str, float]:
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, as_workers():
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
         mp.spawn(_training_child, args=(init, out, repeats, size), nprocs=2, join=True)
         raw = {k: tuple(v) for k, v in json.load(open(out)).items()}
@@ -239,27 +262,29 @@ def _pg_loss(outputs, mb):
     return -(outputs["log_probs"] * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1), {}
 
 
-def _engine_child(rank: int, init_file: str, out: str, size: str, repeats: int) -> None:
+def _engine_child(rank: int, init_file: str, out: str, size: str, repeats: int, dp: int = 1) -> None:
     import json
 
     import torch.distributed as dist
 
-    from hybridflow.engines.config import EngineConfig, OptimConfig
+    from hybridflow.engines.config import EngineConfig, OptimConfig, ParallelConfig
     from hybridflow.engines.train_engine import TrainEngine
     from hybridflow.models.tiny import build_tiny_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp)
     cfg = EngineConfig(
         optim=OptimConfig(lr=1e-5),
         micro_batch_size_per_device=max(ENGINE_ROWS),
         remove_padding=True,
         share_prompt=True,
+        parallel=ParallelConfig(dp=dp),
     )
     engine = TrainEngine(build_tiny_model(size, "llama", seed=0), cfg)
     result = {"rows": list(ENGINE_ROWS), "prompt_len": [], "train_s": [], "infer_s": []}
     for rows in ENGINE_ROWS:
-        batch = grpo_rows(engine.hf_model.config.vocab_size, rows)
+        # each rank its own rows, as a run's ranks get theirs: at dp = 2 every gather waits for the slower
+        batch = grpo_rows(engine.hf_model.config.vocab_size, rows, seed=rank)
         result["prompt_len"].append(float((batch["prompts"] != 0).sum()) / rows)
         result["train_s"].append(
             best_seconds(lambda b=batch: engine.train_step(b, _pg_loss), repeats, min_s=0.0)
@@ -267,23 +292,28 @@ def _engine_child(rank: int, init_file: str, out: str, size: str, repeats: int) 
         result["infer_s"].append(
             best_seconds(lambda b=batch: engine.compute_log_probs(b), repeats, min_s=0.0)
         )
-    with open(out, "w") as f:
-        json.dump(result, f)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
     dist.destroy_process_group()
 
 
 def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     """Seconds of the engine's own training step (TrainEngine.train_step: packed, shared prompts, the
-    log-prob chunks, clipping, AdamW) and log-prob pass (compute_log_probs) in one process, on ENGINE_ROWS
-    GRPO-shaped rows of the tiny model `size`: {"rows", "prompt_len" (their mean), "train_s", "infer_s"}."""
+    log-prob chunks, clipping, AdamW) and log-prob pass (compute_log_probs) on ENGINE_ROWS GRPO-shaped rows
+    of the tiny model `size` a rank: {"rows", "prompt_len" (their mean), "train_s", "infer_s"} in one
+    process, and under "dp2" the same on 2 ranks sharded by FSDP2 (rank 0's figures)."""
     import json
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_engine_child, args=(init, out, size, repeats), nprocs=1, join=True)
-        return json.load(open(out))
+    result = {}
+    for dp in (1, 2):
+        with tempfile.TemporaryDirectory() as tmp, as_workers():
+            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+            mp.spawn(_engine_child, args=(init, out, size, repeats, dp), nprocs=dp, join=True)
+            result[dp] = json.load(open(out))
+    return {**result[1], "dp2": {k: result[2][k] for k in ("train_s", "infer_s")}}
 
 
 # (pp, tp, dp) of each switch round measured: FSDP2's unshard, the TP pieces' gather, the stages' exchange
@@ -342,7 +372,7 @@ def switch_rounds(size: str = "tiny", repeats: int = 8) -> dict[str, float]:
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, as_workers():
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
         mp.spawn(_switch_child, args=(init, out, size, repeats), nprocs=2, join=True)
         return json.load(open(out))

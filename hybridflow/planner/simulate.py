@@ -108,6 +108,16 @@ def tp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, t: int) -> fl
     return tokens * dev.tp_token_overhead_s * width
 
 
+def fsdp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, d: int, per_token: float) -> float:
+    """Seconds one layer's pass over `tokens` tokens adds at d > 1 beyond FSDP2's fixed cost per unit
+    (fsdp_layer_overhead_s): `per_token` is the profile's training or inference figure, measured on the
+    engine's own passes at dp = 2 and scaled by width as its other per-token terms are."""
+    if d <= 1 or not per_token:
+        return 0.0
+    width = spec.hidden / dev.token_overhead_width if dev.token_overhead_width else 1.0
+    return tokens * per_token * width
+
+
 def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     """Fixed seconds of one micro-batch pass on a rank holding `layers` layers at tensor size t, data size
     d. FSDP2 wraps each layer and the rest (embeddings, norm, head) as one more unit (engines/parallelize.py)."""
@@ -194,6 +204,7 @@ def training_time(
         + pp_comm
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
         + passes * layers * tp_token_time(spec, dev, tokens, t)
+        + passes * layers * fsdp_token_time(spec, dev, tokens, d, dev.fsdp_train_token_overhead_s)
         + engine_overhead(spec, dev, tokens, dev.train_token_overhead_s, dev.train_batch_overhead_s, p)
     )
     pipeline = (m + p - 1) * slot
@@ -220,6 +231,7 @@ def inference_time(
     pp_comm = act_bytes / t / dev.intra_node_bandwidth if p > 1 else 0.0
     slot = _matmul_time(dev, flops, spec.hidden / t) + tp_comm + pp_comm + path_overhead(dev, layers, t, d)
     slot += layers * tp_token_time(spec, dev, tokens, t)
+    slot += layers * fsdp_token_time(spec, dev, tokens, d, dev.fsdp_infer_token_overhead_s)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
     slot += engine_overhead(spec, dev, tokens, dev.infer_token_overhead_s, dev.infer_batch_overhead_s, p)
     return (m + p - 1) * slot

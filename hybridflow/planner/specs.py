@@ -177,6 +177,11 @@ class DeviceSpec:
     # token_overhead_width's hidden size (scaled like the engine's per-token terms; before version 7: 0)
     tp_token_overhead_s: float = 0.0
     fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks
+    # and per token of a layer's pass at d > 1 beyond that, in the engine's training step and its log-prob
+    # pass, at token_overhead_width (microbench_path.engine_passes at dp = 2; before version 10: 0): each
+    # gather waits for the slower rank, whose lead grows with the work between two gathers
+    fsdp_train_token_overhead_s: float = 0.0
+    fsdp_infer_token_overhead_s: float = 0.0
     optimizer_layer_overhead_s: float = (
         0.0  # per layer per optimizer step: clipping and AdamW on plain tensors
     )

@@ -153,6 +153,11 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
         assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
     assert fp32.token_overhead_width == 64  # --size tiny's hidden size
     assert raw["engine_passes"]["train_s"][1] > raw["engine_passes"]["train_s"][0] > 0  # 256 rows against 64
+    # the same passes on 2 FSDP2 ranks: what d = 2 adds per token per layer pass (both dtypes, from fp32)
+    dp2 = raw["engine_passes"]["dp2"]
+    assert dp2["train_s"][1] > dp2["train_s"][0] > 0 and dp2["infer_s"][1] > dp2["infer_s"][0] > 0
+    for name in ("fsdp_train_token_overhead_s", "fsdp_infer_token_overhead_s"):
+        assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
     # the switch's rounds on the resharders, per unit gathered beyond the bytes (fitted on fp32, both dtypes)
     assert set(raw["switch_rounds"]) == {"t1d2", "t2d1", "p2t1d1"} and min(raw["switch_rounds"].values()) > 0
     for name in ("switch_fsdp_unit_s", "switch_tp_unit_s", "switch_stage_s"):

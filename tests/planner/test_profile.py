@@ -121,7 +121,7 @@ def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys)
     dropped = ("driver_step_overhead_s",)
     loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 9
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 10
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
@@ -390,6 +390,55 @@ def test_switch_fit_recovers_known_costs_per_unit():
     expected = {"switch_fsdp_unit_s": 7e-4, "switch_tp_unit_s": 5e-4, "switch_stage_s": 2e-4}
     assert fit_switch_terms(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
     assert fit_switch_terms(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
+
+
+def test_fsdp_per_token_by_hand_and_fit_recovers_it():
+    """At d = 2 each of a micro-batch's passes pays the term per layer per token: 512 rows of GRPO's shape,
+    256 a rank, 1,248 tokens a micro-batch, SMALL's layers, 3 passes for training and 1 for inference; nothing
+    at d = 1. Fitted from engine passes on 2 ranks that measured the simulator's seconds plus 4 us (training)
+    and 1.5 us (inference) a token per layer pass, the fit returns them whatever the profile's own figures."""
+    from hybridflow.models.tiny import build_tiny_config
+    from hybridflow.planner.calibrate import fit_fsdp_token_terms
+    from hybridflow.planner.simulate import inference_time, training_time
+
+    wl = replace(WORKLOAD, prompt_len=9, mean_prompt_len=7.0, shared_prompts=True)
+    base = _profile().device("float32")
+    dev = replace(base, fsdp_train_token_overhead_s=1e-6, fsdp_infer_token_overhead_s=2e-7)
+    layers = SMALL.num_layers
+    train = training_time(SMALL, dev, wl, 4, 1, 1, 2, False) - training_time(
+        SMALL, base, wl, 4, 1, 1, 2, False
+    )
+    infer = inference_time(SMALL, dev, wl, 4, 1, 1, 2) - inference_time(SMALL, base, wl, 4, 1, 1, 2)
+    assert train == pytest.approx(3 * layers * 1248 * 1e-6) and infer == pytest.approx(layers * 1248 * 2e-7)
+    assert training_time(SMALL, dev, wl, 4, 1, 1, 1, False) == training_time(
+        SMALL, base, wl, 4, 1, 1, 1, False
+    )
+
+    dev = _profile(micro_batch_overhead_s=1e-3, fsdp_layer_overhead_s=2e-3, train_token_overhead_s=2e-6,
+                   token_overhead_width=64.0).device("float32")  # fmt: skip
+    stale = replace(dev, fsdp_train_token_overhead_s=1.0, fsdp_infer_token_overhead_s=1.0)
+    spec = ModelSpec.from_config_dict(build_tiny_config("tiny", "llama").to_dict())
+    raw = {"rows": [64, 256], "prompt_len": [7.0, 7.0], "dp2": {"train_s": [], "infer_s": []}}
+    for rows, tokens in ((64, 312), (256, 1248)):
+        wl = WorkloadSpec(2 * rows // 8, 8, 7, 4, mini_batches=1, micro_batch_size=rows,
+                          inference_micro_batch_size=rows, shared_prompts=True, mean_prompt_len=7.0)  # fmt: skip
+        per_layer = tokens * spec.num_layers
+        raw["dp2"]["train_s"].append(training_time(spec, dev, wl, 2, 1, 1, 2, False) + 3 * per_layer * 4e-6)
+        raw["dp2"]["infer_s"].append(inference_time(spec, dev, wl, 2, 1, 1, 2) + per_layer * 1.5e-6)
+    expected = {"fsdp_train_token_overhead_s": 4e-6, "fsdp_infer_token_overhead_s": 1.5e-6}
+    assert fit_fsdp_token_terms(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_fsdp_token_terms(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_version_9_profile_prices_fsdp_per_token_at_0_and_says_so(tmp_path, capsys):
+    dropped = ("fsdp_train_token_overhead_s", "fsdp_infer_token_overhead_s")
+    loaded = _load_old(tmp_path, 9, dropped, fsdp_train_token_overhead_s=1e-6)
+    assert loaded.device("float32").fsdp_train_token_overhead_s == 0.0
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        "a version 9 device profile without the terms measured since (fsdp_infer_token_overhead_s, "
+        "fsdp_train_token_overhead_s)" in note
+    )
 
 
 def test_plan_command_plans_with_a_profile(tmp_path, capsys):
