@@ -41,6 +41,7 @@ PLANNER_MEASURES = {
         "hybridflow.hybrid_engine.pipeline_switch",
         "hybridflow.controller",
         "hybridflow.controller.timers",  # the empty step is timed through the trainer's own timers
+        "hybridflow.controller.resource_pool",  # its processes start with the workers' environment
         "hybridflow.batch",
     },
 }
