@@ -157,13 +157,8 @@ def fit_engine_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     from hybridflow.models.tiny import build_tiny_config
 
     spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
-    dev = in_process(dev)  # the engine's own terms being what is fitted
-    predicted, tokens = {"train_s": [], "infer_s": []}, []
-    for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
-        wl = _engine_workload(rows, prompt, 1)
-        tokens.append(rows * wl.tokens_per_sequence(rows))
-        predicted["train_s"].append(sim.training_time(spec, dev, wl, 1, 1, 1, 1, checkpoint=False))
-        predicted["infer_s"].append(sim.inference_time(spec, dev, wl, 1, 1, 1, 1))
+    # the engine's own terms being what is fitted
+    predicted, tokens = _engine_predictions(raw, spec, in_process(dev), ranks=1)
 
     def residual(key: str) -> tuple[float, float]:
         measured = raw[key][-1] - raw[key][0]
@@ -190,12 +185,7 @@ def fit_fsdp_token_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
     dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, fsdp_train_token_overhead_s=0.0,
                   fsdp_infer_token_overhead_s=0.0)  # fmt: skip
-    predicted, tokens = {"train_s": [], "infer_s": []}, []
-    for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
-        wl = _engine_workload(rows, prompt, 2)
-        tokens.append(rows * wl.tokens_per_sequence(rows))
-        predicted["train_s"].append(sim.training_time(spec, dev, wl, 2, 1, 1, 2, checkpoint=False))
-        predicted["infer_s"].append(sim.inference_time(spec, dev, wl, 2, 1, 1, 2))
+    predicted, tokens = _engine_predictions(raw, spec, dev, ranks=2)
 
     def per_layer_token(key: str, passes: int) -> float:
         measured = raw["dp2"][key][-1] - raw["dp2"][key][0]
@@ -208,15 +198,22 @@ def fit_fsdp_token_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     }
 
 
-def _engine_workload(rows: int, prompt: float, ranks: int) -> WorkloadSpec:
-    """microbench_path.engine_passes' batch: `rows` GRPO rows a rank in one micro-batch, on `ranks` ranks."""
+def _engine_predictions(raw: dict, spec: ModelSpec, dev: DeviceSpec, ranks: int) -> tuple[dict, list]:
+    """The simulator's seconds for microbench_path.engine_passes' batches (`rows` GRPO rows a rank in one
+    micro-batch, on `ranks` data-parallel ranks): ({"train_s": [...], "infer_s": [...]}, tokens a rank)."""
     from hybridflow.planner.microbench_path import GROUP, RESPONSE
 
-    return WorkloadSpec(
-        prompts=ranks * rows // GROUP, samples_per_prompt=GROUP, prompt_len=math.ceil(prompt),
-        response_len=RESPONSE, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
-        shared_prompts=True, mean_prompt_len=prompt,
-    )  # fmt: skip
+    predicted, tokens = {"train_s": [], "infer_s": []}, []
+    for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
+        wl = WorkloadSpec(
+            prompts=ranks * rows // GROUP, samples_per_prompt=GROUP, prompt_len=math.ceil(prompt),
+            response_len=RESPONSE, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
+            shared_prompts=True, mean_prompt_len=prompt,
+        )  # fmt: skip
+        tokens.append(rows * wl.tokens_per_sequence(rows))
+        predicted["train_s"].append(sim.training_time(spec, dev, wl, ranks, 1, 1, ranks, checkpoint=False))
+        predicted["infer_s"].append(sim.inference_time(spec, dev, wl, ranks, 1, 1, ranks))
+    return predicted, tokens
 
 
 def fit_switch_terms(raw: dict[str, float], dev: DeviceSpec, size: str) -> dict[str, float]:

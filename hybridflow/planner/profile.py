@@ -17,9 +17,9 @@ Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the
 version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per
 token, version 5 the width those per-token terms were measured at, version 6 the driver's own work per step,
 version 7 tensor parallelism's per token, version 8 the engine's per micro-batch, version 9 the switch's
-per unit gathered, version 10 FSDP2's per token) take their DeviceSpec default, 0 (not priced, as when the profile was written), with a
-one-line note; the switch's per FSDP2 unit takes the per-pass figure it was priced at before
-(fsdp_layer_overhead_s).
+per unit gathered, version 10 FSDP2's per token) take their DeviceSpec default, 0 (not priced, as when the
+profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass figure it was
+priced at before (fsdp_layer_overhead_s).
 
 Pure: no torch here, so the planner reads a profile without loading it.
 """

@@ -97,6 +97,12 @@ def layer_pass_overhead(dev: DeviceSpec, t: int) -> float:
     return dev.layer_overhead_s + (dev.tp_layer_overhead_s if t > 1 else 0.0)
 
 
+def token_width_scale(spec: ModelSpec, dev: DeviceSpec) -> float:
+    """The model's hidden size over the width the profile's per-token terms were measured at (their work is
+    over hidden-sized vectors); 1 for a profile that did not record it (before version 5)."""
+    return spec.hidden / dev.token_overhead_width if dev.token_overhead_width else 1.0
+
+
 def tp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, t: int) -> float:
     """Seconds one layer's pass over `tokens` tokens adds at t > 1 beyond the fixed tp_layer_overhead_s:
     DTensor's redistributions and the row-wise layers' reductions grow with the tokens (measured at 32 and
@@ -104,8 +110,7 @@ def tp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, t: int) -> fl
     the profile measured at as the engine's per-token terms are."""
     if t <= 1 or not dev.tp_token_overhead_s:
         return 0.0
-    width = spec.hidden / dev.token_overhead_width if dev.token_overhead_width else 1.0
-    return tokens * dev.tp_token_overhead_s * width
+    return tokens * dev.tp_token_overhead_s * token_width_scale(spec, dev)
 
 
 def fsdp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, d: int, per_token: float) -> float:
@@ -114,8 +119,7 @@ def fsdp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, d: int, per
     engine's own passes at dp = 2 and scaled by width as its other per-token terms are."""
     if d <= 1 or not per_token:
         return 0.0
-    width = spec.hidden / dev.token_overhead_width if dev.token_overhead_width else 1.0
-    return tokens * per_token * width
+    return tokens * per_token * token_width_scale(spec, dev)
 
 
 def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
@@ -171,8 +175,7 @@ def engine_overhead(
     their cost beyond the FLOP, activation and fixed terms is not measured, so 0."""
     if p > 1:
         return 0.0
-    width = spec.hidden / dev.token_overhead_width if dev.token_overhead_width else 1.0
-    return tokens * per_token * width + per_batch
+    return tokens * per_token * token_width_scale(spec, dev) + per_batch
 
 
 def training_time(

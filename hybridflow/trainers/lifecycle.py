@@ -197,8 +197,10 @@ class StopSignals:
         handler once for signals that arrive while the main thread is inside one C call (a Ray wait
         checks for them once a second), so two quick SIGTERMs would read as one; its C handler writes
         a byte per delivery to the wakeup fd, which counts them."""
+        if self._wakeup is None:  # installed off the main thread: Python's own handlers, no count
+            return 1
         n = 0
-        with contextlib.suppress(BlockingIOError, OSError, AttributeError, TypeError):
+        with contextlib.suppress(OSError):  # BlockingIOError: drained
             while chunk := self._wakeup[0].recv(64):
                 n += sum(b in self.SIGNALS for b in chunk)
         return max(n, 1)
