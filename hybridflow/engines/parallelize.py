@@ -1,5 +1,6 @@
 """Parallelism applied by a function to a plain HF model (after its LoRA adapters, if any: models/lora.py),
-in torchtitan's order: tensor parallel (DTensor plans over the "tp" mesh axis) -> activation checkpointing -> FSDP2
+in torchtitan's order: tensor parallel (DTensor parameters over the "tp" mesh axis, computed on their local
+shards: engines/tp_regions.py) -> activation checkpointing -> FSDP2
 `fully_shard` over the "dp" axis. Model code stays parallelism-free (docs/design.md §7).
 
 Where this departs from torchtitan:
@@ -25,6 +26,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hybridflow.compat.hf import enable_activation_checkpointing
+from hybridflow.engines.tp_regions import LocalColwise, LocalRowwise
 from hybridflow.models.fused_qkv import fused_qkv_permutation
 from hybridflow.models.lora import ADAPTER, is_adapter
 
@@ -108,14 +110,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     layers = decoder_layers(model)
     if kind in LLAMA_LIKE:
         _check_divisible(config, tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
+        # computed on local shards, activations plain tensors (engines/tp_regions.py: why not DTensors)
         plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
+            "self_attn.q_proj": LocalColwise(),
+            "self_attn.k_proj": LocalColwise(),
+            "self_attn.v_proj": LocalColwise(),
+            "self_attn.o_proj": LocalRowwise(),
+            "mlp.gate_proj": LocalColwise(),
+            "mlp.up_proj": LocalColwise(),
+            "mlp.down_proj": LocalRowwise(),
         }
         for layer in layers:
             parallelize_module(layer, tp_mesh, with_adapters(plan, layer))
