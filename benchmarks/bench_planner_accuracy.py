@@ -3,7 +3,8 @@
 For the PPO and GRPO recipes (examples/configs/ppo_tiny.yaml, grpo_tiny.yaml) at two tiny model sizes, on
 `--devices` CPU ranks: the planner (priced with a device profile measured here, `hybridflow calibrate
 --out`) ranks its candidates - each synchronous placement's best allocation and layouts (colocate,
-split, standalone, ... as set partitions of the models) and the one-step-ahead schedule - and each one
+split, standalone, ... as set partitions of the models), a one-pool placement at every other device count,
+and the one-step-ahead schedule - and each one
 is written as a plan file and run through `hybridflow train` for a few steps (`--repeats` times, in rounds
 over the candidates; the run of the fastest iteration is kept). The first step is warm-up; the rest give the
 measured medians of timing_s/stage/<stage> and timing_s/step beside the plan's
@@ -79,6 +80,7 @@ def candidates(recipe: str, args: list[str], variants: bool = True) -> list[tupl
     wl = build_planner_workload(cfg, mean_prompt_len(cfg))  # as `hybridflow train` prices it
     df, cluster = build_planner_dataflow(cfg, 0), build_planner_cluster(cfg)
     results = search(df, cluster, wl, ENGINE_LIMITS)
+    results += other_allocations(results, df, cluster, wl)
     out = []
     for r in [
         v for best in results for v in layout_variants(best, df, cluster, wl)[: None if variants else 1]
@@ -108,6 +110,24 @@ def mean_prompt_len(cfg) -> float:
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     rule, tools = cfg.reward.kind == "rule", tool_schemas(cfg.rollout.multi_turn)
     return build_prompt_dataset(cfg.data, tokenizer, "train", rule, tools).mean_length()
+
+
+def other_allocations(results: list, df, cluster, wl) -> list:
+    """A one-pool placement (colocate) at every other device count the cluster has: the search keeps
+    one count per placement and drops a larger one that is no faster in any stage, so a plan on one of
+    two devices would never be measured against the same placement on both."""
+    from hybridflow.planner.search import PlacementResult, pool_choice, pool_stage_costs
+    from hybridflow.trainers.auto_placement import ENGINE_LIMITS
+
+    out = []
+    for r in (r for r in results if len(r.placement) == 1):
+        tasks = tuple(df.model(role) for role in r.placement[0])
+        for n in range(1, cluster.num_devices + 1):
+            choice = None if n == r.allocation[0] else pool_choice(tasks, cluster, wl, n, ENGINE_LIMITS)
+            if choice is not None:
+                stage = tuple(float(x) for x in pool_stage_costs(choice))
+                out.append(PlacementResult(r.placement, sum(stage), (n,), (choice,), stage))
+    return out
 
 
 def layout_variants(best, df, cluster, wl) -> list:
