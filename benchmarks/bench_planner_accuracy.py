@@ -116,17 +116,17 @@ def other_allocations(results: list, df, cluster, wl) -> list:
     """A one-pool placement (colocate) at every other device count the cluster has: the search keeps
     one count per placement and drops a larger one that is no faster in any stage, so a plan on one of
     two devices would never be measured against the same placement on both."""
-    from hybridflow.planner.search import PlacementResult, pool_choice, pool_stage_costs
+    from hybridflow.planner.search import PlacementResult, pool_candidates
     from hybridflow.trainers.auto_placement import ENGINE_LIMITS
 
     out = []
     for r in (r for r in results if len(r.placement) == 1):
         tasks = tuple(df.model(role) for role in r.placement[0])
-        for n in range(1, cluster.num_devices + 1):
-            choice = None if n == r.allocation[0] else pool_choice(tasks, cluster, wl, n, ENGINE_LIMITS)
-            if choice is not None:
-                stage = tuple(float(x) for x in pool_stage_costs(choice))
-                out.append(PlacementResult(r.placement, sum(stage), (n,), (choice,), stage))
+        c = pool_candidates(tasks, cluster, wl, cluster.num_devices, False, ENGINE_LIMITS, alone=True)
+        for n, cost, choice in zip(c.ns, c.costs, c.choices):
+            if n != r.allocation[0]:
+                stage = tuple(float(x) for x in cost)
+                out.append(PlacementResult(r.placement, sum(stage), (int(n),), (choice,), stage))
     return out
 
 

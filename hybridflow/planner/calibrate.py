@@ -130,6 +130,8 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         terms = fit_engine_terms(raw["engine_passes"], fp32, size)
         if "dp2" in raw["engine_passes"]:
             terms |= fit_fsdp_token_terms(raw["engine_passes"], replace(fp32, **terms), size)
+        if "threads" in raw["engine_passes"]:
+            terms |= fit_thread_fractions(raw["engine_passes"])
         raw["engine_tokens"] = terms
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     if "switch_rounds" in raw:  # measured in fp32 (the bytes priced per dtype; the fixed costs are Python)
@@ -196,6 +198,19 @@ def fit_fsdp_token_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
         "fsdp_train_token_overhead_s": per_layer_token("train_s", 3),  # forward, backward (two)
         "fsdp_infer_token_overhead_s": per_layer_token("infer_s", 1),
     }
+
+
+def fit_thread_fractions(raw: dict) -> dict:
+    """thread_fraction_train and thread_fraction_infer: Amdahl's parallel fraction f of the engine's passes,
+    from their speedup S on raw["threads"]["count"] = k threads over one (microbench_path.engine_passes,
+    the median over its row counts): S = 1 / ((1 - f) + f / k), so f = (1 - 1/S) / (1 - 1/k), in [0, 1]."""
+    k = raw["threads"]["count"]
+
+    def fraction(key: str) -> float:
+        speedup = statistics.median(a / b for a, b in zip(raw[key], raw["threads"][key]))
+        return min(1.0, max(0.0, (1.0 - 1.0 / speedup) / (1.0 - 1.0 / k)))
+
+    return {"thread_fraction_train": fraction("train_s"), "thread_fraction_infer": fraction("infer_s")}
 
 
 def _engine_predictions(raw: dict, spec: ModelSpec, dev: DeviceSpec, ranks: int) -> tuple[dict, list]:

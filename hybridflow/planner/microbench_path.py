@@ -262,7 +262,9 @@ def _pg_loss(outputs, mb):
     return -(outputs["log_probs"] * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1), {}
 
 
-def _engine_child(rank: int, init_file: str, out: str, size: str, repeats: int, dp: int = 1) -> None:
+def _engine_child(
+    rank: int, init_file: str, out: str, size: str, repeats: int, dp: int = 1, threads: int = 1
+) -> None:
     import json
 
     import torch.distributed as dist
@@ -271,7 +273,7 @@ def _engine_child(rank: int, init_file: str, out: str, size: str, repeats: int, 
     from hybridflow.engines.train_engine import TrainEngine
     from hybridflow.models.tiny import build_tiny_model
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp)
     cfg = EngineConfig(
         optim=OptimConfig(lr=1e-5),
@@ -302,18 +304,25 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     """Seconds of the engine's own training step (TrainEngine.train_step: packed, shared prompts, the
     log-prob chunks, clipping, AdamW) and log-prob pass (compute_log_probs) on ENGINE_ROWS GRPO-shaped rows
     of the tiny model `size` a rank: {"rows", "prompt_len" (their mean), "train_s", "infer_s"} in one
-    process, and under "dp2" the same on 2 ranks sharded by FSDP2 (rank 0's figures)."""
+    process, under "dp2" the same on 2 ranks sharded by FSDP2 (rank 0's figures), and under "threads" the
+    one process again on all of this machine's cores ("count"), where it has more than one."""
     import json
 
     import torch.multiprocessing as mp
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     result = {}
-    for dp in (1, 2):
-        with tempfile.TemporaryDirectory() as tmp, as_workers():
-            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-            mp.spawn(_engine_child, args=(init, out, size, repeats, dp), nprocs=dp, join=True)
-            result[dp] = json.load(open(out))
-    return {**result[1], "dp2": {k: result[2][k] for k in ("train_s", "infer_s")}}
+    for key, dp, threads in ((1, 1, 1), (2, 2, 1), ("threads", 1, cores)):
+        if threads == 1 or cores > 1:
+            with tempfile.TemporaryDirectory() as tmp, as_workers():
+                init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+                mp.spawn(_engine_child, args=(init, out, size, repeats, dp, threads), nprocs=dp, join=True)
+                result[key] = json.load(open(out))
+    passes = ("train_s", "infer_s")
+    out = {**result[1], "dp2": {k: result[2][k] for k in passes}}
+    if "threads" in result:
+        out["threads"] = {"count": cores, **{k: result["threads"][k] for k in passes}}
+    return out
 
 
 # (pp, tp, dp) of each switch round measured: FSDP2's unshard, the TP pieces' gather, the stages' exchange

@@ -7,7 +7,7 @@ compute dtype, memory bandwidth, the fixed cost per layer and per decode step, c
 bandwidth between two ranks, process start-up. It is a small versioned YAML/JSON file, one per machine
 kind, that users can share; `hybridflow plan --profile FILE` and `resources.planner_profile` plan with it.
 
-    version: 10
+    version: 11
     name: cpu-measured           # the device name plans made with it carry
     host: {...}                  # where it was measured (CPU model, torch version, threads)
     devices: {float32: {DeviceSpec fields}, bfloat16: {...}}   # one entry per compute dtype measured
@@ -17,7 +17,7 @@ Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the
 version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per
 token, version 5 the width those per-token terms were measured at, version 6 the driver's own work per step,
 version 7 tensor parallelism's per token, version 8 the engine's per micro-batch, version 9 the switch's
-per unit gathered, version 10 FSDP2's per token) take their DeviceSpec default, 0 (not priced, as when the
+per unit gathered, version 10 FSDP2's per token, version 11 the passes' gain from a node's idle cores) take their DeviceSpec default, 0 (not priced, as when the
 profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass figure it was
 priced at before (fsdp_layer_overhead_s).
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 10
+PROFILE_VERSION = 11
 # the terms version 2 added (microbench_path.py): a version 1 profile has none of them
 PATH_FIELDS = (
     "call_overhead_s",
@@ -61,6 +61,7 @@ ADDED_FIELDS = {
     8: ("train_batch_overhead_s", "infer_batch_overhead_s"),
     9: ("switch_fsdp_unit_s", "switch_tp_unit_s", "switch_stage_s"),
     10: ("fsdp_train_token_overhead_s", "fsdp_infer_token_overhead_s"),
+    11: ("thread_fraction_train", "thread_fraction_infer"),
 }
 # a term a newer version measures that an older file had priced by another: it loads as that one
 INHERITED = {"switch_fsdp_unit_s": "fsdp_layer_overhead_s"}

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from hybridflow.planner import simulate as sim
 from hybridflow.planner.dataflow import STAGES, Dataflow, ModelTask
 from hybridflow.planner.parallel import UNCONSTRAINED, ModelOption, auto_parallel
 from hybridflow.planner.specs import ClusterSpec, EngineLimits, WorkloadSpec
@@ -118,6 +119,23 @@ class PoolCandidates:
     choices: list  # (m,) tuple of ModelOption per n
 
 
+def on_spare_cores(choice: tuple[ModelOption, ...], cluster: ClusterSpec, n: int) -> tuple[ModelOption, ...]:
+    """`choice` on n CPU devices of a pool that runs alone (a one-pool placement): its ranks split the
+    node's idle cores too (controller/process.cpu_threads), so its preparation and training run
+    thread_speedup faster. Generation is left as priced: the built-in engine decodes small models on one
+    thread whatever it is given (rollout/engine.py)."""
+    dev = cluster.device
+    threads = sim.spare_core_threads(dev, cluster.devices_per_node, n)
+    if threads == 1:
+        return choice
+    infer = sim.thread_speedup(dev.thread_fraction_infer, threads)
+    train = sim.thread_speedup(dev.thread_fraction_train, threads)
+    speedup = dict(zip(STAGES, (1.0, infer, train)))
+    return tuple(
+        replace(o, stage_times=tuple(t / speedup[s] for s, t in zip(STAGES, o.stage_times))) for o in choice
+    )
+
+
 def pool_candidates(
     tasks: tuple[ModelTask, ...],
     cluster: ClusterSpec,
@@ -125,10 +143,14 @@ def pool_candidates(
     max_devices: int,
     prune: bool = True,
     limits: EngineLimits = UNCONSTRAINED,
+    alone: bool = False,
 ) -> PoolCandidates:
+    """alone: the pool is the placement's only one, so on CPU its ranks get the cores it leaves idle."""
     ns, costs, choices = [], [], []
     for n in range(1, max_devices + 1):
         choice = pool_choice(tasks, cluster, wl, n, limits)
+        if choice is not None and alone:
+            choice = on_spare_cores(choice, cluster, n)
         if choice is not None:
             ns.append(n)
             costs.append(pool_stage_costs(choice))
@@ -269,7 +291,9 @@ def search_placement(
     for roles in placement:
         if roles not in cache:
             tasks = tuple(dataflow.model(r) for r in roles)
-            cache[roles] = pool_candidates(tasks, cluster, wl, cluster.num_devices, limits=limits)
+            cache[roles] = pool_candidates(
+                tasks, cluster, wl, cluster.num_devices, limits=limits, alone=len(placement) == 1
+            )
         cands.append(cache[roles])
     found = best_allocation(cands, cluster.num_devices)
     if found is None:

@@ -122,6 +122,20 @@ def fsdp_token_time(spec: ModelSpec, dev: DeviceSpec, tokens: float, d: int, per
     return tokens * per_token * token_width_scale(spec, dev)
 
 
+def thread_speedup(fraction: float, threads: int) -> float:
+    """How much faster a CPU rank's pass runs on `threads` intra-op threads than on one, by Amdahl's law
+    with the pass's measured parallel `fraction` (DeviceSpec.thread_fraction_train / _infer)."""
+    return 1.0 / ((1.0 - fraction) + fraction / max(threads, 1))
+
+
+def spare_core_threads(dev: DeviceSpec, devices_per_node: int, n: int) -> int:
+    """Intra-op threads each rank of a pool of `n` CPU devices running alone gets: the node's cores
+    shared among its ranks there (controller/process.cpu_threads), 1 where the profile measured no gain."""
+    if not (dev.thread_fraction_train or dev.thread_fraction_infer):
+        return 1
+    return max(1, devices_per_node // min(n, devices_per_node))
+
+
 def path_overhead(dev: DeviceSpec, layers: float, t: int, d: int) -> float:
     """Fixed seconds of one micro-batch pass on a rank holding `layers` layers at tensor size t, data size
     d. FSDP2 wraps each layer and the rest (embeddings, norm, head) as one more unit (engines/parallelize.py)."""

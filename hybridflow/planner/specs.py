@@ -214,6 +214,12 @@ class DeviceSpec:
     switch_fsdp_unit_s: float = 0.0
     switch_tp_unit_s: float = 0.0
     switch_stage_s: float = 0.0
+    # Amdahl's parallel fraction of a CPU rank's training pass and inference pass over its intra-op threads
+    # (microbench_path.engine_passes at one thread and at the machine's cores; before version 11: 0, no
+    # gain): a plan that leaves a node's cores idle gives each rank cores // ranks threads
+    # (controller/process.cpu_threads), which `thread_speedup` prices
+    thread_fraction_train: float = 0.0
+    thread_fraction_infer: float = 0.0
     usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers
     measured: bool = False  # True: from a device profile measured on the machine (profile.py); else datasheet
 

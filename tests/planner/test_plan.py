@@ -158,6 +158,12 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     assert dp2["train_s"][1] > dp2["train_s"][0] > 0 and dp2["infer_s"][1] > dp2["infer_s"][0] > 0
     for name in ("fsdp_train_token_overhead_s", "fsdp_infer_token_overhead_s"):
         assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
+    # the passes again on all the machine's cores: their parallel fractions (none to measure on one core)
+    if "threads" in raw["engine_passes"]:
+        assert raw["engine_passes"]["threads"]["count"] > 1
+        for name in ("thread_fraction_train", "thread_fraction_infer"):
+            assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name]
+            assert 0.0 <= getattr(fp32, name) <= 1.0
     # the switch's rounds on the resharders, per unit gathered beyond the bytes (fitted on fp32, both dtypes)
     assert set(raw["switch_rounds"]) == {"t1d2", "t2d1", "p2t1d1"} and min(raw["switch_rounds"].values()) > 0
     for name in ("switch_fsdp_unit_s", "switch_tp_unit_s", "switch_stage_s"):
