@@ -30,7 +30,13 @@ PLANNER_MEASURES = {
         "hybridflow.models.cpu_gemm",
         "hybridflow.models.cpu",
     },
-    "hybridflow.planner.microbench": {"hybridflow.models.tiny", "hybridflow.models.cpu_gemm"},
+    "hybridflow.planner.microbench": {
+        "hybridflow.models.tiny",
+        "hybridflow.models.cpu_gemm",
+        "hybridflow.batch",
+        "hybridflow.rollout.base",  # the responses' text, decoded as a rollout rank does
+        "hybridflow.rollout.engine",  # a decode step timed on the engine runs generate with
+    },
     "hybridflow.planner.microbench_path": {
         "hybridflow.models.tiny",
         "hybridflow.engines.parallelize",

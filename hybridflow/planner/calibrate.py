@@ -90,6 +90,7 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         raw["engine_passes"] = mbp.engine_passes(size, 3)
         raw["switch_rounds"] = mbp.switch_rounds(size)
     raw["worker_call"] = calls = mbp.worker_call(repeats)
+    raw["detokenize"] = mb.detokenize_costs()
     call_terms = {k: v for k, v in calls.items() if k != "empty_step_s"}
     path_terms = {**call_terms, **{k: path[k] for k in PATH_TERMS if k in path}}
     devices = {}
@@ -98,14 +99,13 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         rates = mb.gemm_rates(dtype, device, repeats)
         peak, half = mb.fit_gemm(rates)
         per_layer = mb.layer_overhead(dtype, device, repeats)
-        per_step = mb.decode_step_overhead(dtype, per_layer, device)
         per_value = mb.activation_cost(dtype, peak, half, device)
         raw[name] = {
             "gemm_library": "onednn" if mb.onednn(dtype, device) else "default",
             "gemm_flops_by_width": rates,
             "layer_overhead_s": per_layer,
-            "decode_step_overhead_s": per_step,
             "activation_s_per_element": per_value,
+            "decode_steps": mb.engine_decode_steps(dtype, device),
         }
         entry = get_device(base if name == "float32" or device != "cpu" else "cpu-bf16")
         devices[name] = replace(
@@ -117,14 +117,16 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
             hbm_bandwidth=raw["memory_bandwidth"],
             memory_efficiency=1.0,
             layer_overhead_s=per_layer,
-            decode_step_overhead_s=per_step,
             activation_s_per_element=per_value,
+            **raw["detokenize"],
             bytes_per_param=dtype.itemsize,
             measured=True,
             **path_terms,
             **({"intra_node_bandwidth": links["bandwidth"], "comm_latency_s": links["latency_s"],
                 "comm_efficiency": 1.0} if links else {}),
         )  # fmt: skip
+        raw[name]["decode_terms"] = decode = fit_decode_terms(raw[name]["decode_steps"], devices[name])
+        devices[name] = replace(devices[name], **decode)
     if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
         fp32 = devices.get("float32") or next(iter(devices.values()))
         terms = fit_engine_terms(raw["engine_passes"], fp32, size)
@@ -197,6 +199,36 @@ def fit_fsdp_token_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     return {
         "fsdp_train_token_overhead_s": per_layer_token("train_s", 3),  # forward, backward (two)
         "fsdp_infer_token_overhead_s": per_layer_token("infer_s", 1),
+    }
+
+
+def fit_decode_terms(steps: dict, dev: DeviceSpec) -> dict:
+    """decode_step_overhead_s and decode_row_overhead_s: the built-in engine's decode step (microbench.
+    engine_decode_steps: {"rows", "step_s"} at two row counts) beyond the simulator's price for it without them,
+    at the fewer rows (the step's fixed rest, at least 0) and per row more (sampling, the stop test, the
+    written columns: what grows with the batch beyond its FLOPs and bytes)."""
+    from hybridflow.models.tiny import build_tiny_config
+    from hybridflow.planner.microbench import DECODE_LAYERS
+
+    config = build_tiny_config("tiny", "llama", num_hidden_layers=DECODE_LAYERS)
+    spec = ModelSpec.from_config_dict(config.to_dict())
+    bare = replace(dev, call_overhead_s=0.0, decode_step_overhead_s=0.0, decode_row_overhead_s=0.0,
+                   detokenize_row_s=0.0, detokenize_token_s=0.0)  # fmt: skip
+
+    def residual(rows: int, seconds: float) -> float:
+        def priced(new: int) -> float:
+            wl = WorkloadSpec(
+                rows, 1, 4, new, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows
+            )
+            return sim.generation_time(spec, bare, wl, 1, 1, 1, 1)
+
+        return seconds - (priced(17) - priced(1)) / 16
+
+    (few, few_s), (many, many_s) = sorted(zip(steps["rows"], steps["step_s"]))
+    per_row = max(0.0, (residual(many, many_s) - residual(few, few_s)) / (many - few))
+    return {
+        "decode_step_overhead_s": max(0.0, residual(few, few_s) - few * per_row),
+        "decode_row_overhead_s": per_row,
     }
 
 

@@ -160,22 +160,58 @@ def activation_cost(
     return max(0.0, (hi_s - lo_s) / (hi_v - lo_v))
 
 
+DECODE_ROWS, DECODE_LAYERS = (1, 256), 2
+
+
 @torch.no_grad()
-def decode_step_overhead(
-    dtype: torch.dtype, per_layer: float, device: str = "cpu", repeats: int = 3
-) -> float:
-    """HF generate's seconds per new token on a 1-layer model, less that layer's overhead."""
-    model = _tiny(1, dtype, device)
-    ids = torch.ones(1, 4, dtype=torch.long, device=device)
+def engine_decode_steps(dtype: torch.dtype, device: str = "cpu", repeats: int = 3) -> dict[str, list]:
+    """The built-in generation engine's (rollout/engine.py: what a run generates with) seconds per decode
+    step of DECODE_ROWS rows on a DECODE_LAYERS-layer tiny model: {"rows", "step_s"}, from 17 new tokens less
+    1 (the prompt's prefill cancels). calibrate.fit_decode_terms prices what the simulator leaves out."""
+    from hybridflow.batch import Batch
+    from hybridflow.rollout.base import SamplingParams
+    from hybridflow.rollout.engine import BuiltinEngine
 
-    def gen(new: int):
-        return lambda: model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-            do_sample=True, pad_token_id=0,
-        )  # fmt: skip
+    engine = BuiltinEngine(_tiny(DECODE_LAYERS, dtype, device))
+    out = {"rows": list(DECODE_ROWS), "step_s": []}
+    for rows in DECODE_ROWS:
+        ids = torch.ones(rows, 4, dtype=torch.long, device=device)
+        prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
-    t1, t33 = (best_seconds(gen(n), repeats, device) for n in (1, 33))
-    return max(0.0, (t33 - t1) / 32 - per_layer)
+        def gen(new: int, prompts=prompts):  # no stop token: exactly `new` steps
+            params = SamplingParams(max_new_tokens=new, eos_token_ids=(), seed=0)
+            return lambda: engine.generate(prompts, params)
+
+        t1, t17 = (best_seconds(gen(n), repeats, device) for n in (1, 17))
+        out["step_s"].append(max(0.0, (t17 - t1) / 16))
+    return out
+
+
+DETOKENIZE_ROWS, DETOKENIZE_TOKENS = 256, (4, 32)
+
+
+def detokenize_costs(repeats: int = 5) -> dict[str, float]:
+    """The responses' text a rollout rank decodes after generating (rollout/base.py decode_responses: the
+    ids to lists, the tokenizer's batch_decode), with the tiny models' tokenizer: seconds per row and per token,
+    from DETOKENIZE_ROWS rows at two lengths."""
+    from hybridflow.models.tiny import build_char_tokenizer
+    from hybridflow.rollout.base import decode_responses
+
+    tokenizer = build_char_tokenizer()
+    gen = torch.Generator().manual_seed(0)
+    seconds = []
+    for n in DETOKENIZE_TOKENS:
+        ids = torch.randint(5, tokenizer.vocab_size, (DETOKENIZE_ROWS, n), generator=gen)
+        lengths = torch.full((DETOKENIZE_ROWS,), n)
+        seconds.append(
+            best_seconds(lambda i=ids, ln=lengths: decode_responses(tokenizer, i, ln), repeats, min_s=0.0)
+        )
+    (short, long), (a, b) = seconds, DETOKENIZE_TOKENS
+    per_token = max(0.0, (long - short) / (DETOKENIZE_ROWS * (b - a)))
+    return {
+        "detokenize_token_s": per_token,
+        "detokenize_row_s": max(0.0, short / DETOKENIZE_ROWS - a * per_token),
+    }
 
 
 def _all_reduce_child(rank: int, init_file: str, out: str, repeats: int) -> None:

@@ -17,9 +17,11 @@ Older profiles still load: the terms measured since (ADDED_FIELDS: version 2 the
 version 3 the activations' cost per value, version 4 the optimizer step's on DTensors and the engine's per
 token, version 5 the width those per-token terms were measured at, version 6 the driver's own work per step,
 version 7 tensor parallelism's per token, version 8 the engine's per micro-batch, version 9 the switch's
-per unit gathered, version 10 FSDP2's per token, version 11 the passes' gain from a node's idle cores) take their DeviceSpec default, 0 (not priced, as when the
-profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass figure it was
-priced at before (fsdp_layer_overhead_s).
+per unit gathered, version 10 FSDP2's per token, version 11 the passes' gain from a node's idle cores,
+the engine's decode cost per row and the responses' text) take their DeviceSpec default, 0 (not priced,
+as when the profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass
+figure it was priced at before (fsdp_layer_overhead_s). A version 10 file's decode step was measured on
+HF generate, not on the built-in engine.
 
 Pure: no torch here, so the planner reads a profile without loading it.
 """
@@ -61,7 +63,13 @@ ADDED_FIELDS = {
     8: ("train_batch_overhead_s", "infer_batch_overhead_s"),
     9: ("switch_fsdp_unit_s", "switch_tp_unit_s", "switch_stage_s"),
     10: ("fsdp_train_token_overhead_s", "fsdp_infer_token_overhead_s"),
-    11: ("thread_fraction_train", "thread_fraction_infer"),
+    11: (
+        "thread_fraction_train",
+        "thread_fraction_infer",
+        "decode_row_overhead_s",
+        "detokenize_row_s",
+        "detokenize_token_s",
+    ),
 }
 # a term a newer version measures that an older file had priced by another: it loads as that one
 INHERITED = {"switch_fsdp_unit_s": "fsdp_layer_overhead_s"}

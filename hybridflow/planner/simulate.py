@@ -298,8 +298,9 @@ def generation_time(
         + L * (layer_pass_overhead(dev, tg) + tp_token_time(spec, dev, b, tg))
     )
     step += activation_time(spec, dev, b, context, L, tg)
-    step += dev.decode_step_overhead_s  # a decode step's fixed rest (sampling, cache bookkeeping)
-    return waves * (prefill + lr * step)
+    step += dev.decode_step_overhead_s + b * dev.decode_row_overhead_s  # sampling, stop test, bookkeeping
+    text = b * (dev.detokenize_row_s + lr * dev.detokenize_token_s)  # the responses decoded to text
+    return waves * (prefill + lr * step + text)
 
 
 SWITCH_METHODS = METHODS  # one vocabulary with rollout.reshard and the worker's counters

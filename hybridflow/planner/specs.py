@@ -164,6 +164,10 @@ class DeviceSpec:
     decode_step_overhead_s: float = (
         0.0  # generation engine's fixed cost per decode step (sampling, scheduling)
     )
+    decode_row_overhead_s: float = 0.0  # and per row of a decode step: sampling, the stop test, the columns
+    # the responses' text each rollout rank decodes after generating, per row and per token (before version 11: 0)
+    detokenize_row_s: float = 0.0
+    detokenize_token_s: float = 0.0
     # Fixed costs of the path a stage's work takes (microbench_path.py), which the FLOP and byte terms
     # leave out; 0 is "not priced" (profiles written before version 2).
     call_overhead_s: float = 0.0  # one worker-group call from the driver: Ray round trip, split, gather

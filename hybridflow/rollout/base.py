@@ -210,3 +210,11 @@ def load_named_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torc
             target.copy_(tensor)
             count += 1
     return count
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+    """Each row's first `lengths` tokens as text, special tokens skipped (a rollout's response_text)."""
+    rows = [
+        r[:n] for r, n in zip(responses.tolist(), lengths.long().tolist())
+    ]  # 2 conversions, not 2 per row
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)

@@ -46,7 +46,7 @@ from hybridflow.hybrid_engine.resharder import build_resharder, generation_layou
 from hybridflow.models import load_causal_lm, load_tokenizer, lora
 from hybridflow.models.meta import WEIGHTS_ATTR
 from hybridflow.rollout import SamplingParams
-from hybridflow.rollout.base import response_lengths
+from hybridflow.rollout.base import decode_responses, response_lengths
 from hybridflow.rollout.factory import build_generation_engine
 from hybridflow.rollout.pool_tp import keep_shard, load_shard, param_bytes, pool_tp_group
 from hybridflow.workers.common import (
@@ -262,10 +262,7 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         return self.rollout.generate(prompts, params)
 
     def decode(self, responses: torch.Tensor, lengths: torch.Tensor) -> list[str]:
-        rows = [
-            r[:n] for r, n in zip(responses.tolist(), lengths.long().tolist())
-        ]  # 2 conversions, not 2 per row
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        return decode_responses(self.tokenizer, responses, lengths)
 
     @contextlib.contextmanager
     def _generation_weights(self):

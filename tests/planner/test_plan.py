@@ -158,6 +158,14 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     assert dp2["train_s"][1] > dp2["train_s"][0] > 0 and dp2["infer_s"][1] > dp2["infer_s"][0] > 0
     for name in ("fsdp_train_token_overhead_s", "fsdp_infer_token_overhead_s"):
         assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
+    # generation's terms from the built-in engine's decode steps (per dtype) and the responses' text
+    for name, spec in (("float32", fp32), ("bfloat16", bf16)):
+        steps = raw[name]["decode_steps"]
+        assert steps["rows"] == [1, 256] and min(steps["step_s"]) > 0
+        assert spec.decode_step_overhead_s == raw[name]["decode_terms"]["decode_step_overhead_s"] >= 0
+        assert spec.decode_row_overhead_s == raw[name]["decode_terms"]["decode_row_overhead_s"] >= 0
+        assert spec.detokenize_row_s == raw["detokenize"]["detokenize_row_s"] >= 0
+        assert spec.detokenize_token_s == raw["detokenize"]["detokenize_token_s"] > 0
     # the passes again on all the machine's cores: their parallel fractions (none to measure on one core)
     if "threads" in raw["engine_passes"]:
         assert raw["engine_passes"]["threads"]["count"] > 1

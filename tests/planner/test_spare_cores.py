@@ -10,7 +10,7 @@ import pytest
 
 from hybridflow.planner import ClusterSpec, ModelSpec, WorkloadSpec, build_dataflow, search
 from hybridflow.planner.calibrate import fit_thread_fractions
-from hybridflow.planner.profile import DeviceProfile
+from hybridflow.planner.profile import ADDED_FIELDS, DeviceProfile
 from hybridflow.planner.search import pool_candidates
 from hybridflow.planner.simulate import thread_speedup
 from hybridflow.planner.specs import get_device
@@ -89,10 +89,11 @@ def test_a_version_10_profile_prices_no_gain_from_idle_cores_and_says_so(tmp_pat
     cpu = _cpu(thread_fraction_train=0.5, thread_fraction_infer=0.5)
     data = DeviceProfile("cpu-measured", {"float32": cpu}, {"threads": 1}, {}).to_dict()
     data["version"] = 10
-    for name in ("thread_fraction_train", "thread_fraction_infer"):
+    for name in ADDED_FIELDS[11]:
         data["devices"]["float32"].pop(name)
     (tmp_path / "v10.json").write_text(json.dumps(data))
     loaded = DeviceProfile.load(tmp_path / "v10.json")
     assert loaded.device("float32").thread_fraction_train == 0.0
     (note,) = capsys.readouterr().err.strip().splitlines()
-    assert "a version 10 device profile without the terms measured since (thread_fraction_infer, " in note
+    assert "a version 10 device profile without the terms measured since (decode_row_overhead_s, " in note
+    assert "thread_fraction_infer, thread_fraction_train)" in note
