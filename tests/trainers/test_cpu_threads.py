@@ -71,8 +71,9 @@ def test_worker_threads_colocate_vs_split_vs_rollout_pool():
     assert r["user_wait_policy"] == {"actor_rollout": ["passive"]}
     assert r["user_spin_count"] == {"actor_rollout": [None]}
     # workers that compute on CPU keep freed memory for their next tensors (Ray's jemalloc, preloaded by
-    # resource_pool.embedded_worker_env): a 64 MB tensor allocated again faults no page in; with glibc it
-    # faults every page of it in again, >= 32 even with 2 MB pages
+    # resource_pool.embedded_worker_env): a 256 MB tensor allocated again faults no page of its own in (the
+    # worker's other threads fault a few: up to 18 seen with the other pytest worker busy); with glibc it faults
+    # every page of it in again, >= 128 even with 2 MB pages
     for name in ("colocate_1", "split_2", "rollout_ahead_2"):
-        assert all(n <= 8 for faults in r[name + "_refaults"].values() for n in faults), r[name + "_refaults"]
-    assert all(n >= 32 for n in r["gpu_run_refaults"]["actor_rollout"]), r["gpu_run_refaults"]
+        assert all(n <= 40 for faults in r[name + "_refaults"].values() for n in faults), r[name + "_refaults"]
+    assert all(n >= 128 for n in r["gpu_run_refaults"]["actor_rollout"]), r["gpu_run_refaults"]

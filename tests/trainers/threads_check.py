@@ -37,13 +37,14 @@ def start_env(key: str = "OMP_WAIT_POLICY") -> str | None:
 
 
 def refaults() -> int:
-    """Page faults of a 64 MB tensor allocated and written again after one of that size was freed: ~0 where
-    the freed memory stayed in the heap, one per page (or per huge page) where glibc unmapped it."""
+    """Page faults of a 256 MB tensor allocated and written again after one of that size was freed: ~0 where
+    the freed memory stayed in the heap, one per page (or per 2 MB huge page: 128) where glibc unmapped it.
+    The count is the process's, so the Ray worker's own threads add a few (18 seen under load)."""
     import resource
 
-    torch.ones(64 << 20, dtype=torch.uint8)
+    torch.ones(256 << 20, dtype=torch.uint8)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(64 << 20, dtype=torch.uint8)
+    torch.ones(256 << 20, dtype=torch.uint8)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
