@@ -75,5 +75,6 @@ def test_worker_threads_colocate_vs_split_vs_rollout_pool():
     # worker's other threads fault a few: up to 18 seen with the other pytest worker busy); with glibc it faults
     # every page of it in again, >= 128 even with 2 MB pages
     for name in ("colocate_1", "split_2", "rollout_ahead_2"):
-        assert all(n <= 40 for faults in r[name + "_refaults"].values() for n in faults), r[name + "_refaults"]
+        refaults = r[name + "_refaults"]
+        assert all(n <= 40 for faults in refaults.values() for n in faults), refaults
     assert all(n >= 128 for n in r["gpu_run_refaults"]["actor_rollout"]), r["gpu_run_refaults"]
