@@ -78,6 +78,13 @@ class _Bound:
         return self.fn(self.module, self.group, x)
 
 
+def _on_local_shards(style, module: nn.Linear, device_mesh: DeviceMesh, forward) -> nn.Module:
+    """`module`'s parameters distributed as `style` places them, its forward `forward` on their shards."""
+    distribute_module(module, device_mesh, style._partition_linear_fn)
+    module.forward = _Bound(forward, module, device_mesh.get_group())
+    return module
+
+
 class LocalColwise(ColwiseParallel):
     """ColwiseParallel's sharding (weight and bias by output rows) for an nn.Linear whose input is whole
     on every rank; its output is this rank's columns, a plain tensor."""
@@ -85,9 +92,7 @@ class LocalColwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             return super()._apply(module, device_mesh)
-        distribute_module(module, device_mesh, self._partition_linear_fn)
-        module.forward = _Bound(_colwise_forward, module, device_mesh.get_group())
-        return module
+        return _on_local_shards(self, module, device_mesh, _colwise_forward)
 
 
 class LocalRowwise(RowwiseParallel):
@@ -97,6 +102,4 @@ class LocalRowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             return super()._apply(module, device_mesh)
-        distribute_module(module, device_mesh, self._partition_linear_fn)
-        module.forward = _Bound(_rowwise_forward, module, device_mesh.get_group())
-        return module
+        return _on_local_shards(self, module, device_mesh, _rowwise_forward)

@@ -8,20 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from hybridflow.planner import ClusterSpec, ModelSpec, WorkloadSpec, build_dataflow, search
+from hybridflow.planner import ClusterSpec, build_dataflow, search
 from hybridflow.planner.calibrate import fit_thread_fractions
 from hybridflow.planner.profile import ADDED_FIELDS, DeviceProfile
 from hybridflow.planner.search import pool_candidates
 from hybridflow.planner.simulate import thread_speedup
 from hybridflow.planner.specs import get_device
-
-SMALL = ModelSpec(
-    "small", num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, ffn_hidden=384, vocab_size=64
-)
-WORKLOAD = WorkloadSpec(
-    prompts=64, samples_per_prompt=8, prompt_len=16, response_len=4, mini_batches=1,
-    micro_batch_size=256, inference_micro_batch_size=256,
-)  # fmt: skip
+from tests.planner.test_profile import SMALL, WORKLOAD  # the tiny small Llama and grpo_tiny's batch
 
 
 def _cpu(**changes):
