@@ -48,6 +48,7 @@ PLANNER_MEASURES = {
         "hybridflow.controller",
         "hybridflow.controller.timers",  # the empty step is timed through the trainer's own timers
         "hybridflow.controller.resource_pool",  # its processes start with the workers' environment
+        "hybridflow.controller.process",  # the cores a CPU rank's threads are counted from
         "hybridflow.batch",
     },
 }

@@ -134,6 +134,11 @@ def drop_padding(output, n_in: int, pad: int, method: str):
     return output  # e.g. a metrics dict: training methods mask padding rows out (workers/common.py)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_threads(cpu_ranks: int, use_gpu: bool) -> int:
     """Intra-op threads for this rank.
 
@@ -150,8 +155,7 @@ def cpu_threads(cpu_ranks: int, use_gpu: bool) -> int:
         return max(1, int(os.environ["HYBRIDFLOW_CPU_THREADS"]))
     if use_gpu:
         return int(os.environ.get("OMP_NUM_THREADS", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, cpu_ranks))
+    return max(1, usable_cores() // max(1, cpu_ranks))
 
 
 class WorkerProcess:

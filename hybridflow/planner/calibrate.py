@@ -158,9 +158,7 @@ def fit_engine_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     train_batch_overhead_s and infer_batch_overhead_s: what the smaller run measured beyond the simulator's
     seconds with that slope priced, the engine's fixed cost per micro-batch that the plain model's fixed
     terms (microbench.layer_overhead, microbench_path.training_path) do not see."""
-    from hybridflow.models.tiny import build_tiny_config
-
-    spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
+    spec = _tiny_spec(size)
     # the engine's own terms being what is fitted
     predicted, tokens = _engine_predictions(raw, spec, in_process(dev), ranks=1)
 
@@ -184,9 +182,7 @@ def fit_fsdp_token_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
     engine's passes on 2 FSDP2 ranks (microbench_path.engine_passes' "dp2", the same rows a rank) measured
     beyond the simulator's seconds for them at d = 2 with every other term `dev` has (the engine's included),
     slope against slope, so the fixed costs (FSDP2's per unit among them) cancel."""
-    from hybridflow.models.tiny import build_tiny_config
-
-    spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
+    spec = _tiny_spec(size)
     dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, fsdp_train_token_overhead_s=0.0,
                   fsdp_infer_token_overhead_s=0.0)  # fmt: skip
     predicted, tokens = _engine_predictions(raw, spec, dev, ranks=2)
@@ -207,11 +203,9 @@ def fit_decode_terms(steps: dict, dev: DeviceSpec) -> dict:
     engine_decode_steps: {"rows", "step_s"} at two row counts) beyond the simulator's price for it without them,
     at the fewer rows (the step's fixed rest, at least 0) and per row more (sampling, the stop test, the
     written columns: what grows with the batch beyond its FLOPs and bytes)."""
-    from hybridflow.models.tiny import build_tiny_config
     from hybridflow.planner.microbench import DECODE_LAYERS
 
-    config = build_tiny_config("tiny", "llama", num_hidden_layers=DECODE_LAYERS)
-    spec = ModelSpec.from_config_dict(config.to_dict())
+    spec = _tiny_spec("tiny", num_hidden_layers=DECODE_LAYERS)
     bare = replace(dev, call_overhead_s=0.0, decode_step_overhead_s=0.0, decode_row_overhead_s=0.0,
                    detokenize_row_s=0.0, detokenize_token_s=0.0)  # fmt: skip
 
@@ -230,6 +224,13 @@ def fit_decode_terms(steps: dict, dev: DeviceSpec) -> dict:
         "decode_step_overhead_s": max(0.0, residual(few, few_s) - few * per_row),
         "decode_row_overhead_s": per_row,
     }
+
+
+def _tiny_spec(size: str, **overrides) -> ModelSpec:
+    """The planner's spec of the tiny Llama `size` (models/tiny.py) the micro-benchmarks time."""
+    from hybridflow.models.tiny import build_tiny_config
+
+    return ModelSpec.from_config_dict(build_tiny_config(size, "llama", **overrides).to_dict())
 
 
 def fit_thread_fractions(raw: dict) -> dict:
@@ -269,10 +270,9 @@ def fit_switch_terms(raw: dict[str, float], dev: DeviceSpec, size: str) -> dict[
     seconds for the same round without these terms (its bytes over the link, the counters' all-reduce), per
     unit the round gathers (simulate.switch_overhead): the model's layers and root at d = 2, its layers at
     t = 2, its 2 stages at p = 2."""
-    from hybridflow.models.tiny import build_tiny_config
     from hybridflow.planner.microbench_path import SWITCH_LAYOUTS
 
-    spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
+    spec = _tiny_spec(size)
     names = {"t1d2": "switch_fsdp_unit_s", "t2d1": "switch_tp_unit_s", "p2t1d1": "switch_stage_s"}
     bare = replace(dev, **dict.fromkeys(names.values(), 0.0))
     out = {}
@@ -385,9 +385,7 @@ def calibrate(
 ) -> dict:
     """{"model", "device", "stages": {stage: {"predicted_s", "measured_s", "ratio"}}}; with a
     DeviceProfile also "profile_stages", the same predicted with its float32 entry."""
-    from hybridflow.models.tiny import build_tiny_config
-
-    spec = ModelSpec.from_config_dict(build_tiny_config(size, "llama").to_dict())
+    spec = _tiny_spec(size)
     spec = replace(spec, name=f"tiny-{size}")
     # one mini-batch of `batch` sequences processed as a single micro-batch, as measured
     wl = WorkloadSpec(

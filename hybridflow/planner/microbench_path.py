@@ -310,14 +310,16 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
 
     import torch.multiprocessing as mp
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from hybridflow.controller.process import usable_cores
+
+    cores = usable_cores()
+    runs = [(1, 1, 1), (2, 2, 1)] + ([("threads", 1, cores)] if cores > 1 else [])
     result = {}
-    for key, dp, threads in ((1, 1, 1), (2, 2, 1), ("threads", 1, cores)):
-        if threads == 1 or cores > 1:
-            with tempfile.TemporaryDirectory() as tmp, as_workers():
-                init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-                mp.spawn(_engine_child, args=(init, out, size, repeats, dp, threads), nprocs=dp, join=True)
-                result[key] = json.load(open(out))
+    for key, dp, threads in runs:
+        with tempfile.TemporaryDirectory() as tmp, as_workers():
+            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+            mp.spawn(_engine_child, args=(init, out, size, repeats, dp, threads), nprocs=dp, join=True)
+            result[key] = json.load(open(out))
     passes = ("train_s", "infer_s")
     out = {**result[1], "dp2": {k: result[2][k] for k in passes}}
     if "threads" in result:
