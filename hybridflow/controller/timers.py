@@ -27,6 +27,10 @@ class Timers:
         self.spans: dict[str, list[float]] = {}  # phase -> [start, end], wall clock
         self.wait_each_phase = False
         self._calls: list = []  # (phase, Future), in issue order
+        self._in_driver: set[str] = set()
+        self.driver_phases: frozenset[str] = (
+            frozenset()
+        )  # the last popped step's phases that ran in the driver
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -49,6 +53,7 @@ class Timers:
         if mine:
             self._calls.extend((name, f) for f in mine)
         else:  # run in the driver
+            self._in_driver.add(name)
             self._add(name, start, time.time(), time.time() - start)
 
     def _add(self, name: str, start: float, end: float, seconds: float) -> None:
@@ -84,5 +89,6 @@ class Timers:
     def pop(self) -> dict[str, float]:
         """This step's times; calls not collected (a step that failed before its end) are dropped."""
         self._calls, self.spans = [], {}
+        self.driver_phases, self._in_driver = frozenset(self._in_driver), set()
         out, self.times = self.times, {}
         return out

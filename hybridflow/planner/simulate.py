@@ -87,7 +87,7 @@ def step_rest_time(
     actor's rank 0 (trainers/experience.py make_experience, carrying every row there and back; its ~0.2 ms
     of arithmetic left out) and the driver's own per-step work (`driver_step_overhead_s`: issuing and
     collecting the futures, the phases' timers, the batch's assembly). A rule reward runs in the driver
-    while the preparation's workers run, inside that stage's interval: not here."""
+    while the preparation's workers run (trainers/plan_metrics.py): not here."""
     calls = sum(stage_call_time(dev, wl, s, generation_factor) for s in stages)
     return calls + call_time(dev, wl.sequences * wl.seq_len) + dev.driver_step_overhead_s
 

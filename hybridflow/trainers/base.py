@@ -277,7 +277,7 @@ class Trainer(ValidationMixin):
                 self.save_checkpoint()
             metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
             if self.placement.plan is not None:  # the plan's predictions beside the measured stages
-                metrics.update(plan_metrics(self.placement.plan, metrics))
+                metrics.update(plan_metrics(self.placement.plan, metrics, self.timers.driver_phases))
             metrics["trainer/restarts"] = self.restarts
             self.tracker.log(metrics, self.global_step)
             history.append({"step": self.global_step, **metrics})

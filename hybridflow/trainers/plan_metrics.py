@@ -15,8 +15,10 @@ The difference between timing_s/step and the sum of the stages is the rest: a st
 when its workers start and ends when they end, so each stage's call (the driver's round trip to its workers
 and back, the batch's transfer), the advantage computation (`adv`, a call on the actor's rank 0 between
 preparation and training) and the driver's own work between phases (issuing and collecting the calls) fall
-there; the plan prices them as `rest_seconds` (planner/simulate.py step_rest_time). A rule reward runs in the
-driver while the preparation's calls run, inside that stage's interval. One step ahead (plan rollout_ahead: 1) generation runs
+there; the plan prices them as `rest_seconds` (planner/simulate.py step_rest_time). A phase run in the driver
+(a rule reward) can end its stage but not start it: the driver scores the responses as soon as it has issued
+the preparation's calls, a few milliseconds before those calls reach their workers, and counting its start
+would put that part of the calls' round trip, which the plan prices in the rest, inside the stage. One step ahead (plan rollout_ahead: 1) generation runs
 on its own pool during the step, and the step's `gen` phase is the wait for it, so that stage's measured
 figure is not logged.
 """
@@ -37,29 +39,36 @@ Counted, it would start the stage there and put that call's round trip, which th
 rest, inside the stage."""
 
 
-def stage_seconds(times: dict[str, float], phases: tuple[str, ...]) -> float | None:
+def stage_seconds(
+    times: dict[str, float], phases: tuple[str, ...], in_driver: frozenset[str] = frozenset()
+) -> float | None:
     """Wall seconds from the first of `phases` to start to the last to end, over the phases that worked
-    (MIN_PHASE_SECONDS); None if none did."""
-    spans = [
-        (times[f"timing_s/timeline/{p}/start"], times[f"timing_s/timeline/{p}/end"])
+    (MIN_PHASE_SECONDS); those `in_driver` count at the start only where no worker phase worked (module
+    docstring). None if none worked."""
+    spans = {
+        p: (times[f"timing_s/timeline/{p}/start"], times[f"timing_s/timeline/{p}/end"])
         for p in phases
         if f"timing_s/timeline/{p}/start" in times
-    ]
-    spans = [(start, end) for start, end in spans if end - start >= MIN_PHASE_SECONDS]
+    }
+    spans = {p: (start, end) for p, (start, end) in spans.items() if end - start >= MIN_PHASE_SECONDS}
     if not spans:
         return None
-    return max(end for _, end in spans) - min(start for start, _ in spans)
+    starts = [start for p, (start, _) in spans.items() if p not in in_driver] or [
+        s for s, _ in spans.values()
+    ]
+    return max(end for _, end in spans.values()) - min(starts)
 
 
-def plan_metrics(plan, times: dict[str, float]) -> dict[str, float]:
-    """plan/predicted_s/* from `plan` (a planner Plan) and timing_s/stage/* from a step's `times`."""
+def plan_metrics(plan, times: dict[str, float], in_driver: frozenset[str] = frozenset()) -> dict[str, float]:
+    """plan/predicted_s/* from `plan` (a planner Plan) and timing_s/stage/* from a step's `times`, whose
+    phases `in_driver` ran in the driver (controller/timers.py Timers.driver_phases)."""
     out = {f"plan/predicted_s/{stage}": float(s) for stage, s in plan.stage_seconds.items()}
     out["plan/predicted_s/rest"] = float(plan.rest_seconds)
     out["plan/predicted_s/iteration"] = float(plan.iteration_seconds)
     for stage, phases in STAGE_PHASES.items():
         if stage == "generation" and plan.rollout_ahead:
             continue
-        measured = stage_seconds(times, phases)
+        measured = stage_seconds(times, phases, in_driver)
         if measured is not None:
             out[f"timing_s/stage/{stage}"] = measured
     return out

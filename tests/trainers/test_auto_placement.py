@@ -316,6 +316,12 @@ def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
     assert (
         step["plan/predicted_s/rest"] == planned.rest_seconds > 0
     )  # the profile prices the advantages' call
+    # the rule reward ran in the driver (controller/timers.py): it may end the preparation, not start it
+    tl = {
+        k.removeprefix("timing_s/timeline/"): v for k, v in step.items() if k.startswith("timing_s/timeline/")
+    }
+    end = max(tl["ref/end"], tl["reward/end"])
+    assert step["timing_s/stage/preparation"] == pytest.approx(end - tl["ref/start"])
     # the stages run one after another inside the step (one pool): their sum fits in it
     assert (
         sum(step[f"timing_s/stage/{s}"] for s in ("generation", "preparation", "training"))

@@ -42,14 +42,37 @@ def test_stages_are_the_wall_time_of_their_phases():
 def test_a_phase_that_did_no_work_does_not_start_its_stage():
     """PPO with the old log-probs from the update (the no-op driver phase at 24.7 ms): preparation runs from
     the values' start, when their call reached the critic, to their end, as the plan prices it (its call
-    is in the rest); the rule reward in the driver (2.8 ms) is work and counts."""
+    is in the rest)."""
     plan = SimpleNamespace(
         stage_seconds={"generation": 0.02, "preparation": 0.03, "training": 0.08}, iteration_seconds=0.17,
         rest_seconds=0.04, rollout_ahead=0,
     )  # fmt: skip
-    times = _times(gen=(0.0, 0.0196), old_log_prob=(0.0247, 0.0248), reward=(0.0278, 0.0306),
-                   values=(0.0311, 0.0767))  # fmt: skip
-    assert plan_metrics(plan, times)["timing_s/stage/preparation"] == pytest.approx(0.0767 - 0.0278)
-    times["timing_s/timeline/reward/end"] = 0.0279  # a reward of no rows: nothing before the values
+    times = _times(gen=(0.0, 0.0196), old_log_prob=(0.0247, 0.0248), values=(0.0311, 0.0767))
     assert plan_metrics(plan, times)["timing_s/stage/preparation"] == pytest.approx(0.0767 - 0.0311)
     assert "timing_s/stage/preparation" not in plan_metrics(plan, _times(old_log_prob=(0.0247, 0.0248)))
+
+
+def test_a_driver_phase_ends_its_stage_but_does_not_start_it():
+    """A rule reward scored in the driver (27.8-30.6 ms) while the values' call travels to the critic (it
+    starts there at 31.1 ms): the stage starts with the values, as the plan prices it (the call is in the
+    rest); a reward that outlasts the values ends the stage; a stage of driver phases alone is their span."""
+    plan = SimpleNamespace(
+        stage_seconds={"generation": 0.02, "preparation": 0.03, "training": 0.08}, iteration_seconds=0.17,
+        rest_seconds=0.04, rollout_ahead=0,
+    )  # fmt: skip
+    in_driver = frozenset({"old_log_prob", "reward"})
+    times = _times(gen=(0.0, 0.0196), old_log_prob=(0.0247, 0.0248), reward=(0.0278, 0.0306),
+                   values=(0.0311, 0.0767))  # fmt: skip
+    assert plan_metrics(plan, times, in_driver)["timing_s/stage/preparation"] == pytest.approx(
+        0.0767 - 0.0311
+    )
+    # counted as a worker's phase, the reward would start the stage 3.3 ms early
+    assert plan_metrics(plan, times)["timing_s/stage/preparation"] == pytest.approx(0.0767 - 0.0278)
+    times["timing_s/timeline/reward/end"] = 0.0800
+    assert plan_metrics(plan, times, in_driver)["timing_s/stage/preparation"] == pytest.approx(
+        0.0800 - 0.0311
+    )
+    alone = _times(old_log_prob=(0.0247, 0.0248), reward=(0.0278, 0.0306))  # GRPO without a reference
+    assert plan_metrics(plan, alone, in_driver)["timing_s/stage/preparation"] == pytest.approx(
+        0.0306 - 0.0278
+    )
