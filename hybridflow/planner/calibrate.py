@@ -88,8 +88,6 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         raw["collectives"] = links = mb.collectives()
         raw["training_path"] = path = mbp.training_path(3, size)  # (a GPU's runs on NCCL: the entry's)
         raw["engine_passes"] = mbp.engine_passes(size, 3)
-        if _tiny_spec(NARROW).hidden < _tiny_spec(size).hidden:  # the per-token terms at a second width
-            raw["engine_passes_narrow"] = {"size": NARROW, **mbp.engine_passes(NARROW, 3, one_rank=True)}
         raw["switch_rounds"] = mbp.switch_rounds(size)
     raw["worker_call"] = calls = mbp.worker_call(repeats)
     raw["detokenize"] = mb.detokenize_costs()
@@ -132,9 +130,6 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
     if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
         fp32 = devices.get("float32") or next(iter(devices.values()))
         terms = fit_engine_terms(raw["engine_passes"], fp32, size)
-        if "engine_passes_narrow" in raw:
-            narrow = raw["engine_passes_narrow"]
-            terms |= narrow_terms(fit_engine_terms(narrow, fp32, narrow["size"]))
         if "dp2" in raw["engine_passes"]:
             terms |= fit_fsdp_token_terms(raw["engine_passes"], replace(fp32, **terms), size)
         if "threads" in raw["engine_passes"]:
@@ -297,22 +292,11 @@ ENGINE_TERMS = (
     "train_batch_overhead_s",
     "infer_batch_overhead_s",
 )
-NARROW = "tiny"  # the model the engine's terms are measured on a second time, at its width
-
-
-def narrow_terms(fit: dict) -> dict:
-    """fit_engine_terms' figures for the narrower model as DeviceSpec's *_narrow_s terms and their width."""
-    return {"token_overhead_narrow_width": fit["token_overhead_width"]} | {
-        name.replace("_overhead_s", "_overhead_narrow_s"): fit[name] for name in ENGINE_TERMS
-    }
 
 
 def in_process(dev: DeviceSpec) -> DeviceSpec:
     """`dev` as a run in this process sees it: no worker call, none of the engine's own terms."""
-    return replace(
-        dev, call_overhead_s=0.0, transfer_bandwidth=0.0, token_overhead_narrow_width=0.0,
-        **dict.fromkeys(ENGINE_TERMS, 0.0),
-    )  # fmt: skip
+    return replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
 
 
 # the coefficients microbench_path.training_path measures (the Python of a pass: the same in either dtype)

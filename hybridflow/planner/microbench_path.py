@@ -300,13 +300,12 @@ def _engine_child(
     dist.destroy_process_group()
 
 
-def engine_passes(size: str = "tiny", repeats: int = 3, one_rank: bool = False) -> dict:
+def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     """Seconds of the engine's own training step (TrainEngine.train_step: packed, shared prompts, the
     log-prob chunks, clipping, AdamW) and log-prob pass (compute_log_probs) on ENGINE_ROWS GRPO-shaped rows
     of the tiny model `size` a rank: {"rows", "prompt_len" (their mean), "train_s", "infer_s"} in one
     process, under "dp2" the same on 2 ranks sharded by FSDP2 (rank 0's figures), and under "threads" the
-    one process again on all of this machine's cores ("count"), where it has more than one; `one_rank`:
-    the one process only."""
+    one process again on all of this machine's cores ("count"), where it has more than one."""
     import json
 
     import torch.multiprocessing as mp
@@ -314,9 +313,7 @@ def engine_passes(size: str = "tiny", repeats: int = 3, one_rank: bool = False) 
     from hybridflow.controller.process import usable_cores
 
     cores = usable_cores()
-    runs = (
-        [(1, 1, 1)] if one_rank else [(1, 1, 1), (2, 2, 1)] + ([("threads", 1, cores)] if cores > 1 else [])
-    )
+    runs = [(1, 1, 1), (2, 2, 1)] + ([("threads", 1, cores)] if cores > 1 else [])
     result = {}
     for key, dp, threads in runs:
         with tempfile.TemporaryDirectory() as tmp, as_workers():
@@ -324,7 +321,7 @@ def engine_passes(size: str = "tiny", repeats: int = 3, one_rank: bool = False) 
             mp.spawn(_engine_child, args=(init, out, size, repeats, dp, threads), nprocs=dp, join=True)
             result[key] = json.load(open(out))
     passes = ("train_s", "infer_s")
-    out = {**result[1], **({"dp2": {k: result[2][k] for k in passes}} if 2 in result else {})}
+    out = {**result[1], "dp2": {k: result[2][k] for k in passes}}
     if "threads" in result:
         out["threads"] = {"count": cores, **{k: result["threads"][k] for k in passes}}
     return out

@@ -180,36 +180,16 @@ def pass_tokens(wl: WorkloadSpec, rows: int, p: int) -> tuple[float, float]:
     return rows * wl.tokens_per_sequence(rows), wl.packed_seq_len
 
 
-def engine_term(spec: ModelSpec, dev: DeviceSpec, wide: float, narrow: float, per_token: bool) -> float:
-    """One of the engine's terms for `spec`, measured at token_overhead_width (`wide`) and, where the profile
-    has it, at token_overhead_narrow_width (`narrow`): interpolated between the two widths; beyond them a
-    per-token term scales with the width (its work is over hidden-sized vectors), a per-batch one does not."""
-    h, w, n = spec.hidden, dev.token_overhead_width, dev.token_overhead_narrow_width
-    if 0 < n < w and h < w:
-        if h <= n:
-            return narrow * h / n if per_token else narrow
-        return narrow + (wide - narrow) * (h - n) / (w - n)
-    return wide * token_width_scale(spec, dev) if per_token else wide
-
-
-def engine_overhead(spec: ModelSpec, dev: DeviceSpec, tokens: float, training: bool, p: int) -> float:
+def engine_overhead(
+    spec: ModelSpec, dev: DeviceSpec, tokens: float, per_token: float, per_batch: float, p: int
+) -> float:
     """The engine's own terms for a micro-batch of `tokens` where they were measured, the unpipelined passes
-    (packing, the shared-prompt attention, the loss: microbench_path.engine_passes): per token, at the
-    model's width (engine_term), and per micro-batch. The pipelined passes run neither; their cost
-    beyond the FLOP, activation and fixed terms is not measured, so 0."""
+    (packing, the shared-prompt attention, the loss: microbench_path.engine_passes): per token, scaled from
+    the width it was measured at to the model's, and per micro-batch. The pipelined passes run neither;
+    their cost beyond the FLOP, activation and fixed terms is not measured, so 0."""
     if p > 1:
         return 0.0
-    if training:
-        per_token = engine_term(
-            spec, dev, dev.train_token_overhead_s, dev.train_token_overhead_narrow_s, True
-        )
-        return tokens * per_token + engine_term(
-            spec, dev, dev.train_batch_overhead_s, dev.train_batch_overhead_narrow_s, False
-        )
-    per_token = engine_term(spec, dev, dev.infer_token_overhead_s, dev.infer_token_overhead_narrow_s, True)
-    return tokens * per_token + engine_term(
-        spec, dev, dev.infer_batch_overhead_s, dev.infer_batch_overhead_narrow_s, False
-    )
+    return tokens * per_token * token_width_scale(spec, dev) + per_batch
 
 
 def training_time(
@@ -242,7 +222,7 @@ def training_time(
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
         + passes * layers * tp_token_time(spec, dev, tokens, t)
         + passes * layers * fsdp_token_time(spec, dev, tokens, d, dev.fsdp_train_token_overhead_s)
-        + engine_overhead(spec, dev, tokens, True, p)
+        + engine_overhead(spec, dev, tokens, dev.train_token_overhead_s, dev.train_batch_overhead_s, p)
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
@@ -270,7 +250,7 @@ def inference_time(
     slot += layers * tp_token_time(spec, dev, tokens, t)
     slot += layers * fsdp_token_time(spec, dev, tokens, d, dev.fsdp_infer_token_overhead_s)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
-    slot += engine_overhead(spec, dev, tokens, False, p)
+    slot += engine_overhead(spec, dev, tokens, dev.infer_token_overhead_s, dev.infer_batch_overhead_s, p)
     return (m + p - 1) * slot
 
 

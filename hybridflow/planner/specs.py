@@ -208,15 +208,6 @@ class DeviceSpec:
     # hidden / this (the work is over hidden-sized vectors: measured 15 / 39 / 185 us a training token at
     # widths 64 / 128 / 512); 0 (profiles before version 5): unscaled
     token_overhead_width: float = 0.0
-    # the four terms above measured again on a narrower model, the tiny one, of this hidden size (0: not
-    # measured; before version 12): they do not scale in proportion to the width (10 / 32 us a training
-    # token, 8.1 / 10.3 us an inference one at widths 64 / 128), so a model between the two widths pays the
-    # linear interpolation of the two measurements (simulate.engine_term)
-    token_overhead_narrow_width: float = 0.0
-    train_token_overhead_narrow_s: float = 0.0
-    infer_token_overhead_narrow_s: float = 0.0
-    train_batch_overhead_narrow_s: float = 0.0
-    infer_batch_overhead_narrow_s: float = 0.0
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0

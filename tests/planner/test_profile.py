@@ -121,7 +121,7 @@ def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys)
     dropped = ("driver_step_overhead_s",)
     loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 12
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 11
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
@@ -165,44 +165,6 @@ def test_the_engines_per_token_cost_by_hand():
     ).device("float32")  # fmt: skip
     assert training_time(SMALL, half, wl, 4, 1, 1, 2, False) - train[1] == pytest.approx(1248 * 2e-5 + 3e-3)
     assert inference_time(SMALL, half, wl, 4, 1, 1, 2) - infer[1] == pytest.approx(1e-3)
-
-
-def test_the_engines_terms_between_two_measured_widths():
-    """Measured at widths 64 (the narrow model) and 128: a model of either width pays its own measurement,
-    one of 96 the midpoint, one of 32 the narrow per-token term scaled by width and its per-batch term, one
-    of 256 the wide per-token term scaled by width and its per-batch term; without the narrow measurement
-    every width scales the wide one (profiles before version 12)."""
-    from hybridflow.planner.calibrate import narrow_terms
-    from hybridflow.planner.simulate import engine_overhead
-
-    narrow = narrow_terms({"train_token_overhead_s": 1e-5, "infer_token_overhead_s": 8e-6,
-                           "train_batch_overhead_s": 2e-3, "infer_batch_overhead_s": 1e-3, "token_overhead_width": 64.0})  # fmt: skip
-    wide = dict(train_token_overhead_s=3e-5, infer_token_overhead_s=1e-5, train_batch_overhead_s=0.0,
-                infer_batch_overhead_s=2e-3, token_overhead_width=128.0)  # fmt: skip
-    dev = _profile(**wide, **narrow).device("float32")
-    assert dev.token_overhead_narrow_width == 64.0 and dev.infer_batch_overhead_narrow_s == 1e-3
-
-    def cost(hidden, training, d=dev):
-        return engine_overhead(replace(SMALL, hidden=hidden), d, 1000, training, 1)
-
-    assert cost(64, True) == pytest.approx(1000 * 1e-5 + 2e-3) and cost(64, False) == pytest.approx(
-        1000 * 8e-6 + 1e-3
-    )
-    assert cost(128, True) == pytest.approx(1000 * 3e-5) and cost(128, False) == pytest.approx(
-        1000 * 1e-5 + 2e-3
-    )
-    assert cost(96, True) == pytest.approx(1000 * 2e-5 + 1e-3) and cost(96, False) == pytest.approx(
-        1000 * 9e-6 + 1.5e-3
-    )
-    assert cost(32, True) == pytest.approx(1000 * 0.5e-5 + 2e-3)
-    assert cost(256, True) == pytest.approx(1000 * 6e-5) and cost(256, False) == pytest.approx(
-        1000 * 2e-5 + 2e-3
-    )
-    assert engine_overhead(SMALL, dev, 1000, True, 2) == 0.0  # pipelined passes run none of them
-    only_wide = replace(dev, token_overhead_narrow_width=0.0)
-    assert cost(64, True, only_wide) == pytest.approx(1000 * 1.5e-5) and cost(
-        64, False, only_wide
-    ) == pytest.approx(1000 * 5e-6 + 2e-3)
 
 
 def test_engine_token_fit_recovers_a_known_residual():
