@@ -77,7 +77,7 @@ def candidates(recipe: str, args: list[str], variants: bool = True) -> list[tupl
     from hybridflow.trainers.plan_schedule import planner_old_log_probs
 
     cfg = load_config(ROOT / recipe, args)
-    wl = build_planner_workload(cfg, mean_prompt_len(cfg))  # as `hybridflow train` prices it
+    wl = build_planner_workload(cfg, prompt_lengths(cfg))  # as `hybridflow train` prices it
     df, cluster = build_planner_dataflow(cfg, 0), build_planner_cluster(cfg)
     results = search(df, cluster, wl, ENGINE_LIMITS)
     results += other_allocations(results, df, cluster, wl)
@@ -101,15 +101,17 @@ def candidates(recipe: str, args: list[str], variants: bool = True) -> list[tupl
     return sorted(out, key=lambda c: c[1].iteration_seconds)
 
 
-def mean_prompt_len(cfg) -> float:
-    """The training prompts' mean token count, loaded as the trainer loads them (trainers/base.py)."""
+def prompt_lengths(cfg):
+    """The training prompts' mean and longest token counts, loaded as the trainer loads them (trainers/base.py)."""
     from hybridflow.agent import tool_schemas
     from hybridflow.data import build_prompt_dataset
     from hybridflow.models import load_tokenizer
+    from hybridflow.trainers.auto_placement import PromptLengths
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     rule, tools = cfg.reward.kind == "rule", tool_schemas(cfg.rollout.multi_turn)
-    return build_prompt_dataset(cfg.data, tokenizer, "train", rule, tools).mean_length()
+    ds = build_prompt_dataset(cfg.data, tokenizer, "train", rule, tools)
+    return PromptLengths(ds.mean_length(), ds.longest_length())
 
 
 def other_allocations(results: list, df, cluster, wl) -> list:

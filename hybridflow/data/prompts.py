@@ -179,6 +179,10 @@ class PromptDataset:
         """Mean tokens of a prompt (0 for none): what packed passes compute of one (the planner's time)."""
         return sum(len(s.input_ids) for s in self.samples) / len(self.samples) if self.samples else 0.0
 
+    def longest_length(self) -> int:
+        """Tokens of the longest prompt (0 for none): the width a batch holding it is padded to."""
+        return max((len(s.input_ids) for s in self.samples), default=0)
+
     @classmethod
     def from_records(
         cls,

@@ -74,8 +74,8 @@ def stage_call_time(dev: DeviceSpec, wl: WorkloadSpec, stage: str, generation_fa
     response), preparation and training every row padded. A stage's calls are issued together and their
     round trips overlap, so a stage costs one (its largest) however many models it runs."""
     if stage == "generation":
-        return call_time(dev, wl.sequences * generation_factor * (wl.prompt_len + wl.response_len))
-    return call_time(dev, wl.sequences * wl.seq_len)
+        return call_time(dev, wl.sequences * generation_factor * wl.padded_seq_len)
+    return call_time(dev, wl.sequences * wl.padded_seq_len)
 
 
 def step_rest_time(
@@ -89,7 +89,7 @@ def step_rest_time(
     collecting the futures, the phases' timers, the batch's assembly). A rule reward runs in the driver
     while the preparation's workers run (trainers/plan_metrics.py): not here."""
     calls = sum(stage_call_time(dev, wl, s, generation_factor) for s in stages)
-    return calls + call_time(dev, wl.sequences * wl.seq_len) + dev.driver_step_overhead_s
+    return calls + call_time(dev, wl.sequences * wl.padded_seq_len) + dev.driver_step_overhead_s
 
 
 def layer_pass_overhead(dev: DeviceSpec, t: int) -> float:
@@ -176,7 +176,7 @@ def pass_tokens(wl: WorkloadSpec, rows: int, p: int) -> tuple[float, float]:
     one micro-batch shape, so at p > 1 every row runs at the batch's full, padded length
     (engines/pipeline_engine.py), prompts unshared."""
     if p > 1:
-        return rows * wl.seq_len, float(wl.seq_len)
+        return rows * wl.padded_seq_len, float(wl.padded_seq_len)
     return rows * wl.tokens_per_sequence(rows), wl.packed_seq_len
 
 
@@ -272,7 +272,7 @@ def generation_time(
     """
     replicas = n_devices // (pg * tg)
     b = math.ceil(math.ceil(wl.sequences * generation_factor / replicas) / waves)
-    lp, lr = wl.prompt_len, wl.response_len
+    lp, lr = wl.padded_prompt_len, wl.response_len  # the prefill runs the left-padded prompts
     bw_tp = _tp_bandwidth(dev, devices_per_node, tg)
     L = spec.num_layers
     # prefill: compute-bound over the prompts, each once for its samples (the engines cache n copies of its

@@ -327,9 +327,12 @@ class WorkloadSpec:
     # the training-side forwards compute a prompt once for its samples in a micro-batch (model.share_prompt)
     shared_prompts: bool = False
     # the prompts' mean token count where the data is known and the training-side passes pack real tokens
-    # (padding removal); 0: prompt_len. Their time reads it; memory and generation's padded prefill read
-    # prompt_len, the bound
+    # (padding removal); 0: prompt_len. Their time reads it; memory reads prompt_len, the bound
     mean_prompt_len: float = 0.0
+    # the longest prompt where the data is known (0: prompt_len): a batch's prompts are left-padded to its
+    # longest (data/prompts.py), so the padded passes (generation's prefill and cache, pipeline stages) and
+    # the batches the driver moves run at this width, not at data.max_prompt_length
+    longest_prompt_len: int = 0
 
     def __post_init__(self):
         for field in ("prompts", "samples_per_prompt", "prompt_len", "response_len", "ppo_epochs"):
@@ -337,10 +340,11 @@ class WorkloadSpec:
                 raise ValueError(f"WorkloadSpec.{field} must be >= 1, got {getattr(self, field)}")
         if self.mini_batches < 1 or self.micro_batch_size < 1 or self.inference_micro_batch_size < 1:
             raise ValueError("WorkloadSpec: mini_batches and micro batch sizes must be >= 1")
-        if not 0 <= self.mean_prompt_len <= self.prompt_len:
-            raise ValueError(
-                f"WorkloadSpec.mean_prompt_len must be in [0, prompt_len], got {self.mean_prompt_len}"
-            )
+        for field in ("mean_prompt_len", "longest_prompt_len"):
+            if not 0 <= getattr(self, field) <= self.prompt_len:
+                raise ValueError(
+                    f"WorkloadSpec.{field} must be in [0, prompt_len], got {getattr(self, field)}"
+                )
 
     @property
     def sequences(self) -> int:
@@ -356,7 +360,7 @@ class WorkloadSpec:
     @property
     def packed_prompt_len(self) -> float:
         """Prompt tokens a training-side pass computes per sequence (the mean where known)."""
-        return float(self.mean_prompt_len or self.prompt_len)
+        return float(self.mean_prompt_len or self.padded_prompt_len)
 
     @property
     def packed_seq_len(self) -> float:
@@ -373,7 +377,18 @@ class WorkloadSpec:
 
     @property
     def seq_len(self) -> int:
+        """The longest a sequence may be: what memory is sized for."""
         return self.prompt_len + self.response_len
+
+    @property
+    def padded_prompt_len(self) -> int:
+        """The width a batch's prompts are padded to (longest_prompt_len where known)."""
+        return self.longest_prompt_len or self.prompt_len
+
+    @property
+    def padded_seq_len(self) -> int:
+        """A padded row's length: what the padded passes compute and the driver's batches carry."""
+        return self.padded_prompt_len + self.response_len
 
 
 @dataclass(frozen=True)

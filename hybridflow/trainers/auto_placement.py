@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from hybridflow.config import ConfigError
 from hybridflow.config.algorithms import ALGORITHM_SPECS, algorithm_spec
@@ -175,9 +176,17 @@ def _packing(cfg) -> tuple[bool, bool]:
         return False, False
 
 
-def build_planner_workload(cfg, mean_prompt_len: float = 0.0) -> WorkloadSpec:
-    """The run's workload; `mean_prompt_len`, the training prompts' mean token count where the dataset is
-    loaded (0: unknown), is what passes that pack real tokens compute (data.max_prompt_length bounds memory)."""
+class PromptLengths(NamedTuple):
+    """The training prompts' token counts where the dataset is loaded (0: unknown): passes that pack real
+    tokens compute the mean, padded ones the longest (a batch's prompts are left-padded to its longest);
+    data.max_prompt_length bounds memory."""
+
+    mean: float = 0.0
+    longest: int = 0
+
+
+def build_planner_workload(cfg, prompts: PromptLengths = PromptLengths()) -> WorkloadSpec:
+    """The run's workload, its passes priced at the training prompts' lengths (`prompts`)."""
     d, act = cfg.data, cfg.actor
     seq_len = d.max_prompt_length + cfg.rollout.response_length
     rows = {s: _micro_batch_rows(getattr(cfg, s), seq_len) for s in ("actor", "critic", "ref", "reward")}
@@ -200,7 +209,8 @@ def build_planner_workload(cfg, mean_prompt_len: float = 0.0) -> WorkloadSpec:
             ("cost", rows["reward"], rows["reward"]),
         ),
         shared_prompts=cfg.rollout.n > 1 and shares,
-        mean_prompt_len=min(mean_prompt_len, d.max_prompt_length) if packs else 0.0,
+        mean_prompt_len=min(prompts.mean, d.max_prompt_length) if packs else 0.0,
+        longest_prompt_len=min(prompts.longest, d.max_prompt_length),
     )
 
 
@@ -290,16 +300,16 @@ def config_limits(cfg) -> EngineLimits:
     return replace(ENGINE_LIMITS, pipeline_max_tp=tuple(limits.items()))
 
 
-def plan_for_config(cfg, mean_prompt_len: float = 0.0) -> Plan:
+def plan_for_config(cfg, prompts: PromptLengths = PromptLengths()) -> Plan:
     """Run the planner on the config's dataflow, cluster and workload, within the built-in engines'
     limits (so `check_plan` accepts every layout it returns), for the schedule the config runs. Where
     the build has trainer.rollout_ahead the other schedule is searched too, for comparison; each
     schedule prices the old-log-prob forward as the trainer would run it under that schedule.
-    mean_prompt_len: the training prompts' mean token count, where the caller has loaded them (0: not)."""
+    prompts: the training prompts' lengths, where the caller has loaded them."""
     ahead, limits = config_rollout_ahead(cfg), config_limits(cfg)
     try:
         df = build_planner_dataflow(cfg, None if ahead is None else 0)
-        cluster, wl = build_planner_cluster(cfg), build_planner_workload(cfg, mean_prompt_len)
+        cluster, wl = build_planner_cluster(cfg), build_planner_workload(cfg, prompts)
         if ahead is None:
             return plan(df, cluster, wl, limits=limits)
         results = search(df, cluster, wl, limits)
@@ -316,11 +326,11 @@ def plan_for_config(cfg, mean_prompt_len: float = 0.0) -> Plan:
 
 
 # ---- plan -> placement ---------------------------------------------------------------------------------
-def load_plan(cfg, mean_prompt_len: float = 0.0) -> tuple[Plan, str]:
+def load_plan(cfg, prompts: PromptLengths = PromptLengths()) -> tuple[Plan, str]:
     """(plan, where it came from) for resources.placement = auto or a plan file."""
     source = cfg.resources.placement
     if source == "auto":
-        return plan_for_config(cfg, mean_prompt_len), "auto"
+        return plan_for_config(cfg, prompts), "auto"
     if not os.path.isfile(source):
         raise FileNotFoundError(
             f"resources.placement: no plan file at {source!r}; write one with "

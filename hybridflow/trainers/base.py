@@ -53,6 +53,7 @@ from hybridflow.errors import RunStopped
 from hybridflow.models import load_tokenizer
 from hybridflow.rollout.factory import require_rollout_engine
 from hybridflow.trainers import cluster_loss, lifecycle, supervised
+from hybridflow.trainers.auto_placement import PromptLengths
 from hybridflow.trainers.dump import batch_scores, generation_rows, write_generations
 from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import throughput_metrics
@@ -95,7 +96,9 @@ class Trainer(ValidationMixin):
         self.train_loader = self.build_train_loader()
         # placement=auto prices the passes at the loaded prompts' mean length (a pass over the dataset: only there)
         auto = placement is None and cfg.resources.placement == "auto"
-        self.placement = placement or Placement.from_config(cfg, self.mean_prompt_len() if auto else 0.0)
+        self.placement = placement or Placement.from_config(
+            cfg, self.prompt_lengths() if auto else PromptLengths()
+        )
         rule = cfg.reward.kind == "rule"
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", rule, self.tools)
         if cfg.trainer.val_only and self.val_dataset is None:
@@ -149,10 +152,14 @@ class Trainer(ValidationMixin):
             ds, self.cfg.data.train_batch_size, shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed
         )
 
-    def mean_prompt_len(self) -> float:
-        """The training prompts' mean token count (0: no prompt dataset loaded)."""
+    def prompt_lengths(self) -> PromptLengths:
+        """The training prompts' mean and longest token counts (0: no prompt dataset loaded)."""
         ds = self.train_loader.dataset if self.train_loader is not None else None
-        return ds.mean_length() if isinstance(ds, PromptDataset) else 0.0
+        return (
+            PromptLengths(ds.mean_length(), ds.longest_length())
+            if isinstance(ds, PromptDataset)
+            else PromptLengths()
+        )
 
     def reward_columns(self) -> set[str] | None:
         """The training prompts' columns a reward function may ask for (None: not a prompt dataset)."""

@@ -79,6 +79,7 @@ def shrunk_config(cfg, n: int):
 
 def fit_devices(trainer) -> None:
     """Before a restart rebuilds the groups: wait for the placement's devices, or shrink (module doc)."""
+    from hybridflow.trainers.auto_placement import PromptLengths
     from hybridflow.trainers.placement import Placement, _use_gpu
 
     cfg, trainer_cfg = trainer.cfg, trainer.cfg.trainer
@@ -108,8 +109,9 @@ def fit_devices(trainer) -> None:
             f"config ({first}); add devices and resume, or change the batch"
         )
     planned = getattr(trainer.placement, "plan", None)  # auto re-plans at the prompts' length it planned
-    mean = planned.workload.get("mean_prompt_len", 0.0) if planned is not None else 0.0
-    trainer.cfg, trainer.placement = new, Placement.from_config(new, mean)
+    wl = planned.workload if planned is not None else {}
+    prompts = PromptLengths(wl.get("mean_prompt_len", 0.0), wl.get("longest_prompt_len", 0))
+    trainer.cfg, trainer.placement = new, Placement.from_config(new, prompts)
     _say(
         f"continuing on {n} devices instead of {need}: {lost}; actor dp={new.actor.parallel.dp} (trainer.min_devices={trainer_cfg.min_devices})"
     )

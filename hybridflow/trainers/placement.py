@@ -49,6 +49,7 @@ from hybridflow.planner import Plan
 from hybridflow.planner.ahead import ROLLOUT_POOL
 from hybridflow.trainers.auto_placement import (
     PLANNER_ROLE,
+    PromptLengths,
     RoleParallel,
     check_plan,
     frozen_on_rollout_pool,
@@ -88,9 +89,9 @@ class Placement:
         return sum(self.pools.values())
 
     @classmethod
-    def from_config(cls, cfg, mean_prompt_len: float = 0.0) -> Placement:
-        """mean_prompt_len: the training prompts' mean token count where loaded, for placement=auto."""
-        placement = cls._training(cfg, mean_prompt_len)
+    def from_config(cls, cfg, prompts: PromptLengths = PromptLengths()) -> Placement:
+        """prompts: the training prompts' lengths where loaded, for placement=auto."""
+        placement = cls._training(cfg, prompts)
         if "rollout" in placement.pools:  # a one-step-ahead plan sized the rollout pool (auto_placement.py)
             return placement
         if rollout_devices(cfg):  # trainer.rollout_ahead=1: the rollout pool, beside the training pools
@@ -104,7 +105,7 @@ class Placement:
         return placement
 
     @classmethod
-    def _training(cls, cfg, mean_prompt_len: float) -> Placement:
+    def _training(cls, cfg, prompts: PromptLengths) -> Placement:
         n, kind = training_devices(cfg), cfg.resources.placement
         if kind == "colocate":
             return cls({"global": n})
@@ -119,7 +120,7 @@ class Placement:
                 {"actor_rollout": "actor", "ref": "actor", "critic": "critic", "cost_critic": "critic",
                  "reward": "critic", "cost": "critic"},
             )  # fmt: skip
-        return placement_for_config(cfg, mean_prompt_len=mean_prompt_len)  # "auto" or a plan file
+        return placement_for_config(cfg, prompts=prompts)  # "auto" or a plan file
 
 
 def placement_from_plan(p: Plan, cfg, source: str = "plan"):
@@ -145,11 +146,11 @@ def placement_from_plan(p: Plan, cfg, source: str = "plan"):
     return Placement(pools, roles, parallel=parallel, plan=p, ref_on_training=both)
 
 
-def placement_for_config(cfg, stream=None, mean_prompt_len: float = 0.0):
+def placement_for_config(cfg, stream=None, prompts: PromptLengths = PromptLengths()):
     """resources.placement = auto | plan file -> Placement; prints the plan and saves it to
-    run_dir/plan.yaml so the run records the layout it ran with. mean_prompt_len: the training prompts'
-    mean token count where loaded (0: not), which `auto` prices passes at (auto_placement.py)."""
-    p, source = load_plan(cfg, mean_prompt_len)
+    run_dir/plan.yaml so the run records the layout it ran with. prompts: the training prompts' lengths
+    where loaded, which `auto` prices passes at (auto_placement.py)."""
+    p, source = load_plan(cfg, prompts)
     placement = placement_from_plan(p, cfg, source)
     report_plan(p, placement, cfg, source, stream or sys.stdout)
     os.makedirs(cfg.run_dir, exist_ok=True)

@@ -109,3 +109,24 @@ def test_pipeline_stages_run_padded_rows_and_the_rest_packed_ones():
             )
         else:
             assert train[1] < 0.7 * train[0] and infer[1] < 0.7 * infer[0]
+
+
+def test_padded_passes_and_the_batches_run_at_the_longest_prompt():
+    """Batches are left-padded to their longest prompt, not to data.max_prompt_length: where the data's
+    longest prompt is known (9 of a 16-token bound), generation's prefill and cache, the pipelined stages'
+    padded rows and the calls' batches are priced at 9 + 4 tokens a row; a 9-token bound prices the same;
+    memory keeps the bound (seq_len)."""
+    from hybridflow.planner.simulate import generation_time, stage_call_time, step_rest_time
+
+    bound = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=64, inference_micro_batch_size=64)
+    known, short = replace(bound, longest_prompt_len=9), replace(bound, prompt_len=9)
+    assert (known.seq_len, known.padded_seq_len, known.packed_seq_len) == (20, 13, 13)
+    for price in (
+        lambda wl: generation_time(SPEC, CPU, wl, 2, 2, 1, 1),
+        lambda wl: training_time(SPEC, CPU, wl, 2, 2, 1, 1, False),
+        lambda wl: stage_call_time(CPU, wl, "generation") + stage_call_time(CPU, wl, "training"),
+        lambda wl: step_rest_time(CPU, wl, ("generation",)),
+    ):
+        assert price(known) == pytest.approx(price(short), rel=1e-12) and price(known) < price(bound)
+    with pytest.raises(ValueError, match="longest_prompt_len"):
+        replace(bound, longest_prompt_len=17)

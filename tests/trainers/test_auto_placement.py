@@ -26,6 +26,7 @@ from hybridflow.planner.specs import get_device
 from hybridflow.trainers import Placement, build_trainer
 from hybridflow.trainers.auto_placement import (
     ENGINE_LIMITS,
+    PromptLengths,
     build_planner_cluster,
     build_planner_dataflow,
     build_planner_workload,
@@ -94,11 +95,13 @@ def test_planner_inputs_from_the_config(make_config, tiny_model_dir):
     assert wl.for_role("actor").inference_micro_batch_size == cfg.actor.micro_batch_size_per_device
     assert wl.shared_prompts  # a llama model: padding removed, prompts shared, as the engines resolve it
     assert not build_planner_workload(make_config("ppo", "model.share_prompt=false")).shared_prompts
-    # the loaded prompts' mean prices passes that pack real tokens; padded ones compute the bound
-    assert build_planner_workload(cfg, 7.5).mean_prompt_len == 7.5 and wl.mean_prompt_len == 0.0
-    assert (
-        build_planner_workload(make_config("ppo", "model.remove_padding=false"), 7.5).mean_prompt_len == 0.0
-    )
+    # the loaded prompts' mean prices passes that pack real tokens; padded ones compute the longest prompt,
+    # the width batches are left-padded to; memory the bound
+    loaded = build_planner_workload(cfg, PromptLengths(7.5, 9))
+    assert (loaded.mean_prompt_len, loaded.padded_seq_len, loaded.seq_len) == (7.5, 9 + 4, 16 + 4)
+    assert (wl.mean_prompt_len, wl.padded_seq_len) == (0.0, 16 + 4)  # nothing loaded: the bound
+    padded = build_planner_workload(make_config("ppo", "model.remove_padding=false"), PromptLengths(7.5, 9))
+    assert padded.mean_prompt_len == 0.0 and padded.packed_seq_len == 9 + 4
     assert build_planner_dataflow(make_config("rloo", KL_LOSS)).roles == ("actor", "reference")
 
 
@@ -303,7 +306,15 @@ def test_auto_placement_plans_and_runs(ray_cluster, make_config, tmp_path):
         planned = trainer.placement.plan
         assert planned is not None and (planned.device, planned.num_devices) == ("cpu-measured", 1)
         # priced at the loaded prompts' mean length, below data.max_prompt_length (16)
-        assert 0 < planned.workload["mean_prompt_len"] == trainer.mean_prompt_len() < 16
+        mean, longest = trainer.prompt_lengths()
+        assert (
+            0
+            < planned.workload["mean_prompt_len"]
+            == mean
+            <= planned.workload["longest_prompt_len"]
+            == longest
+            < 16
+        )
         assert planned.device_measured
         assert [pool.n_devices for pool in trainer.pools] == [1]
         assert trainer.groups["ref"] is trainer.groups["actor_rollout"]  # colocated: one process
