@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from dataclasses import replace
 
 from hybridflow.planner import simulate as sim
+from hybridflow.planner.fit import (
+    fit_decode_terms,
+    fit_engine_terms,
+    fit_fsdp_token_terms,
+    fit_pipeline_token_terms,
+    fit_switch_terms,
+    fit_thread_fractions,
+    in_process,
+)
 from hybridflow.planner.profile import DeviceProfile
 from hybridflow.planner.specs import DeviceSpec, ModelSpec, WorkloadSpec, get_device
 
@@ -93,7 +101,7 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
     raw["detokenize"] = mb.detokenize_costs()
     call_terms = {k: v for k, v in calls.items() if k != "empty_step_s"}
     path_terms = {**call_terms, **{k: path[k] for k in PATH_TERMS if k in path}}
-    devices = {}
+    devices, decoded = {}, tiny_spec("tiny", num_hidden_layers=mb.DECODE_LAYERS)  # the decode steps' model
     for name in dtypes:
         dtype = getattr(torch, name)
         rates = mb.gemm_rates(dtype, device, repeats)
@@ -125,20 +133,17 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
             **({"intra_node_bandwidth": links["bandwidth"], "comm_latency_s": links["latency_s"],
                 "comm_efficiency": 1.0} if links else {}),
         )  # fmt: skip
-        raw[name]["decode_terms"] = decode = fit_decode_terms(raw[name]["decode_steps"], devices[name])
+        raw[name]["decode_terms"] = decode = fit_decode_terms(
+            raw[name]["decode_steps"], devices[name], decoded
+        )
         devices[name] = replace(devices[name], **decode)
     if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
         fp32 = devices.get("float32") or next(iter(devices.values()))
-        terms = fit_engine_terms(raw["engine_passes"], fp32, size)
-        if "dp2" in raw["engine_passes"]:
-            terms |= fit_fsdp_token_terms(raw["engine_passes"], replace(fp32, **terms), size)
-        if "threads" in raw["engine_passes"]:
-            terms |= fit_thread_fractions(raw["engine_passes"])
-        raw["engine_tokens"] = terms
+        raw["engine_tokens"] = terms = engine_terms(raw["engine_passes"], fp32, tiny_spec(size))
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     if "switch_rounds" in raw:  # measured in fp32 (the bytes priced per dtype; the fixed costs are Python)
         fp32 = devices.get("float32") or next(iter(devices.values()))
-        raw["switch_terms"] = terms = fit_switch_terms(raw["switch_rounds"], fp32, size)
+        raw["switch_terms"] = terms = fit_switch_terms(raw["switch_rounds"], fp32, tiny_spec(size))
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     host = {
         "machine": platform.machine(),
@@ -149,154 +154,6 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return DeviceProfile(f"{get_device(base).name}-measured", devices, host, raw)
-
-
-def fit_engine_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
-    """train_token_overhead_s and infer_token_overhead_s: per token of a micro-batch, the engine's
-    measured seconds (microbench_path.engine_passes, two row counts) beyond the simulator's with `dev`
-    for the same rows, slope against slope, so the fixed costs of a pass cancel; then
-    train_batch_overhead_s and infer_batch_overhead_s: what the smaller run measured beyond the simulator's
-    seconds with that slope priced, the engine's fixed cost per micro-batch that the plain model's fixed
-    terms (microbench.layer_overhead, microbench_path.training_path) do not see."""
-    spec = _tiny_spec(size)
-    # the engine's own terms being what is fitted
-    predicted, tokens = _engine_predictions(raw, spec, in_process(dev), ranks=1)
-
-    def residual(key: str) -> tuple[float, float]:
-        measured = raw[key][-1] - raw[key][0]
-        per_token = max(0.0, (measured - (predicted[key][-1] - predicted[key][0])) / (tokens[-1] - tokens[0]))
-        return per_token, max(0.0, raw[key][0] - predicted[key][0] - tokens[0] * per_token)
-
-    (train_token, train_batch), (infer_token, infer_batch) = residual("train_s"), residual("infer_s")
-    return {
-        "train_token_overhead_s": train_token,
-        "infer_token_overhead_s": infer_token,
-        "token_overhead_width": float(spec.hidden),
-        "train_batch_overhead_s": train_batch,
-        "infer_batch_overhead_s": infer_batch,
-    }
-
-
-def fit_fsdp_token_terms(raw: dict, dev: DeviceSpec, size: str) -> dict:
-    """fsdp_train_token_overhead_s and fsdp_infer_token_overhead_s: per token of a layer's pass, what the
-    engine's passes on 2 FSDP2 ranks (microbench_path.engine_passes' "dp2", the same rows a rank) measured
-    beyond the simulator's seconds for them at d = 2 with every other term `dev` has (the engine's included),
-    slope against slope, so the fixed costs (FSDP2's per unit among them) cancel."""
-    spec = _tiny_spec(size)
-    dev = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, fsdp_train_token_overhead_s=0.0,
-                  fsdp_infer_token_overhead_s=0.0)  # fmt: skip
-    predicted, tokens = _engine_predictions(raw, spec, dev, ranks=2)
-
-    def per_layer_token(key: str, passes: int) -> float:
-        measured = raw["dp2"][key][-1] - raw["dp2"][key][0]
-        extra = measured - (predicted[key][-1] - predicted[key][0])
-        return max(0.0, extra / (tokens[-1] - tokens[0]) / (passes * spec.num_layers))
-
-    return {
-        "fsdp_train_token_overhead_s": per_layer_token("train_s", 3),  # forward, backward (two)
-        "fsdp_infer_token_overhead_s": per_layer_token("infer_s", 1),
-    }
-
-
-def fit_decode_terms(steps: dict, dev: DeviceSpec) -> dict:
-    """decode_step_overhead_s and decode_row_overhead_s: the built-in engine's decode step (microbench.
-    engine_decode_steps: {"rows", "step_s"} at two row counts) beyond the simulator's price for it without them,
-    at the fewer rows (the step's fixed rest, at least 0) and per row more (sampling, the stop test, the
-    written columns: what grows with the batch beyond its FLOPs and bytes)."""
-    from hybridflow.planner.microbench import DECODE_LAYERS
-
-    spec = _tiny_spec("tiny", num_hidden_layers=DECODE_LAYERS)
-    bare = replace(dev, call_overhead_s=0.0, decode_step_overhead_s=0.0, decode_row_overhead_s=0.0,
-                   detokenize_row_s=0.0, detokenize_token_s=0.0)  # fmt: skip
-
-    def residual(rows: int, seconds: float) -> float:
-        def priced(new: int) -> float:
-            wl = WorkloadSpec(
-                rows, 1, 4, new, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows
-            )
-            return sim.generation_time(spec, bare, wl, 1, 1, 1, 1)
-
-        return seconds - (priced(17) - priced(1)) / 16
-
-    (few, few_s), (many, many_s) = sorted(zip(steps["rows"], steps["step_s"]))
-    per_row = max(0.0, (residual(many, many_s) - residual(few, few_s)) / (many - few))
-    return {
-        "decode_step_overhead_s": max(0.0, residual(few, few_s) - few * per_row),
-        "decode_row_overhead_s": per_row,
-    }
-
-
-def _tiny_spec(size: str, **overrides) -> ModelSpec:
-    """The planner's spec of the tiny Llama `size` (models/tiny.py) the micro-benchmarks time."""
-    from hybridflow.models.tiny import build_tiny_config
-
-    return ModelSpec.from_config_dict(build_tiny_config(size, "llama", **overrides).to_dict())
-
-
-def fit_thread_fractions(raw: dict) -> dict:
-    """thread_fraction_train and thread_fraction_infer: Amdahl's parallel fraction f of the engine's passes,
-    from their speedup S on raw["threads"]["count"] = k threads over one (microbench_path.engine_passes,
-    the median over its row counts): S = 1 / ((1 - f) + f / k), so f = (1 - 1/S) / (1 - 1/k), in [0, 1]."""
-    k = raw["threads"]["count"]
-
-    def fraction(key: str) -> float:
-        speedup = statistics.median(a / b for a, b in zip(raw[key], raw["threads"][key]))
-        return min(1.0, max(0.0, (1.0 - 1.0 / speedup) / (1.0 - 1.0 / k)))
-
-    return {"thread_fraction_train": fraction("train_s"), "thread_fraction_infer": fraction("infer_s")}
-
-
-def _engine_predictions(raw: dict, spec: ModelSpec, dev: DeviceSpec, ranks: int) -> tuple[dict, list]:
-    """The simulator's seconds for microbench_path.engine_passes' batches (`rows` GRPO rows a rank in one
-    micro-batch, on `ranks` data-parallel ranks): ({"train_s": [...], "infer_s": [...]}, tokens a rank)."""
-    from hybridflow.planner.microbench_path import GROUP, RESPONSE
-
-    predicted, tokens = {"train_s": [], "infer_s": []}, []
-    for rows, prompt in zip(raw["rows"], raw["prompt_len"]):
-        wl = WorkloadSpec(
-            prompts=ranks * rows // GROUP, samples_per_prompt=GROUP, prompt_len=math.ceil(prompt),
-            response_len=RESPONSE, mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
-            shared_prompts=True, mean_prompt_len=prompt,
-        )  # fmt: skip
-        tokens.append(rows * wl.tokens_per_sequence(rows))
-        predicted["train_s"].append(sim.training_time(spec, dev, wl, ranks, 1, 1, ranks, checkpoint=False))
-        predicted["infer_s"].append(sim.inference_time(spec, dev, wl, ranks, 1, 1, ranks))
-    return predicted, tokens
-
-
-def fit_switch_terms(raw: dict[str, float], dev: DeviceSpec, size: str) -> dict[str, float]:
-    """switch_fsdp_unit_s, switch_tp_unit_s and switch_stage_s: each switch round measured
-    (microbench_path.switch_rounds: t1d2, t2d1 and p2t1d1 on 2 ranks, to tg = 1) beyond the simulator's
-    seconds for the same round without these terms (its bytes over the link, the counters' all-reduce), per
-    unit the round gathers (simulate.switch_overhead): the model's layers and root at d = 2, its layers at
-    t = 2, its 2 stages at p = 2."""
-    from hybridflow.planner.microbench_path import SWITCH_LAYOUTS
-
-    spec = _tiny_spec(size)
-    names = {"t1d2": "switch_fsdp_unit_s", "t2d1": "switch_tp_unit_s", "p2t1d1": "switch_stage_s"}
-    bare = replace(dev, **dict.fromkeys(names.values(), 0.0))
-    out = {}
-    for layout, (p, t, d) in SWITCH_LAYOUTS.items():
-        priced = sim.switch_time(spec, bare, 2, p, t, d, 1, 1)
-        # the units this layout gathers, as the simulator counts them: its term at 1 s, nothing else
-        one = replace(bare, comm_latency_s=0.0, **{names[layout]: 1.0})
-        units = sim.switch_overhead(spec, one, p, t, d, 1, 1, "hybridflow")
-        out[names[layout]] = max(0.0, raw[layout] - priced) / units
-    return out
-
-
-# what fit_engine_terms measures: the engine's passes beyond the plain model's terms
-ENGINE_TERMS = (
-    "train_token_overhead_s",
-    "infer_token_overhead_s",
-    "train_batch_overhead_s",
-    "infer_batch_overhead_s",
-)
-
-
-def in_process(dev: DeviceSpec) -> DeviceSpec:
-    """`dev` as a run in this process sees it: no worker call, none of the engine's own terms."""
-    return replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
 
 
 # the coefficients microbench_path.training_path measures (the Python of a pass: the same in either dtype)
@@ -310,6 +167,25 @@ PATH_TERMS = (
     "fsdp_optimizer_step_overhead_s",
     "tp_optimizer_step_overhead_s",
 )
+
+
+def engine_terms(passes: dict, fp32: DeviceSpec, spec: ModelSpec) -> dict:
+    """The engine's terms from its passes (microbench_path.engine_passes), each fitted with those before it."""
+    terms = fit_engine_terms(passes, fp32, spec)
+    if "dp2" in passes:
+        terms |= fit_fsdp_token_terms(passes, replace(fp32, **terms), spec)
+    if "pp2" in passes:
+        terms |= fit_pipeline_token_terms(passes, replace(fp32, **terms), spec)
+    if "threads" in passes:
+        terms |= fit_thread_fractions(passes)
+    return terms
+
+
+def tiny_spec(size: str, **overrides) -> ModelSpec:
+    """The planner's spec of the tiny Llama `size` (models/tiny.py) the micro-benchmarks time."""
+    from hybridflow.models.tiny import build_tiny_config
+
+    return ModelSpec.from_config_dict(build_tiny_config(size, "llama", **overrides).to_dict())
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -385,7 +261,7 @@ def calibrate(
 ) -> dict:
     """{"model", "device", "stages": {stage: {"predicted_s", "measured_s", "ratio"}}}; with a
     DeviceProfile also "profile_stages", the same predicted with its float32 entry."""
-    spec = _tiny_spec(size)
+    spec = tiny_spec(size)
     spec = replace(spec, name=f"tiny-{size}")
     # one mini-batch of `batch` sequences processed as a single micro-batch, as measured
     wl = WorkloadSpec(

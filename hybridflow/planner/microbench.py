@@ -167,7 +167,7 @@ DECODE_ROWS, DECODE_LAYERS = (1, 256), 2
 def engine_decode_steps(dtype: torch.dtype, device: str = "cpu", repeats: int = 3) -> dict[str, list]:
     """The built-in generation engine's (rollout/engine.py: what a run generates with) seconds per decode
     step of DECODE_ROWS rows on a DECODE_LAYERS-layer tiny model: {"rows", "step_s"}, from 17 new tokens less
-    1 (the prompt's prefill cancels). calibrate.fit_decode_terms prices what the simulator leaves out."""
+    1 (the prompt's prefill cancels). fit.fit_decode_terms prices what the simulator leaves out."""
     from hybridflow.batch import Batch
     from hybridflow.rollout.base import SamplingParams
     from hybridflow.rollout.engine import BuiltinEngine

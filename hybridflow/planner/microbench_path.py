@@ -37,6 +37,7 @@ from collections.abc import Iterator
 import torch
 
 from hybridflow.controller import Protocol, Worker, register
+from hybridflow.planner.fit import GROUP, PROMPT, RESPONSE, SWITCH_LAYOUTS
 from hybridflow.planner.microbench import best_seconds
 
 LAYERS = (1, 5)
@@ -237,7 +238,6 @@ def training_path(repeats: int = 5, size: str = "tiny") -> dict[str, float]:
 # GRPO-shaped rows a micro-batch (examples/configs/grpo_tiny.yaml): 5-9-token prompts shared by n = 8
 # samples of 4 tokens; two counts, so the slope is per token and a pass's fixed costs cancel
 ENGINE_ROWS = (64, 256)
-GROUP, PROMPT, RESPONSE = 8, (5, 9), 4
 
 
 def grpo_rows(vocab: int, rows: int, seed: int = 0):
@@ -263,7 +263,7 @@ def _pg_loss(outputs, mb):
 
 
 def _engine_child(
-    rank: int, init_file: str, out: str, size: str, repeats: int, dp: int = 1, threads: int = 1
+    rank: int, init_file: str, out: str, size: str, repeats: int, dp: int = 1, threads: int = 1, pp: int = 1
 ) -> None:
     import json
 
@@ -274,19 +274,20 @@ def _engine_child(
     from hybridflow.models.tiny import build_tiny_model
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp * pp)
     cfg = EngineConfig(
         optim=OptimConfig(lr=1e-5),
         micro_batch_size_per_device=max(ENGINE_ROWS),
-        remove_padding=True,
-        share_prompt=True,
-        parallel=ParallelConfig(dp=dp),
+        remove_padding=pp == 1,  # pipeline stages run padded rows
+        share_prompt=pp == 1,
+        parallel=ParallelConfig(dp=dp, pp=pp),
     )
     engine = TrainEngine(build_tiny_model(size, "llama", seed=0), cfg)
     result = {"rows": list(ENGINE_ROWS), "prompt_len": [], "train_s": [], "infer_s": []}
     for rows in ENGINE_ROWS:
         # each rank its own rows, as a run's ranks get theirs: at dp = 2 every gather waits for the slower
-        batch = grpo_rows(engine.hf_model.config.vocab_size, rows, seed=rank)
+        # (a pipeline's stages hold the same rows)
+        batch = grpo_rows(engine.hf_model.config.vocab_size, rows, seed=rank if pp == 1 else 0)
         result["prompt_len"].append(float((batch["prompts"] != 0).sum()) / rows)
         result["train_s"].append(
             best_seconds(lambda b=batch: engine.train_step(b, _pg_loss), repeats, min_s=0.0)
@@ -304,8 +305,9 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     """Seconds of the engine's own training step (TrainEngine.train_step: packed, shared prompts, the
     log-prob chunks, clipping, AdamW) and log-prob pass (compute_log_probs) on ENGINE_ROWS GRPO-shaped rows
     of the tiny model `size` a rank: {"rows", "prompt_len" (their mean), "train_s", "infer_s"} in one
-    process, under "dp2" the same on 2 ranks sharded by FSDP2 (rank 0's figures), and under "threads" the
-    one process again on all of this machine's cores ("count"), where it has more than one."""
+    process, under "dp2" the same on 2 ranks sharded by FSDP2 (rank 0's figures), under "pp2" on 2 pipeline
+    stages (padded rows: engines/pipeline_engine.py), and under "threads" the one process again on all of
+    this machine's cores ("count"), where it has more than one."""
     import json
 
     import torch.multiprocessing as mp
@@ -313,22 +315,24 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     from hybridflow.controller.process import usable_cores
 
     cores = usable_cores()
-    runs = [(1, 1, 1), (2, 2, 1)] + ([("threads", 1, cores)] if cores > 1 else [])
+    # (key, dp, threads, pp)
+    runs = [(1, 1, 1, 1), (2, 2, 1, 1), ("pp2", 1, 1, 2)] + ([("threads", 1, cores, 1)] if cores > 1 else [])
     result = {}
-    for key, dp, threads in runs:
+    for key, dp, threads, pp in runs:
         with tempfile.TemporaryDirectory() as tmp, as_workers():
             init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-            mp.spawn(_engine_child, args=(init, out, size, repeats, dp, threads), nprocs=dp, join=True)
+            args = (init, out, size, repeats, dp, threads, pp)
+            mp.spawn(_engine_child, args=args, nprocs=dp * pp, join=True)
             result[key] = json.load(open(out))
     passes = ("train_s", "infer_s")
-    out = {**result[1], "dp2": {k: result[2][k] for k in passes}}
+    out = {
+        **result[1],
+        "dp2": {k: result[2][k] for k in passes},
+        "pp2": {k: result["pp2"][k] for k in passes},
+    }
     if "threads" in result:
         out["threads"] = {"count": cores, **{k: result["threads"][k] for k in passes}}
     return out
-
-
-# (pp, tp, dp) of each switch round measured: FSDP2's unshard, the TP pieces' gather, the stages' exchange
-SWITCH_LAYOUTS = {"t1d2": (1, 1, 2), "t2d1": (1, 2, 1), "p2t1d1": (2, 1, 1)}
 
 
 def _switch_child(rank: int, init_file: str, out: str, size: str, repeats: int) -> None:

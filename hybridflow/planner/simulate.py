@@ -180,16 +180,16 @@ def pass_tokens(wl: WorkloadSpec, rows: int, p: int) -> tuple[float, float]:
     return rows * wl.tokens_per_sequence(rows), wl.packed_seq_len
 
 
-def engine_overhead(
-    spec: ModelSpec, dev: DeviceSpec, tokens: float, per_token: float, per_batch: float, p: int
-) -> float:
-    """The engine's own terms for a micro-batch of `tokens` where they were measured, the unpipelined passes
-    (packing, the shared-prompt attention, the loss: microbench_path.engine_passes): per token, scaled from
-    the width it was measured at to the model's, and per micro-batch. The pipelined passes run neither;
-    their cost beyond the FLOP, activation and fixed terms is not measured, so 0."""
+def engine_overhead(spec: ModelSpec, dev: DeviceSpec, tokens: float, training: bool, p: int) -> float:
+    """The engine's own terms for a micro-batch of `tokens` (microbench_path.engine_passes), per token scaled
+    from the width they were measured at to the model's: unpipelined, packing, the shared-prompt attention
+    and the loss, per token and per micro-batch; a pipeline stage's pass its own per token."""
     if p > 1:
-        return 0.0
-    return tokens * per_token * token_width_scale(spec, dev) + per_batch
+        per_token = dev.pipeline_train_token_overhead_s if training else dev.pipeline_infer_token_overhead_s
+        return tokens * per_token * token_width_scale(spec, dev)
+    if training:
+        return tokens * dev.train_token_overhead_s * token_width_scale(spec, dev) + dev.train_batch_overhead_s
+    return tokens * dev.infer_token_overhead_s * token_width_scale(spec, dev) + dev.infer_batch_overhead_s
 
 
 def training_time(
@@ -222,7 +222,7 @@ def training_time(
         + passes * (path_overhead(dev, layers, t, d) + activation_time(spec, dev, tokens, s / 2, layers, t))
         + passes * layers * tp_token_time(spec, dev, tokens, t)
         + passes * layers * fsdp_token_time(spec, dev, tokens, d, dev.fsdp_train_token_overhead_s)
-        + engine_overhead(spec, dev, tokens, dev.train_token_overhead_s, dev.train_batch_overhead_s, p)
+        + engine_overhead(spec, dev, tokens, True, p)
     )
     pipeline = (m + p - 1) * slot
     grads = spec.num_params * GRAD_BYTES_PER_PARAM / (p * t)
@@ -250,7 +250,7 @@ def inference_time(
     slot += layers * tp_token_time(spec, dev, tokens, t)
     slot += layers * fsdp_token_time(spec, dev, tokens, d, dev.fsdp_infer_token_overhead_s)
     slot += activation_time(spec, dev, tokens, s / 2, layers, t)
-    slot += engine_overhead(spec, dev, tokens, dev.infer_token_overhead_s, dev.infer_batch_overhead_s, p)
+    slot += engine_overhead(spec, dev, tokens, False, p)
     return (m + p - 1) * slot
 
 

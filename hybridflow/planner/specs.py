@@ -161,9 +161,7 @@ class DeviceSpec:
     comm_efficiency: float = 0.8  # reached fraction of link bandwidth in collectives
     comm_latency_s: float = 1e-5  # per hop of a collective (log2 n hops); dominates decode TP all-reduces
     layer_overhead_s: float = 0.0  # fixed cost per layer per forward (kernel launch, Python dispatch)
-    decode_step_overhead_s: float = (
-        0.0  # generation engine's fixed cost per decode step (sampling, scheduling)
-    )
+    decode_step_overhead_s: float = 0.0  # the generation engine's per decode step (sampling, scheduling)
     decode_row_overhead_s: float = 0.0  # and per row of a decode step: sampling, the stop test, the columns
     # the responses' text each rollout rank decodes after generating, per row and per token (before version 11: 0)
     detokenize_row_s: float = 0.0
@@ -186,9 +184,7 @@ class DeviceSpec:
     # gather waits for the slower rank, whose lead grows with the work between two gathers
     fsdp_train_token_overhead_s: float = 0.0
     fsdp_infer_token_overhead_s: float = 0.0
-    optimizer_layer_overhead_s: float = (
-        0.0  # per layer per optimizer step: clipping and AdamW on plain tensors
-    )
+    optimizer_layer_overhead_s: float = 0.0  # per layer per optimizer step: clipping, AdamW on plain tensors
     optimizer_step_overhead_s: float = 0.0  # per optimizer step: the rest (embeddings, head, bookkeeping)
     # per optimizer step beyond plain tensors' on FSDP2's (d > 1) and tensor parallelism's (t > 1) DTensors:
     # the clipping norm's reductions and the fused kernel's dispatch per layout (profiles before version 4: 0)
@@ -204,10 +200,13 @@ class DeviceSpec:
     # intercept, at any width (before version 8: 0)
     train_batch_overhead_s: float = 0.0
     infer_batch_overhead_s: float = 0.0
-    # the hidden size the two terms above were measured at: a model of another width pays them times its
-    # hidden / this (the work is over hidden-sized vectors: measured 15 / 39 / 185 us a training token at
-    # widths 64 / 128 / 512); 0 (profiles before version 5): unscaled
+    # the hidden size the terms above were measured at: another width pays them times its hidden / this (the
+    # work is over hidden-sized vectors); 0 (profiles before version 5): unscaled
     token_overhead_width: float = 0.0
+    # per token of a pipeline stage's pass over a micro-batch (p > 1), the same beyond the FLOP, activation and
+    # fixed terms: training, inference (engine_passes on 2 stages; before version 12: 0), scaled alike
+    pipeline_train_token_overhead_s: float = 0.0
+    pipeline_infer_token_overhead_s: float = 0.0
     # per activation value a pass's non-matmul ops write (norms, rotary, SiLU, softmax, log-softmax; memory-
     # bound), ModelSpec.layer_activation_elements' count; what a small model's tokens cost beyond its GEMMs
     activation_s_per_element: float = 0.0
@@ -329,9 +328,8 @@ class WorkloadSpec:
     # the prompts' mean token count where the data is known and the training-side passes pack real tokens
     # (padding removal); 0: prompt_len. Their time reads it; memory reads prompt_len, the bound
     mean_prompt_len: float = 0.0
-    # the longest prompt where the data is known (0: prompt_len): a batch's prompts are left-padded to its
-    # longest (data/prompts.py), so the padded passes (generation's prefill and cache, pipeline stages) and
-    # the batches the driver moves run at this width, not at data.max_prompt_length
+    # the longest prompt where the data is known (0: prompt_len): batches are left-padded to their longest, so
+    # padded passes (generation's prefill and cache, pipeline stages) and the driver's batches run at it
     longest_prompt_len: int = 0
 
     def __post_init__(self):

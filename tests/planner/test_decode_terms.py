@@ -1,4 +1,4 @@
-"""Generation's terms measured on the built-in engine (calibrate.fit_decode_terms) and the responses'
+"""Generation's terms measured on the built-in engine (fit.fit_decode_terms) and the responses'
 text (microbench.detokenize_costs), priced by simulate.generation_time; by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from hybridflow.models.tiny import build_tiny_config
-from hybridflow.planner.calibrate import fit_decode_terms
+from hybridflow.planner.fit import fit_decode_terms
 from hybridflow.planner.microbench import DECODE_LAYERS
 from hybridflow.planner.simulate import generation_time
 from hybridflow.planner.specs import ModelSpec, WorkloadSpec, get_device
@@ -31,17 +31,17 @@ def _step(dev, rows: int) -> float:
 def test_the_fit_recovers_a_fixed_and_a_per_row_cost():
     truth = replace(CPU, decode_step_overhead_s=1e-4, decode_row_overhead_s=2e-6)
     steps = {"rows": [1, 256], "step_s": [_step(truth, 1), _step(truth, 256)]}
-    assert fit_decode_terms(steps, CPU) == pytest.approx(
+    assert fit_decode_terms(steps, CPU, SPEC) == pytest.approx(
         {"decode_step_overhead_s": 1e-4, "decode_row_overhead_s": 2e-6}
     )
     # terms already in the spec being fitted are not counted twice; the text is not part of a step
     stale = replace(CPU, decode_step_overhead_s=5e-3, decode_row_overhead_s=1.0, detokenize_row_s=1.0)
-    assert fit_decode_terms(steps, stale) == pytest.approx(fit_decode_terms(steps, CPU))
+    assert fit_decode_terms(steps, stale, SPEC) == pytest.approx(fit_decode_terms(steps, CPU, SPEC))
     # an engine faster than the simulator's own terms at one row: no negative fixed cost
     assert (
-        fit_decode_terms({"rows": [1, 256], "step_s": [0.0, steps["step_s"][1] - steps["step_s"][0]]}, CPU)[
-            "decode_step_overhead_s"
-        ]
+        fit_decode_terms(
+            {"rows": [1, 256], "step_s": [0.0, steps["step_s"][1] - steps["step_s"][0]]}, CPU, SPEC
+        )["decode_step_overhead_s"]
         == 0.0
     )
 

@@ -158,6 +158,11 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     assert dp2["train_s"][1] > dp2["train_s"][0] > 0 and dp2["infer_s"][1] > dp2["infer_s"][0] > 0
     for name in ("fsdp_train_token_overhead_s", "fsdp_infer_token_overhead_s"):
         assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
+    # and as 2 pipeline stages: a stage's pass per token beyond the simulator's terms (both dtypes, from fp32)
+    pp2 = raw["engine_passes"]["pp2"]
+    assert pp2["train_s"][1] > pp2["train_s"][0] > 0 and pp2["infer_s"][1] > pp2["infer_s"][0] > 0
+    for name in ("pipeline_train_token_overhead_s", "pipeline_infer_token_overhead_s"):
+        assert getattr(fp32, name) == getattr(bf16, name) == raw["engine_tokens"][name] >= 0
     # generation's terms from the built-in engine's decode steps (per dtype) and the responses' text
     for name, spec in (("float32", fp32), ("bfloat16", bf16)):
         steps = raw[name]["decode_steps"]

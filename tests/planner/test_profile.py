@@ -121,7 +121,7 @@ def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys)
     dropped = ("driver_step_overhead_s",)
     loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 11
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 12
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
@@ -173,7 +173,7 @@ def test_engine_token_fit_recovers_a_known_residual():
     and 1,248 tokens. The profile's own engine terms (here the ones fitted before) are not part of the
     simulator's seconds it compares with."""
     from hybridflow.models.tiny import build_tiny_config
-    from hybridflow.planner.calibrate import fit_engine_terms
+    from hybridflow.planner.fit import fit_engine_terms
     from hybridflow.planner.simulate import inference_time, training_time
 
     dev = _profile(micro_batch_overhead_s=1e-3, activation_s_per_element=1e-9).device("float32")
@@ -187,8 +187,8 @@ def test_engine_token_fit_recovers_a_known_residual():
         raw["infer_s"].append(inference_time(spec, dev, wl, 1, 1, 1, 1) + 1e-6 * tokens + 5e-4)
     expected = {"train_token_overhead_s": 3e-6, "infer_token_overhead_s": 1e-6, "token_overhead_width": spec.hidden,
                 "train_batch_overhead_s": 2e-3, "infer_batch_overhead_s": 5e-4}  # fmt: skip
-    assert fit_engine_terms(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
-    assert fit_engine_terms(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_engine_terms(raw, dev, spec) == pytest.approx(expected, rel=1e-6)
+    assert fit_engine_terms(raw, stale, spec) == pytest.approx(expected, rel=1e-6)
 
 
 def test_profile_refuses_what_it_cannot_read(tmp_path):
@@ -375,7 +375,7 @@ def test_switch_fit_recovers_known_costs_per_unit():
     tiny model's 2 layers and root), 0.5 ms per TP-gathered layer (2), 0.2 ms per stage (2): the fit returns
     them, whatever the profile's own switch terms were."""
     from hybridflow.models.tiny import build_tiny_config
-    from hybridflow.planner.calibrate import fit_switch_terms
+    from hybridflow.planner.fit import fit_switch_terms
     from hybridflow.planner.simulate import switch_time
 
     dev = _profile(fsdp_layer_overhead_s=3e-3).device("float32")
@@ -388,8 +388,8 @@ def test_switch_fit_recovers_known_costs_per_unit():
         "p2t1d1": switch_time(spec, bare, 2, 2, 1, 1, 1, 1) + 2 * 2e-4,
     }
     expected = {"switch_fsdp_unit_s": 7e-4, "switch_tp_unit_s": 5e-4, "switch_stage_s": 2e-4}
-    assert fit_switch_terms(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
-    assert fit_switch_terms(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_switch_terms(raw, dev, spec) == pytest.approx(expected, rel=1e-6)
+    assert fit_switch_terms(raw, stale, spec) == pytest.approx(expected, rel=1e-6)
 
 
 def test_fsdp_per_token_by_hand_and_fit_recovers_it():
@@ -398,7 +398,7 @@ def test_fsdp_per_token_by_hand_and_fit_recovers_it():
     at d = 1. Fitted from engine passes on 2 ranks that measured the simulator's seconds plus 4 us (training)
     and 1.5 us (inference) a token per layer pass, the fit returns them whatever the profile's own figures."""
     from hybridflow.models.tiny import build_tiny_config
-    from hybridflow.planner.calibrate import fit_fsdp_token_terms
+    from hybridflow.planner.fit import fit_fsdp_token_terms
     from hybridflow.planner.simulate import inference_time, training_time
 
     wl = replace(WORKLOAD, prompt_len=9, mean_prompt_len=7.0, shared_prompts=True)
@@ -426,8 +426,8 @@ def test_fsdp_per_token_by_hand_and_fit_recovers_it():
         raw["dp2"]["train_s"].append(training_time(spec, dev, wl, 2, 1, 1, 2, False) + 3 * per_layer * 4e-6)
         raw["dp2"]["infer_s"].append(inference_time(spec, dev, wl, 2, 1, 1, 2) + per_layer * 1.5e-6)
     expected = {"fsdp_train_token_overhead_s": 4e-6, "fsdp_infer_token_overhead_s": 1.5e-6}
-    assert fit_fsdp_token_terms(raw, dev, "tiny") == pytest.approx(expected, rel=1e-6)
-    assert fit_fsdp_token_terms(raw, stale, "tiny") == pytest.approx(expected, rel=1e-6)
+    assert fit_fsdp_token_terms(raw, dev, spec) == pytest.approx(expected, rel=1e-6)
+    assert fit_fsdp_token_terms(raw, stale, spec) == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_version_9_profile_prices_fsdp_per_token_at_0_and_says_so(tmp_path, capsys):

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from hybridflow.planner import ClusterSpec, build_dataflow, search
-from hybridflow.planner.calibrate import fit_thread_fractions
+from hybridflow.planner.fit import fit_thread_fractions
 from hybridflow.planner.profile import ADDED_FIELDS, DeviceProfile
 from hybridflow.planner.search import pool_candidates
 from hybridflow.planner.simulate import thread_speedup

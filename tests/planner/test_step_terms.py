@@ -130,3 +130,30 @@ def test_padded_passes_and_the_batches_run_at_the_longest_prompt():
         assert price(known) == pytest.approx(price(short), rel=1e-12) and price(known) < price(bound)
     with pytest.raises(ValueError, match="longest_prompt_len"):
         replace(bound, longest_prompt_len=17)
+
+
+def test_a_pipeline_stage_pays_its_per_token_term_and_the_fit_recovers_it():
+    """At p = 2 each slot (a stage's pass over a micro-batch: 8 micro-batches of 64 rows of 20 tokens, m + p
+    - 1 = 9 slots) pays the pipelined engine's term per token; at p = 1 nothing. Passes on 2 stages measured
+    at the simulator's seconds plus 3 us (training) and 1.5 us (inference) a token: the fit returns them,
+    whatever the profile's own figures (microbench_path.engine_passes' "pp2" rows, padded to 9 + 4)."""
+    from hybridflow.planner.fit import GROUP, PROMPT, RESPONSE, fit_pipeline_token_terms
+    from hybridflow.planner.simulate import inference_time
+
+    wl = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=64, inference_micro_batch_size=64)
+    dev = replace(CPU, pipeline_train_token_overhead_s=2e-6, pipeline_infer_token_overhead_s=1e-6)
+    train = training_time(SPEC, dev, wl, 2, 2, 1, 1, False) - training_time(SPEC, CPU, wl, 2, 2, 1, 1, False)
+    infer = inference_time(SPEC, dev, wl, 2, 2, 1, 1) - inference_time(SPEC, CPU, wl, 2, 2, 1, 1)
+    assert train == pytest.approx(9 * 64 * 20 * 2e-6) and infer == pytest.approx(9 * 64 * 20 * 1e-6)
+    assert training_time(SPEC, dev, wl, 2, 1, 1, 1, False) == training_time(SPEC, CPU, wl, 2, 1, 1, 1, False)
+
+    truth = replace(CPU, pipeline_train_token_overhead_s=3e-6, pipeline_infer_token_overhead_s=1.5e-6)
+    raw = {"rows": [64, 256], "pp2": {"train_s": [], "infer_s": []}}
+    for rows in raw["rows"]:
+        w = WorkloadSpec(rows // GROUP, GROUP, PROMPT[1], RESPONSE, mini_batches=1, micro_batch_size=rows,
+                         inference_micro_batch_size=rows)  # fmt: skip
+        raw["pp2"]["train_s"].append(training_time(SPEC, truth, w, 2, 2, 1, 1, False))
+        raw["pp2"]["infer_s"].append(inference_time(SPEC, truth, w, 2, 2, 1, 1))
+    expected = {"pipeline_train_token_overhead_s": 3e-6, "pipeline_infer_token_overhead_s": 1.5e-6}
+    assert fit_pipeline_token_terms(raw, CPU, SPEC) == pytest.approx(expected, rel=1e-6)
+    assert fit_pipeline_token_terms(raw, dev, SPEC) == pytest.approx(expected, rel=1e-6)
