@@ -110,8 +110,7 @@ def prompt_lengths(cfg):
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     rule, tools = cfg.reward.kind == "rule", tool_schemas(cfg.rollout.multi_turn)
-    ds = build_prompt_dataset(cfg.data, tokenizer, "train", rule, tools)
-    return PromptLengths(ds.mean_length(), ds.longest_length())
+    return PromptLengths.of(build_prompt_dataset(cfg.data, tokenizer, "train", rule, tools))
 
 
 def other_allocations(results: list, df, cluster, wl) -> list:

@@ -28,9 +28,8 @@ class Timers:
         self.wait_each_phase = False
         self._calls: list = []  # (phase, Future), in issue order
         self._in_driver: set[str] = set()
-        self.driver_phases: frozenset[str] = (
-            frozenset()
-        )  # the last popped step's phases that ran in the driver
+        # the last popped step's phases that ran in the driver (trainers/plan_metrics.py reads them)
+        self.driver_phases: frozenset[str] = frozenset()
 
     @contextlib.contextmanager
     def __call__(self, name: str):

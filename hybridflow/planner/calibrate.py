@@ -101,7 +101,8 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
     raw["detokenize"] = mb.detokenize_costs()
     call_terms = {k: v for k, v in calls.items() if k != "empty_step_s"}
     path_terms = {**call_terms, **{k: path[k] for k in PATH_TERMS if k in path}}
-    devices, decoded = {}, tiny_spec("tiny", num_hidden_layers=mb.DECODE_LAYERS)  # the decode steps' model
+    devices, spec = {}, tiny_spec(size)  # the model the path's runs timed
+    decoded = tiny_spec("tiny", num_hidden_layers=mb.DECODE_LAYERS)  # the decode steps'
     for name in dtypes:
         dtype = getattr(torch, name)
         rates = mb.gemm_rates(dtype, device, repeats)
@@ -139,11 +140,11 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
         devices[name] = replace(devices[name], **decode)
     if "engine_passes" in raw:  # measured in fp32: the engine's per-token Python and packing, either dtype
         fp32 = devices.get("float32") or next(iter(devices.values()))
-        raw["engine_tokens"] = terms = engine_terms(raw["engine_passes"], fp32, tiny_spec(size))
+        raw["engine_tokens"] = terms = engine_terms(raw["engine_passes"], fp32, spec)
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     if "switch_rounds" in raw:  # measured in fp32 (the bytes priced per dtype; the fixed costs are Python)
         fp32 = devices.get("float32") or next(iter(devices.values()))
-        raw["switch_terms"] = terms = fit_switch_terms(raw["switch_rounds"], fp32, tiny_spec(size))
+        raw["switch_terms"] = terms = fit_switch_terms(raw["switch_rounds"], fp32, spec)
         devices = {k: replace(v, **terms) for k, v in devices.items()}
     host = {
         "machine": platform.machine(),

@@ -96,23 +96,22 @@ def fit_pipeline_token_terms(raw: dict, dev: DeviceSpec, spec: ModelSpec) -> dic
     zero = replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, pipeline_train_token_overhead_s=0.0,
                    pipeline_infer_token_overhead_s=0.0)  # fmt: skip
     one = replace(zero, pipeline_train_token_overhead_s=1.0, pipeline_infer_token_overhead_s=1.0)
-    seconds = {"train_s": ([], []), "infer_s": ([], [])}  # the priced seconds; per 1 s a token
-    for rows in raw["rows"]:
-        wl = WorkloadSpec(
-            prompts=rows // GROUP, samples_per_prompt=GROUP, prompt_len=PROMPT[1], response_len=RESPONSE,
-            mini_batches=1, micro_batch_size=rows, inference_micro_batch_size=rows,
-        )  # fmt: skip
-        prices = {
-            "train_s": lambda d, w=wl: sim.training_time(spec, d, w, 2, 2, 1, 1, checkpoint=False),
-            "infer_s": lambda d, w=wl: sim.inference_time(spec, d, w, 2, 2, 1, 1),
-        }
-        for key, price in prices.items():
-            seconds[key][0].append(price(zero))
-            seconds[key][1].append(price(one) - price(zero))
+    # the rows padded to the longest prompt, as the pipelined engine runs them
+    wls = [
+        WorkloadSpec(rows // GROUP, GROUP, PROMPT[1], RESPONSE, mini_batches=1, micro_batch_size=rows,
+                     inference_micro_batch_size=rows)
+        for rows in raw["rows"]
+    ]  # fmt: skip
+
+    def priced(key: str, d: DeviceSpec, wl: WorkloadSpec) -> float:
+        if key == "train_s":
+            return sim.training_time(spec, d, wl, 2, 2, 1, 1, checkpoint=False)
+        return sim.inference_time(spec, d, wl, 2, 2, 1, 1)
 
     def per_token(key: str) -> float:
+        base = [priced(key, zero, wl) for wl in wls]
+        units = [priced(key, one, wl) - b for wl, b in zip(wls, base)]  # seconds per 1 s a token
         measured = raw["pp2"][key][-1] - raw["pp2"][key][0]
-        (base, units) = seconds[key]
         return max(0.0, (measured - (base[-1] - base[0])) / (units[-1] - units[0]))
 
     return {

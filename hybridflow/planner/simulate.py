@@ -184,12 +184,14 @@ def engine_overhead(spec: ModelSpec, dev: DeviceSpec, tokens: float, training: b
     """The engine's own terms for a micro-batch of `tokens` (microbench_path.engine_passes), per token scaled
     from the width they were measured at to the model's: unpipelined, packing, the shared-prompt attention
     and the loss, per token and per micro-batch; a pipeline stage's pass its own per token."""
+    scaled = tokens * token_width_scale(spec, dev)
     if p > 1:
-        per_token = dev.pipeline_train_token_overhead_s if training else dev.pipeline_infer_token_overhead_s
-        return tokens * per_token * token_width_scale(spec, dev)
+        return scaled * (
+            dev.pipeline_train_token_overhead_s if training else dev.pipeline_infer_token_overhead_s
+        )
     if training:
-        return tokens * dev.train_token_overhead_s * token_width_scale(spec, dev) + dev.train_batch_overhead_s
-    return tokens * dev.infer_token_overhead_s * token_width_scale(spec, dev) + dev.infer_batch_overhead_s
+        return scaled * dev.train_token_overhead_s + dev.train_batch_overhead_s
+    return scaled * dev.infer_token_overhead_s + dev.infer_batch_overhead_s
 
 
 def training_time(

@@ -184,6 +184,11 @@ class PromptLengths(NamedTuple):
     mean: float = 0.0
     longest: int = 0
 
+    @classmethod
+    def of(cls, dataset) -> PromptLengths:
+        """A PromptDataset's (data/prompts.py)."""
+        return cls(dataset.mean_length(), dataset.longest_length())
+
 
 def build_planner_workload(cfg, prompts: PromptLengths = PromptLengths()) -> WorkloadSpec:
     """The run's workload, its passes priced at the training prompts' lengths (`prompts`)."""

@@ -155,11 +155,7 @@ class Trainer(ValidationMixin):
     def prompt_lengths(self) -> PromptLengths:
         """The training prompts' mean and longest token counts (0: no prompt dataset loaded)."""
         ds = self.train_loader.dataset if self.train_loader is not None else None
-        return (
-            PromptLengths(ds.mean_length(), ds.longest_length())
-            if isinstance(ds, PromptDataset)
-            else PromptLengths()
-        )
+        return PromptLengths.of(ds) if isinstance(ds, PromptDataset) else PromptLengths()
 
     def reward_columns(self) -> set[str] | None:
         """The training prompts' columns a reward function may ask for (None: not a prompt dataset)."""
