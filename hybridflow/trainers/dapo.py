@@ -83,6 +83,10 @@ class DAPOTrainer(GRPOTrainer):
         # the kept rows; where old log-probs come from and the lag are the source's answer for every batch
         return Pending(dataclasses.replace(first.step, rollout=out, frozen={}))
 
+    def frozen_on_rollout(self) -> list[str]:
+        """None: a generation batch's groups are filtered by their scores before anything else scores them."""
+        return []
+
     def reward(self, batch: Pending) -> Pending:
         """Scored (and shaped) in `generate`: the groups to keep are chosen by their scores."""
         return batch

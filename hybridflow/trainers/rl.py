@@ -102,6 +102,14 @@ class RLTrainer(Trainer):
     def ref_log_probs(self, batch: Pending) -> Pending:
         return self.frozen_output("ref", "compute_ref_log_prob", batch) if self.uses_ref else batch
 
+    def frozen_on_rollout(self) -> list[str]:
+        """The frozen models this step scores on their own groups from the rollout alone (the reference; a
+        reward model where no rule scores): a synchronous source issues them with the generation. None in
+        the sequential baseline (trainer.overlap_phases=false: each phase in the driver's order)."""
+        if not self.cfg.trainer.overlap_phases:
+            return []
+        return (["ref"] if self.uses_ref else []) + (["reward"] if self.rule_reward is None else [])
+
     def frozen_output(self, role: str, method: str, batch: Pending) -> Pending:
         """A frozen model's output for `batch`: the parts the source already issued (scored on the
         rollout pool, in row order), else a call of `method` on the role's own group now."""

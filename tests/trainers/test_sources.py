@@ -245,3 +245,34 @@ def test_a_source_of_its_own_drives_a_real_run(ray_cluster, make_config):
     assert calls[-1][0] == "save"  # the last step's checkpoint asked the source for its part
     assert [h["step"] for h in history] == [1, 2] and [h["rollout/policy_lag"] for h in history] == [0.0, 0.0]
     assert all(np.isfinite(h["actor/pg_loss"]) for h in history)
+
+
+def test_the_synchronous_source_chains_the_reference_on_the_generation(ray_cluster, make_config, monkeypatch):
+    """A synchronous step's reference log-probs are issued with its generation, on the generation's own
+    output (each reference rank fetches its rows of it: the rollout makes no round trip through the driver
+    on its way there), and equal the reference's call on the rollout the driver holds. On 2 ranks, so the
+    reference's shards are cut from the generation's."""
+    from hybridflow.controller import Future
+
+    cfg = make_config(
+        "grpo", DIGITS, "algorithm.use_kl_loss=true", "trainer.val_before_train=false", devices=2
+    )
+    with build_trainer(cfg) as trainer:
+        ref, sent = trainer.groups["ref"], []
+        call = ref._call
+        monkeypatch.setattr(
+            ref, "_call", lambda method, *a, **k: sent.append((method, a[1])) or call(method, *a, **k)
+        )
+        prompts = trainer.source.prompts(1)
+        prompts.meta.global_step = 1
+        with trainer.timers.phase("gen"):
+            step = trainer.source.batch(prompts)
+        trainer.timers.collect()
+        trainer.timers.pop()
+        assert list(step.frozen) == ["ref"] and isinstance(step.frozen["ref"][0], Future)
+        scored = [args for method, args in sent if method == "compute_ref_log_prob"]
+        assert len(scored) == 1 and isinstance(scored[0][0], Future)  # the generation's, not a Batch
+        chained = step.frozen["ref"][0].get()["ref_log_probs"]
+        direct = ref.compute_ref_log_prob(step.rollout)["ref_log_probs"]
+        assert len(chained) == len(step.rollout) == len(prompts) * cfg.rollout.n
+        torch.testing.assert_close(chained, direct, rtol=0, atol=1e-6)

@@ -32,14 +32,11 @@ from hybridflow.batch import Batch
 from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.controller import Future
 from hybridflow.trainers.ref_split import RefSplit
-from hybridflow.trainers.sources.base import InFlight, RolloutSource, StepBatch
+from hybridflow.trainers.sources.base import SCORING, InFlight, RolloutSource, StepBatch
 from hybridflow.workers.shard_sync import split_dims
 from hybridflow.workers.weight_sync import tensor_bytes
 
 SYNC_TIMEOUT_S = 600.0
-# a frozen model's method on a batch, and the phase its time is reported under (timing_s/<phase>)
-SCORING = {"ref": ("compute_ref_log_prob", "ref"), "reward": ("compute_reward", "reward"),
-           "cost": ("compute_reward", "reward")}  # fmt: skip
 
 
 class OneStepAheadSource(RolloutSource):

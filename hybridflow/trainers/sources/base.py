@@ -28,6 +28,9 @@ from hybridflow.controller import Future
 from hybridflow.workers.common import computes_in_fp32
 
 IN_FLIGHT_PART = "rollout_ahead"  # the checkpoint part holding the batch in flight (its name since v1)
+# a frozen model's method on a batch, and the phase its time is reported under (timing_s/<phase>)
+SCORING = {"ref": ("compute_ref_log_prob", "ref"), "reward": ("compute_reward", "reward"),
+           "cost": ("compute_reward", "reward")}  # fmt: skip
 
 
 class OldLogProbs(str, Enum):
@@ -186,6 +189,17 @@ class RolloutSource:
         self.in_flight = None
 
     # ---- for subclasses --------------------------------------------------------------------------------
+    def chain_frozen(self, rollout: Future, roles) -> dict[str, Future]:
+        """Each frozen model of `roles` scoring the generation `rollout` (a Future) on its own group, issued
+        now: its ranks fetch their rows of the generation themselves and start when it ends, so the rollout
+        makes no round trip through the driver on its way to them."""
+        out = {}
+        for role in roles:
+            method, phase = SCORING[role]
+            with self.trainer.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
+                out[role] = getattr(self.trainer.groups[role], method).future(rollout)
+        return out
+
     def take_in_flight(self, step: int) -> InFlight | None:
         """The batch in flight issued for `step`, handed over (None: nothing was issued for it)."""
         p = self.in_flight
@@ -208,7 +222,8 @@ class RolloutSource:
 class SynchronousSource(RolloutSource):
     """The paper's schedule. Each step's batch is generated from the current weights on the actor's own
     ranks (the 3D-HybridEngine switches them from training to generation and back, workers/actor.py),
-    so it is on policy (lag 0) and no other pool or weight sync exists."""
+    so it is on policy (lag 0) and no other pool or weight sync exists. The frozen models that score the
+    rollout alone are chained on the generation (`chain_frozen`)."""
 
     def batch(self, prompts: Batch) -> StepBatch:
         step = prompts.meta.global_step
@@ -216,7 +231,9 @@ class SynchronousSource(RolloutSource):
         if restored is not None:
             frozen = {r: [b] for r, b in restored.frozen.items()}
             return self.step_batch(restored.rollouts, prompts, frozen, step - 1 - restored.version, {})
-        return self.step_batch(self.trainer.actor.generate_sequences(prompts), prompts, {}, 0, {})
+        rollout = self.trainer.actor.generate_sequences.future(prompts)
+        frozen = {r: [f] for r, f in self.chain_frozen(rollout, self.trainer.frozen_on_rollout()).items()}
+        return self.step_batch(rollout.get(), prompts, frozen, 0, {})
 
 
 def _result(x: Future | Batch) -> Batch:
