@@ -29,6 +29,7 @@ from hybridflow.planner.fit import (
     fit_fsdp_token_terms,
     fit_pipeline_token_terms,
     fit_switch_terms,
+    fit_sync_waits,
     fit_thread_fractions,
     in_process,
 )
@@ -94,13 +95,15 @@ def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> Dev
     links, path = {}, {}
     if device == "cpu":  # two-rank gloo between processes of this machine: what its collectives run on
         raw["collectives"] = links = mb.collectives()
+        raw["sync_waits"] = mb.sync_waits()  # where ranks meet after work of their own
+        raw["sync_terms"] = fit_sync_waits(raw["sync_waits"], links["latency_s"])
         raw["training_path"] = path = mbp.training_path(3, size)  # (a GPU's runs on NCCL: the entry's)
         raw["engine_passes"] = mbp.engine_passes(size, 3)
         raw["switch_rounds"] = mbp.switch_rounds(size)
     raw["worker_call"] = calls = mbp.worker_call(repeats)
     raw["detokenize"] = mb.detokenize_costs()
     call_terms = {k: v for k, v in calls.items() if k != "empty_step_s"}
-    path_terms = {**call_terms, **{k: path[k] for k in PATH_TERMS if k in path}}
+    path_terms = {**call_terms, **{k: path[k] for k in PATH_TERMS if k in path}, **raw.get("sync_terms", {})}
     devices, spec = {}, tiny_spec(size)  # the model the path's runs timed
     decoded = tiny_spec("tiny", num_hidden_layers=mb.DECODE_LAYERS)  # the decode steps'
     for name in dtypes:

@@ -179,3 +179,12 @@ ENGINE_TERMS = (
 def in_process(dev: DeviceSpec) -> DeviceSpec:
     """`dev` as a run in this process sees it: no worker call, none of the engine's own terms."""
     return replace(dev, call_overhead_s=0.0, transfer_bandwidth=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
+
+
+def fit_sync_waits(raw: dict, latency_s: float) -> dict[str, float]:
+    """sync_wait_s and sync_wait_fraction from microbench.sync_waits ({"chunk_s", "wait_s"} at two chunk
+    sizes): the wait a barrier adds after a chunk of each rank's own work, as fixed + fraction x chunk, the
+    fixed part beyond the collective's own latency (`latency_s`, priced apart), neither below 0."""
+    (w1, w2), (e1, e2) = raw["chunk_s"], raw["wait_s"]
+    fraction = max(0.0, (e2 - e1) / (w2 - w1)) if w2 > w1 else 0.0
+    return {"sync_wait_s": max(0.0, e1 - fraction * w1 - latency_s), "sync_wait_fraction": fraction}

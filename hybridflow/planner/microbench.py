@@ -10,6 +10,8 @@
     activations     a tiny Llama's forward + backward at 32 and 2,048 tokens: the seconds per activation
                     value its non-matmul ops write (norms, rotary, SiLU, softmax), beyond its GEMMs
     collectives     gloo all-reduce between two processes: 4 bytes (latency) and 8 MiB (bandwidth)
+    sync waits      two processes doing the same chunks of work, with a barrier after each and without: what
+                    a collective costs where the ranks reach it from work of their own, at two chunk sizes
     start-up        a fresh Python importing torch and transformers (recorded; paid once per run, so the
                     per-iteration model does not price it)
 
@@ -248,6 +250,64 @@ def collectives(repeats: int = 20) -> dict[str, float]:
         latency, big = (float(x) for x in open(out).read().split())
     nbytes = 2 * 2**20 * 4
     return {"latency_s": latency, "bandwidth": nbytes / max(big - latency, 1e-9)}
+
+
+# matmul steps of a chunk of work (64 x 64, ~7 us each on one core): a short and a long chunk; per run
+SYNC_CHUNKS, SYNC_STEPS = 10, (20, 400)
+
+
+def _chunk(steps: int) -> None:
+    a = torch.ones(64, 64)
+    for _ in range(steps):
+        a = torch.mm(a, a).mul_(1e-2)  # bounded: the values stay finite
+
+
+def _sync_child(rank: int, init_file: str, out: str, repeats: int) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    result = {}
+    for steps in SYNC_STEPS:
+        for synced in (False, True):
+            _chunk(steps)
+            spans = []
+            for _ in range(repeats):
+                dist.barrier()  # both ranks start together, as a step's call reaches them
+                start = time.perf_counter()
+                for _ in range(SYNC_CHUNKS):
+                    _chunk(steps)
+                    if synced:
+                        dist.barrier()
+                spans.append(time.perf_counter() - start)
+            spans.sort()
+            result[f"{steps}/{'synced' if synced else 'alone'}"] = spans[len(spans) // 2]  # the median
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def sync_waits(repeats: int = 15) -> dict[str, list[float]]:
+    """Two gloo ranks, each running SYNC_CHUNKS chunks of the same work side by side, with a barrier after
+    every chunk and without: {"chunk_s": [a chunk's seconds], "wait_s": [what each barrier added]} at the
+    two chunk sizes of SYNC_STEPS (medians of `repeats`). The wait is the collective's own latency plus the
+    drift of the ranks' run times over the chunk, which a barrier-started, back-to-back all-reduce
+    (`collectives`) does not see; fit.fit_sync_waits prices it."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(_sync_child, args=(init, out, repeats), nprocs=2, join=True)
+        raw = json.load(open(out))
+    return {
+        "chunk_s": [raw[f"{n}/alone"] / SYNC_CHUNKS for n in SYNC_STEPS],
+        "wait_s": [(raw[f"{n}/synced"] - raw[f"{n}/alone"]) / SYNC_CHUNKS for n in SYNC_STEPS],
+    }
 
 
 def startup_seconds() -> float:

@@ -7,7 +7,7 @@ compute dtype, memory bandwidth, the fixed cost per layer and per decode step, c
 bandwidth between two ranks, process start-up. It is a small versioned YAML/JSON file, one per machine
 kind, that users can share; `hybridflow plan --profile FILE` and `resources.planner_profile` plan with it.
 
-    version: 12
+    version: 13
     name: cpu-measured           # the device name plans made with it carry
     host: {...}                  # where it was measured (CPU model, torch version, threads)
     devices: {float32: {DeviceSpec fields}, bfloat16: {...}}   # one entry per compute dtype measured
@@ -18,7 +18,8 @@ version 3 the activations' cost per value, version 4 the optimizer step's on DTe
 token, version 5 the width those per-token terms were measured at, version 6 the driver's own work per step,
 version 7 tensor parallelism's per token, version 8 the engine's per micro-batch, version 9 the switch's
 per unit gathered, version 10 FSDP2's per token, version 11 the passes' gain from a node's idle cores,
-the engine's decode cost per row and the responses' text, version 12 a pipeline stage's per token) take their DeviceSpec default, 0 (not priced,
+the engine's decode cost per row and the responses' text, version 12 a pipeline stage's per token, version 13
+the wait where ranks meet after work of their own) take their DeviceSpec default, 0 (not priced,
 as when the profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass
 figure it was priced at before (fsdp_layer_overhead_s). A version 10 file's decode step was measured on
 HF generate, not on the built-in engine.
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 12
+PROFILE_VERSION = 13
 # the terms version 2 added (microbench_path.py): a version 1 profile has none of them
 PATH_FIELDS = (
     "call_overhead_s",
@@ -71,6 +72,7 @@ ADDED_FIELDS = {
         "detokenize_token_s",
     ),
     12: ("pipeline_train_token_overhead_s", "pipeline_infer_token_overhead_s"),
+    13: ("sync_wait_s", "sync_wait_fraction"),
 }
 # a term a newer version measures that an older file had priced by another: it loads as that one
 INHERITED = {"switch_fsdp_unit_s": "fsdp_layer_overhead_s"}

@@ -302,7 +302,15 @@ def generation_time(
     step += activation_time(spec, dev, b, context, L, tg)
     step += dev.decode_step_overhead_s + b * dev.decode_row_overhead_s  # sampling, stop test, bookkeeping
     text = b * (dev.detokenize_row_s + lr * dev.detokenize_token_s)  # the responses decoded to text
-    return waves * (prefill + lr * step + text)
+    replica = waves * (prefill + lr * step + text)
+    # the replicas then meet in a collective (workers/actor.py: the switch's counters, max over ranks)
+    return replica + rank_wait(dev, replica, n_devices)
+
+
+def rank_wait(dev: DeviceSpec, work_s: float, ranks: int) -> float:
+    """The wait of `ranks` ranks at a collective each reaches after `work_s` seconds of its own work
+    (DeviceSpec.sync_wait_s / sync_wait_fraction); none for one rank."""
+    return 0.0 if ranks <= 1 else dev.sync_wait_s + dev.sync_wait_fraction * work_s
 
 
 SWITCH_METHODS = METHODS  # one vocabulary with rollout.reshard and the worker's counters

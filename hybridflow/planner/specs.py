@@ -163,11 +163,14 @@ class DeviceSpec:
     layer_overhead_s: float = 0.0  # fixed cost per layer per forward (kernel launch, Python dispatch)
     decode_step_overhead_s: float = 0.0  # the generation engine's per decode step (sampling, scheduling)
     decode_row_overhead_s: float = 0.0  # and per row of a decode step: sampling, the stop test, the columns
+    # a collective the ranks reach from work of their own (the generation's counters after each replica's decode)
+    # waits beyond comm_latency_s: fixed + a fraction of that work (microbench.sync_waits; before version 13: 0)
+    sync_wait_s: float = 0.0
+    sync_wait_fraction: float = 0.0
     # the responses' text each rollout rank decodes after generating, per row and per token (before version 11: 0)
     detokenize_row_s: float = 0.0
     detokenize_token_s: float = 0.0
-    # Fixed costs of the path a stage's work takes (microbench_path.py), which the FLOP and byte terms
-    # leave out; 0 is "not priced" (profiles written before version 2).
+    # Fixed costs of the path a stage's work takes (microbench_path.py) beyond FLOPs and bytes (before v2: 0)
     call_overhead_s: float = 0.0  # one worker-group call from the driver: Ray round trip, split, gather
     transfer_bandwidth: float = 0.0  # driver <-> workers batch bytes/s over Ray (0: not priced)
     # the driver's own work per step beyond its calls' round trips: issuing and collecting the futures, the
@@ -195,9 +198,8 @@ class DeviceSpec:
     # forward and backward, an inference forward (microbench_path.engine_passes; before version 4: 0)
     train_token_overhead_s: float = 0.0
     infer_token_overhead_s: float = 0.0
-    # and per micro-batch, the engine's fixed cost beyond the simulator's fixed terms (the loss and its
-    # metrics, packing's index set-up, the log-prob chunks' loop, the step's bookkeeping): the same runs'
-    # intercept, at any width (before version 8: 0)
+    # and per micro-batch, the engine's fixed cost beyond the simulator's (the loss, packing's set-up, the
+    # log-prob chunks' loop): the same runs' intercept, at any width (before version 8: 0)
     train_batch_overhead_s: float = 0.0
     infer_batch_overhead_s: float = 0.0
     # the hidden size the terms above were measured at: another width pays them times its hidden / this (the
@@ -217,10 +219,9 @@ class DeviceSpec:
     switch_fsdp_unit_s: float = 0.0
     switch_tp_unit_s: float = 0.0
     switch_stage_s: float = 0.0
-    # Amdahl's parallel fraction of a CPU rank's training pass and inference pass over its intra-op threads
-    # (microbench_path.engine_passes at one thread and at the machine's cores; before version 11: 0, no
-    # gain): a plan that leaves a node's cores idle gives each rank cores // ranks threads
-    # (controller/process.cpu_threads), which `thread_speedup` prices
+    # Amdahl's parallel fraction of a CPU rank's training and inference passes over its intra-op threads
+    # (engine_passes at one thread and at all cores; before version 11: 0): a plan that leaves a node's cores
+    # idle gives each rank cores // ranks threads (controller/process.cpu_threads; simulate.thread_speedup)
     thread_fraction_train: float = 0.0
     thread_fraction_infer: float = 0.0
     usable_memory_fraction: float = 0.9  # the rest: framework, fragmentation, communication buffers

@@ -1,5 +1,6 @@
-"""Generation's terms measured on the built-in engine (fit.fit_decode_terms) and the responses'
-text (microbench.detokenize_costs), priced by simulate.generation_time; by hand."""
+"""Generation's terms measured on the built-in engine (fit.fit_decode_terms), the responses' text
+(microbench.detokenize_costs) and the replicas' wait where they meet after decoding (fit.fit_sync_waits),
+priced by simulate.generation_time; by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from hybridflow.models.tiny import build_tiny_config
-from hybridflow.planner.fit import fit_decode_terms
+from hybridflow.planner.fit import fit_decode_terms, fit_sync_waits
 from hybridflow.planner.microbench import DECODE_LAYERS
 from hybridflow.planner.simulate import generation_time
 from hybridflow.planner.specs import ModelSpec, WorkloadSpec, get_device
@@ -57,3 +58,25 @@ def test_generation_prices_each_decode_step_per_row_and_the_text_once():
     )
     half = generation_time(SPEC, dev, wl, 2, 2, 1, 1) - generation_time(SPEC, CPU, wl, 2, 2, 1, 1)
     assert half == pytest.approx((4 * 512 * 1e-6 + 512 * 2e-6 + 2048 * 3e-7) / 2)
+
+
+def test_replicas_wait_for_each_other_where_they_meet_after_decoding():
+    """On 2 replicas the generation ends in a collective (the switch's counters) that each replica reaches
+    after its own decode: sync_wait_s plus sync_wait_fraction of that replica's seconds; one device never
+    waits."""
+    wl = WorkloadSpec(64, 8, 16, 4, mini_batches=1, micro_batch_size=256, inference_micro_batch_size=256)
+    dev = replace(CPU, sync_wait_s=3e-4, sync_wait_fraction=0.25)
+    replica = generation_time(SPEC, CPU, wl, 2, 2, 1, 1)
+    assert generation_time(SPEC, dev, wl, 2, 2, 1, 1) == pytest.approx(1.25 * replica + 3e-4)
+    assert generation_time(SPEC, dev, wl, 2, 1, 1, 1) == generation_time(SPEC, CPU, wl, 2, 1, 1, 1)
+
+
+def test_the_sync_fit_recovers_a_fixed_wait_and_a_fraction_of_the_work():
+    """Barriers after chunks of 0.1 and 3 ms waited latency + 0.2 ms + 0.3 x the chunk: the fit returns the
+    0.2 ms beyond the latency (priced apart) and the 0.3; waits that do not grow with the chunk, or fall
+    below the latency, price nothing negative."""
+    latency, chunks = 1e-4, [1e-4, 3e-3]
+    raw = {"chunk_s": chunks, "wait_s": [latency + 2e-4 + 0.3 * c for c in chunks]}
+    assert fit_sync_waits(raw, latency) == pytest.approx({"sync_wait_s": 2e-4, "sync_wait_fraction": 0.3})
+    flat = {"chunk_s": chunks, "wait_s": [5e-5, 4e-5]}
+    assert fit_sync_waits(flat, latency) == {"sync_wait_s": 0.0, "sync_wait_fraction": 0.0}

@@ -133,6 +133,11 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     assert fp32.hbm_bandwidth == raw["memory_bandwidth"] > 0 and raw["startup_s"] > 0
     assert fp32.comm_latency_s == raw["collectives"]["latency_s"] > 0
     assert fp32.intra_node_bandwidth == raw["collectives"]["bandwidth"] > 0
+    # a barrier after each rank's own chunk of work: the longer chunk waits longer, and the terms fitted
+    chunk_s, wait_s = raw["sync_waits"]["chunk_s"], raw["sync_waits"]["wait_s"]
+    assert 0 < chunk_s[0] < chunk_s[1] and min(wait_s) > 0
+    for name in ("sync_wait_s", "sync_wait_fraction"):
+        assert getattr(fp32, name) == getattr(bf16, name) == raw["sync_terms"][name] >= 0
     assert fp32.layer_overhead_s == raw["float32"]["layer_overhead_s"] >= 0
     # the path's terms (microbench_path.py): the call over Ray, the training step over gloo, both dtypes
     assert fp32.call_overhead_s == raw["worker_call"]["call_overhead_s"] > 0

@@ -115,13 +115,24 @@ def test_a_version_3_profile_prices_the_optimizer_on_dtensors_as_plain_and_says_
     )
 
 
+def test_a_version_12_profile_prices_no_wait_where_replicas_meet_and_says_so(tmp_path, capsys):
+    dropped = ("sync_wait_s", "sync_wait_fraction")
+    loaded = _load_old(tmp_path, 12, dropped, sync_wait_s=4e-4, sync_wait_fraction=0.3)
+    assert (loaded.device("float32").sync_wait_s, loaded.device("float32").sync_wait_fraction) == (0.0, 0.0)
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        "a version 12 device profile without the terms measured since (sync_wait_fraction, sync_wait_s)"
+        in note
+    )
+
+
 def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys):
     """Version 6 added the driver's own work per step: a version 5 file loads it as 0 (the rest is then its
     calls alone, as that version priced it less the stages' calls) with a note naming it."""
     dropped = ("driver_step_overhead_s",)
     loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 12
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 13
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
