@@ -22,6 +22,7 @@ links keep the catalogue's (two-rank NCCL needs two GPUs; docs/planner.md).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -235,19 +236,27 @@ def _all_reduce_child(rank: int, init_file: str, out: str, repeats: int) -> None
         result[label] = min(samples)
     if rank == 0:
         with open(out, "w") as f:
-            f.write(f"{result['latency']} {result['bandwidth']}")
+            json.dump(result, f)
     dist.destroy_process_group()
+
+
+def spawn_ranks(child, args: tuple, nprocs: int = 2):
+    """Run child(rank, init_file, out_file, *args) in `nprocs` fresh processes (each joins a gloo group
+    through init_file) and return what rank 0 wrote to out_file, as JSON."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(child, args=(init, out, *args), nprocs=nprocs, join=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def collectives(repeats: int = 20) -> dict[str, float]:
     """Two-rank gloo all-reduce: latency_s (4 bytes) and bandwidth (bytes/s, from 8 MiB, which a
     two-rank ring moves once per rank, less the latency)."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_all_reduce_child, args=(init, out, repeats), nprocs=2, join=True)
-        latency, big = (float(x) for x in open(out).read().split())
+    raw = spawn_ranks(_all_reduce_child, (repeats,))
+    latency, big = raw["latency"], raw["bandwidth"]
     nbytes = 2 * 2**20 * 4
     return {"latency_s": latency, "bandwidth": nbytes / max(big - latency, 1e-9)}
 
@@ -263,8 +272,6 @@ def _chunk(steps: int) -> None:
 
 
 def _sync_child(rank: int, init_file: str, out: str, repeats: int) -> None:
-    import json
-
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -296,14 +303,7 @@ def sync_waits(repeats: int = 15) -> dict[str, list[float]]:
     two chunk sizes of SYNC_STEPS (medians of `repeats`). The wait is the collective's own latency plus the
     drift of the ranks' run times over the chunk, which a barrier-started, back-to-back all-reduce
     (`collectives`) does not see; fit.fit_sync_waits prices it."""
-    import json
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_sync_child, args=(init, out, repeats), nprocs=2, join=True)
-        raw = json.load(open(out))
+    raw = spawn_ranks(_sync_child, (repeats,))
     return {
         "chunk_s": [raw[f"{n}/alone"] / SYNC_CHUNKS for n in SYNC_STEPS],
         "wait_s": [(raw[f"{n}/synced"] - raw[f"{n}/alone"]) / SYNC_CHUNKS for n in SYNC_STEPS],

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -38,7 +37,7 @@ import torch
 
 from hybridflow.controller import Protocol, Worker, register
 from hybridflow.planner.fit import GROUP, PROMPT, RESPONSE, SWITCH_LAYOUTS
-from hybridflow.planner.microbench import best_seconds
+from hybridflow.planner.microbench import best_seconds, spawn_ranks
 
 LAYERS = (1, 5)
 LAYOUTS = ("t1d1", "t1d2", "t2d1")
@@ -224,15 +223,9 @@ def _training_child(rank: int, init_file: str, out: str, repeats: int, size: str
 def training_path(repeats: int = 5, size: str = "tiny") -> dict[str, float]:
     """Per-layer and per-micro-batch costs of a training step as the engines run it on 2 gloo ranks, on
     layers of the tiny model `size` (models/tiny.py: FSDP2's gathers move its layers' bytes)."""
-    import json
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp, as_workers():
-        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_training_child, args=(init, out, repeats, size), nprocs=2, join=True)
-        raw = {k: tuple(v) for k, v in json.load(open(out)).items()}
-    return fit_training_path(raw)
+    with as_workers():
+        raw = spawn_ranks(_training_child, (repeats, size))
+    return fit_training_path({k: tuple(v) for k, v in raw.items()})
 
 
 # GRPO-shaped rows a micro-batch (examples/configs/grpo_tiny.yaml): 5-9-token prompts shared by n = 8
@@ -308,10 +301,6 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     process, under "dp2" the same on 2 ranks sharded by FSDP2 (rank 0's figures), under "pp2" on 2 pipeline
     stages (padded rows: engines/pipeline_engine.py), and under "threads" the one process again on all of
     this machine's cores ("count"), where it has more than one."""
-    import json
-
-    import torch.multiprocessing as mp
-
     from hybridflow.controller.process import usable_cores
 
     cores = usable_cores()
@@ -319,11 +308,8 @@ def engine_passes(size: str = "tiny", repeats: int = 3) -> dict:
     runs = [(1, 1, 1, 1), (2, 2, 1, 1), ("pp2", 1, 1, 2)] + ([("threads", 1, cores, 1)] if cores > 1 else [])
     result = {}
     for key, dp, threads, pp in runs:
-        with tempfile.TemporaryDirectory() as tmp, as_workers():
-            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-            args = (init, out, size, repeats, dp, threads, pp)
-            mp.spawn(_engine_child, args=args, nprocs=dp * pp, join=True)
-            result[key] = json.load(open(out))
+        with as_workers():
+            result[key] = spawn_ranks(_engine_child, (size, repeats, dp, threads, pp), nprocs=dp * pp)
     passes = ("train_s", "infer_s")
     out = {
         **result[1],
@@ -383,14 +369,8 @@ def _switch_child(rank: int, init_file: str, out: str, size: str, repeats: int) 
 def switch_rounds(size: str = "tiny", repeats: int = 8) -> dict[str, float]:
     """Seconds of one switch round (train -> generate -> train, nothing generated) at each of
     SWITCH_LAYOUTS on 2 gloo ranks, the tiny model `size`: {"t1d2": s, "t2d1": s, "p2t1d1": s}."""
-    import json
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp, as_workers():
-        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_switch_child, args=(init, out, size, repeats), nprocs=2, join=True)
-        return json.load(open(out))
+    with as_workers():
+        return spawn_ranks(_switch_child, (size, repeats))
 
 
 def _count(tokens: tuple[int, int]) -> int:

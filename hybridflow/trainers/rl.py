@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from hybridflow.algorithms import build_kl_controller
 from hybridflow.batch import Batch
+from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.trainers.base import Trainer
 from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.perf import request_memory_stats
@@ -103,12 +104,13 @@ class RLTrainer(Trainer):
         return self.frozen_output("ref", "compute_ref_log_prob", batch) if self.uses_ref else batch
 
     def frozen_on_rollout(self) -> list[str]:
-        """The frozen models this step scores on their own groups from the rollout alone (the reference; a
-        reward model where no rule scores): a synchronous source issues them with the generation. None in
-        the sequential baseline (trainer.overlap_phases=false: each phase in the driver's order)."""
+        """The frozen models this step scores from the rollout alone, those the placement built a group for
+        (a reward or cost model where no rule scores; the reference where the algorithm reads it, which a
+        LoRA run's actor group also stands in for): a synchronous source issues them with the generation.
+        None in the sequential baseline (trainer.overlap_phases=false: each phase in the driver's order)."""
         if not self.cfg.trainer.overlap_phases:
             return []
-        return (["ref"] if self.uses_ref else []) + (["reward"] if self.rule_reward is None else [])
+        return [r for r in FROZEN_ROLES if r in self.groups and (r != "ref" or self.uses_ref)]
 
     def frozen_output(self, role: str, method: str, batch: Pending) -> Pending:
         """A frozen model's output for `batch`: the parts the source already issued (scored on the

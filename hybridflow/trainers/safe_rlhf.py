@@ -61,9 +61,6 @@ class SafeRLHFTrainer(PPOTrainer):
         batch = super().values(batch)
         return batch.add(self.groups["cost_critic"].compute_values.future(batch.local))
 
-    def frozen_on_rollout(self) -> list[str]:
-        return super().frozen_on_rollout() + (["cost"] if self.rule_cost is None else [])
-
     def reward(self, batch) -> Pending:
         batch = super().reward(batch)
         if self.rule_cost is None:

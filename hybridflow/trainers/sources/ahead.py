@@ -32,7 +32,7 @@ from hybridflow.batch import Batch
 from hybridflow.config.rollout_pool import FROZEN_ROLES
 from hybridflow.controller import Future
 from hybridflow.trainers.ref_split import RefSplit
-from hybridflow.trainers.sources.base import SCORING, InFlight, RolloutSource, StepBatch
+from hybridflow.trainers.sources.base import InFlight, RolloutSource, StepBatch
 from hybridflow.workers.shard_sync import split_dims
 from hybridflow.workers.weight_sync import tensor_bytes
 
@@ -103,7 +103,6 @@ class OneStepAheadSource(RolloutSource):
         future = self.group.generate_sequences.future(prompts)
         p = InFlight(step, self.rollout_version, prompts, future)
         for role in self.frozen_roles:
-            method, phase = SCORING[role]
             rows = future
             if role == "ref" and self.split is not None:
                 rows_next = len(prompts) * trainer.cfg.rollout.n
@@ -111,8 +110,7 @@ class OneStepAheadSource(RolloutSource):
                 if p.ref_rows == 0:
                     continue  # the training pool scores them all
                 rows = future.rows(0, p.ref_rows)
-            with trainer.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
-                p.frozen[role] = getattr(trainer.groups[role], method).future(rows)
+            p.frozen[role] = self.chain_frozen(role, rows)
         return p
 
     def _ref_parts(self, scored: list, ref_rows: int, rollout: Batch) -> list:

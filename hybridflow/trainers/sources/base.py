@@ -189,16 +189,13 @@ class RolloutSource:
         self.in_flight = None
 
     # ---- for subclasses --------------------------------------------------------------------------------
-    def chain_frozen(self, rollout: Future, roles) -> dict[str, Future]:
-        """Each frozen model of `roles` scoring the generation `rollout` (a Future) on its own group, issued
-        now: its ranks fetch their rows of the generation themselves and start when it ends, so the rollout
-        makes no round trip through the driver on its way to them."""
-        out = {}
-        for role in roles:
-            method, phase = SCORING[role]
-            with self.trainer.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
-                out[role] = getattr(self.trainer.groups[role], method).future(rollout)
-        return out
+    def chain_frozen(self, role: str, rows: Future) -> Future:
+        """The frozen model `role` scoring `rows` of a generation still running (its Future) on its own group,
+        issued now: its ranks fetch their rows of the generation themselves and start when it ends, so the
+        rollout makes no round trip through the driver on its way to them."""
+        method, phase = SCORING[role]
+        with self.trainer.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
+            return getattr(self.trainer.groups[role], method).future(rows)
 
     def take_in_flight(self, step: int) -> InFlight | None:
         """The batch in flight issued for `step`, handed over (None: nothing was issued for it)."""
@@ -232,7 +229,7 @@ class SynchronousSource(RolloutSource):
             frozen = {r: [b] for r, b in restored.frozen.items()}
             return self.step_batch(restored.rollouts, prompts, frozen, step - 1 - restored.version, {})
         rollout = self.trainer.actor.generate_sequences.future(prompts)
-        frozen = {r: [f] for r, f in self.chain_frozen(rollout, self.trainer.frozen_on_rollout()).items()}
+        frozen = {role: [self.chain_frozen(role, rollout)] for role in self.trainer.frozen_on_rollout()}
         return self.step_batch(rollout.get(), prompts, frozen, 0, {})
 
 
