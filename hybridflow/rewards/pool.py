@@ -24,6 +24,8 @@ RewardSpecError.
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import math
 import os
 import shutil
@@ -44,6 +46,7 @@ from hybridflow.rewards.registry import Item
 from hybridflow.rewards.sandbox import remove_cgroup
 
 BACKSTOP_S = 10.0  # beyond the worker's own timing: how long a worker may stay silent before it is killed
+WORKDIR_PREFIX = "hybridflow-reward-"
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import RewardConfig
@@ -65,7 +68,7 @@ class _Worker:
 
     def __init__(self, cfg: RewardConfig, registered: bytes | None):
         parent, child = Pipe(duplex=True)
-        self.workdir = tempfile.mkdtemp(prefix="hybridflow-reward-")  # its working dir and TMPDIR
+        self.workdir, self.workdir_lock = locked_workdir()  # its working dir and TMPDIR
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = [pkg_root] + [p or os.getcwd() for p in sys.path]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
@@ -129,7 +132,43 @@ class _Worker:
 
     def _clean(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
+        os.close(self.workdir_lock)
         remove_cgroup(self.proc.pid)
+
+
+def locked_workdir(root: str | None = None) -> tuple[str, int]:
+    """A fresh worker's directory and the descriptor holding its lock for as long as this process lives.
+    Created under a hidden name and renamed once locked, so `sweep_orphaned_workdirs` never sees it unlocked."""
+    hidden = tempfile.mkdtemp(prefix="." + WORKDIR_PREFIX, dir=root)
+    fd = os.open(hidden, os.O_RDONLY)  # not inherited by the worker (Python's descriptors are close-on-exec)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    path = os.path.join(os.path.dirname(hidden), os.path.basename(hidden)[1:])
+    os.rename(hidden, path)
+    return path, fd
+
+
+def sweep_orphaned_workdirs(root: str | None = None) -> int:
+    """Remove the working directories of pools whose process died without cleaning up (a killed driver:
+    its workers die with it, _worker.die_with_parent, and cannot either): the kernel drops a dead process's
+    locks, so a directory whose lock can be taken has no owner. Returns how many were removed."""
+    removed = 0
+    for path in glob.glob(os.path.join(root or tempfile.gettempdir(), WORKDIR_PREFIX + "*")):
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its pool is alive
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -146,6 +185,7 @@ class WorkerPool:
         self.cfg, self.registered = cfg, registered
         self.pending: deque = deque()  # (mode, chunk) not yet sent, of the batch being scored
         self.batched = False
+        sweep_orphaned_workdirs()
         self.workers = [self._spawn() for _ in range(n)]
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
 

@@ -18,6 +18,7 @@ import pytest
 from hybridflow.errors import RunStopped, UserError
 from hybridflow.rewards import RewardConfig, RewardExecutor, RewardFailureError, RewardSpecError
 from hybridflow.rewards.executor import timeout_waits
+from hybridflow.rewards.pool import WORKDIR_PREFIX, locked_workdir, sweep_orphaned_workdirs
 
 pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after the parallel part (Makefile)
 
@@ -219,9 +220,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_and_their_hung_children_die_with_the_parent(reward_file, tmp_path):
+    """...and the working directories they could not remove are swept by the next pool, a live one's kept."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), TMPDIR=str(tmp))
     parent = subprocess.Popen(
         [sys.executable, str(script), f"{reward_file}:score"], stdout=subprocess.PIPE, text=True, env=env
     )
@@ -239,3 +243,11 @@ def test_workers_and_their_hung_children_die_with_the_parent(reward_file, tmp_pa
     while time.monotonic() < deadline and any(_alive(p) for p in procs):
         time.sleep(0.2)
     assert not [p for p in procs if _alive(p)]
+    orphaned = sorted(tmp.glob(WORKDIR_PREFIX + "*"))
+    assert len(orphaned) == 2, orphaned  # one per worker, left behind by the kill
+    live, fd = locked_workdir(str(tmp))
+    try:
+        assert sweep_orphaned_workdirs(str(tmp)) == 2
+        assert sorted(tmp.iterdir()) == [Path(live)]
+    finally:
+        os.close(fd)
