@@ -8,7 +8,8 @@ predicted seconds (the same simulator functions the planner uses, p = t = d = 1)
 of a few measured repeats, with the ratio measured / predicted. It finishes well within a minute.
 
 `--out FILE` first runs the micro-benchmarks (microbench.py) `--rounds` times (each coefficient the median
-of its rounds', ~40 s a round on 2 cores) and writes a device profile (profile.py):
+of its rounds', ~40 s a round on 2 cores), then on CPU two short real runs for the calls' cost (~35 s), and
+writes a device profile (profile.py):
 the catalogue entry `--device` with every coefficient they measure replaced, per compute dtype (float32,
 bfloat16); the table then shows the profile's predictions too. `--on cuda` measures a GPU's compute
 figures (the links stay the entry's). `--profile FILE` compares an existing profile instead.
@@ -24,6 +25,7 @@ from dataclasses import replace
 
 from hybridflow.planner import simulate as sim
 from hybridflow.planner.fit import (
+    fit_call_terms,
     fit_decode_terms,
     fit_engine_terms,
     fit_fsdp_token_terms,
@@ -75,8 +77,25 @@ def measure_profile(
     rounds: int = 1,
 ) -> DeviceProfile:
     """`rounds` measurements of the machine (measure_once), each coefficient the median of its rounds'
-    (DeviceProfile.median_of)."""
-    return DeviceProfile.median_of([measure_once(base, device, dtypes, repeats, size) for _ in range(rounds)])
+    (DeviceProfile.median_of); on CPU then the calls as a real run's steps pay them, once (step_rests: two
+    short runs, each already a median over its steps)."""
+    profile = DeviceProfile.median_of(
+        [measure_once(base, device, dtypes, repeats, size) for _ in range(rounds)]
+    )
+    if (
+        device != "cpu"
+    ):  # a GPU's runs: the entry's call costs (the run itself would need this machine's pools)
+        return profile
+    from hybridflow.planner import microbench_path as mbp
+
+    rests = mbp.step_rests()
+    terms = fit_call_terms(rests, next(iter(profile.devices.values())))  # not dtype's: the driver's and Ray's
+    devices = {k: replace(v, **terms) for k, v in profile.devices.items()}
+    return replace(
+        profile,
+        devices=devices,
+        measurements={**profile.measurements, "step_rests": rests, "call_terms": terms},
+    )
 
 
 def measure_once(base: str, device: str, dtypes, repeats: int, size: str) -> DeviceProfile:

@@ -24,6 +24,39 @@ from dataclasses import dataclass, field, replace
 from hybridflow.planner.specs import ModelSpec
 
 STAGES = ("generation", "preparation", "training")
+# the trainer's phases (timing_s/timeline/<phase>) each stage is measured from (trainers/plan_metrics.py)
+STAGE_PHASES = {
+    "generation": ("gen",),
+    "preparation": ("old_log_prob", "values", "ref", "reward"),
+    "training": ("update_critic", "update_actor"),
+}
+MIN_PHASE_SECONDS = 1e-3
+"""A phase's span below which it did no work (the timers' resolution in practice): the old log-probs taken
+from the update are a point in the driver's time, set before the next phase's call reaches its workers.
+Counted, it would start the stage there and put that call's round trip, which the plan prices in the
+rest, inside the stage."""
+
+
+def stage_seconds(
+    times: dict[str, float], phases: tuple[str, ...], in_driver: frozenset[str] = frozenset()
+) -> float | None:
+    """Wall seconds from the first of `phases` to start to the last to end, over the phases that worked
+    (MIN_PHASE_SECONDS); those `in_driver` count at the start only where no worker phase worked
+    (trainers/plan_metrics.py says why). None if none worked."""
+    spans = {
+        p: (times[f"timing_s/timeline/{p}/start"], times[f"timing_s/timeline/{p}/end"])
+        for p in phases
+        if f"timing_s/timeline/{p}/start" in times
+    }
+    spans = {p: (start, end) for p, (start, end) in spans.items() if end - start >= MIN_PHASE_SECONDS}
+    if not spans:
+        return None
+    starts = [start for p, (start, _) in spans.items() if p not in in_driver] or [
+        s for s, _ in spans.values()
+    ]
+    return max(end for _, end in spans.values()) - min(starts)
+
+
 WORK_KINDS = ("generate", "infer", "train")  # per stage, what a model does in it
 # where the old log-probs come from, as the planner prices it: a separate actor forward in preparation,
 # or free (the rollout's own, or the update's own forward: trainers/sources/base.py old_log_prob_source)

@@ -188,3 +188,37 @@ def fit_sync_waits(raw: dict, latency_s: float) -> dict[str, float]:
     (w1, w2), (e1, e2) = raw["chunk_s"], raw["wait_s"]
     fraction = max(0.0, (e2 - e1) / (w2 - w1)) if w2 > w1 else 0.0
     return {"sync_wait_s": max(0.0, e1 - fraction * w1 - latency_s), "sync_wait_fraction": fraction}
+
+
+# the runs microbench_path.step_rests times: GRPO's calls (generation, advantages, update; no reference) on a
+# rule reward, this workload at (ranks, prompts) of each run: a small and a large batch on one rank, the small
+# on two
+REST_RUN = dict(samples_per_prompt=8, prompt_len=16, response_len=4)
+REST_RUNS = ((1, 8), (1, 64), (2, 8))
+REST_RUN_STAGES = ("generation", "training")
+
+
+def fit_call_terms(raw: dict, dev: DeviceSpec) -> dict[str, float]:
+    """call_overhead_s, call_rank_overhead_s and transfer_bandwidth from microbench_path.step_rests: real
+    runs' rest (a small and a large batch on one rank, the small on two) less what `dev` prices there beyond
+    the calls (the driver's own work), over the run's rounds of calls (its stages' and the advantages').
+    The rest's growth with the batch is its rows' cost, priced as their tokens' transfer (pickling a batch's
+    text and lists costs more per token than an idle call's tensor: REST_RUN's rows price it as runs pay it);
+    what is left at the small batch is the call itself, and its growth from one rank to two the rank term.
+    None below 0; a batch that grew no slower keeps `dev`'s transfer price."""
+    rest = {(int(r["ranks"]), int(r["prompts"])): r["rest_s"] for r in raw["runs"]}
+    small, large = sorted(p for n, p in rest if n == 1)
+    wl = {p: WorkloadSpec(**raw["workload"], prompts=p) for p in (small, large)}
+    rounds = len(REST_RUN_STAGES) + 1
+    grew = rest[1, large] - rest[1, small]
+    moved = rounds * 2 * sim.BATCH_BYTES_PER_TOKEN * wl[small].padded_seq_len
+    moved *= wl[large].sequences - wl[small].sequences
+    bandwidth = moved / grew if grew > 0 else dev.transfer_bandwidth
+    bare = replace(dev, call_overhead_s=0.0, call_rank_overhead_s=0.0, transfer_bandwidth=bandwidth)
+    call = (rest[1, small] - sim.step_rest_time(bare, wl[small], REST_RUN_STAGES)) / rounds
+    rank = (rest[2, small] - rest[1, small]) / rounds
+    return {
+        "call_overhead_s": max(0.0, call),
+        "call_rank_overhead_s": max(0.0, rank),
+        "transfer_bandwidth": bandwidth,
+    }

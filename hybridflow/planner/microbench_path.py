@@ -7,6 +7,10 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
                         bytes per second of the driver's batch transfer (a 4 MiB batch, less that call)
     empty step          a GRPO step's calls with empty work, as the trainer issues and collects them: beyond
                         the calls the step's rest prices, the driver's own work per step
+    step rests          real GRPO runs of the tiny model (`hybridflow train`, 8 steps): 64 and 512 rows on 1
+                        rank, 64 on 2: their steps' rest beyond their stages (trainers/plan_metrics.py), whose
+                        calls cost more than idle ones, more to 2 ranks than to 1, and more per row than an
+                        idle call's tensor (calibrate.py fits all three)
     training step       forward + backward of a tiny Llama over 2 gloo ranks, parallelized as the engines
                         do it (engines/parallelize.py) at t1d1, t1d2 and t2d1, with 1 and 5 layers: the
                         per-layer slope and the fixed rest per micro-batch; the optimizer step likewise;
@@ -36,7 +40,7 @@ from collections.abc import Iterator
 import torch
 
 from hybridflow.controller import Protocol, Worker, register
-from hybridflow.planner.fit import GROUP, PROMPT, RESPONSE, SWITCH_LAYOUTS
+from hybridflow.planner.fit import GROUP, PROMPT, RESPONSE, REST_RUN, REST_RUNS, SWITCH_LAYOUTS
 from hybridflow.planner.microbench import best_seconds, spawn_ranks
 
 LAYERS = (1, 5)
@@ -136,6 +140,47 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
         "driver_step_overhead_s": max(0.0, step - REST_CALLS * call),
         "empty_step_s": step,
     }
+
+
+def step_rests(steps: int = 8, warmup: int = 2) -> dict:
+    """{"runs": [{"ranks", "prompts", "rest_s"}], "workload": REST_RUN}: the median rest of real runs' steps
+    (their time beyond the stages' busy intervals, as trainers/plan_metrics.py measures a plan's), the tiny
+    model's GRPO through `hybridflow train` in a process of its own, at each of REST_RUNS."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from hybridflow.models.tiny import save_tiny_model
+    from hybridflow.planner.dataflow import STAGE_PHASES, stage_seconds
+
+    out: dict = {"runs": [], "workload": REST_RUN}
+    with tempfile.TemporaryDirectory(prefix="hybridflow-rest-") as tmp:
+        model = save_tiny_model(Path(tmp) / "model", "tiny")
+        for ranks, prompts in REST_RUNS:
+            run = Path(tmp) / f"run{ranks}x{prompts}"
+            args = [
+                "algorithm.name=grpo", f"model.path={model}", "data.dataset=synthetic:arithmetic",
+                "data.dataset_kwargs={num_samples: 0, val_size: 4, max_operand: 19}",
+                f"data.max_prompt_length={REST_RUN['prompt_len']}", f"data.train_batch_size={prompts}",
+                f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={REST_RUN['samples_per_prompt']}",
+                f"rollout.response_length={REST_RUN['response_len']}", "reward.kind=rule", "reward.num_workers=0",
+                "resources.device=cpu", f"resources.n_gpus_per_node={ranks}", "resources.placement=colocate",
+                f"trainer.total_steps={steps}", "trainer.val_before_train=false", "trainer.val_every=0",
+                "trainer.save_every=0", "trainer.save_every_minutes=0", "trainer.loggers=[jsonl]",
+                f"trainer.output_dir={run}", "trainer.experiment_name=rest", "trainer.resume=never",
+            ]  # fmt: skip
+            cmd = [sys.executable, "-m", "hybridflow.cli", "train", *args]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            logged = [json.loads(line) for line in next(run.rglob("*.jsonl")).read_text().splitlines()]
+            rests = []
+            for m in logged[warmup:]:
+                stages = [stage_seconds(m, phases, frozenset({"reward"})) for phases in STAGE_PHASES.values()]
+                rests.append(m["timing_s/step"] - sum(s for s in stages if s))
+            out["runs"].append({"ranks": ranks, "prompts": prompts, "rest_s": statistics.median(rests)})
+    return out
 
 
 @contextlib.contextmanager

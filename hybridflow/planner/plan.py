@@ -225,13 +225,16 @@ def _rollout_plan(ahead: AheadResult, rest: float) -> RolloutPlan:
     )  # fmt: skip
 
 
-def dataflow_rest(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec) -> float:
-    """The step's rest (simulate.step_rest_time) with a call for each stage `dataflow`'s models work in.
-    One step ahead the training side has no generation: the rollout pool's call is priced in its
-    generation seconds (ahead.rollout_option), issued a step before and overlapping this one."""
+def dataflow_rest(
+    dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, result: PlacementResult
+) -> float:
+    """The step's rest (simulate.step_rest_time) with a call for each stage `dataflow`'s models work in, to
+    groups as large as `result`'s largest pool. One step ahead the training side has no generation: the
+    rollout pool's call is priced in its generation seconds (ahead.rollout_option), issued a step before and
+    overlapping this one."""
     stages = tuple(s for s in STAGES if any(stage == s for m in dataflow.models for stage, _ in m.work))
     factor = max((m.generation_factor for m in dataflow.models if m.generates), default=1.0)
-    return step_rest_time(cluster.device, wl, stages, factor)
+    return step_rest_time(cluster.device, wl, stages, factor, max(result.allocation, default=1))
 
 
 def choose_schedule(schedule: str, sync_seconds: float | None, ahead_seconds: float | None) -> int:
@@ -257,11 +260,13 @@ def build_plan(
 ) -> Plan:
     """Turn ranked synchronous search results (best first) and the best one-step-ahead result, both
     searched under `limits`, into a Plan running `schedule` (auto: the faster of the two)."""
-    sync_rest = dataflow_rest(dataflow, cluster, wl)  # the same under every synchronous placement
+    rests = {id(r): dataflow_rest(dataflow, cluster, wl, r) for r in results}  # calls to each one's groups
+    results = sorted(results, key=lambda r: r.iteration_time + rests[id(r)])
+    sync_rest = rests[id(results[0])] if results else 0.0
     ahead_rest = 0.0
     if ahead:
         side = training_side(with_old_log_probs(dataflow, ahead.old_log_probs), ahead.frozen_pool)
-        ahead_rest = dataflow_rest(side, cluster, wl)
+        ahead_rest = dataflow_rest(side, cluster, wl, ahead.train)
     sync_best = results[0].iteration_time + sync_rest if results else None
     rollout_ahead = choose_schedule(schedule, sync_best, ahead.iteration_time + ahead_rest if ahead else None)
     if not results and not rollout_ahead:
@@ -291,7 +296,7 @@ def build_plan(
             strategy_name([list(s) for s in r.placement], roles),
             [list(s) for s in r.placement],
             list(r.allocation),
-            r.iteration_time + sync_rest,
+            r.iteration_time + rests[id(r)],
             _stage_dict(r.stage_times),
         )
         for r in results

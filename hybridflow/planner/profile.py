@@ -19,8 +19,8 @@ token, version 5 the width those per-token terms were measured at, version 6 the
 version 7 tensor parallelism's per token, version 8 the engine's per micro-batch, version 9 the switch's
 per unit gathered, version 10 FSDP2's per token, version 11 the passes' gain from a node's idle cores,
 the engine's decode cost per row and the responses' text, version 12 a pipeline stage's per token, version 13
-the wait where ranks meet after work of their own) take their DeviceSpec default, 0 (not priced,
-as when the profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass
+the wait where ranks meet after work of their own, version 14 a call's cost per rank beyond the first) take
+their DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass
 figure it was priced at before (fsdp_layer_overhead_s). A version 10 file's decode step was measured on
 HF generate, not on the built-in engine.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from hybridflow.planner.specs import DeviceSpec, load_dict, save_dict
 
-PROFILE_VERSION = 13
+PROFILE_VERSION = 14
 # the terms version 2 added (microbench_path.py): a version 1 profile has none of them
 PATH_FIELDS = (
     "call_overhead_s",
@@ -73,6 +73,7 @@ ADDED_FIELDS = {
     ),
     12: ("pipeline_train_token_overhead_s", "pipeline_infer_token_overhead_s"),
     13: ("sync_wait_s", "sync_wait_fraction"),
+    14: ("call_rank_overhead_s",),
 }
 # a term a newer version measures that an older file had priced by another: it loads as that one
 INHERITED = {"switch_fsdp_unit_s": "fsdp_layer_overhead_s"}

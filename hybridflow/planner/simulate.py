@@ -63,23 +63,30 @@ def _tp_bandwidth(dev: DeviceSpec, devices_per_node: int, t: int) -> float:
 BATCH_BYTES_PER_TOKEN = 32
 
 
-def call_time(dev: DeviceSpec, tokens: float) -> float:
-    """One worker-group call from the driver carrying `tokens` tokens' batch to the workers and back."""
+def call_time(dev: DeviceSpec, tokens: float, ranks: int = 1) -> float:
+    """One worker-group call from the driver carrying `tokens` tokens' batch to the workers and back, to a
+    group of `ranks` ranks (each one more task to issue, one more result to wait for and join)."""
     transfer = 2 * tokens * BATCH_BYTES_PER_TOKEN / dev.transfer_bandwidth if dev.transfer_bandwidth else 0.0
-    return dev.call_overhead_s + transfer
+    return dev.call_overhead_s + (max(ranks, 1) - 1) * dev.call_rank_overhead_s + transfer
 
 
-def stage_call_time(dev: DeviceSpec, wl: WorkloadSpec, stage: str, generation_factor: float = 1.0) -> float:
+def stage_call_time(
+    dev: DeviceSpec, wl: WorkloadSpec, stage: str, generation_factor: float = 1.0, ranks: int = 1
+) -> float:
     """The driver's call that starts and ends a stage's work: generation moves every sequence (prompt and
     response), preparation and training every row padded. A stage's calls are issued together and their
     round trips overlap, so a stage costs one (its largest) however many models it runs."""
     if stage == "generation":
-        return call_time(dev, wl.sequences * generation_factor * wl.padded_seq_len)
-    return call_time(dev, wl.sequences * wl.padded_seq_len)
+        return call_time(dev, wl.sequences * generation_factor * wl.padded_seq_len, ranks)
+    return call_time(dev, wl.sequences * wl.padded_seq_len, ranks)
 
 
 def step_rest_time(
-    dev: DeviceSpec, wl: WorkloadSpec, stages: tuple[str, ...] = (), generation_factor: float = 1.0
+    dev: DeviceSpec,
+    wl: WorkloadSpec,
+    stages: tuple[str, ...] = (),
+    generation_factor: float = 1.0,
+    ranks: int = 1,
 ) -> float:
     """What a step costs beyond its stages' busy intervals (trainers/plan_metrics.py: a stage is timed from
     its workers' first start to their last end): the calls of the `stages` that run (stage_call_time: each
@@ -87,9 +94,10 @@ def step_rest_time(
     actor's rank 0 (trainers/experience.py make_experience, carrying every row there and back; its ~0.2 ms
     of arithmetic left out) and the driver's own per-step work (`driver_step_overhead_s`: issuing and
     collecting the futures, the phases' timers, the batch's assembly). A rule reward runs in the driver
-    while the preparation's workers run (trainers/plan_metrics.py): not here."""
-    calls = sum(stage_call_time(dev, wl, s, generation_factor) for s in stages)
-    return calls + call_time(dev, wl.sequences * wl.padded_seq_len) + dev.driver_step_overhead_s
+    while the preparation's workers run (trainers/plan_metrics.py): not here. `ranks`: the largest group
+    called (a pool's models each span its devices), whose round trips each call waits for."""
+    calls = sum(stage_call_time(dev, wl, s, generation_factor, ranks) for s in stages)
+    return calls + call_time(dev, wl.sequences * wl.padded_seq_len, ranks) + dev.driver_step_overhead_s
 
 
 def layer_pass_overhead(dev: DeviceSpec, t: int) -> float:

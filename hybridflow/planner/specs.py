@@ -164,14 +164,16 @@ class DeviceSpec:
     decode_step_overhead_s: float = 0.0  # the generation engine's per decode step (sampling, scheduling)
     decode_row_overhead_s: float = 0.0  # and per row of a decode step: sampling, the stop test, the columns
     # a collective the ranks reach from work of their own (the generation's counters after each replica's decode)
-    # waits beyond comm_latency_s: fixed + a fraction of that work (microbench.sync_waits; before version 13: 0)
+    # waits beyond comm_latency_s: fixed + a fraction of that work (microbench.sync_waits; before v13: 0)
     sync_wait_s: float = 0.0
     sync_wait_fraction: float = 0.0
-    # the responses' text each rollout rank decodes after generating, per row and per token (before version 11: 0)
-    detokenize_row_s: float = 0.0
+    detokenize_row_s: float = 0.0  # the text a rollout rank decodes, per row and token (before v11: 0)
     detokenize_token_s: float = 0.0
-    # Fixed costs of the path a stage's work takes (microbench_path.py) beyond FLOPs and bytes (before v2: 0)
-    call_overhead_s: float = 0.0  # one worker-group call from the driver: Ray round trip, split, gather
+    # Fixed costs of the path a stage's work takes (microbench_path.py) beyond FLOPs and bytes (before v2: 0):
+    # a round of worker-group calls from the driver as a run's step pays it (Ray round trip, split, gather), to
+    # one rank and per rank beyond it (microbench_path.step_rests; before version 14: idle, any ranks alike)
+    call_overhead_s: float = 0.0
+    call_rank_overhead_s: float = 0.0
     transfer_bandwidth: float = 0.0  # driver <-> workers batch bytes/s over Ray (0: not priced)
     # the driver's own work per step beyond its calls' round trips: issuing and collecting the futures, the
     # phases' timers, the batch's assembly (microbench_path.empty_step; profiles before version 6: 0)
@@ -182,9 +184,8 @@ class DeviceSpec:
     # token_overhead_width's hidden size (scaled like the engine's per-token terms; before version 7: 0)
     tp_token_overhead_s: float = 0.0
     fsdp_layer_overhead_s: float = 0.0  # per FSDP2 unit (a layer; the root) per pass at d > 1: gathers, hooks
-    # and per token of a layer's pass at d > 1 beyond that, in the engine's training step and its log-prob
-    # pass, at token_overhead_width (microbench_path.engine_passes at dp = 2; before version 10: 0): each
-    # gather waits for the slower rank, whose lead grows with the work between two gathers
+    # and per token of a layer's pass at d > 1 beyond that, in the engine's training step and its log-prob pass,
+    # at token_overhead_width (engine_passes at dp = 2; before v10: 0): each gather waits for the slower rank
     fsdp_train_token_overhead_s: float = 0.0
     fsdp_infer_token_overhead_s: float = 0.0
     optimizer_layer_overhead_s: float = 0.0  # per layer per optimizer step: clipping, AdamW on plain tensors
@@ -202,8 +203,7 @@ class DeviceSpec:
     # log-prob chunks' loop): the same runs' intercept, at any width (before version 8: 0)
     train_batch_overhead_s: float = 0.0
     infer_batch_overhead_s: float = 0.0
-    # the hidden size the terms above were measured at: another width pays them times its hidden / this (the
-    # work is over hidden-sized vectors); 0 (profiles before version 5): unscaled
+    # the hidden size the terms above were measured at: another width pays them times its hidden / this
     token_overhead_width: float = 0.0
     # per token of a pipeline stage's pass over a micro-batch (p > 1), the same beyond the FLOP, activation and
     # fixed terms: training, inference (engine_passes on 2 stages; before version 12: 0), scaled alike

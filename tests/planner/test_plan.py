@@ -4,6 +4,7 @@ commands (`hybridflow plan`, `hybridflow calibrate`)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,7 @@ from hybridflow.planner import (
     plan_to_resources,
     strategy_name,
 )
+from hybridflow.planner.fit import fit_call_terms
 from hybridflow.planner.profile import DeviceProfile
 
 
@@ -140,14 +142,21 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
         assert getattr(fp32, name) == getattr(bf16, name) == raw["sync_terms"][name] >= 0
     assert fp32.layer_overhead_s == raw["float32"]["layer_overhead_s"] >= 0
     # the path's terms (microbench_path.py): the call over Ray, the training step over gloo, both dtypes
-    assert fp32.call_overhead_s == raw["worker_call"]["call_overhead_s"] > 0
-    assert fp32.transfer_bandwidth == raw["worker_call"]["transfer_bandwidth"] > 0
-    # an empty step's four calls and the driver's work beyond them
     calls = raw["worker_call"]
+    assert calls["call_overhead_s"] > 0 and calls["transfer_bandwidth"] > 0
+    # an empty step's four calls and the driver's work beyond them
     assert fp32.driver_step_overhead_s == calls["driver_step_overhead_s"] >= 0
     assert fp32.driver_step_overhead_s == pytest.approx(
-        max(0.0, calls["empty_step_s"] - 4 * fp32.call_overhead_s)
+        max(0.0, calls["empty_step_s"] - 4 * calls["call_overhead_s"])
     )
+    # the calls as real runs' steps pay them: three runs' rests, fitted (fit_call_terms) into both dtypes
+    assert [(r["ranks"], r["prompts"]) for r in raw["step_rests"]["runs"]] == [(1, 8), (1, 64), (2, 8)]
+    assert all(r["rest_s"] > 0 for r in raw["step_rests"]["runs"])
+    idle = replace(fp32, transfer_bandwidth=calls["transfer_bandwidth"])  # what the fit fell back on
+    assert raw["call_terms"] == fit_call_terms(raw["step_rests"], idle)
+    for name in ("call_overhead_s", "call_rank_overhead_s", "transfer_bandwidth"):
+        assert getattr(fp32, name) == getattr(bf16, name) == raw["call_terms"][name]
+    assert fp32.call_overhead_s > 0
     for name in ("micro_batch_overhead_s", "tp_layer_overhead_s", "tp_token_overhead_s", "fsdp_layer_overhead_s",
                  "fsdp_optimizer_step_overhead_s", "tp_optimizer_step_overhead_s"):  # fmt: skip
         assert getattr(fp32, name) == getattr(bf16, name) == raw["training_path"][name] >= 0

@@ -11,6 +11,7 @@ import pytest
 
 from hybridflow.cli import main
 from hybridflow.planner import ClusterSpec, EngineLimits, ModelSpec, WorkloadSpec, build_dataflow, plan
+from hybridflow.planner.fit import REST_RUN, fit_call_terms
 from hybridflow.planner.microbench import fit_gemm
 from hybridflow.planner.microbench_path import fit_training_path
 from hybridflow.planner.profile import PATH_FIELDS, PROFILE_VERSION, DeviceProfile
@@ -126,13 +127,25 @@ def test_a_version_12_profile_prices_no_wait_where_replicas_meet_and_says_so(tmp
     )
 
 
+def test_a_version_13_profile_prices_a_call_alike_at_any_ranks_and_says_so(tmp_path, capsys):
+    loaded = _load_old(
+        tmp_path, 13, ("call_rank_overhead_s",), call_rank_overhead_s=1e-3, call_overhead_s=4e-3
+    )
+    assert (loaded.device("float32").call_rank_overhead_s, loaded.device("float32").call_overhead_s) == (
+        0.0,
+        4e-3,
+    )
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert "a version 13 device profile without the terms measured since (call_rank_overhead_s)" in note
+
+
 def test_a_version_5_profile_prices_no_driver_work_and_says_so(tmp_path, capsys):
     """Version 6 added the driver's own work per step: a version 5 file loads it as 0 (the rest is then its
     calls alone, as that version priced it less the stages' calls) with a note naming it."""
     dropped = ("driver_step_overhead_s",)
     loaded = _load_old(tmp_path, 5, dropped, driver_step_overhead_s=4e-3, call_overhead_s=5e-3)
     assert loaded.device("float32").driver_step_overhead_s == 0.0
-    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 13
+    assert loaded.device("float32").call_overhead_s == 5e-3 and loaded.version == PROFILE_VERSION == 14
     (note,) = capsys.readouterr().err.strip().splitlines()
     assert "a version 5 device profile without the terms measured since (driver_step_overhead_s)" in note
 
@@ -258,6 +271,45 @@ def test_a_plan_prices_the_calls_in_the_rest_whatever_the_placement():
     assert slow_calls.stage_seconds == pytest.approx(base.stage_seconds, rel=1e-12)
     assert base.rest_seconds == 0.0 and slow_calls.rest_seconds == pytest.approx(4.0, rel=1e-12)
     assert slow_calls.iteration_seconds - base.iteration_seconds == pytest.approx(4.0, rel=1e-12)
+
+
+def test_a_call_to_more_ranks_pays_the_rank_term_and_the_ranking_with_it():
+    """Each of GRPO's four calls in the rest (its three stages' and the advantages') waits for every rank of
+    the largest group it reaches: at 1 s a rank beyond the first, each alternative's rest is 4 x (its largest
+    pool - 1) s, and the plan moves from both models on 4 devices at d = 4 to a pool of 2 each."""
+    base = _grpo_plan(_profile().device("float32"), FEW_ROWS)
+    assert max(m.n_devices for m in base.models) == 4
+    per_rank = _grpo_plan(_profile(call_rank_overhead_s=1.0).device("float32"), FEW_ROWS)
+    for alt in per_rank.alternatives:
+        rest = alt.iteration_seconds - sum(alt.stage_seconds.values())
+        assert rest == pytest.approx(4.0 * (max(alt.allocation) - 1), abs=1e-9), alt
+    assert [a.iteration_seconds for a in per_rank.alternatives] == sorted(
+        a.iteration_seconds for a in per_rank.alternatives
+    )
+    assert [m.n_devices for m in per_rank.models] == [2, 2] and per_rank.rest_seconds == pytest.approx(4.0)
+
+
+def test_the_calls_fit_from_real_runs_rests_by_hand():
+    """step_rests' runs: 8 and 64 prompts x 8 samples, 16 + 4 tokens a row, three rounds of calls (generation,
+    advantages, update). The rest grew 3 ms from 64 to 512 rows on one rank: those 448 rows' tokens, 3 calls x
+    both ways x 20 tokens x 32 bytes, moved in 3 ms. What is left of the small run's 12 ms beyond the driver's
+    2 ms and its own rows' share (3 ms x 64 / 448) is three calls; two ranks added 3 ms, 1 ms a call."""
+    dev = replace(get_device("cpu"), driver_step_overhead_s=2e-3, transfer_bandwidth=1e9, call_overhead_s=9.0)
+    runs = [(1, 8, 12e-3), (1, 64, 15e-3), (2, 8, 15e-3)]
+    raw = {"runs": [dict(ranks=n, prompts=p, rest_s=s) for n, p, s in runs], "workload": REST_RUN}
+    terms = fit_call_terms(raw, dev)
+    assert terms["transfer_bandwidth"] == pytest.approx(3 * 2 * 20 * 32 * 448 / 3e-3, rel=1e-9)
+    assert terms["call_overhead_s"] == pytest.approx((12e-3 - 2e-3 - 3e-3 * 64 / 448) / 3, rel=1e-9)
+    assert terms["call_rank_overhead_s"] == pytest.approx(1e-3, rel=1e-9)
+    # a rest below the driver's own work, smaller at 2 ranks, no larger at 512 rows: no negative price, and
+    # the transfer stays the idle call's
+    flat = [(1, 8, 1e-3), (1, 64, 1e-3), (2, 8, 0.5e-3)]
+    raw = {"runs": [dict(ranks=n, prompts=p, rest_s=s) for n, p, s in flat], "workload": REST_RUN}
+    assert fit_call_terms(raw, dev) == {
+        "call_overhead_s": 0.0,
+        "call_rank_overhead_s": 0.0,
+        "transfer_bandwidth": 1e9,
+    }
 
 
 def test_activation_time_and_each_roles_micro_batch_by_hand():
