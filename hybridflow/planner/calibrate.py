@@ -23,6 +23,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from hybridflow.errors import RunStopped
 from hybridflow.planner import simulate as sim
 from hybridflow.planner.fit import (
     fit_call_terms,
@@ -333,7 +334,11 @@ def run(args) -> int:
             console.print(f"[red]hybridflow calibrate: --rounds must be at least 1 (got {args.rounds})[/]")
             return 2
         dtypes = ("float32", "bfloat16")
-        profile = measure_profile(args.device, args.on, dtypes, args.repeats + 2, args.size, args.rounds)
+        try:
+            profile = measure_profile(args.device, args.on, dtypes, args.repeats + 2, args.size, args.rounds)
+        except RunStopped as e:  # one of the runs it times failed: what it printed last, nothing written
+            console.print(f"[red]hybridflow calibrate: {e}[/]")
+            return 1
         console.print(
             f"device profile written to {profile.save(args.out)} ({time.perf_counter() - start:.0f} s)"
         )

@@ -153,6 +153,7 @@ def step_rests(steps: int = 8, warmup: int = 2) -> dict:
     import tempfile
     from pathlib import Path
 
+    from hybridflow.errors import RunStopped
     from hybridflow.models.tiny import save_tiny_model
     from hybridflow.planner.dataflow import STAGE_PHASES, stage_seconds
 
@@ -173,7 +174,14 @@ def step_rests(steps: int = 8, warmup: int = 2) -> dict:
                 f"trainer.output_dir={run}", "trainer.experiment_name=rest", "trainer.resume=never",
             ]  # fmt: skip
             cmd = [sys.executable, "-m", "hybridflow.cli", "train", *args]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            done = subprocess.run(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False
+            )
+            if done.returncode:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise RunStopped(
+                    f"the {ranks}-rank GRPO run timing the calls failed (exit {done.returncode}): {last}"
+                )
             logged = [json.loads(line) for line in next(run.rglob("*.jsonl")).read_text().splitlines()]
             rests = []
             for m in logged[warmup:]:

@@ -113,6 +113,31 @@ def test_plan_command_reports_what_does_not_fit(capsys):
     assert "add devices" in capsys.readouterr().out
 
 
+def test_a_failed_run_timing_the_calls_is_one_line_and_writes_no_profile(tmp_path, monkeypatch, capsys):
+    """step_rests' real `hybridflow train` run refusing its config comes back as the run's own last line;
+    calibrate prints it in one line, exits 1 and writes nothing."""
+    from hybridflow.errors import RunStopped
+    from hybridflow.planner import calibrate, microbench_path
+
+    monkeypatch.setitem(microbench_path.REST_RUN, "response_len", 0)
+    with pytest.raises(
+        RunStopped, match=r"1-rank GRPO run timing the calls failed \(exit 2\): .*response_length"
+    ):
+        microbench_path.step_rests()
+
+    def failing(*args, **kwargs):
+        raise RunStopped("the 1-rank GRPO run timing the calls failed (exit 2): bad")
+
+    monkeypatch.setattr(calibrate, "measure_profile", failing)
+    profile_path = tmp_path / "cpu.yaml"
+    assert (
+        main(["calibrate", "--repeats", "1", "--out", str(profile_path)]) == 1 and not profile_path.exists()
+    )
+    assert capsys.readouterr().out.strip() == (
+        "hybridflow calibrate: the 1-rank GRPO run timing the calls failed (exit 2): bad"
+    )
+
+
 def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp_path, capsys):
     """One run of the micro-benchmarks: the profile they write loads back equal and carries what they
     measured; the table sets the catalogue's and the profile's predictions beside the measured seconds."""
