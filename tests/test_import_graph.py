@@ -23,7 +23,11 @@ DESIGN = ROOT / "docs" / "design.md"
 # machine beside the planner's predictions, and microbench.py / microbench_path.py its micro-benchmarks (the
 # latter on the worker path: a worker group, a parallelized model, the training engine, the 3D-HybridEngine's
 # switch); no other planner module imports them.
-PLANNER_MAY_IMPORT = {"hybridflow.hybrid_engine.cost", "hybridflow.hybrid_engine.sync_budget"}
+PLANNER_MAY_IMPORT = {
+    "hybridflow.hybrid_engine.cost",
+    "hybridflow.hybrid_engine.sync_budget",
+    "hybridflow.errors",
+}
 PLANNER_MEASURES = {
     "hybridflow.planner.calibrate": {
         "hybridflow.models.tiny",
