@@ -8,7 +8,7 @@ predicted seconds (the same simulator functions the planner uses, p = t = d = 1)
 of a few measured repeats, with the ratio measured / predicted. It finishes well within a minute.
 
 `--out FILE` first runs the micro-benchmarks (microbench.py) `--rounds` times (each coefficient the median
-of its rounds', ~40 s a round on 2 cores), then on CPU two short real runs for the calls' cost (~35 s), and
+of its rounds', ~40 s a round on 2 cores), then on CPU three short real runs for the calls' cost (~35 s), and
 writes a device profile (profile.py):
 the catalogue entry `--device` with every coefficient they measure replaced, per compute dtype (float32,
 bfloat16); the table then shows the profile's predictions too. `--on cuda` measures a GPU's compute
@@ -78,14 +78,12 @@ def measure_profile(
     rounds: int = 1,
 ) -> DeviceProfile:
     """`rounds` measurements of the machine (measure_once), each coefficient the median of its rounds'
-    (DeviceProfile.median_of); on CPU then the calls as a real run's steps pay them, once (step_rests: two
-    short runs, each already a median over its steps)."""
+    (DeviceProfile.median_of); on CPU then the calls as a real run's steps pay them, once (step_rests: three
+    short runs, each already a median over its steps). On a GPU the calls stay the idle worker group's."""
     profile = DeviceProfile.median_of(
         [measure_once(base, device, dtypes, repeats, size) for _ in range(rounds)]
     )
-    if (
-        device != "cpu"
-    ):  # a GPU's runs: the entry's call costs (the run itself would need this machine's pools)
+    if device != "cpu":
         return profile
     from hybridflow.planner import microbench_path as mbp
 

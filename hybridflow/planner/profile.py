@@ -20,9 +20,9 @@ version 7 tensor parallelism's per token, version 8 the engine's per micro-batch
 per unit gathered, version 10 FSDP2's per token, version 11 the passes' gain from a node's idle cores,
 the engine's decode cost per row and the responses' text, version 12 a pipeline stage's per token, version 13
 the wait where ranks meet after work of their own, version 14 a call's cost per rank beyond the first) take
-their DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note; the switch's per FSDP2 unit takes the per-pass
-figure it was priced at before (fsdp_layer_overhead_s). A version 10 file's decode step was measured on
-HF generate, not on the built-in engine.
+their DeviceSpec default, 0 (not priced, as when the profile was written), with a one-line note; the
+switch's per FSDP2 unit takes the per-pass figure it was priced at before (fsdp_layer_overhead_s). A
+version 10 file's decode step was measured on HF generate, not on the built-in engine.
 
 Pure: no torch here, so the planner reads a profile without loading it.
 """

@@ -174,7 +174,7 @@ class DeviceSpec:
     # one rank and per rank beyond it (microbench_path.step_rests; before version 14: idle, any ranks alike)
     call_overhead_s: float = 0.0
     call_rank_overhead_s: float = 0.0
-    transfer_bandwidth: float = 0.0  # driver <-> workers batch bytes/s over Ray (0: not priced)
+    transfer_bandwidth: float = 0.0  # driver <-> workers batch bytes/s as runs pay it (0: not priced)
     # the driver's own work per step beyond its calls' round trips: issuing and collecting the futures, the
     # phases' timers, the batch's assembly (microbench_path.empty_step; profiles before version 6: 0)
     driver_step_overhead_s: float = 0.0
