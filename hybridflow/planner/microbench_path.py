@@ -157,6 +157,8 @@ def step_rests(steps: int = 8, warmup: int = 2) -> dict:
     from hybridflow.models.tiny import save_tiny_model
     from hybridflow.planner.dataflow import STAGE_PHASES, stage_seconds
 
+    # the rule reward scores in the driver: it ends its stage but does not start it (trainers/plan_metrics.py)
+    in_driver = frozenset({"reward"})
     out: dict = {"runs": [], "workload": REST_RUN}
     with tempfile.TemporaryDirectory(prefix="hybridflow-rest-") as tmp:
         model = save_tiny_model(Path(tmp) / "model", "tiny")
@@ -185,7 +187,7 @@ def step_rests(steps: int = 8, warmup: int = 2) -> dict:
             logged = [json.loads(line) for line in next(run.rglob("*.jsonl")).read_text().splitlines()]
             rests = []
             for m in logged[warmup:]:
-                stages = [stage_seconds(m, phases, frozenset({"reward"})) for phases in STAGE_PHASES.values()]
+                stages = [stage_seconds(m, phases, in_driver) for phases in STAGE_PHASES.values()]
                 rests.append(m["timing_s/step"] - sum(s for s in stages if s))
             out["runs"].append({"ranks": ranks, "prompts": prompts, "rest_s": statistics.median(rests)})
     return out

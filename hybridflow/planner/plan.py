@@ -258,18 +258,20 @@ def build_plan(
     ahead: AheadResult | None = None,
     schedule: str = "sync",
 ) -> Plan:
-    """Turn ranked synchronous search results (best first) and the best one-step-ahead result, both
-    searched under `limits`, into a Plan running `schedule` (auto: the faster of the two)."""
-    rests = {id(r): dataflow_rest(dataflow, cluster, wl, r) for r in results}  # calls to each one's groups
-    results = sorted(results, key=lambda r: r.iteration_time + rests[id(r)])
-    sync_rest = rests[id(results[0])] if results else 0.0
+    """Turn synchronous search results (ranked by their stages) and the best one-step-ahead result, both
+    searched under `limits`, into a Plan running `schedule` (auto: the faster of the two). The results are
+    ranked again with each one's rest: its calls go to its own groups (dataflow_rest)."""
+    ranked = sorted(
+        ((r, dataflow_rest(dataflow, cluster, wl, r)) for r in results),
+        key=lambda p: p[0].iteration_time + p[1],
+    )
     ahead_rest = 0.0
     if ahead:
         side = training_side(with_old_log_probs(dataflow, ahead.old_log_probs), ahead.frozen_pool)
         ahead_rest = dataflow_rest(side, cluster, wl, ahead.train)
-    sync_best = results[0].iteration_time + sync_rest if results else None
+    sync_best = ranked[0][0].iteration_time + ranked[0][1] if ranked else None
     rollout_ahead = choose_schedule(schedule, sync_best, ahead.iteration_time + ahead_rest if ahead else None)
-    if not results and not rollout_ahead:
+    if not ranked and not rollout_ahead:
         within = "" if limits == UNCONSTRAINED else f" with layouts the engines run ({limits.describe()})"
         if schedule == "ahead":
             within += " one step ahead (the rollout pool needs one device of its own and the rest must fit)"
@@ -288,18 +290,19 @@ def build_plan(
         stage = dict(_stage_dict(ahead.train.stage_times), generation=ahead.rollout.generation_seconds)
         rest, iteration = ahead_rest, ahead.iteration_time + ahead_rest
     else:
-        pools, models = _pools_and_models(dataflow, results[0])
-        stage, rest, iteration = _stage_dict(results[0].stage_times), sync_rest, sync_best
+        (best, rest), iteration = ranked[0], sync_best
+        pools, models = _pools_and_models(dataflow, best)
+        stage = _stage_dict(best.stage_times)
     roles = list(dataflow.roles)
     alternatives = [
         Alternative(
             strategy_name([list(s) for s in r.placement], roles),
             [list(s) for s in r.placement],
             list(r.allocation),
-            r.iteration_time + rests[id(r)],
+            r.iteration_time + r_rest,
             _stage_dict(r.stage_times),
         )
-        for r in results
+        for r, r_rest in ranked
     ]
     tokens = wl.sequences * wl.seq_len
     return Plan(
