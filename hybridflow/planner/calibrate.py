@@ -8,7 +8,7 @@ predicted seconds (the same simulator functions the planner uses, p = t = d = 1)
 of a few measured repeats, with the ratio measured / predicted. It finishes well within a minute.
 
 `--out FILE` first runs the micro-benchmarks (microbench.py) `--rounds` times (each coefficient the median
-of its rounds', ~40 s a round on 2 cores), then on CPU three short real runs for the calls' cost (~35 s), and
+of its rounds', ~40 s a round on 2 cores), then on CPU three short real runs for the calls' cost (~65 s), and
 writes a device profile (profile.py):
 the catalogue entry `--device` with every coefficient they measure replaced, per compute dtype (float32,
 bfloat16); the table then shows the profile's predictions too. `--on cuda` measures a GPU's compute

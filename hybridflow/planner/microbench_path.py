@@ -7,7 +7,7 @@ microbench.py leave out, which on small models are most of a stage (docs/bench/p
                         bytes per second of the driver's batch transfer (a 4 MiB batch, less that call)
     empty step          a GRPO step's calls with empty work, as the trainer issues and collects them: beyond
                         the calls the step's rest prices, the driver's own work per step
-    step rests          real GRPO runs of the tiny model (`hybridflow train`, 8 steps): 64 and 512 rows on 1
+    step rests          real GRPO runs of the tiny model (`hybridflow train`, 24 steps): 64 and 512 rows on 1
                         rank, 64 on 2: their steps' rest beyond their stages (trainers/plan_metrics.py), whose
                         calls cost more than idle ones, more to 2 ranks than to 1, and more per row than an
                         idle call's tensor (calibrate.py fits all three)
@@ -142,7 +142,7 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
     }
 
 
-def step_rests(steps: int = 8, warmup: int = 2) -> dict:
+def step_rests(steps: int = 24, warmup: int = 4) -> dict:
     """{"runs": [{"ranks", "prompts", "rest_s"}], "workload": REST_RUN}: the median rest of real runs' steps
     (their time beyond the stages' busy intervals, as trainers/plan_metrics.py measures a plan's), the tiny
     model's GRPO through `hybridflow train` in a process of its own, at each of REST_RUNS."""

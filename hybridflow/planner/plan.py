@@ -24,8 +24,7 @@ from pathlib import Path
 from hybridflow.planner.ahead import FROZEN_POOLS, ROLLOUT_POOL, AheadResult, search_ahead, training_side
 from hybridflow.planner.dataflow import OLD_LOG_PROBS, STAGES, Dataflow, with_old_log_probs
 from hybridflow.planner.parallel import UNCONSTRAINED
-from hybridflow.planner.search import PlacementResult, search, strategy_name
-from hybridflow.planner.simulate import step_rest_time
+from hybridflow.planner.search import PlacementResult, search, step_rest, strategy_name
 from hybridflow.planner.specs import ClusterSpec, EngineLimits, GiB, WorkloadSpec, load_dict, save_dict
 
 
@@ -228,13 +227,10 @@ def _rollout_plan(ahead: AheadResult, rest: float) -> RolloutPlan:
 def dataflow_rest(
     dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, result: PlacementResult
 ) -> float:
-    """The step's rest (simulate.step_rest_time) with a call for each stage `dataflow`'s models work in, to
-    groups as large as `result`'s largest pool. One step ahead the training side has no generation: the
-    rollout pool's call is priced in its generation seconds (ahead.rollout_option), issued a step before and
-    overlapping this one."""
-    stages = tuple(s for s in STAGES if any(stage == s for m in dataflow.models for stage, _ in m.work))
-    factor = max((m.generation_factor for m in dataflow.models if m.generates), default=1.0)
-    return step_rest_time(cluster.device, wl, stages, factor, max(result.allocation, default=1))
+    """The step's rest (search.step_rest) to groups as large as `result`'s largest pool. One step ahead the
+    training side has no generation: the rollout pool's call is priced in its generation seconds
+    (ahead.rollout_option), issued a step before and overlapping this one."""
+    return step_rest(dataflow, cluster, wl, max(result.allocation, default=1))
 
 
 def choose_schedule(schedule: str, sync_seconds: float | None, ahead_seconds: float | None) -> int:

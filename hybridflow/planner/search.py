@@ -6,7 +6,8 @@
    pool fits in memory with the least total latency; its per-stage cost is the sum over its models.
    The smallest n that fits is the set's minimum allocation.
 3. Allocations give each set n_j >= its minimum with sum(n_j) <= N. Iteration cost =
-   sum over stages of max over sets of the set's stage cost.
+   sum over stages of max over sets of the set's stage cost, plus the step's rest (`step_rest`: the
+   driver's calls, each waiting for every rank of the largest set).
 
 Same search space as the paper, made fast without losing the optimum:
 - per set, an n is dropped when a smaller n' costs no more in every stage (n' fits inside n's budget
@@ -179,8 +180,15 @@ def _prefix_min(c: PoolCandidates, N: int) -> np.ndarray:
     return out
 
 
-def best_allocation(cands: Sequence[PoolCandidates], N: int) -> tuple[float, tuple[int, ...]] | None:
-    """Cheapest (cost, index into each set's candidates) with total devices <= N, or None."""
+def best_allocation(
+    cands: Sequence[PoolCandidates], N: int, rest: np.ndarray | None = None
+) -> tuple[float, tuple[int, ...]] | None:
+    """Cheapest (cost, index into each set's candidates) with total devices <= N, or None. `rest` (N + 1,):
+    what the step pays beyond its stages when its largest pool has n devices (step_rest: each call waits
+    for every rank of the group it reaches), non-decreasing in n; it is part of the cost (default none)."""
+    rest = np.zeros(N + 1) if rest is None else rest
+    top = max((int(c.ns[-1]) for c in cands if len(c.ns)), default=0)
+    rest = np.pad(rest, (0, max(0, top + 1 - len(rest))), mode="edge")  # counts above N: never chosen
     k = len(cands)
     if any(len(c.ns) == 0 for c in cands) or sum(int(c.ns[0]) for c in cands) > N:
         return None
@@ -194,26 +202,27 @@ def best_allocation(cands: Sequence[PoolCandidates], N: int) -> tuple[float, tup
         a, b = cs[-2], cs[-1]
         pair_max = np.maximum(a.costs[:, None, :], b.costs[None, :, :])  # (ma, mb, S)
         pair_n = a.ns[:, None] + b.ns[None, :]
+        pair_largest = np.maximum(a.ns[:, None], b.ns[None, :])
     best = [math.inf, None]
 
-    def leaf(remaining: int, cur: np.ndarray, chosen: tuple):
+    def leaf(remaining: int, cur: np.ndarray, largest: int, chosen: tuple):
         if k == 1:
-            cost = np.maximum(cs[0].costs, cur).sum(axis=1)
+            cost = np.maximum(cs[0].costs, cur).sum(axis=1) + rest[cs[0].ns]
             cost[cs[0].ns > remaining] = np.inf
             i = int(np.argmin(cost))
             if cost[i] < best[0]:
                 best[0], best[1] = float(cost[i]), (i,)
             return
-        cost = np.maximum(pair_max, cur).sum(axis=2)
+        cost = np.maximum(pair_max, cur).sum(axis=2) + rest[np.maximum(pair_largest, largest)]
         cost[pair_n > remaining] = np.inf
         flat = int(np.argmin(cost))
         if cost.flat[flat] < best[0]:
             ia, ib = divmod(flat, cost.shape[1])
             best[0], best[1] = float(cost.flat[flat]), (*chosen, ia, ib)
 
-    def rec(level: int, remaining: int, cur: np.ndarray, chosen: tuple):
+    def rec(level: int, remaining: int, cur: np.ndarray, largest: int, chosen: tuple):
         if level >= k - 2:
-            leaf(remaining, cur, chosen)
+            leaf(remaining, cur, largest, chosen)
             return
         c = cs[level]
         later = min_n[level + 1 :]
@@ -226,11 +235,11 @@ def best_allocation(cands: Sequence[PoolCandidates], N: int) -> tuple[float, tup
             for off, later_set in enumerate(range(level + 1, k)):
                 r_l = rem - (sum(later) - later[off])
                 lb = np.maximum(lb, prefix[later_set][r_l])
-            if lb.sum() >= best[0]:
+            if lb.sum() + rest[max(largest, int(n))] >= best[0]:  # the rest only grows with later pools
                 continue
-            rec(level + 1, rem, new, (*chosen, i))
+            rec(level + 1, rem, new, max(largest, int(n)), (*chosen, i))
 
-    rec(0, N, np.zeros(S), ())
+    rec(0, N, np.zeros(S), 0, ())
     if best[1] is None:
         return None
     idx = [0] * k
@@ -239,23 +248,30 @@ def best_allocation(cands: Sequence[PoolCandidates], N: int) -> tuple[float, tup
     return best[0], tuple(idx)
 
 
-def exhaustive_allocation(cands: Sequence[PoolCandidates], N: int) -> tuple[float, tuple[int, ...]] | None:
+def exhaustive_allocation(
+    cands: Sequence[PoolCandidates], N: int, rest: np.ndarray | None = None
+) -> tuple[float, tuple[int, ...]] | None:
     """Reference for tests: every combination of counts with sum <= N, no bounds (small N only).
 
     The whole product of the sets' candidate lists is materialised as one numpy grid.
     """
     if any(len(c.ns) == 0 for c in cands):
         return None
+    rest = np.zeros(N + 1) if rest is None else rest
+    top = max(int(c.ns[-1]) for c in cands)
+    rest = np.pad(rest, (0, max(0, top + 1 - len(rest))), mode="edge")  # counts above N: never chosen
     k = len(cands)
     shape = [len(c.ns) for c in cands]
     total_n = np.zeros(shape, dtype=np.int64)
+    largest = np.zeros(shape, dtype=np.int64)
     stage_max = np.zeros([*shape, cands[0].costs.shape[1]])
     for j, c in enumerate(cands):
         view = [1] * k
         view[j] = len(c.ns)
         total_n = total_n + c.ns.reshape(view)
+        largest = np.maximum(largest, c.ns.reshape(view))
         stage_max = np.maximum(stage_max, c.costs.reshape([*view, -1]))
-    cost = stage_max.sum(axis=-1)
+    cost = stage_max.sum(axis=-1) + rest[largest]
     cost[total_n > N] = np.inf
     flat = int(np.argmin(cost))
     if not np.isfinite(cost.flat[flat]):
@@ -282,7 +298,9 @@ def search_placement(
     cache: dict | None = None,
     limits: EngineLimits = UNCONSTRAINED,
 ) -> PlacementResult | None:
-    """Best allocation and configs for one placement, or None if it cannot fit on the cluster.
+    """Best allocation and configs for one placement, or None if it cannot fit on the cluster. The
+    allocation is chosen with the step's rest (step_rest: a call to a larger pool waits for more ranks);
+    the result's iteration_time is its stages' (plan.build_plan adds the rest).
 
     `cache` maps a set's roles to its candidates; share it only between calls with the same inputs.
     """
@@ -295,14 +313,23 @@ def search_placement(
                 tasks, cluster, wl, cluster.num_devices, limits=limits, alone=len(placement) == 1
             )
         cands.append(cache[roles])
-    found = best_allocation(cands, cluster.num_devices)
+    rest = [step_rest(dataflow, cluster, wl, n) for n in range(cluster.num_devices + 1)]
+    found = best_allocation(cands, cluster.num_devices, np.array(rest))
     if found is None:
         return None
-    cost, idx = found
+    _, idx = found
     choices = tuple(c.choices[i] for c, i in zip(cands, idx))
     stage = np.max([c.costs[i] for c, i in zip(cands, idx)], axis=0)
     alloc = tuple(int(c.ns[i]) for c, i in zip(cands, idx))
-    return PlacementResult(placement, cost, alloc, choices, tuple(float(x) for x in stage))
+    return PlacementResult(placement, float(stage.sum()), alloc, choices, tuple(float(x) for x in stage))
+
+
+def step_rest(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, ranks: int) -> float:
+    """The step's rest (simulate.step_rest_time) with a call for each stage `dataflow`'s models work in, to
+    groups of `ranks` ranks (a placement's largest pool: each call waits for every rank it reaches)."""
+    stages = tuple(s for s in STAGES if any(stage == s for m in dataflow.models for stage, _ in m.work))
+    factor = max((m.generation_factor for m in dataflow.models if m.generates), default=1.0)
+    return sim.step_rest_time(cluster.device, wl, stages, factor, max(ranks, 1))
 
 
 def search(

@@ -273,20 +273,24 @@ def test_a_plan_prices_the_calls_in_the_rest_whatever_the_placement():
     assert slow_calls.iteration_seconds - base.iteration_seconds == pytest.approx(4.0, rel=1e-12)
 
 
-def test_a_call_to_more_ranks_pays_the_rank_term_and_the_ranking_with_it():
+def test_a_call_to_more_ranks_pays_the_rank_term_and_the_allocation_with_it():
     """Each of GRPO's four calls in the rest (its three stages' and the advantages') waits for every rank of
-    the largest group it reaches: at 1 s a rank beyond the first, each alternative's rest is 4 x (its largest
-    pool - 1) s, and the plan moves from both models on 4 devices at d = 4 to a pool of 2 each."""
+    the largest group it reaches: each alternative's rest is 4 x (its largest pool - 1) x the rank term. At
+    1 ms a rank standalone [2, 2] (4 ms of rest) overtakes colocate [4] (12 ms); at 1 s a rank every
+    placement's allocation is chosen with it too: one device a pool, no rest, where stage time alone took 4."""
     base = _grpo_plan(_profile().device("float32"), FEW_ROWS)
-    assert max(m.n_devices for m in base.models) == 4
-    per_rank = _grpo_plan(_profile(call_rank_overhead_s=1.0).device("float32"), FEW_ROWS)
-    for alt in per_rank.alternatives:
-        rest = alt.iteration_seconds - sum(alt.stage_seconds.values())
-        assert rest == pytest.approx(4.0 * (max(alt.allocation) - 1), abs=1e-9), alt
-    assert [a.iteration_seconds for a in per_rank.alternatives] == sorted(
-        a.iteration_seconds for a in per_rank.alternatives
-    )
-    assert [m.n_devices for m in per_rank.models] == [2, 2] and per_rank.rest_seconds == pytest.approx(4.0)
+    assert [(a.strategy, a.allocation) for a in base.alternatives] == [
+        ("colocate", [4]),
+        ("standalone", [2, 2]),
+    ]
+    for per_rank_s, expected in ((1e-3, [("standalone", [2, 2]), ("colocate", [4])]),
+                                 (1.0, [("standalone", [1, 1]), ("colocate", [1])])):  # fmt: skip
+        plan = _grpo_plan(_profile(call_rank_overhead_s=per_rank_s).device("float32"), FEW_ROWS)
+        assert [(a.strategy, a.allocation) for a in plan.alternatives] == expected
+        for alt in plan.alternatives:
+            rest = alt.iteration_seconds - sum(alt.stage_seconds.values())
+            assert rest == pytest.approx(4 * per_rank_s * (max(alt.allocation) - 1), abs=1e-9), alt
+        assert plan.rest_seconds == pytest.approx(4 * per_rank_s * (expected[0][1][0] - 1), abs=1e-12)
 
 
 def test_the_calls_fit_from_real_runs_rests_by_hand():

@@ -122,3 +122,26 @@ def test_safe_rlhf_searches_all_52_placements():
     results = search(dataflow, cluster, WorkloadSpec())
     assert len(dataflow.roles) == 5
     assert len(results) == 52  # 32 x 80 GB holds every placement of five 7B models
+
+
+def test_the_allocation_pays_the_rest_of_its_largest_pool():
+    """With a rest that grows with the largest pool's devices (search.step_rest: each call waits for every
+    rank it reaches), branch and bound still finds the exhaustive optimum, and a steep enough rest takes
+    devices away from a pool whose stages they would shorten."""
+    dataflow, cluster = _cluster_and_flow("1B", 10, "grpo")
+    wl = WorkloadSpec()
+    rng = np.random.default_rng(0)
+    for placement in list(set_partitions(dataflow.roles))[:6]:
+        tasks = [tuple(dataflow.model(r) for r in s) for s in placement]
+        pruned = [pool_candidates(t, cluster, wl, 10, prune=True) for t in tasks]
+        full = [pool_candidates(t, cluster, wl, 10, prune=False) for t in tasks]
+        for scale in (0.0, 1e-3, 1e-2, 1.0):
+            rest = scale * np.cumsum(rng.random(11))  # non-decreasing in the largest pool's count
+            fast, slow = best_allocation(pruned, 10, rest), exhaustive_allocation(full, 10, rest)
+            assert fast[0] == pytest.approx(slow[0], rel=1e-12), (placement, scale)
+    together = (tuple(dataflow.model(r) for r in dataflow.roles),)
+    cands = [pool_candidates(together[0], cluster, wl, 10)]
+    free = best_allocation(cands, 10)
+    assert int(cands[0].ns[free[1][0]]) > 1
+    steep = best_allocation(cands, 10, np.arange(11) * 1e3)  # 1000 s a device: one is cheapest
+    assert int(cands[0].ns[steep[1][0]]) == int(cands[0].ns[0])
