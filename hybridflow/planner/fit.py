@@ -203,16 +203,17 @@ def fit_call_terms(raw: dict, dev: DeviceSpec) -> dict[str, float]:
     runs' rest (a small and a large batch on one rank, the small on two) less what `dev` prices there beyond
     the calls (the driver's own work), over the run's rounds of calls (its stages' and the advantages').
     The rest's growth with the batch is its rows' cost, priced as their tokens' transfer (pickling a batch's
-    text and lists costs more per token than an idle call's tensor: REST_RUN's rows price it as runs pay it);
+    text and lists costs more per token than an idle call's tensor: REST_RUN's rows price it as runs pay it),
+    each run's rows at the width its batches had (rest_workload: padded to the longest prompt drawn);
     what is left at the small batch is the call itself, and its growth from one rank to two the rank term.
     None below 0; a batch that grew no slower keeps `dev`'s transfer price."""
     rest = {(int(r["ranks"]), int(r["prompts"])): r["rest_s"] for r in raw["runs"]}
     small, large = sorted(p for n, p in rest if n == 1)
-    wl = {p: WorkloadSpec(**raw["workload"], prompts=p) for p in (small, large)}
+    wl = {int(r["prompts"]): rest_workload(raw, r) for r in raw["runs"] if int(r["ranks"]) == 1}
     rounds = len(REST_RUN_STAGES) + 1
     grew = rest[1, large] - rest[1, small]
-    moved = rounds * 2 * sim.BATCH_BYTES_PER_TOKEN * wl[small].padded_seq_len
-    moved *= wl[large].sequences - wl[small].sequences
+    moved = rounds * 2 * sim.BATCH_BYTES_PER_TOKEN
+    moved *= wl[large].sequences * wl[large].padded_seq_len - wl[small].sequences * wl[small].padded_seq_len
     bandwidth = moved / grew if grew > 0 else dev.transfer_bandwidth
     bare = replace(dev, call_overhead_s=0.0, call_rank_overhead_s=0.0, transfer_bandwidth=bandwidth)
     call = (rest[1, small] - sim.step_rest_time(bare, wl[small], REST_RUN_STAGES)) / rounds
@@ -222,3 +223,11 @@ def fit_call_terms(raw: dict, dev: DeviceSpec) -> dict[str, float]:
         "call_rank_overhead_s": max(0.0, rank),
         "transfer_bandwidth": bandwidth,
     }
+
+
+def rest_workload(raw: dict, run: dict) -> WorkloadSpec:
+    """The workload of one of step_rests' runs as its batches carried it: REST_RUN at the run's prompts,
+    padded to its steps' longest prompt (the data's, below the config's cap; a file without it: the cap)."""
+    longest = round(run.get("longest_prompt_len", 0))
+    return WorkloadSpec(**raw["workload"], prompts=int(run["prompts"]), longest_prompt_len=longest,
+                        mean_prompt_len=float(run.get("mean_prompt_len", 0.0)))  # fmt: skip

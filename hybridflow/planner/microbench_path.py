@@ -143,9 +143,10 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
 
 
 def step_rests(steps: int = 24, warmup: int = 4) -> dict:
-    """{"runs": [{"ranks", "prompts", "rest_s"}], "workload": REST_RUN}: the median rest of real runs' steps
-    (their time beyond the stages' busy intervals, as trainers/plan_metrics.py measures a plan's), the tiny
-    model's GRPO through `hybridflow train` in a process of its own, at each of REST_RUNS."""
+    """{"runs": [{"ranks", "prompts", "rest_s", "longest_prompt_len", "mean_prompt_len"}], "workload":
+    REST_RUN}: the median rest of real runs' steps (their time beyond the stages' busy intervals, as
+    trainers/plan_metrics.py measures a plan's), the tiny model's GRPO through `hybridflow train` in a process
+    of its own, at each of REST_RUNS, and the median of its steps' longest and mean prompt (tokens)."""
     import json
     import statistics
     import subprocess
@@ -189,7 +190,12 @@ def step_rests(steps: int = 24, warmup: int = 4) -> dict:
             for m in logged[warmup:]:
                 stages = [stage_seconds(m, phases, in_driver) for phases in STAGE_PHASES.values()]
                 rests.append(m["timing_s/step"] - sum(s for s in stages if s))
-            out["runs"].append({"ranks": ranks, "prompts": prompts, "rest_s": statistics.median(rests)})
+            out["runs"].append({
+                "ranks": ranks, "prompts": prompts, "rest_s": statistics.median(rests),
+                # the prompts as the batches carried them: padded to the step's longest, not the config's cap
+                "longest_prompt_len": statistics.median(m["prompt_length/max"] for m in logged[warmup:]),
+                "mean_prompt_len": statistics.median(m["prompt_length/mean"] for m in logged[warmup:]),
+            })  # fmt: skip
     return out
 
 

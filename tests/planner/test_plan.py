@@ -177,6 +177,8 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
     # the calls as real runs' steps pay them: three runs' rests, fitted (fit_call_terms) into both dtypes
     assert [(r["ranks"], r["prompts"]) for r in raw["step_rests"]["runs"]] == [(1, 8), (1, 64), (2, 8)]
     assert all(r["rest_s"] > 0 for r in raw["step_rests"]["runs"])
+    # the prompts as drawn (the arithmetic task's are 5-8 tokens), below the config's cap of 16
+    assert all(0 < r["mean_prompt_len"] <= r["longest_prompt_len"] < 16 for r in raw["step_rests"]["runs"])
     idle = replace(fp32, transfer_bandwidth=calls["transfer_bandwidth"])  # what the fit fell back on
     assert raw["call_terms"] == fit_call_terms(raw["step_rests"], idle)
     for name in ("call_overhead_s", "call_rank_overhead_s", "transfer_bandwidth"):

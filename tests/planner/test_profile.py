@@ -294,7 +294,8 @@ def test_a_call_to_more_ranks_pays_the_rank_term_and_the_allocation_with_it():
 
 
 def test_the_calls_fit_from_real_runs_rests_by_hand():
-    """step_rests' runs: 8 and 64 prompts x 8 samples, 16 + 4 tokens a row, three rounds of calls (generation,
+    """step_rests' runs: 8 and 64 prompts x 8 samples, 16 + 4 tokens a row (a run that recorded none drawn
+    longer: the config's cap), three rounds of calls (generation,
     advantages, update). The rest grew 3 ms from 64 to 512 rows on one rank: those 448 rows' tokens, 3 calls x
     both ways x 20 tokens x 32 bytes, moved in 3 ms. What is left of the small run's 12 ms beyond the driver's
     2 ms and its own rows' share (3 ms x 64 / 448) is three calls; two ranks added 3 ms, 1 ms a call."""
@@ -305,6 +306,15 @@ def test_the_calls_fit_from_real_runs_rests_by_hand():
     assert terms["transfer_bandwidth"] == pytest.approx(3 * 2 * 20 * 32 * 448 / 3e-3, rel=1e-9)
     assert terms["call_overhead_s"] == pytest.approx((12e-3 - 2e-3 - 3e-3 * 64 / 448) / 3, rel=1e-9)
     assert terms["call_rank_overhead_s"] == pytest.approx(1e-3, rel=1e-9)
+    # the runs' batches padded to their longest prompt drawn, 8 tokens (the config's cap is 16): 12 a row
+    # moved, and the small run's own rows priced at that width too
+    drawn = {
+        "runs": [dict(r, longest_prompt_len=8.0, mean_prompt_len=6.5) for r in raw["runs"]],
+        "workload": REST_RUN,
+    }
+    terms = fit_call_terms(drawn, dev)
+    assert terms["transfer_bandwidth"] == pytest.approx(3 * 2 * 12 * 32 * 448 / 3e-3, rel=1e-9)
+    assert terms["call_overhead_s"] == pytest.approx((12e-3 - 2e-3 - 3e-3 * 64 / 448) / 3, rel=1e-9)
     # a rest below the driver's own work, smaller at 2 ranks, no larger at 512 rows: no negative price, and
     # the transfer stays the idle call's
     flat = [(1, 8, 1e-3), (1, 64, 1e-3), (2, 8, 0.5e-3)]
