@@ -180,15 +180,21 @@ def _prefix_min(c: PoolCandidates, N: int) -> np.ndarray:
     return out
 
 
+def _rest_by_count(rest: np.ndarray | None, N: int, cands: Sequence[PoolCandidates]) -> np.ndarray:
+    """`rest` (none: 0 at every count) indexable by every count a candidate has; counts above N are never
+    chosen, so they take N's."""
+    rest = np.zeros(N + 1) if rest is None else rest
+    top = max((int(c.ns[-1]) for c in cands if len(c.ns)), default=0)
+    return np.pad(rest, (0, max(0, top + 1 - len(rest))), mode="edge")
+
+
 def best_allocation(
     cands: Sequence[PoolCandidates], N: int, rest: np.ndarray | None = None
 ) -> tuple[float, tuple[int, ...]] | None:
     """Cheapest (cost, index into each set's candidates) with total devices <= N, or None. `rest` (N + 1,):
     what the step pays beyond its stages when its largest pool has n devices (step_rest: each call waits
     for every rank of the group it reaches), non-decreasing in n; it is part of the cost (default none)."""
-    rest = np.zeros(N + 1) if rest is None else rest
-    top = max((int(c.ns[-1]) for c in cands if len(c.ns)), default=0)
-    rest = np.pad(rest, (0, max(0, top + 1 - len(rest))), mode="edge")  # counts above N: never chosen
+    rest = _rest_by_count(rest, N, cands)
     k = len(cands)
     if any(len(c.ns) == 0 for c in cands) or sum(int(c.ns[0]) for c in cands) > N:
         return None
@@ -257,9 +263,7 @@ def exhaustive_allocation(
     """
     if any(len(c.ns) == 0 for c in cands):
         return None
-    rest = np.zeros(N + 1) if rest is None else rest
-    top = max(int(c.ns[-1]) for c in cands)
-    rest = np.pad(rest, (0, max(0, top + 1 - len(rest))), mode="edge")  # counts above N: never chosen
+    rest = _rest_by_count(rest, N, cands)
     k = len(cands)
     shape = [len(c.ns) for c in cands]
     total_n = np.zeros(shape, dtype=np.int64)
