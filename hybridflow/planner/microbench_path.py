@@ -186,15 +186,16 @@ def step_rests(steps: int = 24, warmup: int = 4) -> dict:
                     f"the {ranks}-rank GRPO run timing the calls failed (exit {done.returncode}): {last}"
                 )
             logged = [json.loads(line) for line in next(run.rglob("*.jsonl")).read_text().splitlines()]
+            measured = logged[warmup:]
             rests = []
-            for m in logged[warmup:]:
+            for m in measured:
                 stages = [stage_seconds(m, phases, in_driver) for phases in STAGE_PHASES.values()]
                 rests.append(m["timing_s/step"] - sum(s for s in stages if s))
             out["runs"].append({
                 "ranks": ranks, "prompts": prompts, "rest_s": statistics.median(rests),
                 # the prompts as the batches carried them: padded to the step's longest, not the config's cap
-                "longest_prompt_len": statistics.median(m["prompt_length/max"] for m in logged[warmup:]),
-                "mean_prompt_len": statistics.median(m["prompt_length/mean"] for m in logged[warmup:]),
+                "longest_prompt_len": statistics.median(m["prompt_length/max"] for m in measured),
+                "mean_prompt_len": statistics.median(m["prompt_length/mean"] for m in measured),
             })  # fmt: skip
     return out
 

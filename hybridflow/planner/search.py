@@ -301,12 +301,14 @@ def search_placement(
     wl: WorkloadSpec,
     cache: dict | None = None,
     limits: EngineLimits = UNCONSTRAINED,
+    rest: np.ndarray | None = None,
 ) -> PlacementResult | None:
     """Best allocation and configs for one placement, or None if it cannot fit on the cluster. The
-    allocation is chosen with the step's rest (step_rest: a call to a larger pool waits for more ranks);
-    the result's iteration_time is its stages' (plan.build_plan adds the rest).
+    allocation is chosen with the step's rest (`rest`, rests_by_ranks' by default: a call to a larger pool
+    waits for more ranks); the result's iteration_time is its stages' (plan.build_plan adds the rest).
 
-    `cache` maps a set's roles to its candidates; share it only between calls with the same inputs.
+    `cache` maps a set's roles to its candidates; share it, and `rest`, only between calls with the same
+    inputs.
     """
     cache = {} if cache is None else cache
     cands = []
@@ -317,8 +319,8 @@ def search_placement(
                 tasks, cluster, wl, cluster.num_devices, limits=limits, alone=len(placement) == 1
             )
         cands.append(cache[roles])
-    rest = [step_rest(dataflow, cluster, wl, n) for n in range(cluster.num_devices + 1)]
-    found = best_allocation(cands, cluster.num_devices, np.array(rest))
+    rest = rests_by_ranks(dataflow, cluster, wl) if rest is None else rest
+    found = best_allocation(cands, cluster.num_devices, rest)
     if found is None:
         return None
     _, idx = found
@@ -336,15 +338,22 @@ def step_rest(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, ranks:
     return sim.step_rest_time(cluster.device, wl, stages, factor, max(ranks, 1))
 
 
+def rests_by_ranks(dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec) -> np.ndarray:
+    """(N + 1,): step_rest with a largest pool of n = 0..N devices (0 prices as 1), the same for every
+    placement of `dataflow` on `cluster`."""
+    return np.array([step_rest(dataflow, cluster, wl, n) for n in range(cluster.num_devices + 1)])
+
+
 def search(
     dataflow: Dataflow, cluster: ClusterSpec, wl: WorkloadSpec, limits: EngineLimits = UNCONSTRAINED
 ) -> list[PlacementResult]:
     """The best result of every feasible placement within the engines' `limits`, cheapest first
     (ties: fewer sets, then order)."""
     cache: dict = {}
+    rest = rests_by_ranks(dataflow, cluster, wl)
     results = []
     for order, placement in enumerate(set_partitions(dataflow.roles)):
-        r = search_placement(dataflow, placement, cluster, wl, cache, limits)
+        r = search_placement(dataflow, placement, cluster, wl, cache, limits, rest)
         if r is not None:
             # equal costs (e.g. reference and reward of the same size swapped) go to the paper's named
             # strategies first; rounding keeps float summation order from deciding a tie
