@@ -17,8 +17,9 @@ class Timers:
     group call issued inside the block is attributed to it, and timing_s/values becomes the workers'
     own busy time (per call the max over ranks of the method's run time, summed over the calls),
     with the busy interval (earliest start, latest end) kept for timing_s/timeline/ and the overlap
-    sections; a phase that issued no call (a rule reward in the driver) reports the driver's wall
-    time instead. Calls are non-blocking, so these figures are read in `collect()`, after the step.
+    sections; a phase that issued no call reports the driver's wall time instead (a rule reward in the
+    driver), unless calls were issued under its name earlier in the step (chained on the generation:
+    trainers/sources/base.py chain_on_rollout), whose busy time is then all of it. Calls are non-blocking, so these figures are read in `collect()`, after the step.
     `wait_each_phase` makes every phase wait for its calls (the sequential baseline).
     """
 
@@ -51,6 +52,8 @@ class Timers:
                 fut.wait()
         if mine:
             self._calls.extend((name, f) for f in mine)
+        elif any(phase == name for phase, _ in self._calls):
+            pass  # its calls were issued earlier (chained on the generation): their busy time is its own
         else:  # run in the driver
             self._in_driver.add(name)
             self._add(name, start, time.time(), time.time() - start)

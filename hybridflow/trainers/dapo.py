@@ -83,7 +83,7 @@ class DAPOTrainer(GRPOTrainer):
         # the kept rows; where old log-probs come from and the lag are the source's answer for every batch
         return Pending(dataclasses.replace(first.step, rollout=out, frozen={}))
 
-    def frozen_on_rollout(self) -> list[str]:
+    def chained_on_rollout(self) -> list[str]:
         """None: a generation batch's groups are filtered by their scores before anything else scores them."""
         return []
 

@@ -33,6 +33,7 @@ from hybridflow.trainers.experience import Pending, make_experience
 from hybridflow.trainers.perf import request_memory_stats
 from hybridflow.trainers.sources import OldLogProbs, source_class
 
+CRITIC_ROLES = ("critic", "cost_critic")  # trained models whose step reads them before their update
 # phases issued together; timing_s/overlap/<section> is the wall time of each (docs/metrics.md)
 OVERLAP_SECTIONS = {
     "experience": ("old_log_prob", "values", "ref", "reward", "adv"),
@@ -101,33 +102,35 @@ class RLTrainer(Trainer):
         return batch
 
     def ref_log_probs(self, batch: Pending) -> Pending:
-        return self.frozen_output("ref", "compute_ref_log_prob", batch) if self.uses_ref else batch
+        return self.scored_output("ref", "compute_ref_log_prob", batch) if self.uses_ref else batch
 
-    def frozen_on_rollout(self) -> list[str]:
-        """The frozen models this step scores from the rollout alone, those the placement built a group for
-        (a reward or cost model where no rule scores; the reference where the algorithm reads it, which a
-        LoRA run's actor group also stands in for): a synchronous source issues them with the generation.
-        None in the sequential baseline (trainer.overlap_phases=false: each phase in the driver's order)."""
+    def chained_on_rollout(self) -> list[str]:
+        """The models a synchronous source issues with the generation, on its output, those the placement
+        built a group for: the frozen ones (a reward or cost model where no rule scores; the reference
+        where the algorithm reads it, which a LoRA run's actor group also stands in for) and the critics,
+        whose weights stay as they are until this step's update. None in the sequential baseline
+        (trainer.overlap_phases=false: each phase in the driver's order)."""
         if not self.cfg.trainer.overlap_phases:
             return []
-        return [r for r in FROZEN_ROLES if r in self.groups and (r != "ref" or self.uses_ref)]
+        frozen = [r for r in FROZEN_ROLES if r in self.groups and (r != "ref" or self.uses_ref)]
+        return [*frozen, *(r for r in CRITIC_ROLES if r in self.groups)]
 
-    def frozen_output(self, role: str, method: str, batch: Pending) -> Pending:
-        """A frozen model's output for `batch`: the parts the source already issued (scored on the
-        rollout pool, in row order), else a call of `method` on the role's own group now."""
-        parts = batch.step.frozen.pop(role, None)
+    def scored_output(self, role: str, method: str, batch: Pending) -> Pending:
+        """Model `role`'s output for `batch`: the parts the source already issued (chained on the
+        generation, in row order), else a call of `method` on the role's own group now."""
+        parts = batch.step.scored.pop(role, None)
         for part in parts if parts is not None else [getattr(self.groups[role], method).future(batch.local)]:
             batch.add(part)
         return batch
 
     def values(self, batch: Pending) -> Pending:
-        return batch.add(self.critic.compute_values.future(batch.local))
+        return self.scored_output("critic", "compute_values", batch)
 
     def reward(self, batch: Pending) -> Pending:
         """Sequence scores: a rule runs here in the driver (it needs the responses, which the driver
         holds), while the phases issued before it run on their groups; a reward model is a future."""
         if self.rule_reward is None:
-            return self.frozen_output("reward", "compute_reward", batch)
+            return self.scored_output("reward", "compute_reward", batch)
         batch["scores"], metrics = self.score(batch.local)
         self.metrics.update(metrics)
         return batch

@@ -59,12 +59,12 @@ class SafeRLHFTrainer(PPOTrainer):
 
     def values(self, batch) -> Pending:
         batch = super().values(batch)
-        return batch.add(self.groups["cost_critic"].compute_values.future(batch.local))
+        return self.scored_output("cost_critic", "compute_values", batch)
 
     def reward(self, batch) -> Pending:
         batch = super().reward(batch)
         if self.rule_cost is None:
-            return self.frozen_output("cost", "compute_reward", batch)
+            return self.scored_output("cost", "compute_reward", batch)
         batch["costs"] = self.rule_cost(batch.local)[0]
         return batch
 

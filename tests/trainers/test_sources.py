@@ -112,8 +112,8 @@ def test_a_restored_batch_is_served_for_its_step_only(make_config, tmp_path):
     assert step.old_log_probs is OldLogProbs.ROLLOUT  # fp32, one optimizer step, on-policy source
     assert step.metrics == {"reshard/bytes": 10.0, "rollout/cpu_streams": 2.0}
     assert step.rollout.meta.reshard_metrics == {} and step.rollout.meta.global_step == 3
-    assert list(step.frozen) == ["reward"] and torch.equal(
-        step.frozen["reward"][0]["rm_scores"], torch.arange(8.0)
+    assert list(step.scored) == ["reward"] and torch.equal(
+        step.scored["reward"][0]["rm_scores"], torch.arange(8.0)
     )
 
 
@@ -247,32 +247,47 @@ def test_a_source_of_its_own_drives_a_real_run(ray_cluster, make_config):
     assert all(np.isfinite(h["actor/pg_loss"]) for h in history)
 
 
-def test_the_synchronous_source_chains_the_reference_on_the_generation(ray_cluster, make_config, monkeypatch):
-    """A synchronous step's reference log-probs are issued with its generation, on the generation's own
-    output (each reference rank fetches its rows of it: the rollout makes no round trip through the driver
-    on its way there), and equal the reference's call on the rollout the driver holds. On 2 ranks, so the
-    reference's shards are cut from the generation's."""
+@pytest.mark.parametrize(
+    "algo,chained",
+    [("grpo", {"ref": ("compute_ref_log_prob", "ref_log_probs")}),
+     ("ppo", {"ref": ("compute_ref_log_prob", "ref_log_probs"), "critic": ("compute_values", "values")})],
+)  # fmt: skip
+def test_the_synchronous_source_chains_the_scoring_models_on_the_generation(
+    ray_cluster, make_config, monkeypatch, algo, chained
+):
+    """A synchronous step's reference log-probs (and PPO's values: the critic's weights stay until the
+    step's update) are issued with its generation, on the generation's own output (each rank fetches its
+    rows of it: the rollout makes no round trip through the driver on its way there), and equal the
+    model's call on the rollout the driver holds. On 2 ranks, so their shards are cut from the generation's.
+    The phases' busy time is the chained calls' alone: the driver's later pass through them adds none."""
     from hybridflow.controller import Future
 
-    cfg = make_config(
-        "grpo", DIGITS, "algorithm.use_kl_loss=true", "trainer.val_before_train=false", devices=2
-    )
+    cfg = make_config(algo, DIGITS, "algorithm.use_kl_loss=true", "trainer.val_before_train=false", devices=2)
     with build_trainer(cfg) as trainer:
-        ref, sent = trainer.groups["ref"], []
-        call = ref._call
-        monkeypatch.setattr(
-            ref, "_call", lambda method, *a, **k: sent.append((method, a[1])) or call(method, *a, **k)
-        )
+        sent = []
+        for role in chained:
+            group = trainer.groups[role]
+            monkeypatch.setattr(
+                group, "_call", lambda m, *a, _c=group._call, **k: sent.append((m, a[1])) or _c(m, *a, **k)
+            )
         prompts = trainer.source.prompts(1)
         prompts.meta.global_step = 1
         with trainer.timers.phase("gen"):
             step = trainer.source.batch(prompts)
+        phases = {role: "values" if role == "critic" else role for role in chained}
+        for phase in phases.values():
+            with trainer.timers.phase(phase):
+                pass  # the driver's pass through a phase the source already issued
         trainer.timers.collect()
-        trainer.timers.pop()
-        assert list(step.frozen) == ["ref"] and isinstance(step.frozen["ref"][0], Future)
-        scored = [args for method, args in sent if method == "compute_ref_log_prob"]
-        assert len(scored) == 1 and isinstance(scored[0][0], Future)  # the generation's, not a Batch
-        chained = step.frozen["ref"][0].get()["ref_log_probs"]
-        direct = ref.compute_ref_log_prob(step.rollout)["ref_log_probs"]
-        assert len(chained) == len(step.rollout) == len(prompts) * cfg.rollout.n
-        torch.testing.assert_close(chained, direct, rtol=0, atol=1e-6)
+        times = trainer.timers.pop()
+        assert sorted(step.scored) == sorted(chained) and not trainer.timers.driver_phases
+        for role, (method, key) in chained.items():
+            assert isinstance(step.scored[role][0], Future)
+            scored = [args for m, args in sent if m == method]
+            assert len(scored) == 1 and isinstance(scored[0][0], Future)  # the generation's, not a Batch
+            out = step.scored[role][0].get()[key]
+            direct = getattr(trainer.groups[role], method)(step.rollout)[key]
+            assert len(out) == len(step.rollout) == len(prompts) * cfg.rollout.n
+            torch.testing.assert_close(out, direct, rtol=0, atol=1e-6)
+            busy = step.scored[role][0].busy_seconds()
+            assert times[f"timing_s/{phases[role]}"] == pytest.approx(busy)

@@ -14,7 +14,7 @@ Frozen models on the rollout pool (resources.frozen_pool=rollout, the default): 
 cost models live in the rollout pool's processes and score each batch there right after generating it,
 chained on the generation's Future (no pass through the driver), so batch k+1's reference log-probs and
 reward-model scores are computed while the actor trains on batch k; they reach step k+1's ref / reward
-phases in its StepBatch's `frozen`. The rule reward stays in the driver. With resources.frozen_pool=both
+phases in its StepBatch's `scored`. The rule reward stays in the driver. With resources.frozen_pool=both
 the reference there scores only rows [0, m) of each batch, and the training pool's reference the rest
 before the update (`_ref_parts`); m evens the two sides' busy time, step by step (ref_split.py).
 
@@ -93,7 +93,7 @@ class OneStepAheadSource(RolloutSource):
         frozen = {r: [f] for r, f in p.frozen.items()}
         out = self.step_batch(rollout, prompts, frozen, actor_version - p.version, metrics)
         if split:  # issued after the next step's sync and generation, which go first
-            out.frozen["ref"] = self._ref_parts(out.frozen.pop("ref", []), p.ref_rows, out.rollout)
+            out.scored["ref"] = self._ref_parts(out.scored.pop("ref", []), p.ref_rows, out.rollout)
         return out
 
     def _issue(self, prompts: Batch, step: int) -> InFlight:
@@ -110,7 +110,7 @@ class OneStepAheadSource(RolloutSource):
                 if p.ref_rows == 0:
                     continue  # the training pool scores them all
                 rows = future.rows(0, p.ref_rows)
-            p.frozen[role] = self.chain_frozen(role, rows)
+            p.frozen[role] = self.chain_on_rollout(role, rows)
         return p
 
     def _ref_parts(self, scored: list, ref_rows: int, rollout: Batch) -> list:

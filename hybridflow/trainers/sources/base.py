@@ -4,8 +4,9 @@
 The driver (trainers/rl.py) draws a step's prompts with `prompts(step)` and takes its rollouts with
 `batch(prompts)`; everything about *when and where* they were generated stays behind these calls: the
 pools, the weight sync, the policy lag and the batch in flight across steps (and across checkpoints:
-`save` / `load`). The answer is a `StepBatch`: the rollout Batch, the frozen models' outputs the source
-already issued for it (scored on the rollout pool), where the update takes old log-probs, and the lag.
+`save` / `load`). The answer is a `StepBatch`: the rollout Batch, the outputs the source already issued
+for it (models scoring the rollout alone, chained on the generation), where the update takes old
+log-probs, and the lag.
 
 Sources: `SynchronousSource` below (the paper's schedule: generate on the actor's own 3D-HybridEngine)
 and ahead.py (trainer.rollout_ahead=1: step k+1 generated on a pool of its own during step k). A partial
@@ -28,9 +29,11 @@ from hybridflow.controller import Future
 from hybridflow.workers.common import computes_in_fp32
 
 IN_FLIGHT_PART = "rollout_ahead"  # the checkpoint part holding the batch in flight (its name since v1)
-# a frozen model's method on a batch, and the phase its time is reported under (timing_s/<phase>)
+# a model's method scoring a rollout, and the phase its time is reported under (timing_s/<phase>): the
+# frozen models, and the critics (whose values a synchronous step reads before their update)
 SCORING = {"ref": ("compute_ref_log_prob", "ref"), "reward": ("compute_reward", "reward"),
-           "cost": ("compute_reward", "reward")}  # fmt: skip
+           "cost": ("compute_reward", "reward"), "critic": ("compute_values", "values"),
+           "cost_critic": ("compute_values", "values")}  # fmt: skip
 
 
 class OldLogProbs(str, Enum):
@@ -80,16 +83,16 @@ class StepBatch:
     """What a source hands the driver for one step.
 
     rollout:       prompts + responses, response_mask, rollout_log_probs, response_text (B rows)
-    frozen:        frozen role ("ref", "reward", "cost") -> its output for these rows, already issued
-                   by the source (Futures, or Batches restored from a checkpoint), in row order; a role
-                   not listed is scored by the driver on its own group
+    scored:        role (a SCORING key) -> its output for these rows, already issued by the source
+                   (Futures, or Batches restored from a checkpoint), in row order; a role not listed
+                   is scored by the driver on its own group
     old_log_probs: where the update takes pi_old (`old_log_prob_source`)
     policy_lag:    actor updates between the weights that sampled `rollout` and those it trains from
     metrics:       the source's own (reshard/*, rollout/*, sync/*)
     """
 
     rollout: Batch
-    frozen: dict[str, list[Future | Batch]]
+    scored: dict[str, list[Future | Batch]]
     old_log_probs: OldLogProbs
     policy_lag: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -189,9 +192,9 @@ class RolloutSource:
         self.in_flight = None
 
     # ---- for subclasses --------------------------------------------------------------------------------
-    def chain_frozen(self, role: str, rows: Future) -> Future:
-        """The frozen model `role` scoring `rows` of a generation still running (its Future) on its own group,
-        issued now: its ranks fetch their rows of the generation themselves and start when it ends, so the
+    def chain_on_rollout(self, role: str, rows: Future) -> Future:
+        """Model `role` scoring `rows` of a generation still running (its Future) on its own group, issued
+        now: its ranks fetch their rows of the generation themselves and start when it ends, so the
         rollout makes no round trip through the driver on its way to them."""
         method, phase = SCORING[role]
         with self.trainer.timers.phase(phase):  # its workers' busy time, under the phase it stands in for
@@ -206,21 +209,22 @@ class RolloutSource:
         return p
 
     def step_batch(
-        self, rollout: Batch, prompts: Batch, frozen: dict, policy_lag: int, metrics: dict
+        self, rollout: Batch, prompts: Batch, scored: dict, policy_lag: int, metrics: dict
     ) -> StepBatch:
         """The StepBatch of `rollout`: the prompts' meta on it, the generation's metrics moved off it."""
         metrics = {**rollout.meta.pop_metrics(), **metrics}
         rollout.meta = rollout.meta.union(prompts.meta)
         exact = rollout.meta.rollout_log_probs_exact is not False
         old = old_log_prob_source(self.trainer.cfg, exact, self.on_policy)
-        return StepBatch(rollout, frozen, old, policy_lag, metrics)
+        return StepBatch(rollout, scored, old, policy_lag, metrics)
 
 
 class SynchronousSource(RolloutSource):
     """The paper's schedule. Each step's batch is generated from the current weights on the actor's own
     ranks (the 3D-HybridEngine switches them from training to generation and back, workers/actor.py),
-    so it is on policy (lag 0) and no other pool or weight sync exists. The frozen models that score the
-    rollout alone are chained on the generation (`chain_frozen`)."""
+    so it is on policy (lag 0) and no other pool or weight sync exists. The models that score the rollout
+    alone are chained on the generation (`chain_on_rollout`): the frozen ones, and the critics, whose
+    weights stay as they are until this step's update."""
 
     def batch(self, prompts: Batch) -> StepBatch:
         step = prompts.meta.global_step
@@ -229,8 +233,8 @@ class SynchronousSource(RolloutSource):
             frozen = {r: [b] for r, b in restored.frozen.items()}
             return self.step_batch(restored.rollouts, prompts, frozen, step - 1 - restored.version, {})
         rollout = self.trainer.actor.generate_sequences.future(prompts)
-        frozen = {role: [self.chain_frozen(role, rollout)] for role in self.trainer.frozen_on_rollout()}
-        return self.step_batch(rollout.get(), prompts, frozen, 0, {})
+        scored = {role: [self.chain_on_rollout(role, rollout)] for role in self.trainer.chained_on_rollout()}
+        return self.step_batch(rollout.get(), prompts, scored, 0, {})
 
 
 def _result(x: Future | Batch) -> Batch:
