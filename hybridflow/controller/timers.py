@@ -19,8 +19,9 @@ class Timers:
     with the busy interval (earliest start, latest end) kept for timing_s/timeline/ and the overlap
     sections; a phase that issued no call reports the driver's wall time instead (a rule reward in the
     driver), unless calls were issued under its name earlier in the step (chained on the generation:
-    trainers/sources/base.py chain_on_rollout), whose busy time is then all of it. Calls are non-blocking, so these figures are read in `collect()`, after the step.
-    `wait_each_phase` makes every phase wait for its calls (the sequential baseline).
+    trainers/sources/base.py chain_on_rollout), whose busy time is then all of it. Calls are
+    non-blocking, so these figures are read in `collect()`, after the step. `wait_each_phase` makes
+    every phase wait for its calls (the sequential baseline).
     """
 
     def __init__(self) -> None:
