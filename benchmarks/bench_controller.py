@@ -10,6 +10,11 @@
      (each consumer rank fetches its shard from the producers' outputs); baseline: a raw actor returns
      the array, another raw actor ray.gets (and copies) it. Producer compute is excluded in both.
    Ratios are ours / baseline (1.0 = as fast as raw Ray; < 1 slower).
+3. The advantages' call of a synchronous RL step (`Worker.apply` on rank 0, trainers/experience.py),
+   median ms from issuing it to its end, at three rollout sizes (rows x prompt + response tokens):
+   fed the driver's whole copy of the rollout (sent out again: what every step paid before) against
+   the generation's own Future plus a Batch of the fields the driver added, the rule scores and the old
+   log-probs (`Pending.rollout_parts`, what it is fed now). Baseline: the whole copy.
 
     .venv/bin/python benchmarks/bench_controller.py [--quick]
 """
@@ -46,6 +51,22 @@ class BenchWorker(Worker):
     @register(Protocol.DP_PROTO, blocking=False)
     def make(self, spec: Batch, cols: int) -> Batch:
         return Batch({"data": torch.ones(len(spec), cols)})
+
+    @register(Protocol.DP_PROTO, blocking=False)
+    def rollout(self, spec: Batch, lp: int, lr: int) -> Batch:
+        """A generation's output of len(spec) rows: a prompt of lp tokens and a response of lr each."""
+        b, ids = len(spec), torch.randint(0, 150_000, (len(spec), lp + lr))
+        return Batch({
+            "prompts": ids[:, :lp].clone(), "responses": ids[:, lp:].clone(), "input_ids": ids,
+            "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(lp + lr).repeat(b, 1),
+            "response_mask": torch.ones(b, lr, dtype=torch.long), "rollout_log_probs": torch.randn(b, lr),
+        })  # fmt: skip
+
+
+def _rows(*parts: Batch) -> int:
+    from hybridflow.trainers.experience import join
+
+    return len(join(*parts))
 
 
 @ray.remote(num_cpus=0)
@@ -138,6 +159,35 @@ def bench_transfer(sizes_mb: list[int], repeats: dict[int, int]) -> list[tuple]:
     return rows
 
 
+def bench_experience_call(shapes: list[tuple[int, int, int]], repeats: int) -> list[tuple]:
+    """(rows, prompt, response, MB of the rollout, whole copy ms, Future + driver's fields ms) per shape."""
+    pool = ResourcePool(1, name="experience")
+    group = WorkerGroup(BenchWorker, pool)
+    out = []
+    for rows, lp, lr in shapes:
+        generated = group.rollout(Batch({"i": torch.arange(rows)}), lp, lr)
+        local = generated.get()  # the driver's copy, as a synchronous source fetches it for the reward
+        local["scores"], local["old_log_probs"] = torch.randn(rows), local["rollout_log_probs"]
+        added = local.select(["old_log_probs", "scores"])
+        mb = sum(v.numel() * v.element_size() for v in local.tensors.values()) / 1e6
+
+        def whole(local=local):
+            t0 = time.perf_counter()
+            group.apply(_rows, local)
+            return time.perf_counter() - t0
+
+        def from_store(generated=generated, added=added):
+            t0 = time.perf_counter()
+            group.apply(_rows, generated, added)
+            return time.perf_counter() - t0
+
+        now, before = _paired_ms(from_store, whole, repeats, warmup=1)
+        out.append((rows, lp, lr, mb, before, now))
+    group.shutdown()
+    pool.shutdown()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, no 512 MB")
@@ -147,6 +197,8 @@ def main() -> int:
     sizes_mb = [1, 64] if args.quick else [1, 64, 512]
     dispatch = bench_dispatch([1, 2, 4, 8], repeats)
     transfer = bench_transfer(sizes_mb, {1: 20, 64: 5, 512: 3})
+    shapes = [(512, 8, 4), (256, 512, 1024)] + ([] if args.quick else [(1024, 1024, 4096)])
+    experience = bench_experience_call(shapes, 5 if args.quick else 9)
     ray.shutdown()
 
     print(f"\nMachine: {os.cpu_count()} cores, CPU only; torch {torch.__version__}, ray {ray.__version__}\n")
@@ -164,6 +216,11 @@ def main() -> int:
             f"| {mb} MB | {gbs[0]:.2f} | {gbs[1]:.2f} | {gbs[0] / gbs[1]:.2f} "
             f"| {gbs[2]:.2f} | {gbs[3]:.2f} | {gbs[2] / gbs[3]:.2f} |"
         )
+    print("\n| rollout (rows x prompt + response) | MB | advantages' call fed the driver's whole copy (ms) "
+          "| fed the generation's Future + the driver's fields (ms) | speed-up |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for rows, lp, lr, mb, before, now in experience:
+        print(f"| {rows} x {lp} + {lr} | {mb:.0f} | {before:.1f} | {now:.1f} | {before / now:.2f}x |")
     return 0
 
 

@@ -81,7 +81,7 @@ class DAPOTrainer(GRPOTrainer):
         out = acc.take()
         self.metrics.update(self._sampling_metrics(acc, out, torch.cat(all_scores)))
         # the kept rows; where old log-probs come from and the lag are the source's answer for every batch
-        return Pending(dataclasses.replace(first.step, rollout=out, scored={}))
+        return Pending(dataclasses.replace(first.step, rollout=out, scored={}, generated=None))
 
     def chained_on_rollout(self) -> list[str]:
         """None: a generation batch's groups are filtered by their scores before anything else scores them."""
@@ -102,7 +102,7 @@ class DAPOTrainer(GRPOTrainer):
             self.cfg.algorithm,
             kl,
             self.advantage_state(),
-            batch.local,
+            *batch.rollout_parts(),
             *batch.parts,
         )
         return batch

@@ -4,7 +4,8 @@ After generation the driver holds the rollout (it needs the responses: rule rewa
 baseline, metrics). The phases that only read the rollout (old and reference log-probs, values,
 reward and cost models) are issued at once as futures on their groups; their outputs stay in the
 object store. The advantage phase, `make_experience`, runs on rank 0 of the actor group
-(`Worker.apply`): it receives the rollout and every future, joins them, shapes the rewards (KL in
+(`Worker.apply`): it receives the rollout (from the object store where the generation's output is
+large, with the fields the driver added: `Pending.rollout_parts`) and every future, joins them, shapes the rewards (KL in
 the reward), computes the algorithm's advantages and the batch metrics, and returns the finished
 batch as a future that the critic and actor updates slice, each rank its own rows. So no tensor
 computed by values / ref / reward passes through the driver; the driver reads back only the
@@ -33,6 +34,12 @@ if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows 
     from hybridflow.trainers.sources import StepBatch
 
 
+# Below this a rollout goes out whole from the driver: resolving the generation's Future costs its consumer
+# two more round trips, and at 0.2 MB that was slower; from 1.4 MB the Future was faster
+# (benchmarks/bench_controller.py, docs/bench/controller.md).
+ROWS_FROM_STORE_BYTES = 1 << 20
+
+
 class Pending:
     """The batch of a step in flight: `step` (what the rollout source handed over: trainers/sources),
     `local` (a Batch the driver holds: the rollout, rule scores) and `parts` (futures of phase outputs,
@@ -42,8 +49,19 @@ class Pending:
 
     def __init__(self, step: StepBatch):
         self.step, self.local, self.parts = step, step.rollout, []
+        self.added: set[str] = set()  # the fields the driver set on `local` (rule scores, baselines, ...)
         self.experience: Future | None = None
         self._fetched: Batch | None = None
+
+    def rollout_parts(self) -> list[Future | Batch]:
+        """The rollout as a call's arguments: where the source kept the generation's Future and the rows
+        pass ROWS_FROM_STORE_BYTES, its rows from the object store and a Batch of what the driver added
+        (those fields and the meta), so the driver does not send every row out again; else the driver's
+        copy, whole."""
+        whole = sum(t.numel() * t.element_size() for t in self.local.tensors.values())
+        if self.step.generated is None or whole < ROWS_FROM_STORE_BYTES:
+            return [self.local]
+        return [self.step.generated, self.local.select(sorted(self.added))]
 
     def add(self, part: Future | Batch) -> Pending:
         self.parts.append(part)
@@ -67,6 +85,7 @@ class Pending:
 
     def __setitem__(self, key: str, value) -> None:
         self.local[key] = value
+        self.added.add(key)
 
     def __getitem__(self, key: str):
         return self.local[key] if key in self.local else self.fetch()[key]
@@ -82,10 +101,11 @@ def join(*parts: Batch) -> Batch:
     """The fields of every part on the rows of the first. A part with fewer rows is a row slice of a
     phase's output (resources.frozen_pool=both: the reference scores rows [0, m) on the rollout pool and
     rows [m, B) on the training pool): consecutive slices are stacked, in the order given, until they
-    cover the batch."""
+    cover the batch. A part without fields adds its meta (the driver's, beside the generation's rows)."""
     batch, rows, pieces = parts[0], len(parts[0]), []
     for p in parts[1:]:
         if not p.keys():
+            batch.meta = batch.meta.union(p.meta)
             continue
         if pieces or len(p) < rows:
             pieces.append(p)

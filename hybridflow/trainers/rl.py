@@ -145,8 +145,9 @@ class RLTrainer(Trainer):
         """Issue make_experience on the actor's rank 0, fed by the rollout and every phase's future."""
         fn, kl = type(self).advantage_fn, self.kl_ctrl.value
         batch.experience = self.actor.apply.future(
-            make_experience, fn, self.cfg.algorithm, kl, self.advantage_state(), batch.local, *batch.parts
-        )
+            make_experience, fn, self.cfg.algorithm, kl, self.advantage_state(), *batch.rollout_parts(),
+            *batch.parts,
+        )  # fmt: skip
         return batch
 
     def update_critic(self, batch: Pending) -> None:

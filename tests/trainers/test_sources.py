@@ -291,3 +291,53 @@ def test_the_synchronous_source_chains_the_scoring_models_on_the_generation(
             torch.testing.assert_close(out, direct, rtol=0, atol=1e-6)
             busy = step.scored[role][0].busy_seconds()
             assert times[f"timing_s/{phases[role]}"] == pytest.approx(busy)
+
+
+@pytest.mark.parametrize("from_store", [True, False])
+def test_the_advantages_take_a_large_generation_from_the_object_store(
+    ray_cluster, make_config, monkeypatch, from_store
+):
+    """A synchronous step's advantage call gets the generation's own output (its Future) and, from the
+    driver, only what the driver added (the rule scores, the old log-probs named from the rollout's, the
+    meta), not every row again, where the rollout passes ROWS_FROM_STORE_BYTES (set to 0 here; below it,
+    this small batch goes out whole); either way its finished batch equals make_experience on the
+    driver's whole copy."""
+    from hybridflow.controller import Future, get
+    from hybridflow.trainers import experience
+
+    if from_store:
+        monkeypatch.setattr(experience, "ROWS_FROM_STORE_BYTES", 0)
+    cfg = make_config(
+        "grpo", DIGITS, "algorithm.use_kl_loss=true", "trainer.val_before_train=false", devices=2
+    )
+    with build_trainer(cfg) as trainer:
+        sent, call = [], trainer.actor._call
+        monkeypatch.setattr(
+            trainer.actor,
+            "_call",
+            lambda method, *a, **k: sent.append((method, a[1])) or call(method, *a, **k),
+        )
+        prompts = trainer.source.prompts(1)
+        prompts.meta.global_step = 1
+        batch = trainer.reward(trainer.ref_log_probs(trainer.old_log_probs(trainer.generate(prompts))))
+        batch = trainer.compute_advantages(batch)
+        (args,) = [a for method, a in sent if method == "apply"]
+        fn, algo, kl, state, *parts = args[1:]
+        if from_store:
+            generated, added, *parts = parts
+            assert isinstance(generated, Future) and generated is batch.step.generated
+            assert isinstance(added, Batch) and added.keys() == ["old_log_probs", "scores"]
+            assert added.meta.old_log_probs_source == "rollout" and added.meta.global_step == 1
+        else:
+            whole, *parts = parts
+            assert whole is batch.local and "input_ids" in whole
+        out = batch.experience.get()
+        local = batch.local
+        copy = Batch(dict(local.tensors), dict(local.non_tensors), local.meta.copy())
+        expected = experience.make_experience(fn, algo, kl, state, copy, *get(parts))
+        assert sorted(out.keys()) == sorted(expected.keys())
+        for key in expected.tensors:
+            torch.testing.assert_close(out[key], expected[key], rtol=0, atol=0, msg=key)
+        assert (out.meta.old_log_probs_source, out.meta.global_step) == ("rollout", 1)
+        trainer.timers.collect()
+        trainer.timers.pop()

@@ -89,6 +89,9 @@ class StepBatch:
     old_log_probs: where the update takes pi_old (`old_log_prob_source`)
     policy_lag:    actor updates between the weights that sampled `rollout` and those it trains from
     metrics:       the source's own (reshard/*, rollout/*, sync/*)
+    generated:     the generation's Future whose whole output `rollout` is (a synchronous step's): later
+                   calls take the rows from the object store, not from the driver's copy; None where the
+                   driver assembled them (a checkpoint's batch, DAPO's kept groups, one step ahead)
     """
 
     rollout: Batch
@@ -96,6 +99,7 @@ class StepBatch:
     old_log_probs: OldLogProbs
     policy_lag: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    generated: Future | None = None
 
 
 @dataclass
@@ -209,14 +213,15 @@ class RolloutSource:
         return p
 
     def step_batch(
-        self, rollout: Batch, prompts: Batch, scored: dict, policy_lag: int, metrics: dict
-    ) -> StepBatch:
+        self, rollout: Batch, prompts: Batch, scored: dict, policy_lag: int, metrics: dict,
+        generated: Future | None = None,
+    ) -> StepBatch:  # fmt: skip
         """The StepBatch of `rollout`: the prompts' meta on it, the generation's metrics moved off it."""
         metrics = {**rollout.meta.pop_metrics(), **metrics}
         rollout.meta = rollout.meta.union(prompts.meta)
         exact = rollout.meta.rollout_log_probs_exact is not False
         old = old_log_prob_source(self.trainer.cfg, exact, self.on_policy)
-        return StepBatch(rollout, scored, old, policy_lag, metrics)
+        return StepBatch(rollout, scored, old, policy_lag, metrics, generated)
 
 
 class SynchronousSource(RolloutSource):
@@ -234,7 +239,7 @@ class SynchronousSource(RolloutSource):
             return self.step_batch(restored.rollouts, prompts, frozen, step - 1 - restored.version, {})
         rollout = self.trainer.actor.generate_sequences.future(prompts)
         scored = {role: [self.chain_on_rollout(role, rollout)] for role in self.trainer.chained_on_rollout()}
-        return self.step_batch(rollout.get(), prompts, scored, 0, {})
+        return self.step_batch(rollout.get(), prompts, scored, 0, {}, generated=rollout)
 
 
 def _result(x: Future | Batch) -> Batch:
