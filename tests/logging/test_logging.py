@@ -50,7 +50,15 @@ def test_tracker_jsonl_console_tensorboard(tmp_path):
         "step 2/4 | reward 0.200 | synthetic:arithmetic acc 0.100 | tok/s 102 | logp gap 7.6e-04" in console
     )
     assert "eta" in console and "val/generations (step 4)" in console and "1+1=" in console
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    kl = events.Scalars("actor/kl")  # every step's scalars, one event a step
+    assert [e.step for e in kl] == [1, 2, 3, 4] and kl[1].value == pytest.approx(0.02)
+    assert "not_numeric" not in events.Tags()["scalars"] and "nan" not in events.Tags()["scalars"]
+    (table,) = events.Tensors("val/generations/text_summary")
+    assert table.step == 4 and "1+1=" in table.tensor_proto.string_val[0].decode()
     gen = json.loads((tmp_path / "generations.jsonl").read_text())
     assert gen == {"step": 4, "table": "val/generations", "prompt": "1+1=", "response": "2", "score": 1.0}
 
