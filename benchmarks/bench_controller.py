@@ -163,26 +163,22 @@ def bench_experience_call(shapes: list[tuple[int, int, int]], repeats: int) -> l
     """(rows, prompt, response, MB of the rollout, whole copy ms, Future + driver's fields ms) per shape."""
     pool = ResourcePool(1, name="experience")
     group = WorkerGroup(BenchWorker, pool)
+
+    def fed(*parts):
+        t0 = time.perf_counter()
+        group.apply(_rows, *parts)
+        return time.perf_counter() - t0
+
     out = []
     for rows, lp, lr in shapes:
         generated = group.rollout(Batch({"i": torch.arange(rows)}), lp, lr)
         local = generated.get()  # the driver's copy, as a synchronous source fetches it for the reward
         local["scores"], local["old_log_probs"] = torch.randn(rows), local["rollout_log_probs"]
         added = local.select(["old_log_probs", "scores"])
-        mb = sum(v.numel() * v.element_size() for v in local.tensors.values()) / 1e6
-
-        def whole(local=local):
-            t0 = time.perf_counter()
-            group.apply(_rows, local)
-            return time.perf_counter() - t0
-
-        def from_store(generated=generated, added=added):
-            t0 = time.perf_counter()
-            group.apply(_rows, generated, added)
-            return time.perf_counter() - t0
-
-        now, before = _paired_ms(from_store, whole, repeats, warmup=1)
-        out.append((rows, lp, lr, mb, before, now))
+        now, before = _paired_ms(
+            lambda g=generated, a=added: fed(g, a), lambda whole=local: fed(whole), repeats, warmup=1
+        )
+        out.append((rows, lp, lr, local.nbytes() / 1e6, before, now))
     group.shutdown()
     pool.shutdown()
     return out

@@ -58,8 +58,7 @@ class Pending:
         pass ROWS_FROM_STORE_BYTES, its rows from the object store and a Batch of what the driver added
         (those fields and the meta), so the driver does not send every row out again; else the driver's
         copy, whole."""
-        whole = sum(t.numel() * t.element_size() for t in self.local.tensors.values())
-        if self.step.generated is None or whole < ROWS_FROM_STORE_BYTES:
+        if self.step.generated is None or self.local.nbytes() < ROWS_FROM_STORE_BYTES:
             return [self.local]
         return [self.step.generated, self.local.select(sorted(self.added))]
 
@@ -105,7 +104,7 @@ def join(*parts: Batch) -> Batch:
     batch, rows, pieces = parts[0], len(parts[0]), []
     for p in parts[1:]:
         if not p.keys():
-            batch.meta = batch.meta.union(p.meta)
+            batch = batch.union(p)  # its meta only
             continue
         if pieces or len(p) < rows:
             pieces.append(p)
