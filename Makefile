@@ -80,19 +80,20 @@ test: lint
 	$(BIN)/python -m pytest -q -x --durations=5 -m timing tests
 	if [ -f $(VSTAMP) ]; then $(MAKE) test-vllm; fi
 
-# The numerics-sensitive tests under other CPUs' kernels: oneDNN capped below AMX (AVX512-BF16 tiles off), at
-# AVX2, and PyTorch's own kernels at AVX2. Each changes reduction orders and bf16 paths the way another machine
-# would, so a tolerance that only holds on this CPU fails here (docs/testing.md). `default` = this CPU's own.
+# The numerics-sensitive tests under other CPUs' kernels: oneDNN capped below AMX (an AVX512-BF16 machine), and
+# an AVX2 machine (oneDNN and PyTorch's own kernels both at AVX2; a setting's variables are joined by commas).
+# Each changes reduction orders and bf16 paths the way another machine would, so a tolerance that only holds
+# on this CPU fails here (docs/testing.md). `default` = this CPU's own.
 # test_train_reshard.py's 4-rank trainer runs stay in `make test` only: its tp/dp comparisons are the
 # engines' TP and FSDP numerics, which tests/engines checks here at every setting.
 ISA_TESTS ?= tests/rollout tests/engines tests/hybrid_engine tests/algorithms \
 	--ignore=tests/hybrid_engine/test_train_reshard.py
-ISA_SETTINGS ?= default ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+ISA_SETTINGS ?= default ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ONEDNN_MAX_CPU_ISA=AVX2,ATEN_CPU_CAPABILITY=avx2
 test-isa: export OMP_WAIT_POLICY ?= PASSIVE
 test-isa: $(STAMP)
 	@for isa in $(ISA_SETTINGS); do \
 	  echo "== test-isa: $$isa"; \
-	  env $$(echo $$isa | sed 's/^default$$//') $(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile $(ISA_TESTS) || exit 1; \
+	  env $$(echo $$isa | sed 's/^default$$//; s/,/ /g') $(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile $(ISA_TESTS) || exit 1; \
 	done
 
 bench: $(VENV)/.bench
