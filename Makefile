@@ -42,7 +42,7 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 # under the vLLM venv's transformers release (the package supports both).
 test-vllm: export OMP_WAIT_POLICY ?= PASSIVE
 test-vllm: $(VSTAMP)
-	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm tests/rollout
+	$(VVENV)/bin/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=5 tests/rollout_vllm tests/rollout
 
 # The offline GPU kit (docs/bench/gpu.md): the wheels a GPU machine with torch + transformers preinstalled
 # and no package index needs, for its Python (KIT_PYTHON), in gpu-kit/ (ignored; carried beside the
