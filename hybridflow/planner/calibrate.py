@@ -8,8 +8,8 @@ predicted seconds (the same simulator functions the planner uses, p = t = d = 1)
 of a few measured repeats, with the ratio measured / predicted. It finishes well within a minute.
 
 `--out FILE` first runs the micro-benchmarks (microbench.py) `--rounds` times (each coefficient the median
-of its rounds', ~40 s a round on 2 cores), then on CPU three short real runs for the calls' cost (~65 s), and
-writes a device profile (profile.py):
+of its rounds', ~40 s a round on 2 cores), then on CPU three short real runs for the calls' cost
+(`--rest-steps` each, ~65 s at the default 24), and writes a device profile (profile.py):
 the catalogue entry `--device` with every coefficient they measure replaced, per compute dtype (float32,
 bfloat16); the table then shows the profile's predictions too. `--on cuda` measures a GPU's compute
 figures (the links stay the entry's). `--profile FILE` compares an existing profile instead.
@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --out: measure the machine this many times, each coefficient the median of the rounds'",
     )
     parser.add_argument(
+        "--rest-steps",
+        type=int,
+        default=24,
+        help="with --out on CPU: steps of each real run timing the calls (the first sixth left out); "
+        "fewer give a quicker, noisier profile",
+    )
+    parser.add_argument(
         "--out",
         default=None,
         help="run the micro-benchmarks and write a device profile here (YAML/JSON) for `hybridflow plan "
@@ -76,6 +83,7 @@ def measure_profile(
     repeats: int = 5,
     size: str = "tiny",
     rounds: int = 1,
+    rest_steps: int = 24,
 ) -> DeviceProfile:
     """`rounds` measurements of the machine (measure_once), each coefficient the median of its rounds'
     (DeviceProfile.median_of); on CPU then the calls as a real run's steps pay them, once (step_rests: three
@@ -87,7 +95,7 @@ def measure_profile(
         return profile
     from hybridflow.planner import microbench_path as mbp
 
-    rests = mbp.step_rests()
+    rests = mbp.step_rests(rest_steps, warmup=max(1, rest_steps // 6))
     terms = fit_call_terms(rests, next(iter(profile.devices.values())))  # not dtype's: the driver's and Ray's
     devices = {k: replace(v, **terms) for k, v in profile.devices.items()}
     return replace(
@@ -318,6 +326,14 @@ WORK = {
 }
 
 
+def _bad_out_settings(args) -> str | None:
+    if args.rounds < 1:
+        return f"--rounds must be at least 1 (got {args.rounds})"
+    if args.rest_steps < 2:
+        return f"--rest-steps must be at least 2: one left out, one timed (got {args.rest_steps})"
+    return None
+
+
 def run(args) -> int:
     import torch
     from rich.console import Console
@@ -328,12 +344,15 @@ def run(args) -> int:
     start = time.perf_counter()
     profile = None
     if args.out:
-        if args.rounds < 1:
-            console.print(f"[red]hybridflow calibrate: --rounds must be at least 1 (got {args.rounds})[/]")
+        bad = _bad_out_settings(args)
+        if bad:
+            console.print(f"[red]hybridflow calibrate: {bad}[/]")
             return 2
         dtypes = ("float32", "bfloat16")
         try:
-            profile = measure_profile(args.device, args.on, dtypes, args.repeats + 2, args.size, args.rounds)
+            profile = measure_profile(
+                args.device, args.on, dtypes, args.repeats + 2, args.size, args.rounds, args.rest_steps
+            )
         except RunStopped as e:  # one of the runs it times failed: what it printed last, nothing written
             console.print(f"[red]hybridflow calibrate: {e}[/]")
             return 1
