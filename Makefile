@@ -39,10 +39,12 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 	touch $(VSTAMP)
 
 # The vLLM tests (tests/rollout_vllm; elsewhere they skip, naming `make vllm`), and the rollout tests again
-# under the vLLM venv's transformers release (the package supports both).
+# under the vLLM venv's transformers release (the package supports both). One process: two vLLM CPU engines
+# with tensor parallelism on one machine name their all-reduce segment alike (rollout/vllm_engine.py
+# clear_stale_cpu_shm), so two pytest workers collide there.
 test-vllm: export OMP_WAIT_POLICY ?= PASSIVE
 test-vllm: $(VSTAMP)
-	$(VVENV)/bin/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=5 tests/rollout_vllm tests/rollout
+	$(VVENV)/bin/python -m pytest -q -x --durations=5 tests/rollout_vllm tests/rollout
 
 # The offline GPU kit (docs/bench/gpu.md): the wheels a GPU machine with torch + transformers preinstalled
 # and no package index needs, for its Python (KIT_PYTHON), in gpu-kit/ (ignored; carried beside the
