@@ -152,15 +152,15 @@ class TensorBoardBackend:
     ~85 metrics a step those calls cost the driver ~2 ms between steps), flushed every step."""
 
     def __init__(self, run_dir: str | os.PathLike):
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard.writer import FileWriter
 
         self.writer = FileWriter(str(Path(run_dir) / "tensorboard"))
+        self.summary = Summary  # imported here, not at module import: tensorboard only when it is chosen
 
     def log(self, metrics: dict, step: int) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        values = [Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
-        self.writer.add_summary(Summary(value=values), step)
+        values = [self.summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
+        self.writer.add_summary(self.summary(value=values), step)
         self.writer.flush()
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:

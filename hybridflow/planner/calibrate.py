@@ -26,6 +26,7 @@ from dataclasses import replace
 from hybridflow.errors import RunStopped
 from hybridflow.planner import simulate as sim
 from hybridflow.planner.fit import (
+    REST_STEPS,
     fit_call_terms,
     fit_decode_terms,
     fit_engine_terms,
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rest-steps",
         type=int,
-        default=24,
+        default=REST_STEPS,
         help="with --out on CPU: steps of each real run timing the calls (the first sixth left out); "
         "fewer give a quicker, noisier profile",
     )
@@ -83,7 +84,7 @@ def measure_profile(
     repeats: int = 5,
     size: str = "tiny",
     rounds: int = 1,
-    rest_steps: int = 24,
+    rest_steps: int = REST_STEPS,
 ) -> DeviceProfile:
     """`rounds` measurements of the machine (measure_once), each coefficient the median of its rounds'
     (DeviceProfile.median_of); on CPU then the calls as a real run's steps pay them, once (step_rests: three
@@ -95,7 +96,7 @@ def measure_profile(
         return profile
     from hybridflow.planner import microbench_path as mbp
 
-    rests = mbp.step_rests(rest_steps, warmup=max(1, rest_steps // 6))
+    rests = mbp.step_rests(rest_steps)
     terms = fit_call_terms(rests, next(iter(profile.devices.values())))  # not dtype's: the driver's and Ray's
     devices = {k: replace(v, **terms) for k, v in profile.devices.items()}
     return replace(

@@ -195,6 +195,7 @@ def fit_sync_waits(raw: dict, latency_s: float) -> dict[str, float]:
 # on two
 REST_RUN = dict(samples_per_prompt=8, prompt_len=16, response_len=4)
 REST_RUNS = ((1, 8), (1, 64), (2, 8))
+REST_STEPS = 24  # steps of each (`hybridflow calibrate --rest-steps`); the first sixth is left out
 REST_RUN_STAGES = ("generation", "training")
 
 

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import torch
 
 from hybridflow.controller import Protocol, Worker, register
-from hybridflow.planner.fit import GROUP, PROMPT, RESPONSE, REST_RUN, REST_RUNS, SWITCH_LAYOUTS
+from hybridflow.planner.fit import GROUP, PROMPT, RESPONSE, REST_RUN, REST_RUNS, REST_STEPS, SWITCH_LAYOUTS
 from hybridflow.planner.microbench import best_seconds, spawn_ranks
 
 LAYERS = (1, 5)
@@ -142,11 +142,12 @@ def worker_call(repeats: int = 5) -> dict[str, float]:
     }
 
 
-def step_rests(steps: int = 24, warmup: int = 4) -> dict:
+def step_rests(steps: int = REST_STEPS) -> dict:
     """{"runs": [{"ranks", "prompts", "rest_s", "longest_prompt_len", "mean_prompt_len"}], "workload":
     REST_RUN}: the median rest of real runs' steps (their time beyond the stages' busy intervals, as
     trainers/plan_metrics.py measures a plan's), the tiny model's GRPO through `hybridflow train` in a process
-    of its own, at each of REST_RUNS, and the median of its steps' longest and mean prompt (tokens)."""
+    of its own, at each of REST_RUNS, and the median of its steps' longest and mean prompt (tokens). The
+    first sixth of each run's steps (at least one) warms up and is left out."""
     import json
     import statistics
     import subprocess
@@ -186,7 +187,7 @@ def step_rests(steps: int = 24, warmup: int = 4) -> dict:
                     f"the {ranks}-rank GRPO run timing the calls failed (exit {done.returncode}): {last}"
                 )
             logged = [json.loads(line) for line in next(run.rglob("*.jsonl")).read_text().splitlines()]
-            measured = logged[warmup:]
+            measured = logged[max(1, steps // 6) :]
             rests = []
             for m in measured:
                 stages = [stage_seconds(m, phases, in_driver) for phases in STAGE_PHASES.values()]
