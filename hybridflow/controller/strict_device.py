@@ -104,6 +104,15 @@ def mark_device(module: torch.nn.Module) -> None:
             _set_tag(t, DEVICE)
 
 
+def mark_moved(tensors, device) -> None:
+    """Tag tensors an engine moved between its device and host tiers through `Module.to` (offload): the move
+    runs inside torch, whose moves to a plain "cpu" keep their tag, so the caller says where they went.
+    A no-op outside strict mode."""
+    if _ACTIVE[0]:
+        for t in tensors:
+            _set_tag(t, _place(device))
+
+
 _ACTIVE = [0]  # strict scopes entered in this process
 
 

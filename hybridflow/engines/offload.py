@@ -7,7 +7,12 @@ back only for the phase that needs it and goes out once when that phase ends:
 Phases nest: a worker wraps its whole update loop in `engine.phase(optimizer=True)`, so the
 mini-batches inside it move nothing; only the outermost phase offloads on exit. Every move is timed
 and its bytes counted (`take_stats`), logged by the workers as perf/offload_s and perf/offload_bytes.
-On CPU the state already lives in host memory and nothing moves.
+
+Moves are `non_blocking`: from a CUDA device that makes torch allocate the host copies in pinned memory
+(page-locked, so they copy by DMA and the copy back is asynchronous too), and each move ends with one
+synchronize before the host copies are read. On CPU the state already lives in host memory and nothing
+moves; device-strict mode's stand-in accelerator (`cpu:0`, controller/strict_device.py) is no CPU there:
+its state moves to the host tier and back, and an offloaded tensor that meets a device tensor raises.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ import time
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from hybridflow.controller import strict_device
+
+HOST = torch.device("cpu")
 
 
 class Offloader:
@@ -30,7 +39,8 @@ class Offloader:
 
     @property
     def active(self) -> bool:
-        return self.engine.device.type != "cpu"
+        # a GPU, or strict mode's stand-in accelerator: cpu:0 is not the plain "cpu" of host memory
+        return self.engine.device != HOST
 
     @contextlib.contextmanager
     def phase(self, optimizer: bool = False):
@@ -55,14 +65,14 @@ class Offloader:
     def send_out(self) -> None:
         if not self.active:
             return
-        cpu = torch.device("cpu")
         if self.params_home:
-            self._move_params(cpu)
+            self._move_params(HOST)
             self.params_home = False
         if self.optim_home and self.engine.optimizer is not None:
-            self._move_optimizer(cpu)
+            self._move_optimizer(HOST)
             self.optim_home = False
-        torch.cuda.empty_cache()
+        if self.engine.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def take_stats(self) -> dict[str, float]:
         """Seconds and bytes moved since the last call (then reset)."""
@@ -87,7 +97,9 @@ class Offloader:
 
     def _move_params(self, device: torch.device) -> None:
         module = self.engine.module
-        self._timed(lambda: module.to(device), list(module.parameters()))  # FSDP2 moves its shards
+        # FSDP2 moves its shards (and re-registers them); gradients and buffers move with the parameters
+        self._timed(lambda: module.to(device, non_blocking=True), list(module.parameters()))
+        strict_device.mark_moved(_state_tensors(module), device)
 
     def _move_optimizer(self, device: torch.device) -> None:
         opt = self.engine.optimizer
@@ -101,6 +113,14 @@ class Offloader:
                         moved.append(state[k])
 
         self._timed(move, moved)  # counted after the move, when `moved` is filled
+
+
+def _state_tensors(module: torch.nn.Module):
+    for p in module.parameters():
+        yield p
+        if p.grad is not None:
+            yield p.grad
+    yield from module.buffers()
 
 
 def _local_bytes(t: torch.Tensor) -> int:

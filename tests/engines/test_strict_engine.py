@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rl_data import make_rl_batch
+from rl_data import make_rl_batch, pg_loss
 
 from hybridflow.config.algorithm_config import AlgorithmConfig
 from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.controller import strict_device
-from hybridflow.engines import EngineConfig, TrainEngine
+from hybridflow.engines import EngineConfig, OptimConfig, TrainEngine
 from hybridflow.models import load_causal_lm, load_critic
 from hybridflow.models.tiny import save_tiny_model
 from hybridflow.workers.losses import actor_loss_fn, critic_loss_fn, sft_loss
@@ -75,3 +75,48 @@ def test_the_engine_computes_on_the_device_it_is_given_on_a_gpu_host(model_dir, 
     assert engine.device == torch.device("cpu") and engine.compute_dtype is None  # fp32 on CPU
     lp, _ = engine.compute_log_probs(make_rl_batch(engine.hf_model.config.vocab_size, batch_size=2))
     assert lp.device.type == "cpu" and torch.isfinite(lp).all()
+
+
+def _offload_engine(model_dir, offload: bool) -> TrainEngine:
+    cfg = EngineConfig(optim=OptimConfig(lr=1e-2), offload=offload, micro_batch_size_per_device=2)
+    return TrainEngine(load_causal_lm(model_dir), cfg, device=strict_device.ACCEL)
+
+
+def test_offload_moves_state_to_the_host_tier_and_an_offloaded_weight_raises(model_dir):
+    """Item 9: on the stand-in accelerator offload runs (as on a GPU): parameters and AdamW moments go to the
+    host between phases, so a forward outside a phase meets host weights, and each phase brings them back."""
+    with strict_device.strict_scope():
+        engine = _offload_engine(model_dir, offload=True)  # offloaded once built
+        batch = make_rl_batch(engine.hf_model.config.vocab_size, batch_size=4, seed=2)
+        strict_device.mark_host(batch)
+        engine.offload_stats()
+        engine.train_step(batch, pg_loss)  # creates the moments, then sends everything out
+        params = list(engine.hf_model.parameters())
+        moments = [v for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert {strict_device.tag(t) for t in params + moments} == {strict_device.HOST}
+        assert engine.offload_stats()["offload_moves"] == 4  # params in, moments in, both out
+        ids = batch["input_ids"].to(strict_device.ACCEL)
+        with pytest.raises(strict_device.StrictDeviceError, match="device tensor .* meets a host tensor"):
+            engine.hf_model(input_ids=ids)  # the weights used without reload() / phase()
+        engine.reload()
+        assert {strict_device.tag(p) for p in params} == {strict_device.DEVICE}
+        assert engine.hf_model(input_ids=ids).logits.isfinite().all()
+
+
+def test_offloaded_updates_equal_resident_ones(model_dir):
+    """Two updates with the state offloaded between them: the same losses and weights as without offload."""
+    runs = {}
+    for offload in (False, True):
+        with strict_device.strict_scope():
+            engine = _offload_engine(model_dir, offload)
+            metrics = []
+            for seed in (2, 3):
+                batch = make_rl_batch(engine.hf_model.config.vocab_size, batch_size=4, seed=seed)
+                strict_device.mark_host(batch)
+                metrics.append(engine.train_step(batch, pg_loss))
+            runs[offload] = metrics, engine.full_state_dict()
+    (want, want_w), (got, got_w) = runs[False], runs[True]
+    assert got == want and want[1]["grad_norm"] > 0
+    first = load_causal_lm(model_dir).state_dict()
+    assert any(not torch.equal(want_w[k], first[k]) for k in first)  # the updates moved the weights
+    assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
