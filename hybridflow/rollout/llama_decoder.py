@@ -5,9 +5,10 @@ Why not the HF forward: HF's `DynamicCache` concatenates k/v every step (O(lengt
 its mask building and cache classes add per-step Python work, and its cache cannot drop finished rows
 cheaply. This forward is the same math in ~25 tensor ops per layer, writing k/v in place; greedy
 outputs match `generate` token for token. Where it departs from a plain port, for CPU speed:
-- weights packed once per `generate` call (fused q/k/v and gate/up, in MKL's packed GEMM format on fp32
-  CPU, else stored (in, out); `decoder_weights.pack_layer`), optional: pack_weights=False runs on views of the model's
-  tensors with no copy; 1-row steps and prefill-sized matmuls use those views anyway (faster there);
+- on the host CPU, weights packed once per `generate` call (fused q/k/v and gate/up, in MKL's packed GEMM
+  format in fp32, else stored (in, out); `decoder_weights.pack_layer`); pack_weights=False, or an
+  accelerator (`packs_on`), runs on views of the model's tensors with no copy; 1-row steps and
+  prefill-sized matmuls use those views anyway (faster there);
 - prefill runs norms, projections and the MLP on the real prompt tokens only, packed as (N, hidden);
   only attention sees the left-padded (B, Lp) layout;
 - decode attention is matmul/softmax/matmul with GQA as a head-group dimension, not SDPA; in 16-bit on
@@ -109,6 +110,14 @@ def _cast(weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return out
 
 
+def packs_on(device: torch.device) -> bool:
+    """Whether generation packs its weights (fused q|k|v and gate|up copies; decoder_weights.pack_layer)
+    on `device`: on the host CPU only, where the copies make decode's small GEMMs faster. On an accelerator
+    they would hold a second copy of the decoder's weights for the whole call, so it reads views of the
+    weights it is given. Device-strict mode's stand-in accelerator (an indexed "cpu:0") counts as one."""
+    return device.type == "cpu" and device.index is None
+
+
 class LlamaFamilyDecoder:
     """Prefill + incremental decode for one batch at a time. Call `load` once per `generate` call,
     then per batch `start`, `prefill`, and `decode` / `select` alternately; `release` at the end.
@@ -166,7 +175,8 @@ class LlamaFamilyDecoder:
         kernel = self._kernel(head)
         mods = self.model.model.layers
         names = [f"model.layers.{i}." for i in range(len(mods))]
-        self.layers = [pack_layer(w, m, p, self.pack_weights, kernel) for m, p in zip(mods, names)]
+        pack = self.pack_weights and packs_on(head.device)
+        self.layers = [pack_layer(w, m, p, pack, kernel) for m, p in zip(mods, names)]
         self.embed = w["model.embed_tokens.weight"]
         self.final_norm = (w["model.norm.weight"], _norm_eps(self.model.model.norm))
         self.lm_head = (_HEADS.get(kernel, torch.Tensor.t)(head), head_bias)
@@ -254,7 +264,7 @@ class LlamaFamilyDecoder:
     def _kernel(self, head: torch.Tensor) -> str:
         """The packed weights' format: "onednn" or "mkl" for fp32 on CPU (models/cpu_gemm.py,
         cpu/mkl_packed.py), "" for plain tensors."""
-        if not self.pack_weights or head.device.type != "cpu" or head.dtype != torch.float32:
+        if not self.pack_weights or not packs_on(head.device) or head.dtype != torch.float32:
             return ""
         if cpu_gemm.resolve(self.cpu_gemm, head.device):
             return "onednn"

@@ -392,3 +392,56 @@ def test_decoder_norm_and_rope_equal_their_reference_bit_for_bit():
         assert torch.equal(ours, torch.addcmul(x * cos, rotate_half(x), sin))
         hf, _ = apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=0)
         torch.testing.assert_close(ours, hf[0], rtol=1e-6, atol=1e-6)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that make the host wait for a tensor's value (each one a stall on a GPU)."""
+
+    READS = {torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.item,
+             torch.Tensor.tolist, torch.Tensor.nonzero}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compact_fraction", [0.0, 0.5])
+def test_device_stop_checks_give_the_host_paths_greedy_rollout_with_few_host_reads(
+    models, tokenizer, monkeypatch, compact_fraction
+):
+    """On an accelerator the decode loop reads the live-row count every DEVICE_STOP_CHECK_EVERY steps,
+    not every step; rows that stopped in between decode on, masked. Same rollout, ~1/k of the reads."""
+    from hybridflow.rollout import engine as engine_mod
+
+    batch = prompt_batch(tokenizer, TEXTS * 3)
+    params = SamplingParams(max_new_tokens=30, do_sample=False, stop_token_ids=(7, 8, 9, 10, 11, 12))
+    engine = BuiltinEngine(models["llama"], BuiltinEngineConfig(compact_fraction=compact_fraction))
+    runs = {}
+    for every in (1, 4):
+        monkeypatch.setattr(engine_mod, "stop_check_every", lambda device, every=every: every)
+        with _HostReads() as reads:
+            runs[every] = (engine.generate(batch, params), reads.count)
+    (host, host_reads), (device, device_reads) = runs[1], runs[4]
+    lengths = host["response_mask"].sum(1)
+    assert lengths.min() < lengths.max(), "rows must stop at different steps"
+    assert torch.equal(device["response_mask"], host["response_mask"])
+    assert torch.equal(device["responses"], host["responses"])
+    torch.testing.assert_close(device["rollout_log_probs"], host["rollout_log_probs"])
+    assert host_reads >= 30  # one a step: the counter sees the reads it is meant to bound
+    assert device_reads <= 30 // 4 * 3 + 4, device_reads  # per check: the count, compaction's two nonzeros
+
+
+def test_stop_checks_and_weight_packing_by_device():
+    """The host CPU reads every step and packs its weights; an accelerator (or strict mode's stand-in, an
+    indexed cpu) reads every k steps and decodes on views of the weights, with no second copy."""
+    from hybridflow.rollout.engine import DEVICE_STOP_CHECK_EVERY, stop_check_every
+    from hybridflow.rollout.llama_decoder import packs_on
+
+    assert stop_check_every(torch.device("cpu")) == 1 and packs_on(torch.device("cpu"))
+    for device in (torch.device("cuda", 0), torch.device("cpu", 0)):
+        assert stop_check_every(device) == DEVICE_STOP_CHECK_EVERY > 1
+        assert not packs_on(device)
