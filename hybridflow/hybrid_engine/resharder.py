@@ -19,9 +19,10 @@ pieces g*tp/tg .. (g+1)*tp/tg - 1 concatenated along k, since pieces are contigu
 
 Generation weights move and are held in the generation engine's compute dtype (`dtype`, e.g. bf16 under
 model.dtype=bfloat16 over fp32 master weights): each shard is cast as it is packed, before any gather, so
-half the bytes move and are held, and the decoder finds them ready. Bytes are counted at the collectives
-(FSDP's all-gather: (dp-1) padded shards; ours: (n-1) input slots), in the dtype that moves; the formula
-they must equal is hybrid_engine/cost.fsdp_switch_cost (docs/hybrid_engine.md derives it).
+half the bytes move and are held, and the decoder finds them ready. In place (tp = 1, the model's own
+tensors) the engine casts them itself and the switch makes no copy (`_kept_tensor`). Bytes are counted
+at the collectives (FSDP's all-gather: (dp-1) padded shards; ours: (n-1) input slots), in the dtype that
+moves; the formula they must equal is hybrid_engine/cost.fsdp_switch_cost (docs/hybrid_engine.md derives it).
 Generation-weight bytes are the peak of what the switch holds for generation: kept unsharded units,
 gathered shards or full copies, plus the one unit being processed.
 
@@ -247,7 +248,7 @@ class Resharder:
                 )
                 # keep: the unit stays unsharded, its own tensors (cast if need be) the generation weights
                 if keep:
-                    out[name] = self.ledger.hold(self._cast(local))
+                    out[name] = self._kept_tensor(local)
                 elif (direct := self._direct(name, local, dim)) is not None:
                     out[name] = direct
                 else:
@@ -273,6 +274,16 @@ class Resharder:
     def _cast(self, local: torch.Tensor) -> torch.Tensor:
         """The tensor in its generation dtype: itself when already there, else a cast copy."""
         return local.to(self._moved_dtype(local))
+
+    def _kept_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """A kept unit's tensor as generation holds it. In place the engine is handed no shard: it reads
+        the model's own tensors and casts them to its compute dtype itself, so a cast copy made here
+        would be a second one, held unread for the whole call. The live tensor is then the generation
+        weight, counted at the bytes of the engine's copy (those cost.fsdp_switch_cost prices)."""
+        if not self.in_place:
+            return self.ledger.hold(self._cast(local))
+        self.ledger.hold(torch.empty(local.shape, dtype=self._moved_dtype(local), device="meta"))  # its size
+        return local
 
     def _cast_copy(self, local: torch.Tensor) -> torch.Tensor:
         """A copy in the generation dtype that never aliases the live (training) tensor."""
