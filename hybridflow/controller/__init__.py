@@ -7,6 +7,7 @@ Files, in the order data flows through them:
     protocols.py      @register, the transfer protocols (distribute, collect), register_protocol
     worker_group.py   WorkerGroup / create_colocated_groups: processes, method binding, dispatch
     process.py        WorkerProcess: the Ray actor per rank; resolves shards and futures worker-side
+    device.py         a GPU rank's CUDA index, a clock that waits for its device, one DeviceMesh per shape
     future.py         Future / get: non-blocking calls, passed between groups without the driver
     errors.py         WorkerError / WorkerDiedError / WorkerHungError: failures named by group, rank and method
     strict_device.py  device-strict mode: GPU-only placement bugs (host tensors on the device path) fail on CPU

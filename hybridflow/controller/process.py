@@ -28,6 +28,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import strict_device
+from hybridflow.controller.device import cuda_index, device_clock
 from hybridflow.controller.layout import shard_indices
 from hybridflow.controller.worker import WorkerContext, set_worker_context
 
@@ -38,7 +39,8 @@ class CallInfo:
 
     rows: the output's row count (Batch outputs; None otherwise), for consumers cutting shards.
     start / end: wall-clock seconds (time.time()) around the method itself, after its arguments
-    were resolved: the rank's busy interval, comparable across processes of one machine.
+    were resolved, each read once the rank's device is idle (a GPU method returns before its kernels
+    have run): the rank's busy interval, comparable across processes of one machine.
     info: what the method put in its output Batch's meta.call_info (small: metrics), or None.
     """
 
@@ -170,6 +172,7 @@ class WorkerProcess:
         self.local_rank, self.use_gpu = local_rank, use_gpu
         # device-strict mode (strict_device.py): a CPU rank stands in for a GPU, so GPU-only placement bugs fail
         self.strict = strict and not use_gpu
+        self.device = "cpu"  # the rank's device once init_distributed has chosen it
         self.roles: dict[str, object] = {}
 
     def master_address(self) -> tuple[str, int]:
@@ -183,9 +186,12 @@ class WorkerProcess:
 
         import torch.distributed as dist
 
-        device = "cuda:0" if self.use_gpu else str(strict_device.ACCEL) if self.strict else "cpu"
-        if self.use_gpu:
-            torch.cuda.set_device(0)
+        device = str(strict_device.ACCEL) if self.strict else "cpu"
+        if self.use_gpu:  # the GPU Ray assigned: cuda:0 unless this process sees several (cuda_index)
+            index = cuda_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids(), self.local_rank)
+            torch.cuda.set_device(index)
+            device = f"cuda:{index}"
+        self.device = device
         backend = "nccl" if self.use_gpu else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if self.rank == 0:  # the rendezvous store listens on the node's address only, not on every interface
@@ -194,9 +200,12 @@ class WorkerProcess:
                                   master_listen_fd=self._store_socket.fileno())  # fmt: skip
         else:
             store = dist.TCPStore(addr, port, self.world_size, False, timeout)
+        # device_id binds the NCCL group to this rank's GPU and creates its communicator now, so the
+        # meshes' subgroups are split from it (ncclCommSplit) rather than each bootstrapped anew
         dist.init_process_group(
-            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
-        )
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout,
+            device_id=torch.device(device) if self.use_gpu else None,
+        )  # fmt: skip
         node = ray.get_runtime_context().get_node_id()
         ctx = WorkerContext(
             self.group_name, self.rank, self.world_size, self.local_rank, node, device, backend
@@ -216,7 +225,7 @@ class WorkerProcess:
         args = tuple(_take(resolve(a), pads) for a in args)
         kwargs = {k: _take(resolve(v), pads) for k, v in kwargs.items()}
         n_in = next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
-        start = time.time()
+        start = device_clock(self.device, time.time)
         with strict_device.strict_scope(self.strict):
             if self.strict:  # what arrives through Ray is on the host
                 for a in (*args, *kwargs.values()):
@@ -225,7 +234,7 @@ class WorkerProcess:
             out = getattr(self.roles[role], method)(*args, **kwargs)
             if self.strict:
                 strict_device.check_output(out, f"{self.group_name}.{method}")
-        end = time.time()
+        end = device_clock(self.device, time.time)
         out = drop_padding(out, n_in, pads[0] if pads else 0, method)
         if isinstance(out, Batch):
             info, out.meta.call_info = out.meta.call_info, None

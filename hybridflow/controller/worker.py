@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.controller.device import process_mesh
 from hybridflow.controller.layout import Layout, default_layout
 from hybridflow.controller.protocols import Protocol, register
 
@@ -36,7 +37,7 @@ class WorkerContext:
     world_size: int
     local_rank: int  # rank among this group's processes on the same node
     node_id: str
-    device: str  # "cpu" or "cuda:0" (Ray restricts each process to its own GPU)
+    device: str  # "cpu" or "cuda:N", the GPU Ray assigned (N = 0 where Ray restricts the process to it)
     backend: str  # "gloo" or "nccl"
 
 
@@ -169,15 +170,14 @@ class Worker:
 
         Consecutive ranks form a tp group (they share a node when possible); dp defaults to
         world_size / (pp * tp). When `layout` is given, also declares it from this rank's mesh
-        coordinates (collected: tp rank 0 on the last pp stage).
+        coordinates (collected: tp rank 0 on the last pp stage). The process's roles share one mesh
+        (its process groups) per shape (device.process_mesh).
         """
-        from torch.distributed.device_mesh import init_device_mesh
-
         dp = dp if dp is not None else self.world_size // (pp * tp)
         if pp * dp * tp != self.world_size:
             raise ValueError(f"mesh pp={pp} x dp={dp} x tp={tp} != world size {self.world_size}")
         device_type = "cuda" if self.device.type == "cuda" else "cpu"
-        mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = process_mesh(device_type, (pp, dp, tp), ("pp", "dp", "tp"))
         if layout is not None:
             r = self.rank
             self.set_layout(

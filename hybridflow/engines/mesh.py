@@ -4,14 +4,17 @@
 Layout: tp is the fastest-varying axis, so consecutive ranks form a TP group (the paper's
 convention: with 8 ranks and tp=4, TP groups are [0-3] and [4-7]); pp the slowest, so the first dp * tp
 ranks run stage 0. gloo on CPU, NCCL on GPU: the backend is whatever the default
-group was initialised with (`init_process_group`), usually by the worker group.
+group was initialised with (`init_process_group`), usually by the worker group. The engines of a
+process (an actor's and its reference's, colocated roles') share one mesh per shape and so one set of
+process groups (controller/device.py process_mesh).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
+from hybridflow.controller.device import process_mesh
 from hybridflow.engines.config import ParallelConfig
 
 
@@ -35,5 +38,5 @@ def build_mesh(parallel: ParallelConfig, device_type: str = "cpu") -> DeviceMesh
         )
     if parallel.pp > 1:
         shape, names = (parallel.pp, parallel.dp, parallel.tp), ("pp", "dp", "tp")
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return init_device_mesh(device_type, (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))
+        return process_mesh(device_type, shape, names)
+    return process_mesh(device_type, (parallel.dp, parallel.tp), ("dp", "tp"))

@@ -275,10 +275,11 @@ def build_pipeline_stages(
 
 def build_pipeline_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu"):
     """The (pp, dp, tp) DeviceMesh, tp fastest-varying as controller/worker.py lays it out: the first
-    dp * tp ranks run stage 0, each stage's (dp, tp) plane is an ordinary FSDP2 x TP mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
+    dp * tp ranks run stage 0, each stage's (dp, tp) plane is an ordinary FSDP2 x TP mesh; the process's
+    one mesh of that shape (controller/device.py process_mesh)."""
+    from hybridflow.controller.device import process_mesh
 
-    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    return process_mesh(device_type, (pp, dp, tp), ("pp", "dp", "tp"))
 
 
 def parallelize_stages(stage: StageForward, mesh, **kwargs) -> None:

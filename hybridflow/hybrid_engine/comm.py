@@ -12,13 +12,13 @@ generation (`hold`) and what it holds only while one unit is switched (`transien
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.compat.dist import all_gather_single
+from hybridflow.controller.device import device_clock
 
 
 @dataclass
@@ -26,7 +26,7 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     calls: int = 0
-    seconds: float = 0.0  # wall time spent inside the collectives
+    seconds: float = 0.0  # wall time of the collectives, each until its device had finished it
 
 
 class CountedComm:
@@ -45,19 +45,19 @@ class CountedComm:
             raise ValueError(
                 f"all-gather output has {output.numel()} elements, expected {n} x {slot.numel()}"
             )
-        start = time.perf_counter()
+        start = device_clock(slot.device)
         if n > 1:
             all_gather_single(output, slot, group=group)
-        self.stats.seconds += time.perf_counter() - start
+        self.stats.seconds += device_clock(slot.device) - start
         moved = (n - 1) * tensor_bytes(slot)
         self._count(moved, moved)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None) -> None:
         """Broadcast from global rank `src` to every member of `group`."""
-        n, start = dist.get_world_size(group), time.perf_counter()
+        n, start = dist.get_world_size(group), device_clock(tensor.device)
         if n > 1:
             dist.broadcast(tensor, src=src, group=group)
-        self.stats.seconds += time.perf_counter() - start
+        self.stats.seconds += device_clock(tensor.device) - start
         if dist.get_rank() == src:
             self._count(sent=(n - 1) * tensor_bytes(tensor), received=0)
         else:
@@ -65,7 +65,7 @@ class CountedComm:
 
     def gather(self, slot: torch.Tensor, output: torch.Tensor | None, dst: int, group) -> None:
         """Gather every member's `slot` into `output` (cat order = group order) on global rank `dst`."""
-        n, start = dist.get_world_size(group), time.perf_counter()
+        n, start = dist.get_world_size(group), device_clock(slot.device)
         if dist.get_rank() == dst:
             parts = list(output.chunk(n))
             if n > 1:
@@ -76,7 +76,7 @@ class CountedComm:
         else:
             dist.gather(slot, None, dst=dst, group=group)
             self._count(sent=tensor_bytes(slot), received=0)
-        self.stats.seconds += time.perf_counter() - start
+        self.stats.seconds += device_clock(slot.device) - start
 
     def _count(self, sent: int, received: int) -> None:
         self.stats.bytes_sent += sent

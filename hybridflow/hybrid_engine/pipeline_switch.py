@@ -17,12 +17,12 @@ dtype, cast before any gather as the unpipelined switch casts them.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.controller.device import device_clock
 from hybridflow.engines.pipeline import hf_name
 from hybridflow.hybrid_engine.comm import CountedComm, tensor_bytes
 from hybridflow.hybrid_engine.cost import pipeline_switch_cost
@@ -59,11 +59,11 @@ class PipelineResharder:
     def generation(self):
         self.comm.reset()
         with self.stage.generation() as (own, gen_group):
-            start = time.perf_counter()
+            start = device_clock(self.engine.device)
             model = self.engine.hf_model
             weights = self._exchange({hf_name(model, n): t for n, t in own.items()})
             held = sum(tensor_bytes(t) for t in weights.values())
-            seconds = time.perf_counter() - start
+            seconds = device_clock(self.engine.device) - start
             try:
                 yield weights, gen_group
             finally:

@@ -172,6 +172,20 @@ class DataWorker(EchoWorker):
             os._exit(3)
         return self.rank
 
+    @register(Protocol.ONE_TO_ALL)
+    def second_engine_mesh(self, tp: int) -> tuple[int, bool]:
+        """Two engines of one parallel shape in this process (an actor and its reference): (process
+        groups the second one's mesh created, whether it is the first one's mesh)."""
+        from torch.distributed.distributed_c10d import _world
+
+        from hybridflow.engines import ParallelConfig, build_mesh
+
+        parallel = ParallelConfig(tp=tp, dp=self.world_size // tp)
+        first = build_mesh(parallel)
+        before = len(_world.pg_map)
+        second = build_mesh(parallel)
+        return len(_world.pg_map) - before, second is first
+
     @register("TEST_LAST_RANK")
     def whoami(self, tag: str):
         return f"{tag}:{self.rank}"
