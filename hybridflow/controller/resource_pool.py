@@ -15,6 +15,7 @@ trainer.rollout_ahead=1) count each other's, so two busy pools do not both take 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -114,6 +115,36 @@ def uses_cuda(device: str) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# run in a child process by gpu_info: prints "name<TAB>total bytes" of device 0, nothing without a GPU
+_GPU_QUERY = (
+    "import torch\n"
+    "if torch.cuda.is_available():\n"
+    "    p = torch.cuda.get_device_properties(0)\n"
+    "    print(p.name, p.total_memory, sep='\\t')\n"
+)
+
+
+@functools.cache
+def gpu_info() -> tuple[str, float] | None:
+    """(CUDA device name, memory in GiB) of this machine's first GPU, None without one.
+
+    Asked of a short-lived child process: the driver must not initialise CUDA, whose context would
+    hold device memory on a GPU its workers need for the whole run. The child sees this machine's GPUs
+    as the driver would (its CUDA_VISIBLE_DEVICES)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _GPU_QUERY], capture_output=True, text=True, timeout=300, check=True
+        ).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return None
+    if not out:
+        return None
+    name, total = out.rsplit("\t", 1)
+    return name, int(total) / 2**30
 
 
 def ray_jemalloc() -> str | None:

@@ -11,7 +11,7 @@ turns that into a `Placement`: one pool per colocated set plus each role's paral
                old_log_prob_source on this config, per schedule: `planner_old_log_probs`)
     cluster    resources.n_gpus_per_node x nnodes devices: resources.planner_profile's measured entry
                (`hybridflow calibrate --out FILE`) where set, else the catalogue's "cpu" entry on CPU, on
-               GPU the entry matching torch.cuda's device name
+               GPU the entry matching the CUDA device name (asked of a child process, not the driver)
     workload   data.train_batch_size prompts x rollout.n samples, max prompt / response lengths,
                actor epochs, mini-batches and micro-batch sizes
 
@@ -221,26 +221,24 @@ def build_planner_workload(cfg, prompts: PromptLengths = PromptLengths()) -> Wor
 
 def detect_device(cfg) -> str:
     """The catalogue entry of this run's devices: "cpu" on CPU ("cpu-bf16" when model.dtype computes in bf16
-    there), else the GPU torch.cuda reports."""
+    there), else the GPU this machine has, named by a child process (resource_pool.gpu_info: no CUDA
+    context in the driver)."""
+    from hybridflow.controller import resource_pool
+
     kind = cfg.resources.device
     cpu = "cpu" if computes_in_fp32(cfg.model.dtype, "cpu") else "cpu-bf16"
-    if kind == "cpu":
+    if kind == "cpu" or (kind == "auto" and not resource_pool.uses_cuda(kind)):
         return cpu
-    import torch
-
-    if not torch.cuda.is_available():
-        if kind == "auto":
-            return cpu
+    gpu = resource_pool.gpu_info()
+    if gpu is None:
         raise ConfigError(
             [
-                "resources.placement=auto with resources.device=cuda, but this process sees no GPU to name; "
-                "write a plan for your GPUs (`hybridflow plan --gpu a100-80 --gpus N --output plan.yaml`) "
+                f"resources.placement=auto with resources.device={kind}, but this machine shows no GPU to "
+                "name; write a plan for your GPUs (`hybridflow plan --gpu a100-80 --gpus N --output plan.yaml`) "
                 "and set resources.placement=plan.yaml"
             ]
         )
-    name = torch.cuda.get_device_name(0)
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    return device_entry(name, gib)
+    return device_entry(*gpu)
 
 
 def device_entry(name: str, memory_gib: float) -> str:

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridflow.config import ConfigError, validate_config
 from hybridflow.planner import ClusterSpec, ModelSpec, Plan, WorkloadSpec, build_dataflow, plan
@@ -229,6 +230,41 @@ def test_device_names_map_to_the_catalogue():
     assert device_entry("NVIDIA A100-SXM4-40GB", 39.4) == "a100-40"
     with pytest.raises(ConfigError, match="--gpu ENTRY --output plan.yaml"):
         device_entry("NVIDIA GeForce RTX 4090", 24.0)
+
+
+def test_gpu_is_named_without_a_cuda_call_in_the_driver(make_config, monkeypatch):
+    """placement=auto on a GPU host (device cuda, or auto where torch finds a GPU): the catalogue entry
+    comes from the GPU a child process names (resource_pool.gpu_info, the boundary stubbed here); the
+    driver makes no torch.cuda call that opens a context (which would hold memory on GPU 0 all run)."""
+    from hybridflow.controller import resource_pool
+    from tests.trainers.test_strict_device import forbid_cuda_in_driver
+
+    forbid_cuda_in_driver(monkeypatch)
+    for name in ("get_device_name", "get_device_properties", "get_device_capability", "mem_get_info"):
+
+        def forbidden(*args, _name=name, **kwargs):
+            raise AssertionError(f"torch.cuda.{_name} called in the driver process")
+
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    monkeypatch.setattr(resource_pool, "gpu_info", lambda: ("NVIDIA H100 80GB HBM3", 79.6))
+    for device in ("cuda", "auto"):
+        cfg = make_config("grpo", KL_LOSS, f"resources.device={device}")
+        assert build_planner_cluster(cfg).device.name == "h100"
+    assert plan_for_config(cfg).device == "h100"
+    monkeypatch.setattr(resource_pool, "gpu_info", lambda: None)
+    with pytest.raises(ConfigError, match="resources.device=cuda, but this machine shows no GPU to name"):
+        build_planner_cluster(make_config("grpo", KL_LOSS, "resources.device=cuda"))
+
+
+def test_gpu_info_names_the_gpu_torch_sees():
+    """The child process's answer, unstubbed: this machine's first GPU as torch names it, None without one."""
+    from hybridflow.controller.resource_pool import gpu_info
+
+    if not torch.cuda.is_available():
+        assert gpu_info() is None
+        return
+    props = torch.cuda.get_device_properties(0)
+    assert gpu_info() == (props.name, props.total_memory / 2**30)
 
 
 def test_cpu_entry_follows_the_compute_dtype(make_config):
