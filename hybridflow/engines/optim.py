@@ -94,3 +94,15 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
             for grads in layout_groups(p.grad for p in params if p.grad is not None):
                 torch._foreach_mul_(grads, coef)
     return norm
+
+
+def params_finite(params) -> bool:
+    """Whether every parameter this rank holds (its local shard of a DTensor) is finite: one max-abs
+    per layout group (the largest |x| cannot overflow as a sum of squares can; NaN propagates), one sync."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    peaks = [
+        torch.stack(torch._foreach_norm([t.detach() for t in ts if t.numel()], math.inf)).max().float().cpu()
+        for ts in layout_groups(local)
+        if any(t.numel() for t in ts)
+    ]
+    return bool(torch.isfinite(torch.stack(peaks)).all()) if peaks else True

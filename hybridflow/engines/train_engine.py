@@ -44,7 +44,7 @@ from hybridflow.engines.micro_batch import (
     split_micro_batches,
 )
 from hybridflow.engines.offload import Offloader
-from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from hybridflow.engines.optim import build_optimizer, build_scheduler, clip_grad_norm_, params_finite
 from hybridflow.engines.packing import resolve_remove_padding, resolve_share_prompt
 from hybridflow.engines.parallelize import hf_layout_transforms, parallelize, uses_fsdp
 from hybridflow.engines.pipeline import hf_name
@@ -295,7 +295,7 @@ class TrainEngine:
                 batch, loss_fn, with_entropy, temperature, loss_weighting, micro_batch_size, max_tokens,
                 global_metrics,
             )  # fmt: skip
-            metrics.update(self.optimizer_step())
+            metrics.update(self.optimizer_step(metrics.get("loss", 0.0)))
         return metrics
 
     def forward_backward(
@@ -381,19 +381,32 @@ class TrainEngine:
             with self._autocast_ctx():
                 return self.pipeline.forward_backward(batch, rows, loss_fn, with_entropy, temperature, weigh)
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip by the global grad norm, step AdamW (skipped if the norm is not finite) and the LR schedule."""
+    def optimizer_step(self, loss: float = 0.0) -> dict[str, float]:
+        """Clip by the global grad norm, step AdamW and the LR schedule. The update is skipped (gradients
+        dropped, the schedule moved on) when the gradient norm, the learning rate or `loss` is not finite
+        on any rank, so that no bad value reaches the weights. `params_nonfinite` 1: the update made a
+        weight of this rank non-finite even so (an overflow); it cannot be undone here, the trainer stops."""
         with self.phase(optimizer=True):
             pp_group = self.pipeline.group if self.pipeline is not None else None
             grad_norm = clip_grad_norm_(self.module.parameters(), self.config.optim.grad_clip, pp_group)
-            finite = bool(torch.isfinite(grad_norm))
+            lr = self.scheduler.get_last_lr()[0]
+            lrs_finite = all(math.isfinite(g["lr"]) for g in self.optimizer.param_groups)
+            # the loss is per rank: every rank must take the same decision (the grad norm already is global)
+            loss_bad = self._all_reduce(float(not math.isfinite(loss)), dist.ReduceOp.MAX)
+            finite = bool(torch.isfinite(grad_norm)) and lrs_finite and not loss_bad
+            poisoned = False
             if finite:
                 self.optimizer.step()
-            lr = self.scheduler.get_last_lr()[0]
+                poisoned = not params_finite(p for g in self.optimizer.param_groups for p in g["params"])
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.global_step += 1
-        return {"grad_norm": float(grad_norm), "lr": lr, "step_skipped": float(not finite)}
+        return {
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "step_skipped": float(not finite),
+            "params_nonfinite": float(poisoned),
+        }
 
     def dp_group(self):
         """The process group of this engine's dp ranks (None without a process group)."""
