@@ -276,6 +276,7 @@ def install_collective_checks() -> None:
     """Wrap torch.distributed's collectives and a Backend's collective methods (once per process) so a host
     tensor in one raises. Collectives torch issues inside FSDP2 / DTensor go through neither."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     for owner, names, prefix in (
         (dist, _COLLECTIVES, "torch.distributed."),
@@ -284,7 +285,11 @@ def install_collective_checks() -> None:
         for name in names:
             fn = getattr(owner, name, None)
             if fn is not None and not getattr(fn, "_hf_strict", False):
-                setattr(owner, name, _checked_collective(prefix + name, fn))
+                checked = _checked_collective(prefix + name, fn)
+                setattr(owner, name, checked)
+                # the same function where torch defines it: P2POp takes only `op is isend / irecv` there
+                if getattr(distributed_c10d, name, None) is fn:
+                    setattr(distributed_c10d, name, checked)
 
 
 @contextlib.contextmanager

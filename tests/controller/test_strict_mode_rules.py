@@ -81,3 +81,17 @@ def test_enabled_by_the_environment(monkeypatch):
     assert not sd.enabled()
     monkeypatch.setenv(sd.ENV, "1")
     assert sd.enabled()
+
+
+def test_point_to_point_ops_pass_torch_checks_and_refuse_host_tensors():
+    """The pipeline stages' sends and receives: a P2POp takes the checked isend (torch compares the op with
+    its own isend / irecv), and a host tensor in one raises before anything is sent."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with sd.strict_scope():
+            dev = torch.ones(2, device=ACCEL)
+            assert dist.P2POp(dist.isend, dev, 0).op is dist.isend  # raised ValueError: Invalid ``op``
+            with pytest.raises(StrictDeviceError, match=r"^torch.distributed.isend on a host tensor"):
+                dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), 0)])
+    finally:
+        dist.destroy_process_group()

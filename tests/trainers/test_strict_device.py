@@ -8,6 +8,7 @@ resume, GRPO with a rollout pool one step ahead (weight sync), SFT and DPO.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,12 @@ from hybridflow.controller import strict_device
 from hybridflow.models import load_reward_model, save_hf_model
 from hybridflow.trainers import build_trainer
 from tests.trainers.test_drivers import DIGITS
+
+AGENT_FILES = Path(__file__).parents[1] / "agent" / "agent_files.py"
+# multi-turn rollouts: a tool call at each turn's first digit, its output inserted as tokens
+AGENT = ("rollout.response_length=16", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3",
+         f"rollout.multi_turn.tools=[{AGENT_FILES}:echo]", f"rollout.multi_turn.parser={AGENT_FILES}:digit_parser",
+         "rollout.multi_turn.tool_response_template=<r>{output}</r>")  # fmt: skip
 
 # torch.cuda calls that initialise CUDA or touch a device's state: each opens a context on a GPU host
 # (torch.manual_seed's torch.cuda.manual_seed_all is queued until CUDA initialises, so it is not one)
@@ -63,13 +70,16 @@ def _finite(history: list[dict], *keys: str) -> None:
 def test_ppo_with_critic_and_reward_model_on_two_ranks_then_resume(
     strict, ray_cluster, make_config, reward_model_dir
 ):
-    """Generate (colocated, 2 ranks: the reshard metrics' all-reduce), old / ref log-probs, values, scores,
-    critic and actor updates, a checkpoint at step 1 and a resume that runs step 2."""
+    """Generate (colocated, 2 ranks: the reshard metrics' all-reduce) through the agent loop's continuous
+    batch with tool calls in a tg = 2 group, old / ref log-probs, values, scores, critic and actor updates,
+    a checkpoint at step 1 and a resume that runs step 2."""
     args = ("reward.kind=model", f"model.reward_model_path={reward_model_dir}", "algorithm.use_kl_loss=true",
-            "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false", "actor.parallel.tp=2", "rollout.tg=2")  # fmt: skip
+            "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false", "actor.parallel.tp=2", "rollout.tg=2",
+            *AGENT)  # fmt: skip
     first = _fit(make_config("ppo", *args, devices=2), stop_after=1)
     assert [h["step"] for h in first] == [1]
     _finite(first, "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "reward/mean")
+    assert first[0]["agent/tool_calls/mean"] > 0 and first[0]["agent/tool_tokens/mean"] > 0
     second = _fit(make_config("ppo", *args, "trainer.resume=auto", devices=2))
     assert [h["step"] for h in second] == [2]  # step 1 read back from its checkpoint, step 2 run
     _finite(second, "actor/pg_loss", "critic/vf_loss", "actor/grad_norm")
@@ -105,3 +115,28 @@ def test_driver_rng_capture_and_restore_make_no_cuda_call(monkeypatch):
     want = torch.rand(3)
     restore_rng_state(state)
     assert torch.equal(torch.rand(3), want) and "cuda" not in state
+
+
+def test_ppo_fsdp_actor_and_critic_with_lora_and_offload(strict, ray_cluster, make_config):
+    """dp = 2 FSDP2 for the actor and the critic (no tensor parallelism), both with LoRA adapters (the
+    reference is the actor with its adapters off) and offload: each phase brings the sharded parameters and
+    the moments in from the host tier and sends them out again."""
+    args = ("algorithm.use_kl_loss=true", "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false",
+            "model.lora.rank=4", "actor.offload=true", "critic.offload=true", "ref.offload=true")  # fmt: skip
+    history = _fit(make_config("ppo", *args, devices=2))
+    assert [h["step"] for h in history] == [1, 2]
+    _finite(
+        history, "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"
+    )
+    assert all(h["perf/actor_offload_bytes"] > 0 and h["perf/critic_offload_bytes"] > 0 for h in history)
+
+
+def test_grpo_with_the_actor_in_two_pipeline_stages_offloaded(strict, ray_cluster, make_config):
+    """pp = 2 on 2 ranks: activations and gradients sent between the stages, generation switched to whole
+    replicas and back, and each stage's parameters and moments offloaded between phases."""
+    cfg = make_config("grpo", "trainer.val_before_train=false", "actor.parallel.pp=2", "actor.offload=true",
+                      devices=2)  # fmt: skip
+    history = _fit(cfg)
+    assert [h["step"] for h in history] == [1, 2]
+    _finite(history, "actor/pg_loss", "actor/grad_norm")
+    assert all(h["perf/actor_offload_bytes"] > 0 for h in history)
