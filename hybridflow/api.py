@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,7 +89,10 @@ class Run:
             _set_once(data, "reward.fns", reward_entries(funcs, reward_weights, columns), "reward_funcs")
         for key, value in agent_settings(tools, environment).items():
             _set_once(data, f"rollout.multi_turn.{key}", value, key if key != "enable" else "tools")
-        run_dir = config_from_dict(data).run_dir  # bad keys in args fail here, before any file is written
+        trainer = config_from_dict(data).trainer  # bad keys in args fail here, before any file is written
+        if not _given(data, "trainer.experiment_name"):  # a run of its own, as TRL's trainers start
+            _set(data, "trainer.experiment_name", fresh_name(trainer.output_dir, algorithm))
+        run_dir = config_from_dict(data).run_dir
         for split, prompt_rows in rows.items():
             _set_once(
                 data, f"data.{split}_files", [write_rows(prompt_rows, run_dir, split)], f"{split}_dataset"
@@ -119,6 +123,8 @@ class Run:
         trainer = None
         try:
             trainer = build_trainer(self.config)
+            # resume=auto moves a run whose directory holds another or a finished run (trainers/base.py)
+            self.config.trainer.experiment_name = trainer.cfg.trainer.experiment_name
             history = trainer.fit()
         finally:
             if trainer is not None:
@@ -170,6 +176,25 @@ def _set_once(data: dict, dotted: str, value: Any, argument: str) -> None:
     if node not in (None, "", [], value):
         raise ConfigError([f"{argument} and args' {dotted}={node!r} both say it; give one"])
     _set(data, dotted, value)
+
+
+def _given(data: dict, dotted: str) -> bool:
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def fresh_name(output_dir: str, algorithm: str) -> str:
+    """'<algorithm>-<UTC date>-<time>', with -2, -3, ... when output_dir already has that directory."""
+    base = f"{algorithm}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    name, k = base, 1
+    while os.path.exists(os.path.join(output_dir, name)):
+        k += 1
+        name = f"{base}-{k}"
+    return name
 
 
 def _prompt_rows(source, prompt_column: str, truth_column: str | None, what: str) -> list[dict]:

@@ -1,14 +1,17 @@
 """hybridflow.Run's construction: datasets mapped to verl rows with their columns kept, reward callables
-checked against their convention and the dataset's columns, args checked -- all before Ray starts (no
-training here: tests/test_readme_api.py trains through the README's example)."""
+checked against their convention and the dataset's columns, args checked -- all before Ray starts; then
+runs after runs in one process, as a user's script or notebook makes them (the README's example trains in
+tests/test_readme_api.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from hybridflow import Run
+from hybridflow.checkpoint import CheckpointError
 from hybridflow.config.schema import reward_fn_name
 from hybridflow.errors import ConfigError, DatasetError, RewardSpecError
 
@@ -34,6 +37,7 @@ def make(tmp_path, model, **kwargs):
         "trainer.experiment_name": "api",
         **kwargs.pop("args", {}),
     }
+    args = {k: v for k, v in args.items() if v is not None}  # None: the key left to its default
     return Run("grpo", model=model, args=args, **kwargs)
 
 
@@ -113,3 +117,58 @@ def test_mistakes_are_one_line_at_construction(tmp_path, tiny_model_dir, kwargs,
         make(tmp_path, tiny_model_dir, **kwargs)
     problems = getattr(e.value, "errors", None) or [str(e.value)]  # a ConfigError lists its problems
     assert len(problems) == 1 and "\n" not in problems[0]
+
+
+# ---- runs after runs ---------------------------------------------------------------------------------
+TRAIN = {"data.train_batch_size": 2, "actor.ppo_mini_batch_size": 2, "data.max_prompt_length": 16,
+         "rollout.response_length": 2, "reward.num_workers": 0, "trainer.total_steps": 1,
+         "trainer.val_before_train": False, "trainer.loggers": ["jsonl"], "resources.device": "cpu"}  # fmt: skip
+
+
+def trained(tmp_path, model, rows=ROWS[:4], weight=1.0, **args) -> Run:
+    run = make(tmp_path, model, reward_funcs=[exact], reward_weights=[weight], train_dataset=rows,
+               prompt_column="question", args={**TRAIN, **args})  # fmt: skip
+    run.history = run.train()
+    return run
+
+
+def test_a_second_run_in_the_same_process_starts_fresh(ray_cluster, tmp_path, tiny_model_dir):
+    """TRL's trainers start a new run each time: so does a second Run with the same arguments, in a
+    directory of its own (named by algorithm and time), not raising RunFinished on the first."""
+    first = trained(tmp_path, tiny_model_dir, **{"trainer.experiment_name": None})
+    second = trained(tmp_path, tiny_model_dir, **{"trainer.experiment_name": None})
+    assert first.run_dir != second.run_dir and os.path.basename(first.run_dir).startswith("grpo-")
+    assert [h["step"] for h in second.history if h["step"]] == [1]
+    for run in (first, second):
+        assert sorted(os.listdir(os.path.join(run.run_dir, "checkpoints"))) == ["latest", "step_1"]
+
+
+def another_runs_checkpoint(run_dir, dataset_len: int) -> None:
+    """A checkpoint at step 1 as another config's run leaves it (its parts, state and manifest)."""
+    from hybridflow.checkpoint import CheckpointManager, save_trainer_state
+
+    with CheckpointManager(run_dir, config={"another": "config"}).writing(
+        1, meta={"algorithm": "grpo"}
+    ) as tmp:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "weights.bin").write_bytes(b"w")
+        save_trainer_state(
+            tmp, {"global_step": 1, "algorithm": "grpo", "loader": {"dataset_len": dataset_len}}
+        )
+
+
+def test_a_named_run_leaves_another_run_alone(ray_cluster, tmp_path, tiny_model_dir, capfd):
+    """trainer.experiment_name naming a directory that holds another run: resume=auto leaves it alone
+    and starts <name>-2, in one line; a checkpoint named explicitly that cannot be resumed is one line
+    naming the difference and the setting that starts a new run."""
+    another_runs_checkpoint(tmp_path / "api", dataset_len=6)
+    run = trained(tmp_path, tiny_model_dir, **{"trainer.total_steps": 2})
+    assert run.run_dir == str(tmp_path / "api-2") and [h["step"] for h in run.history if h["step"]] == [1, 2]
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if "holds" in x]
+    assert line == f"hybridflow train: {tmp_path / 'api'} holds another run (step_1 was written with a training " \
+        f"set of 6 prompts, this run has 4 (data.train_files)); this run starts in {tmp_path / 'api-2'}", line  # fmt: skip
+    assert (tmp_path / "api-2" / "report.png").is_file() and not (tmp_path / "api" / "metrics.jsonl").exists()
+    with pytest.raises(CheckpointError) as e:  # forced onto a checkpoint of another training set
+        trained(tmp_path, tiny_model_dir, **{"trainer.resume": "1"})
+    assert "written with a training set of 6 prompts, this run has 4" in str(e.value)
+    assert "trainer.resume=never" in str(e.value) and "\n" not in str(e.value)

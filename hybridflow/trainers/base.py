@@ -24,6 +24,7 @@ with a checkpoint (Preempted).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ from hybridflow.checkpoint import (
     restore_rng_state,
     save_trainer_state,
 )
-from hybridflow.checkpoint.run_lock import RunLock
+from hybridflow.checkpoint.run_lock import RunDirLocked, RunLock
 from hybridflow.config import ConfigError, config_to_dict, resolve_config, validate_config
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
@@ -364,12 +365,42 @@ class Trainer(ValidationMixin):
         return self.ckpt.latest()
 
     def _claim_run_dir(self) -> None:
-        self.run_lock = RunLock(self.cfg.run_dir, pid=supervised.owner_pid())
-        try:
-            self.resume_path = lifecycle.check_run_dir(self)
-        except BaseException:
-            self.run_lock.release()
-            raise
+        """Lock the run directory and decide how this run starts there (lifecycle.check_run_dir). With
+        trainer.resume=auto a directory holding a finished or another run is left as it is: this run
+        goes on in <experiment_name>-2 (-3, ...), the first that is free or holds this same run."""
+        first, name = self.cfg.run_dir, self.cfg.trainer.experiment_name
+        why = ""
+        for k in itertools.count(1):
+            if k > 1:
+                self._use_experiment_name(f"{name}-{k}")
+            try:
+                self.run_lock = RunLock(self.cfg.run_dir, pid=supervised.owner_pid())
+            except RunDirLocked:
+                if k == 1:
+                    raise
+                continue  # another process runs there
+            try:
+                self.resume_path = lifecycle.check_run_dir(self)
+            except lifecycle.AnotherRun as e:
+                self.run_lock.release()
+                why = why or str(e)
+                continue
+            except BaseException:
+                self.run_lock.release()
+                raise
+            if k > 1:
+                how = "resumes" if self.resume_path is not None else "starts in"
+                print(f"hybridflow train: {first} holds {why}; this run {how} {self.cfg.run_dir}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            return
+
+    def _use_experiment_name(self, name: str) -> None:
+        self.cfg.trainer.experiment_name = name
+        self.ckpt = CheckpointManager(
+            os.path.abspath(self.cfg.run_dir),
+            keep_last=self.cfg.trainer.keep_last,
+            config=_hashed_config(self.cfg),
+        )
 
     def maybe_resume(self) -> Path | None:
         """Load the checkpoint trainer.resume names (auto: the latest, if any; verified when this trainer
@@ -428,11 +459,9 @@ def _at_step(step: int, what: str = ""):
 
 def _hashed_config(cfg) -> dict:
     """The config as hashed into checkpoint manifests: without run length and logging settings, which a
-    resumed run may change freely (a mismatch elsewhere is logged as a warning on resume)."""
+    resumed run may change freely (lifecycle.FREE_KEYS). Another hash is another run to trainer.resume=auto;
+    a checkpoint named explicitly is resumed with a warning."""
     d = config_to_dict(cfg)
-    trainer_keys = d["trainer"]
-    for k in ("total_steps", "total_epochs", "val_every", "save_every", "keep_last", "resume", "loggers",
-              "save_every_minutes", "max_restarts", "stop_grace_s", "hang_timeout_s", "restart_wait_s", "min_devices",
-              "val_only", "rollout_data_dir", "validation_data_dir"):  # fmt: skip
-        trainer_keys.pop(k, None)
+    for k in lifecycle.FREE_KEYS:
+        d["trainer"].pop(k, None)
     return d

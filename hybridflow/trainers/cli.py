@@ -2,9 +2,11 @@
 
 Without resources.ray_address an embedded local Ray cluster is started (and stopped at the end);
 with one, the run joins that cluster. With trainer.resume=auto (the default) a run directory that
-holds checkpoints continues from the latest. At the end the run's report (report.png/html) is
-written next to metrics.jsonl. Exit code 0 on success (also when the run directory holds a finished
-run: nothing is trained), 2 on a user error (hybridflow/errors.py: config, data files, reward code,
+holds this same run unfinished continues from its latest checkpoint; one holding a finished run or
+another run (another config, algorithm, batch, model or training set) is left alone and this run starts
+in <experiment_name>-2 (-3, ...), saying so in one line. At the end the run's report (report.png/html) is
+written next to metrics.jsonl. Exit code 0 on success (also when trainer.resume names the final
+checkpoint: nothing is trained), 2 on a user error (hybridflow/errors.py: config, data files, reward code,
 model directories, checkpoints, a run directory in use; or a run stopped by a safety check such as
 reward.max_error_fraction or trainer.max_skipped_steps): one line on stderr, no traceback; 128 + signal
 number after SIGTERM (143) / SIGINT (130): the step in flight and a checkpoint are finished first, a
@@ -125,6 +127,7 @@ def train(args: argparse.Namespace) -> int:
         try:
             with signals.running():  # an Abandoned raised as it ends is caught below, not in the shutdown
                 trainer = build_trainer(cfg)
+                cfg.trainer.experiment_name = trainer.cfg.trainer.experiment_name  # it may move (resume=auto)
                 history = trainer.fit()
             val = {
                 k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")

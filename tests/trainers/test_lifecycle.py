@@ -81,21 +81,23 @@ def test_dead_worker_restarts_from_last_checkpoint(ray_cluster, config_file, tmp
         whole = trainer.fit()
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]
 
-    # started again: finished, says so, trains nothing, exit 0
+    # its final checkpoint resumed by name: finished, says so, trains nothing, exit 0
     capsys.readouterr()
-    assert cli_main(["train", str(config_file)]) == 0
+    assert cli_main(["train", str(config_file), "trainer.resume=8"]) == 0
     assert "is finished: its checkpoint step_8 reached trainer.total_steps=8" in capsys.readouterr().out
     assert len(metric_rows(run)) == 9
-    # resuming it with another batch size or another model: one line, exit 2, nothing touched
+    # resuming it by name with another batch size or another model: one line, exit 2, nothing touched
+    # (trainer.resume=auto would leave it alone and start run-2: tests/test_api.py)
     other = tmp_path / "other_model"
     other.mkdir()
     cfg_json = (Path(cfg.model.path) / "config.json").read_text()
     (other / "config.json").write_text(cfg_json.replace('"hidden_size": ', '"hidden_size": 1'))
     for override, expected in [
         ("data.train_batch_size=8", "written with data.train_batch_size=4, this run has 8"),
-        (f"model.path={other} model.tokenizer_path={cfg.model.path}", "differs (hidden_size"),
+        (f"model.path={other} model.tokenizer_path={cfg.model.path}", "step_8's (hidden_size"),
     ]:
-        assert cli_main(["train", str(config_file), *override.split(), "trainer.total_steps=10"]) == 2
+        overrides = [*override.split(), "trainer.total_steps=10", "trainer.resume=8"]
+        assert cli_main(["train", str(config_file), *overrides]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and expected in err and "trainer.resume=never" in err, err
     assert len(metric_rows(run)) == 9

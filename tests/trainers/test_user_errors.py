@@ -245,7 +245,8 @@ def test_bad_values_are_one_line_exit_2_before_ray_starts(setup, capsys):
 
 
 def test_resuming_another_algorithm_is_one_line_before_ray_starts(setup, capsys):
-    """A checkpoint written by PPO resumed by a GRPO run (same directory): refused before any worker."""
+    """A checkpoint written by PPO resumed by name by a GRPO run (same directory): refused before any
+    worker (trainer.resume=auto would leave it alone and start from_ppo-2)."""
     import ray
 
     from hybridflow.checkpoint import CheckpointManager, save_trainer_state
@@ -257,7 +258,8 @@ def test_resuming_another_algorithm_is_one_line_before_ray_starts(setup, capsys)
         (tmp / "actor" / "weights.bin").write_bytes(b"w")
         save_trainer_state(tmp, {"global_step": 1, "algorithm": "ppo"})
     ray_was_up = ray.is_initialized()
-    assert cli_main(["train", str(config), "trainer.experiment_name=from_ppo", "trainer.total_steps=2"]) == 2
+    overrides = ["trainer.experiment_name=from_ppo", "trainer.total_steps=2", "trainer.resume=1"]
+    assert cli_main(["train", str(config), *overrides]) == 2
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if x.startswith("hybridflow train:")]
     assert f"{manager.step_dir(1)} was written by algorithm.name=ppo, this run is grpo" in line, line
