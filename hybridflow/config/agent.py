@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from hybridflow.config.sandbox import SandboxConfig
-from hybridflow.fields import at_least, section, setting
+from hybridflow.fields import MAX_SECONDS, domain_errors, section, setting
 
 PARSERS = ("hermes",)
 CODE_TOOL = "python"
@@ -19,7 +19,7 @@ class MultiTurnConfig:
     """Generate, call a tool, insert its output as tokens, continue: token in, token out."""
 
     enable: bool = setting(False, "multi-turn rollouts: the response holds model turns and tool outputs")
-    max_turns: int = setting(4, "most model turns per trajectory (a call in the last one is not run)")
+    max_turns: int = setting(4, "most model turns per trajectory (a call in the last one is not run)", ge=1)
     tools: list = setting(
         [], f"tools the model may call: 'path/file.py:function' (typed Python functions), or {CODE_TOOL!r} "
         "(the sandboxed code interpreter)",
@@ -37,13 +37,16 @@ class MultiTurnConfig:
         "\\n<|im_start|>assistant\\n')",
     )  # fmt: skip
     tool_timeout_s: float = setting(
-        10.0, "seconds one tool call may take; then the model is answered with a timeout"
+        10.0,
+        "seconds one tool call may take; then the model is answered with a timeout",
+        gt=0,
+        le=MAX_SECONDS,
     )
     max_tool_output_tokens: int = setting(
-        256, "a tool's output is cut to this many tokens (the template's not counted)"
+        256, "a tool's output is cut to this many tokens (the template's not counted)", ge=1
     )
     max_parallel_calls: int = setting(
-        8, "tool calls run at once per rollout rank (threads; the code tool's are processes)"
+        8, "tool calls run at once per rollout rank (threads; the code tool's are processes)", ge=1
     )
     sandbox: SandboxConfig = section(
         SandboxConfig, "limits of the code tool's processes", memory_mb=1024, cpu_s=10.0
@@ -53,10 +56,7 @@ class MultiTurnConfig:
 def multi_turn_errors(m: MultiTurnConfig, engine_n: int = 1) -> list[str]:
     """The problems of `rollout.multi_turn`, one message each, starting with the key."""
     key = "rollout.multi_turn"
-    errors = at_least(1, {f"{key}.{k}": getattr(m, k) for k in ("max_turns", "max_tool_output_tokens",
-                                                               "max_parallel_calls")})  # fmt: skip
-    if not m.tool_timeout_s > 0:
-        errors.append(f"{key}.tool_timeout_s: must be > 0, got {m.tool_timeout_s}")
+    errors = domain_errors(m, key + ".")  # the whole tree's are checked first; here for direct callers
     if "{output}" not in m.tool_response_template:
         errors.append(
             f"{key}.tool_response_template: must contain {{output}}, got {m.tool_response_template!r}"
@@ -79,8 +79,6 @@ def multi_turn_errors(m: MultiTurnConfig, engine_n: int = 1) -> list[str]:
         errors.append(f"{key}.enable: true needs rollout.multi_turn.tools or rollout.multi_turn.environment")
     if not m.enable and (m.tools or m.environment):
         errors.append(f"{key}.tools/environment: set, but rollout.multi_turn.enable is false (set it true)")
-    if m.sandbox.memory_mb < 1 or m.sandbox.cpu_s <= 0:
-        errors.append(f"{key}.sandbox: memory_mb and cpu_s must be > 0")
     return errors
 
 

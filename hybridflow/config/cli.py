@@ -26,6 +26,18 @@ def _scalar(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
 
 
+def allowed(f: dataclasses.Field, default) -> str:
+    """' [a|b]' (choices) or ' [>= 1]' (a number's domain) after a field's help; '' for the rest."""
+    choices = f.metadata.get("choices")
+    if choices:
+        return f" [{'|'.join(str(c) for c in choices if c != '')}]"
+    domain = f.metadata.get("domain")
+    is_float = isinstance(default, float) or (
+        isinstance(default, list) and any(isinstance(v, float) for v in default)
+    )
+    return f" [{domain.describe(is_float)}]" if domain else ""
+
+
 def to_yaml(cfg, comments: bool = False, indent: int = 0) -> str:
     """YAML text of a config dataclass; with `comments`, each line ends with the field's help."""
     lines = []
@@ -39,9 +51,7 @@ def to_yaml(cfg, comments: bool = False, indent: int = 0) -> str:
         else:
             line = f"{pad}{f.name}: {_scalar(value)}"
             if comments and help_:
-                choices = f.metadata.get("choices")
-                extra = f" [{'|'.join(c for c in choices if c)}]" if choices else ""
-                line += f"  # {help_}{extra}"
+                line += f"  # {help_}{allowed(f, value)}"
             lines.append(line)
     return "\n".join(lines)
 
@@ -58,9 +68,9 @@ def field_reference(cls=HybridFlowConfig, prefix: str = "") -> str:
             lines.append(field_reference(tp, path + "."))
             continue
         name = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-        choices = f.metadata.get("choices")
-        extra = f" [{'|'.join(c for c in choices if c)}]" if choices else ""
-        lines.append(f"  {path} ({name}, default {_scalar(value)}): {f.metadata.get('help', '')}{extra}")
+        lines.append(
+            f"  {path} ({name}, default {_scalar(value)}): {f.metadata.get('help', '')}{allowed(f, value)}"
+        )
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = _f(
         10,
         "generation batches a step may use before it stops the run in one line (0 = unlimited, as verl)",
+        ge=0,
     )
 
 
@@ -37,8 +38,12 @@ class OverlongBufferConfig:
     """DAPO's soft overlong punishment of responses near rollout.response_length (algorithm.name=dapo)."""
 
     enable: bool = _f(False, "penalise responses longer than rollout.response_length - len")
-    len: int = _f(0, "buffer tokens before the cap over which the penalty grows linearly to penalty_factor")
-    penalty_factor: float = _f(1.0, "the penalty at the cap: reward -= min(excess / len, 1) * penalty_factor")
+    len: int = _f(
+        0, "buffer tokens before the cap over which the penalty grows linearly to penalty_factor", ge=0
+    )
+    penalty_factor: float = _f(
+        1.0, "the penalty at the cap: reward -= min(excess / len, 1) * penalty_factor", ge=0
+    )
 
 
 def dapo_errors(cfg) -> list[str]:
@@ -57,10 +62,6 @@ def dapo_errors(cfg) -> list[str]:
             for key, on in given.items()
             if on
         ]
-    if fg.max_num_gen_batches < 0:
-        errors.append(
-            f"algorithm.filter_groups.max_num_gen_batches: must be >= 0, got {fg.max_num_gen_batches}"
-        )
     if fg.enable and fg.metric == "acc" and cfg.reward.kind == "model":
         errors.append(
             "algorithm.filter_groups.metric: 'acc' is a key a rule reward returns; a reward model returns "
@@ -71,8 +72,6 @@ def dapo_errors(cfg) -> list[str]:
             f"reward.overlong_buffer.len: must be in [1, rollout.response_length={cfg.rollout.response_length}], "
             f"got {ob.len}"
         )
-    if ob.penalty_factor < 0:
-        errors.append(f"reward.overlong_buffer.penalty_factor: must be >= 0, got {ob.penalty_factor}")
     if is_dapo and cfg.trainer.rollout_ahead:
         errors.append(
             "trainer.rollout_ahead: 1 is not supported by the dapo driver yet (with dynamic sampling, which "

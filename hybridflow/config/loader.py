@@ -254,12 +254,25 @@ def yaml_error_line(path: str | os.PathLike, error: yaml.YAMLError) -> str:
 
 def load_yaml(path: str | os.PathLike) -> dict:
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:  # bytes: PyYAML reports undecodable text as a YAMLError with its place
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError([f"config file {str(path)!r} does not exist"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"config file {str(path)!r} is a directory; name a YAML file in it"]) from None
+    except OSError as e:  # no permission, an I/O error
+        raise ConfigError([f"config file {str(path)!r} cannot be read: {e.strerror or e}"]) from None
+    except yaml.reader.ReaderError as e:  # not UTF-8 (or UTF-16) text, or a control character
+        undecodable = isinstance(e.character, int)  # a byte that does not decode, else a character
+        what = "not UTF-8 text" if undecodable else "not valid YAML: a control character"
+        char = e.character if undecodable else ord(e.character)
+        raise ConfigError([f"{path}: {what} (byte {char:#04x} at offset {e.position})"]) from None
     except yaml.YAMLError as e:
         raise ConfigError([yaml_error_line(path, e)]) from None
+    except RecursionError:
+        raise ConfigError(
+            [f"{path}: not valid YAML: nested deeper than the reader's recursion limit"]
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -52,10 +52,6 @@ def rollout_ahead_errors(cfg, spec) -> list[str]:
     """Problems of the rollout_ahead settings (`spec`: the algorithm's AlgorithmSpec, None if unknown)."""
     trainer_cfg, res = cfg.trainer, cfg.resources
     n, r = res.num_devices, res.rollout_devices
-    if trainer_cfg.rollout_ahead not in (0, 1):
-        return [
-            f"trainer.rollout_ahead: {trainer_cfg.rollout_ahead!r} is not one of [0, 1] (steps generated ahead)"
-        ]
     if not trainer_cfg.rollout_ahead:
         errors = []
         if r:

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from hybridflow.fields import at_least, setting
+from hybridflow.fields import MAX_SECONDS, MAX_SEED, setting
 
 _f = setting  # a short name keeps the field lists readable
 
@@ -25,12 +25,13 @@ class ResourcesConfig:
         "or a plan file written by `hybridflow plan`",
     )
     device: str = _f("auto", "auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
-    n_gpus_per_node: int = _f(1, "devices per node (on CPU: worker processes per node)")
-    nnodes: int = _f(1, "number of nodes")
+    n_gpus_per_node: int = _f(1, "devices per node (on CPU: worker processes per node)", ge=1)
+    nnodes: int = _f(1, "number of nodes", ge=1)
     rollout_devices: int = _f(
         0,
         "trainer.rollout_ahead=1: devices of the rollout pool, taken from the n_gpus_per_node * nnodes "
         "(the rest train; 0 = half of them, rounded down; with placement auto the planner sizes it)",
+        ge=0,
     )
     frozen_pool: str = _f(
         "auto",
@@ -47,7 +48,7 @@ class ResourcesConfig:
         "machine by `hybridflow calibrate --out FILE` ('' = the device catalogue's datasheet entry)",
     )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
-    ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)")
+    ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)", ge=0)
     ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
 
     @property
@@ -57,11 +58,11 @@ class ResourcesConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = _f(0, "training steps (0 = derive from total_epochs)")
-    total_epochs: int = _f(1, "passes over the training set when total_steps = 0")
-    val_every: int = _f(0, "validate every N steps (0 = only before training and at the end)")
+    total_steps: int = _f(0, "training steps (0 = derive from total_epochs)", ge=0)
+    total_epochs: int = _f(1, "passes over the training set when total_steps = 0", ge=0)
+    val_every: int = _f(0, "validate every N steps (0 = only before training and at the end)", ge=0)
     val_before_train: bool = _f(True, "validate once before the first step")
-    val_generations_to_log: int = _f(4, "validation samples shown in the generations table")
+    val_generations_to_log: int = _f(4, "validation samples shown in the generations table", ge=0)
     val_only: bool = _f(
         False, "validate the initial (or resumed) weights once, log the val/ metrics and exit: no training"
     )
@@ -71,33 +72,45 @@ class TrainerConfig:
     validation_data_dir: str = _f(
         "", "write each validation's generations to <dir>/<step>.jsonl, as rollout_data_dir ('' = off)"
     )
-    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)", ge=0)
     save_every_minutes: float = _f(
-        30.0, "also checkpoint after a step when this many minutes passed since the last save (0 = off)"
+        30.0,
+        "also checkpoint after a step when this many minutes passed since the last save (0 = off)",
+        ge=0,
+        le=MAX_SECONDS // 60,
     )
     max_restarts: int = _f(
         3,
         "a dead worker or a collective timeout: tear down, restart the workers, reload the last checkpoint, continue (this many times)",
+        ge=0,
     )
     restart_wait_s: float = _f(
         300.0,
         "on a restart, how long to wait for the devices the placement needs (a lost node replaced), "
         "printing progress; then fail, or shrink per trainer.min_devices",
+        ge=0,
+        le=MAX_SECONDS,
     )
     min_devices: int = _f(
         0,
         "on a restart that still lacks devices after restart_wait_s: continue on fewer (dp shrinks, the "
         "batch arithmetic re-checked) down to this many; 0 = never shrink",
+        ge=0,
     )
     stop_grace_s: float = _f(
-        120.0, "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them"
+        120.0,
+        "on SIGTERM/SIGINT: time to finish the step and write a checkpoint before abandoning them",
+        ge=0,
+        le=MAX_SECONDS,
     )
     hang_timeout_s: float = _f(
         0.0,
         "a worker call during which no rank finishes for this long is a hung worker: its group is killed "
         "and restarted like a dead one (trainer.max_restarts); 0 = off. Set above the longest call",
+        ge=0,
+        le=MAX_SECONDS,
     )
-    keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)")
+    keep_last: int = _f(2, "checkpoints to keep (older ones are deleted)", ge=1)
     resume: str = _f(
         "auto", "auto = continue from the latest checkpoint, never, a step number (12), or a checkpoint path"
     )
@@ -109,8 +122,9 @@ class TrainerConfig:
         3,
         "stop the run (one line, exit 2) after this many consecutive steps whose update was skipped "
         "(non-finite loss or gradient norm)",
+        ge=1,
     )
-    seed: int = _f(1, "global seed (model init, sampling, dropout)")
+    seed: int = _f(1, "global seed (model init, sampling, dropout)", ge=0, le=MAX_SEED)
     overlap_phases: bool = _f(
         True,
         "issue an RL step's independent phases (values, reference, reward and cost models; the critic "
@@ -121,11 +135,12 @@ class TrainerConfig:
         0,
         "1 = one-step off-policy: a rollout pool of its own (resources.rollout_devices) samples step k+1's "
         "responses while the actor trains on step k; weights synced after each update (docs/design.md)",
+        choices=(0, 1),
     )
 
 
 def resources_errors(r: ResourcesConfig) -> list[str]:
-    errors = at_least(1, {"resources.n_gpus_per_node": r.n_gpus_per_node, "resources.nnodes": r.nnodes})
+    errors = []  # the sizes' ranges: the fields' domains (fields.domain_errors)
     if r.placement not in ("colocate", "split", "auto") and not os.path.isfile(r.placement):
         errors.append(
             f"resources.placement: {r.placement!r} is not colocate|split|auto or an existing plan file"
@@ -181,10 +196,7 @@ def machine_warnings(r: ResourcesConfig) -> list[str]:
 
 
 def trainer_errors(t: TrainerConfig) -> list[str]:
-    errors = at_least(1, {"trainer.keep_last": t.keep_last, "trainer.max_skipped_steps": t.max_skipped_steps})
-    errors += at_least(0, {f"trainer.{k}": getattr(t, k) for k in ("total_steps", "total_epochs", "val_every",
-                       "save_every", "max_restarts", "save_every_minutes", "stop_grace_s", "restart_wait_s",
-                       "min_devices", "hang_timeout_s")})  # fmt: skip
+    errors = []  # the ranges: the fields' domains (fields.domain_errors)
     if t.total_steps == 0 and t.total_epochs == 0:
         errors.append("trainer.total_steps: both total_steps and total_epochs are 0; set one of them")
     errors += [

@@ -33,9 +33,9 @@ from hybridflow.config.algorithm_config import (  # the `algorithm` section; re-
 )
 from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
-from hybridflow.config.sandbox import SandboxConfig, sandbox_errors
+from hybridflow.config.sandbox import SandboxConfig
 from hybridflow.engines.config import LoraConfig, OptimConfig, ParallelConfig, lora_errors, optim_errors
-from hybridflow.fields import at_least, finite_at_least, section, setting
+from hybridflow.fields import MAX_SECONDS, MAX_SEED, section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
 
@@ -125,7 +125,7 @@ class DataConfig:
     chosen_key: str = _f("chosen", "DPO: column holding the preferred response")
     rejected_key: str = _f("rejected", "DPO: column holding the dispreferred response")
     apply_chat_template: bool = _f(True, "render prompts with the tokenizer's chat template")
-    max_prompt_length: int = _f(512, "max prompt tokens")
+    max_prompt_length: int = _f(512, "max prompt tokens", ge=1)
     truncation: str = _f(
         "error",
         "what to do with longer prompts: fail, keep the left/right part, or drop them (count logged)",
@@ -140,10 +140,10 @@ class DataConfig:
         "counted and warned at load (warn), or accepted (ignore: rewards that need none, e.g. format)",
         choices=("error", "warn", "ignore"),
     )
-    train_batch_size: int = _f(8, "prompts per training step (each gets rollout.n responses)")
-    val_batch_size: int = _f(0, "prompts per validation batch (0 = the whole validation set at once)")
+    train_batch_size: int = _f(8, "prompts per training step (each gets rollout.n responses)", ge=1)
+    val_batch_size: int = _f(0, "prompts per validation batch (0 = the whole validation set at once)", ge=0)
     shuffle: bool = _f(True, "shuffle the training set every epoch (seeded, resumable)")
-    seed: int = _f(1, "shuffle seed")
+    seed: int = _f(1, "shuffle seed", ge=0, le=MAX_SEED)
 
 
 # ---- workers -----------------------------------------------------------------------------------
@@ -165,20 +165,25 @@ class RolloutCorrectionConfig:
         "per token, geo_mask per sequence by definition)",
         choices=CORRECTION_LEVELS,
     )
-    upper: float = _f(2.0, "upper bound on rho (tis: the truncation cap, verl's tis_imp_ratio_cap)")
-    lower: float = _f(0.0, "lower bound on rho (mis, icepop, geo_mask; 0 = none)")
+    upper: float = _f(2.0, "upper bound on rho (tis: the truncation cap, verl's tis_imp_ratio_cap)", gt=0)
+    lower: float = _f(0.0, "lower bound on rho (mis, icepop, geo_mask; 0 = none)", ge=0)
 
 
 @dataclass
 class ActorConfig:
     optim: OptimConfig = _sub(OptimConfig, "actor optimizer")
-    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n sequences)")
-    ppo_epochs: int = _f(1, "passes over each rollout batch")
+    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n sequences)", ge=1)
+    ppo_epochs: int = _f(1, "passes over each rollout batch", ge=1)
     num_mini_batches: int = _f(
-        0, "derived: data.train_batch_size / ppo_mini_batch_size optimizer steps per epoch", derived=True
+        0,
+        "derived: data.train_batch_size / ppo_mini_batch_size optimizer steps per epoch",
+        derived=True,
+        ge=0,
     )
-    micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
-    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
+    micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device", ge=1)
+    max_tokens_per_micro_batch: int = _f(
+        0, "pack micro-batches up to this many tokens per device (0 = off)", ge=0
+    )
     policy_loss: str = _f(
         "vanilla",
         "vanilla (PPO clip + dual clip), gspo (sequence ratio), cispo (clipped IS weight x log-prob), geo_mean "
@@ -188,13 +193,15 @@ class ActorConfig:
     clip_ratio_low: float = _f(
         0.2,
         "clip: ratio >= 1 - clip_ratio_low (gspo: of the sequence ratio, ~3e-4; geo_mean: log-ratio >= -it)",
+        ge=0,
     )
     clip_ratio_high: float = _f(
         0.2,
         "clip: ratio <= 1 + clip_ratio_high (raise for DAPO clip-higher; gspo: ~4e-4; geo_mean: log-ratio <= it)",
+        ge=0,
     )
     clip_ratio_c: float = _f(
-        3.0, "dual-clip constant for negative advantages (> 1; policy_loss vanilla only)"
+        3.0, "dual-clip constant for negative advantages (policy_loss vanilla only)", gt=1
     )
     rollout_correction: RolloutCorrectionConfig = _sub(
         RolloutCorrectionConfig, "rollout-vs-training log-prob correction"
@@ -214,19 +221,19 @@ class ActorConfig:
 class RolloutValConfig:
     """Sampling used for validation (greedy by default so acc@1 is deterministic)."""
 
-    n: int = _f(1, "responses per validation prompt (mean@n is logged when > 1)")
-    temperature: float = _f(0.0, "0 = greedy")
-    top_k: int = _f(-1, "-1 = off")
-    top_p: float = _f(1.0, "nucleus sampling threshold")
+    n: int = _f(1, "responses per validation prompt (mean@n is logged when > 1)", ge=1)
+    temperature: float = _f(0.0, "0 = greedy", ge=0)
+    top_k: int = _f(-1, "-1 or 0 = off", ge=-1)
+    top_p: float = _f(1.0, "nucleus sampling threshold", gt=0, le=1)
 
 
 @dataclass
 class RolloutConfig:
-    n: int = _f(1, "responses sampled per prompt (GRPO/RLOO need >= 2)")
-    temperature: float = _f(1.0, "sampling temperature (0 = greedy)")
-    top_k: int = _f(-1, "top-k sampling (-1 = off)")
-    top_p: float = _f(1.0, "nucleus sampling threshold")
-    response_length: int = _f(512, "max new tokens per response")
+    n: int = _f(1, "responses sampled per prompt (GRPO/RLOO need >= 2)", ge=1)
+    temperature: float = _f(1.0, "sampling temperature (0 = greedy)", ge=0)
+    top_k: int = _f(-1, "top-k sampling (-1 or 0 = off)", ge=-1)
+    top_p: float = _f(1.0, "nucleus sampling threshold", gt=0, le=1)
+    response_length: int = _f(512, "max new tokens per response", ge=1)
     engine: str = _f(
         "builtin",
         "generation engine: builtin, or vllm (`make vllm`; docs/rollout.md)",
@@ -236,22 +243,28 @@ class RolloutConfig:
         1,
         "generation tensor-parallel size (3D-HybridEngine; must divide actor tp and the head counts; with "
         "trainer.rollout_ahead=1 also the rollout pool's, so it must divide resources.rollout_devices)",
+        ge=1,
     )
-    pg: int = _f(1, "generation pipeline-parallel size (only 1: pipeline parallelism does not exist yet)")
+    pg: int = _f(
+        1, "generation pipeline-parallel size (only 1: pipeline parallelism does not exist yet)", ge=1
+    )
     reshard: str = _f(
         "hybridflow",
         "actor train -> generate switch (docs/hybrid_engine.md): hybridflow = micro-DP all-gather to the "
         "tg shard, allgather = whole model on every rank, vanilla = HybridFlow-V, two_copy = resident copy",
         choices=("hybridflow", "allgather", "vanilla", "two_copy"),
     )
-    micro_batch_size_per_device: int = _f(0, "prompts per generate() call on one device (0 = all at once)")
+    micro_batch_size_per_device: int = _f(
+        0, "prompts per generate() call on one device (0 = all at once)", ge=0
+    )
     cpu_threads: int = _f(
-        0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)"
+        0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)", ge=0
     )
     gpu_memory_utilization: float = _f(
         0.0,
         "vllm only: fraction of device memory (CPU: of RAM) for weights + KV cache; 0 = KV cache sized "
         "for one call's sequences",
+        unit=True,
     )
     val: RolloutValConfig = _sub(RolloutValConfig, "validation sampling")
     multi_turn: MultiTurnConfig = _sub(
@@ -263,14 +276,21 @@ class RolloutConfig:
 @dataclass
 class CriticConfig:
     optim: OptimConfig = _sub(OptimConfig, "critic optimizer", lr=1e-5)
-    ppo_mini_batch_size: int = _f(0, "prompts per critic optimizer step (0 = actor.ppo_mini_batch_size)")
-    ppo_epochs: int = _f(0, "passes over each rollout batch (0 = actor.ppo_epochs)")
-    num_mini_batches: int = _f(
-        0, "derived: data.train_batch_size / ppo_mini_batch_size optimizer steps per epoch", derived=True
+    ppo_mini_batch_size: int = _f(
+        0, "prompts per critic optimizer step (0 = actor.ppo_mini_batch_size)", ge=0
     )
-    micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device")
-    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
-    cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value")
+    ppo_epochs: int = _f(0, "passes over each rollout batch (0 = actor.ppo_epochs)", ge=0)
+    num_mini_batches: int = _f(
+        0,
+        "derived: data.train_batch_size / ppo_mini_batch_size optimizer steps per epoch",
+        derived=True,
+        ge=0,
+    )
+    micro_batch_size_per_device: int = _f(4, "sequences per forward/backward on one device", ge=1)
+    max_tokens_per_micro_batch: int = _f(
+        0, "pack micro-batches up to this many tokens per device (0 = off)", ge=0
+    )
+    cliprange_value: float = _f(0.5, "clip new values to old +/- cliprange_value", gt=0)
     loss_agg_mode: str = _f("token-mean", _AGG_HELP, choices=LOSS_AGG_MODES)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     offload: bool = _f(False, "move parameters and optimizer state to CPU while colocated models run")
@@ -279,8 +299,10 @@ class CriticConfig:
 
 @dataclass
 class RefConfig:
-    micro_batch_size_per_device: int = _f(8, "sequences per log-prob forward on one device")
-    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches up to this many tokens per device (0 = off)")
+    micro_batch_size_per_device: int = _f(8, "sequences per log-prob forward on one device", ge=1)
+    max_tokens_per_micro_batch: int = _f(
+        0, "pack micro-batches up to this many tokens per device (0 = off)", ge=0
+    )
     offload: bool = _f(False, "keep parameters on CPU between calls")
     parallel: ParallelConfig = _sub(ParallelConfig, "reference inference parallelism")
 
@@ -316,9 +338,11 @@ class RewardConfig:
         10.0,
         "seconds one sample may take (hangs are killed and reported; once a sample runs past timeout_s / 10 "
         "the batch's other samples run concurrently, so a hanging batch costs about 1 x timeout_s)",
+        gt=0,
+        le=MAX_SECONDS,
     )
-    num_workers: int = _f(1, "processes scoring rule rewards (0 = built-ins in-process)")
-    chunk_size: int = _f(0, "samples per chunk sent to a worker (0 = automatic)")
+    num_workers: int = _f(1, "processes scoring rule rewards (0 = built-ins in-process)", ge=0)
+    chunk_size: int = _f(0, "samples per chunk sent to a worker (0 = automatic)", ge=0)
     on_error: str = _f(
         "score",
         "a raising/hanging reward fn is always reported (sample id + traceback); then it scores "
@@ -326,24 +350,29 @@ class RewardConfig:
         choices=("score", "zero", "raise"),
     )
     error_score: float = _f(0.0, "score given to a sample whose reward function failed")
-    max_logged_errors: int = _f(5, "failures per batch logged with their full traceback (all are counted)")
+    max_logged_errors: int = _f(
+        5, "failures per batch logged with their full traceback (all are counted)", ge=0
+    )
     max_error_fraction: float = _f(
         0.5,
         "stop the run (one line, exit 2) when more than this fraction of a batch's rewards fail (1 = never)",
+        unit=True,
     )
     max_abs_score: float = _f(
-        1e6, "a score of larger magnitude (or not finite as float32) is a failed sample"
+        1e6, "a score of larger magnitude (or not finite as float32) is a failed sample", gt=0
     )
     startup_timeout_s: float = _f(
         60.0,
         "seconds a reward worker may take to import reward.fn (a hang or exit there is a one-line error)",
+        gt=0,
+        le=MAX_SECONDS,
     )
     preload: list[str] = _f(
         [],
         "modules each reward worker imports at start-up, not inside the first sample's timeout "
         "(data.dataset=reasoning_gym:<task> adds reasoning_gym)",
     )
-    micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device")
+    micro_batch_size_per_device: int = _f(8, "reward model: sequences per forward on one device", ge=1)
     parallel: ParallelConfig = _sub(ParallelConfig, "reward model inference parallelism")
     overlong_buffer: OverlongBufferConfig = _sub(
         OverlongBufferConfig, "DAPO's overlong reward shaping of training scores (algorithm.name=dapo)"
@@ -390,70 +419,37 @@ def model_errors(m: ModelConfig) -> list[str]:
 
 
 def data_errors(d: DataConfig) -> list[str]:
-    sizes = {"data.train_batch_size": d.train_batch_size, "data.max_prompt_length": d.max_prompt_length}
-    return at_least(1, sizes) + at_least(0, {"data.val_batch_size": d.val_batch_size})
+    return []  # its ranges are the fields' domains (fields.domain_errors)
 
 
 def actor_errors(a: ActorConfig) -> list[str]:
-    errors = at_least(1, {"actor.ppo_mini_batch_size": a.ppo_mini_batch_size, "actor.ppo_epochs": a.ppo_epochs,
-                          "actor.micro_batch_size_per_device": a.micro_batch_size_per_device})  # fmt: skip
-    errors += at_least(0, {"actor.max_tokens_per_micro_batch": a.max_tokens_per_micro_batch})
-    if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
-        errors.append("actor.clip_ratio_low/high: clip ratios must be >= 0")
-    if a.clip_ratio_c <= 1.0:
-        errors.append(f"actor.clip_ratio_c: the dual-clip constant must be > 1, got {a.clip_ratio_c}")
-    return errors + optim_errors(a.optim, "actor.optim")
+    return optim_errors(a.optim, "actor.optim")  # the ranges: the fields' domains
 
 
 def rollout_errors(r: RolloutConfig) -> list[str]:
-    errors = at_least(1, {"rollout.n": r.n, "rollout.val.n": r.val.n, "rollout.response_length": r.response_length,
-                          "rollout.tg": r.tg, "rollout.pg": r.pg})  # fmt: skip
-    for key, sampling in {"rollout": r, "rollout.val": r.val}.items():
-        errors += finite_at_least(0, {f"{key}.temperature": sampling.temperature})
-        if not 0.0 < sampling.top_p <= 1.0:
-            errors.append(f"{key}.top_p: must be in (0, 1], got {sampling.top_p}")
-    return errors + multi_turn_errors(
-        r.multi_turn
-    )  # what each engine uses: rollout/factory.rollout_engine_errors
+    # the ranges are the fields' domains; what each engine uses: rollout/factory.rollout_engine_errors
+    return multi_turn_errors(r.multi_turn)
 
 
 def critic_errors(c: CriticConfig) -> list[str]:
-    errors = at_least(1, {"critic.micro_batch_size_per_device": c.micro_batch_size_per_device})
-    errors += at_least(0, {"critic.max_tokens_per_micro_batch": c.max_tokens_per_micro_batch})
-    return errors + optim_errors(c.optim, "critic.optim")
+    return optim_errors(c.optim, "critic.optim")
 
 
 def ref_errors(r: RefConfig) -> list[str]:
-    return at_least(1, {"ref.micro_batch_size_per_device": r.micro_batch_size_per_device}) + at_least(
-        0, {"ref.max_tokens_per_micro_batch": r.max_tokens_per_micro_batch}
-    )
+    return []  # its ranges are the fields' domains
 
 
 def reward_errors(r: RewardConfig) -> list[str]:
-    errors = at_least(0, {"reward.num_workers": r.num_workers, "reward.chunk_size": r.chunk_size})
-    if not 0.0 <= r.max_error_fraction <= 1.0:
-        errors.append(f"reward.max_error_fraction: must be in [0, 1], got {r.max_error_fraction}")
-    for key, v in {
-        "reward.max_abs_score": r.max_abs_score,
-        "reward.startup_timeout_s": r.startup_timeout_s,
-        "reward.timeout_s": r.timeout_s,
-    }.items():
-        if not v > 0:
-            errors.append(f"{key}: must be > 0, got {v}")
-    return errors + reward_fns_errors(r) + sandbox_errors(r.sandbox)
+    return reward_fns_errors(r)  # reward.sandbox: its fields' domains
 
 
 def reward_fns_errors(r: RewardConfig) -> list[str]:
     """reward.fns replaces reward.fn and its fn_kwargs (each entry has its own), so both set is refused."""
-    import math
-
     if not r.fns:
         return []
     errors = [f"reward.fns and reward.{k} are both set; give each entry its own fn and fn_kwargs"
               for k, v in (("fn", r.fn), ("fn_kwargs", r.fn_kwargs)) if v]  # fmt: skip
     errors += [f"reward.fns[{i}].fn: empty; name a reward function" for i, e in enumerate(r.fns) if not e.fn]
-    errors += [f"reward.fns[{i}].weight: must be finite, got {e.weight}"
-               for i, e in enumerate(r.fns) if not math.isfinite(e.weight)]  # fmt: skip
     names = [reward_fn_name(e) for e in r.fns]
     errors += [f"reward.fns: two entries are named {n!r}; set reward.fns[i].name" for n in sorted(set(names))
                if names.count(n) > 1]  # fmt: skip

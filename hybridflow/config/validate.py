@@ -3,6 +3,8 @@
 `resolve_config` fills the fields documented as "0 / '' = derive" so the trainer reads concrete
 numbers. `validate_config` collects every inconsistency (each naming its key and a fix) and raises
 one ConfigError: failing at step 0 with a clear message beats failing at step 1 inside a worker.
+First every leaf is checked against the domain its field declares (hybridflow/fields.py `domain_errors`:
+ranges, finiteness, choices); the checks after it may assume in-domain values.
 Each section's own checks live beside its definition (config/schema.py, config/algorithm_config.py,
 config/run_config.py, engines/config.py; SECTION_CHECKS); those here relate sections to each other (batch arithmetic, the
 algorithm's needs, pools and layouts).
@@ -11,7 +13,6 @@ algorithm's needs, pools and layouts).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import os
 
@@ -37,6 +38,7 @@ from hybridflow.config.schema import (
 )
 from hybridflow.engines.config import parallel_errors
 from hybridflow.errors import ConfigError
+from hybridflow.fields import domain_errors
 from hybridflow.hybrid_engine.layout import generation_layout_errors
 from hybridflow.rollout.factory import rollout_engine_errors
 
@@ -134,20 +136,6 @@ def _parallel_configs(cfg: HybridFlowConfig) -> dict[str, ParallelConfig]:
     }
 
 
-def _check_choices(obj, prefix: str, errors: list[str]) -> None:
-    """Every field with `choices` metadata holds one of them (recursing into nested configs)."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        path = prefix + f.name
-        if dataclasses.is_dataclass(value):
-            _check_choices(value, path + ".", errors)
-        elif "choices" in f.metadata and value not in f.metadata["choices"]:
-            choices = [c for c in f.metadata["choices"] if c]
-            near = difflib.get_close_matches(str(value), choices, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            errors.append(f"{path}: {value!r} is not one of {choices}{hint}")
-
-
 # each section's own checks, beside its definition; collect_errors adds those across sections
 SECTION_CHECKS = {
     "algorithm": algorithm_errors,
@@ -165,9 +153,10 @@ SECTION_CHECKS = {
 
 def collect_errors(cfg: HybridFlowConfig, check_model: bool = True) -> list[str]:
     """All problems of a resolved config, as messages that start with the offending key."""
-    spec = ALGORITHM_SPECS.get(cfg.algorithm.name)  # None: an unknown name, already reported
-    errors: list[str] = []
-    _check_choices(cfg, "", errors)
+    errors = domain_errors(cfg)  # every leaf's declared range and choices (hybridflow/fields.py)
+    if errors:  # the checks below relate values to each other, and assume each is in its domain
+        return errors
+    spec = ALGORITHM_SPECS.get(cfg.algorithm.name)
     errors += _not_yet_errors(cfg)
     for name, check in SECTION_CHECKS.items():
         errors += check(getattr(cfg, name))
@@ -291,8 +280,13 @@ def _get(cfg, key: str):
 
 
 def _nearest_divisor(total: int, near: int) -> int:
-    divisors = [k for k in range(1, total + 1) if total % k == 0]
-    return min(divisors, key=lambda k: (abs(k - near), -k))
+    """The divisor of `total` closest to `near` (the larger on a tie), searched outward from `near` and
+    only so far, so a batch of any size answers at once (1 always divides)."""
+    for step in range(min(near, 10**5)):
+        for k in (near + step, near - step):
+            if 1 <= k <= total and total % k == 0:
+                return k
+    return 1
 
 
 def validate_config(cfg: HybridFlowConfig, check_model: bool = True) -> None:

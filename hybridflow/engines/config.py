@@ -4,8 +4,8 @@ ParallelConfig and OptimConfig are defined here once, with their help text: the 
 (config/schema.py) composes them as `actor.parallel`, `actor.optim`, ... and the engine reads the
 same objects (docs/design.md §7). Fields hold what the user wrote, so they are not
 checked at construction: `validate_config` reports bad values with the key path before any worker
-starts (`parallel_errors`, `optim_errors` below), and the engine re-checks what it needs
-(`ParallelConfig.check`, `OptimConfig.check`).
+starts (each field's declared domain, then `parallel_errors`, `optim_errors` below), and the engine
+re-checks what it needs (`ParallelConfig.check`, `OptimConfig.check`).
 
 Sizes are global unless suffixed `_per_device`. The layout is 3-D (pp, tp, dp) as in the paper.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridflow.fields import at_least, finite_at_least, setting
+from hybridflow.fields import setting
 
 SCHEDULES = ("constant", "linear", "cosine")
 # torch.distributed.pipelining's schedules by their names there (engines/pipeline.py builds them)
@@ -25,12 +25,15 @@ PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 class ParallelConfig:
     """How one model is laid out over its worker group (world size = pp * tp * dp)."""
 
-    tp: int = setting(1, "tensor-parallel size (DTensor column/row shards inside each layer)")
+    tp: int = setting(1, "tensor-parallel size (DTensor column/row shards inside each layer)", ge=1)
     pp: int = setting(
         1,
         "pipeline-parallel size (stages of decoder layers cut from a Llama-family model; docs/design.md §8)",
+        ge=1,
     )
-    dp: int = setting(0, "data-parallel size, FSDP2-sharded (0 = derive: the group's devices / (tp * pp))")
+    dp: int = setting(
+        0, "data-parallel size, FSDP2-sharded (0 = derive: the group's devices / (tp * pp))", ge=0
+    )
     pp_schedule: str = setting(
         "1f1b",
         "pipeline schedule when pp > 1: 1f1b, interleaved_1f1b (pp_virtual_stages stages a rank) or gpipe "
@@ -41,6 +44,7 @@ class ParallelConfig:
         2,
         "pipeline stages per rank under interleaved_1f1b (Megatron's virtual pipeline size); the model "
         "needs pp * pp_virtual_stages decoder layers. 1f1b and gpipe run one",
+        ge=1,
     )
 
     @property
@@ -73,21 +77,21 @@ class OptimConfig:
     Defaults are verl's actor defaults (lr 1e-6, weight decay 0.01, as torch's AdamW); the critic
     section overrides lr to 1e-5 (config/schema.py)."""
 
-    lr: float = setting(1e-6, "peak learning rate")
-    weight_decay: float = setting(0.01, "AdamW weight decay")
-    betas: list[float] = setting([0.9, 0.999], "AdamW (beta1, beta2)")
-    eps: float = setting(1e-8, "AdamW epsilon")
-    warmup_steps: int = setting(0, "linear warmup from 0 to lr over this many optimizer steps")
+    lr: float = setting(1e-6, "peak learning rate (0 freezes the model)", ge=0)
+    weight_decay: float = setting(0.01, "AdamW weight decay", ge=0)
+    betas: list[float] = setting([0.9, 0.999], "AdamW (beta1, beta2)", ge=0, lt=1)
+    eps: float = setting(1e-8, "AdamW epsilon (divides by sqrt(v) + eps: 0 would divide 0 by 0)", gt=0)
+    warmup_steps: int = setting(0, "linear warmup from 0 to lr over this many optimizer steps", ge=0)
     schedule: str = setting(
         "constant",
         "lr after warmup: constant, linear or cosine decay to min_lr_ratio * lr at total_steps",
         choices=SCHEDULES,
     )
-    min_lr_ratio: float = setting(0.0, "final lr as a fraction of lr for linear/cosine schedules")
+    min_lr_ratio: float = setting(0.0, "final lr as a fraction of lr for linear/cosine schedules", unit=True)
     total_steps: int = setting(
-        0, "optimizer steps the linear/cosine decay spans (0 = the whole run's optimizer steps)"
+        0, "optimizer steps the linear/cosine decay spans (0 = the whole run's optimizer steps)", ge=0
     )
-    grad_clip: float = setting(1.0, "clip the global gradient norm to this value (0 = no clipping)")
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this value (0 = no clipping)", ge=0)
 
     def check(self) -> None:
         """Raise ValueError for a schedule the engine cannot build."""
@@ -104,14 +108,14 @@ class LoraConfig:
     """Low-rank adapters (peft's LoRA) on the actor and the critic: the base weights frozen, only the
     adapters (and a critic's value head) trained. models/lora.py applies them; docs/lora.md."""
 
-    rank: int = setting(0, "adapter rank r (0 = no LoRA: full fine-tuning)")
-    alpha: float = setting(16.0, "adapter scale numerator: the update is (alpha / rank) * B @ A")
+    rank: int = setting(0, "adapter rank r (0 = no LoRA: full fine-tuning)", ge=0)
+    alpha: float = setting(16.0, "adapter scale numerator: the update is (alpha / rank) * B @ A", ge=0)
     target_modules: list[str] = setting(
         ["all-linear"],
         "module names the adapters wrap (peft's target_modules, e.g. [q_proj, v_proj]); [all-linear] = "
         "every linear layer of the decoder (not lm_head nor a value head)",
     )
-    dropout: float = setting(0.0, "dropout on the adapters' input while training")
+    dropout: float = setting(0.0, "dropout on the adapters' input while training", ge=0, lt=1)
     critic: bool = setting(True, "the critic gets adapters too (its value head stays fully trained)")
 
     @property
@@ -121,10 +125,7 @@ class LoraConfig:
 
 def lora_errors(c: LoraConfig, key: str) -> list[str]:
     """The section at `key` (model.lora), one line per bad value."""
-    errors = at_least(0, {f"{key}.rank": c.rank})
-    errors += finite_at_least(0, {f"{key}.alpha": c.alpha, f"{key}.dropout": c.dropout})
-    if not c.dropout < 1:
-        errors.append(f"{key}.dropout: must be < 1, got {c.dropout}")
+    errors = []  # rank, alpha and dropout: the fields' domains (fields.domain_errors)
     if not c.target_modules or not all(isinstance(m, str) and m for m in c.target_modules):
         errors.append(
             f"{key}.target_modules: expected a non-empty list of module names, got {c.target_modules}"
@@ -150,11 +151,9 @@ def parallel_errors(p: ParallelConfig, key: str) -> list[str]:
 
 def optim_errors(o: OptimConfig, key: str) -> list[str]:
     """The section at `key` (e.g. "actor.optim"), one line per bad value."""
-    errors = finite_at_least(0, {f"{key}.lr": o.lr})  # 0 freezes the model
-    errors += at_least(0, {f"{key}.warmup_steps": o.warmup_steps, f"{key}.total_steps": o.total_steps})
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        errors.append(f"{key}.betas: expected two numbers in [0, 1), got {o.betas}")
-    return errors
+    if len(o.betas) != 2:  # each one's range: the field's domain (fields.domain_errors)
+        return [f"{key}.betas: expected two numbers in [0, 1), got {o.betas}"]
+    return []
 
 
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")

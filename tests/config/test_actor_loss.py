@@ -48,7 +48,7 @@ def test_default_correction_is_token_tis_at_two():
           "actor.rollout_correction.level=sequence"), "actor.rollout_correction.level: icepop is per token"),
         (("actor.rollout_correction.mode=mis", "actor.rollout_correction.lower=3"),
          "actor.rollout_correction: needs 0 <= lower < upper"),
-        (("actor.clip_ratio_c=1",), "actor.clip_ratio_c: the dual-clip constant must be > 1"),
+        (("actor.clip_ratio_c=1",), "actor.clip_ratio_c: must be a finite number > 1, got 1.0"),
         (("actor.policy_loss=gspo", "actor.clip_ratio_c=10"), "actor.clip_ratio_c: the dual clip is policy_loss vanilla's"),
         (("actor.rollout_correction.mode=none", "actor.rollout_correction.upper=5"),
          "actor.rollout_correction.upper: mode none corrects nothing"),

@@ -48,7 +48,7 @@ def test_a_lora_run_has_no_reference_model(tiny_model_dir):
     "overrides,message",
     [
         (["model.lora.rank=-1"], "model.lora.rank: must be >= 0, got -1"),
-        (["model.lora.rank=4", "model.lora.dropout=1.0"], "model.lora.dropout: must be < 1, got 1.0"),
+        (["model.lora.rank=4", "model.lora.dropout=1.0"], "model.lora.dropout: must be in [0, 1), got 1.0"),
     ],
 )  # fmt: skip
 def test_what_lora_cannot_run_is_refused_in_one_line(tiny_model_dir, overrides, message):

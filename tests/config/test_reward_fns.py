@@ -36,7 +36,7 @@ def test_fns_are_typed_entries_and_round_trip_through_yaml(tmp_path):
         ([FNS, "reward.fn_kwargs={a: 1}"], "reward.fns and reward.fn_kwargs are both set"),
         (["reward.fns=[{fn: format}, {fn: format}]"], "two entries are named 'format'"),
         (["reward.fns=[{weight: 1.0}]"], "reward.fns[0].fn: empty"),
-        (["reward.fns=[{fn: format, weight: .nan}]"], "reward.fns[0].weight: must be finite"),
+        (["reward.fns=[{fn: format, weight: .nan}]"], "reward.fns[0].weight: must be a finite number"),
         (["reward.fns=[{fn: format, wieght: 2}]"], "unknown key 'reward.fns[0].wieght' (did you mean"),
     ],
 )

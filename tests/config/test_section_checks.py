@@ -6,17 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from hybridflow.config import HybridFlowConfig, load_config
-from hybridflow.config.algorithm_config import AlgorithmConfig, DPOConfig, algorithm_errors
+from hybridflow.config.algorithm_config import AlgorithmConfig, DPOConfig, SafeRLHFConfig
 from hybridflow.config.run_config import TrainerConfig, trainer_errors
-from hybridflow.config.schema import (
-    ActorConfig,
-    RolloutConfig,
-    RolloutValConfig,
-    actor_errors,
-    rollout_errors,
-)
+from hybridflow.config.schema import ActorConfig, RolloutConfig, RolloutValConfig
 from hybridflow.config.validate import SECTION_CHECKS, collect_errors
 from hybridflow.engines.config import OptimConfig, ParallelConfig, optim_errors, parallel_errors
+from hybridflow.fields import domain_errors
 
 
 def test_every_section_has_its_check_and_defaults_pass():
@@ -26,39 +21,59 @@ def test_every_section_has_its_check_and_defaults_pass():
         assert check(getattr(cfg, name)) == [], name
 
 
-def test_a_section_check_reads_only_its_section():
-    assert actor_errors(ActorConfig(clip_ratio_c=1.0, ppo_epochs=0, optim=OptimConfig(lr=-1.0))) == [
-        "actor.ppo_epochs: must be >= 1, got 0",
-        "actor.clip_ratio_c: the dual-clip constant must be > 1, got 1.0",
+def test_a_sections_domains_are_checked_from_its_fields_alone():
+    """Each field's declared domain (hybridflow/fields.py) is checked by one walk, section by section;
+    a comparison with NaN is False, so each bound must still refuse it, and inf where floats are finite."""
+    assert domain_errors(
+        ActorConfig(clip_ratio_c=1.0, ppo_epochs=0, optim=OptimConfig(lr=-1.0)), "actor."
+    ) == [
         "actor.optim.lr: must be a finite number >= 0, got -1.0",
+        "actor.ppo_epochs: must be >= 1, got 0",
+        "actor.clip_ratio_c: must be a finite number > 1, got 1.0",
     ]
-    assert rollout_errors(RolloutConfig(top_p=0.0, val=RolloutValConfig(temperature=-0.5))) == [
+    assert domain_errors(RolloutConfig(top_p=0.0, val=RolloutValConfig(temperature=-0.5)), "rollout.") == [
         "rollout.top_p: must be in (0, 1], got 0.0",
         "rollout.val.temperature: must be a finite number >= 0, got -0.5",
     ]
-    nan, inf = float("nan"), float("inf")  # a comparison with NaN is False: each check must still refuse it
-    assert optim_errors(OptimConfig(lr=inf), "actor.optim") == [
-        "actor.optim.lr: must be a finite number >= 0, got inf"
+    nan, inf = float("nan"), float("inf")
+    assert domain_errors(OptimConfig(lr=inf, eps=nan, betas=[0.9, 1.0]), "actor.optim.") == [
+        "actor.optim.lr: must be a finite number >= 0, got inf",
+        "actor.optim.betas[1]: must be in [0, 1), got 1.0",
+        "actor.optim.eps: must be a finite number > 0, got nan",
     ]
-    assert rollout_errors(RolloutConfig(temperature=nan)) == [
-        "rollout.temperature: must be a finite number >= 0, got nan"
+    assert domain_errors(
+        TrainerConfig(save_every_minutes=nan, hang_timeout_s=-1, seed=2**40), "trainer."
+    ) == [
+        "trainer.save_every_minutes: must be in [0, 16666666], got nan",
+        "trainer.hang_timeout_s: must be in [0, 1000000000], got -1",
+        "trainer.seed: must be in [0, 2147483647], got 1099511627776",
     ]
-    assert trainer_errors(TrainerConfig(save_every_minutes=nan, hang_timeout_s=-1)) == [
-        "trainer.save_every_minutes: must be >= 0, got nan",
-        "trainer.hang_timeout_s: must be >= 0, got -1",
-    ]
-    assert algorithm_errors(AlgorithmConfig(lam=1.5, dpo=DPOConfig(label_smoothing=0.5))) == [
+    assert domain_errors(AlgorithmConfig(lam=1.5, dpo=DPOConfig(label_smoothing=0.5)), "algorithm.") == [
         "algorithm.lam: must be in [0, 1], got 1.5",
         "algorithm.dpo.label_smoothing: must be in [0, 0.5), got 0.5",
     ]
+    # lambda_max declares that +inf (no cap) is a value; NaN is never one
+    inf_ok = AlgorithmConfig(safe_rlhf=SafeRLHFConfig(lambda_max=inf))
+    assert domain_errors(inf_ok) == []
+    assert domain_errors(AlgorithmConfig(safe_rlhf=SafeRLHFConfig(lambda_max=nan)), "algorithm.") == [
+        "algorithm.safe_rlhf.lambda_max: must be >= 0, got nan"
+    ]
+    assert domain_errors(TrainerConfig(rollout_ahead=2), "trainer.") == [
+        "trainer.rollout_ahead: 2 is not one of [0, 1]"
+    ]
+    assert domain_errors(OptimConfig(lr="fast"), "critic.optim.") == [
+        "critic.optim.lr: must be a number, got 'fast'"
+    ]
+
+
+def test_a_section_check_reads_only_its_section():
     assert trainer_errors(TrainerConfig(total_steps=0, total_epochs=0, experiment_name="/abs")) == [
         "trainer.total_steps: both total_steps and total_epochs are 0; set one of them",
         "trainer.experiment_name: '/abs' must be a relative name inside trainer.output_dir (no '..', not absolute)",
     ]
     assert optim_errors(OptimConfig(betas=[0.9], warmup_steps=-1), "critic.optim") == [
-        "critic.optim.warmup_steps: must be >= 0, got -1",
         "critic.optim.betas: expected two numbers in [0, 1), got [0.9]",
-    ]
+    ]  # warmup_steps: its domain
     assert parallel_errors(ParallelConfig(tp=2, dp=0), "ref.parallel") == []  # dp 0: derive
     assert parallel_errors(ParallelConfig(pp=0), "ref.parallel") == [
         "ref.parallel: tp and pp must be >= 1 and dp >= 0, got tp=1 pp=0 dp=0"

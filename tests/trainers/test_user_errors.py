@@ -218,8 +218,10 @@ def _bad_values(root: Path) -> list[tuple[str, list[str], str]]:
         ("lr nan", ["actor.optim.lr=nan"], "actor.optim.lr: must be a finite number >= 0, got nan"),
         ("lr inf", ["actor.optim.lr=inf"], "actor.optim.lr: must be a finite number >= 0, got inf"),
         ("temperature nan", ["rollout.temperature=nan"], "rollout.temperature: must be a finite number >= 0"),
-        ("save minutes nan", ["trainer.save_every_minutes=nan"], "trainer.save_every_minutes: must be >= 0, got nan"),
-        ("reward timeout 0", ["reward.timeout_s=0"], "reward.timeout_s: must be > 0, got 0"),
+        ("save minutes nan", ["trainer.save_every_minutes=nan"], "trainer.save_every_minutes: must be in [0, 16666666], got nan"),
+        ("reward timeout 0", ["reward.timeout_s=0"], "reward.timeout_s: must be in (0, 1000000000], got 0"),
+        ("eps -1", ["actor.optim.eps=-1"], "actor.optim.eps: must be a finite number > 0, got -1.0"),
+        ("top_k -7", ["rollout.top_k=-7"], "rollout.top_k: must be >= -1, got -7"),
         ("output dir a file", [f"trainer.output_dir={root / 'a_file'}"],
          f"trainer.output_dir: cannot create the run directory {root / 'a_file'}/default (Not a directory"),
         ("output dir unwritable", ["trainer.output_dir=/proc/self/runs"],  # root may write anywhere else
