@@ -15,8 +15,10 @@ during every worker call tags tensors by where they would live on a GPU host:
 `t.device` reports the stand-in for a device tensor, so `torch.zeros(n, device=x.device)` is a device
 tensor as it is on a GPU. An op mixing a device tensor with a host tensor of one or more dimensions raises
 StrictDeviceError naming the op (a GPU raises "Expected all tensors to be on the same device"; 0-dim host
-tensors are allowed there too). Collectives (torch.distributed.all_reduce, broadcast, ...) raise on a
-host tensor: every worker group stands in for NCCL, which has no CPU backend.
+tensors are allowed there too). Collectives (torch.distributed.all_reduce, broadcast, ..., the pipeline
+stages' isend / irecv) raise on a host tensor: every worker group stands in for NCCL, which has no CPU
+backend. Offload (engines/offload.py) is active on the stand-in: its moves to the host tier and back tag
+the state (`mark_moved`), so a weight used while offloaded raises as it would on a GPU.
 
 Rules are kept strict on our code and off torch's own: calls made from inside torch (FSDP2 / DTensor
 buffers, created with the mesh's plain "cpu" device) neither create host tensors nor see the stand-in

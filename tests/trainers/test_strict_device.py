@@ -1,8 +1,10 @@
 """The whole GPU path under device-strict mode (hybridflow/controller/strict_device.py): every worker rank
 computes on the stand-in accelerator and raises on a host tensor meeting a device tensor or entering a
 collective; the driver runs with torch.cuda reporting a GPU whose every stateful call raises (no CUDA call in
-the driver). Tiny runs of 2 steps: PPO with a critic and a reward model on 2 ranks with a checkpoint and a
-resume, GRPO with a rollout pool one step ahead (weight sync), SFT and DPO.
+the driver). Tiny runs of 2 steps, each layout once (docs/operations.md, "GPU correctness on CPU"): PPO with
+a critic and a reward model on 2 ranks, generating with tools at tg = 2, with a checkpoint and a resume; PPO
+with the actor and the critic on dp = 2 FSDP2 with LoRA and offload; GRPO at pp = 2 with offload; GRPO with
+a rollout pool one step ahead (weight sync); SFT and DPO.
 """
 
 from __future__ import annotations
