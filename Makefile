@@ -48,7 +48,7 @@ test-vllm: $(VSTAMP)
 
 # The offline GPU kit (docs/bench/gpu.md): the wheels a GPU machine with torch + transformers preinstalled
 # and no package index needs, for its Python (KIT_PYTHON), in gpu-kit/ (ignored; carried beside the
-# repository). There: SMOKE_WHEELS=gpu-kit scripts/gpu_smoke.sh
+# repository). There: CHECK_WHEELS=gpu-kit scripts/gpu_check.sh
 KIT_PYTHON ?= 3.12
 gpu-kit: $(STAMP)
 	scripts/offline_wheels.sh gpu-kit --python-version $(KIT_PYTHON)

@@ -1,6 +1,6 @@
-"""Ray-free preflight of the GPU smoke test (scripts/gpu_smoke.sh, docs/bench/gpu.md): one process, one device.
+"""Ray-free preflight of the GPU check (scripts/gpu_check.sh, docs/bench/gpu.md): one process, one device.
 
-    python scripts/gpu_preflight.py --device cuda|cpu --out preflight.json
+    python scripts/gpu_preflight.py --device cuda|cpu --out preflight.json [--rehearse]
 
 What it checks before any Ray cluster or process group exists, so that a failure names the layer:
 1. a tiny Qwen2 built locally (hybridflow.models.tiny) on the device;
@@ -11,7 +11,12 @@ What it checks before any Ray cluster or process group exists, so that a failure
    code paths must agree: a gap there is a bug, not rounding) and once in bf16 (the decoder's rounding
    differs from the training forward's; this is what an RL run's off-policy noise starts from);
 4. one bf16 training step (TrainEngine.train_step, fp32 master weights) with the PPO clipped loss on
-   those samples: finite loss and grad norm, weights moved, the surrogate lower afterwards.
+   those samples: finite loss and grad norm, weights moved, the surrogate lower afterwards;
+5. where it all ran (device_problems): every parameter and every output on the requested device type
+   and, for cuda, torch.cuda.max_memory_allocated() > 0. A "cuda" run that computed on the CPU fails here
+   whatever its numbers, so a result labelled with a GPU's name is a GPU's.
+--rehearse (with --device cpu): the same stages on CPU, then the cuda check of stage 5 run against them;
+it passes only if that check refuses them (the rehearsal of docs/bench/gpu.md).
 Writes every figure and a pass/fail per stage to --out (JSON); exits 0 only if every stage passed.
 tests/test_gpu_kit.py runs it on CPU.
 """
@@ -43,7 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--response-length", type=int, default=32)
     p.add_argument("--size", default="small", help="hybridflow.models.tiny size")
-    return p.parse_args(argv)
+    p.add_argument("--rehearse", action="store_true", help="on CPU: the cuda device check must refuse it")
+    args = p.parse_args(argv)
+    if args.rehearse and args.device != "cpu":
+        p.error("--rehearse runs on CPU: use it with --device cpu")
+    return args
 
 
 def gap(a, b, mask) -> dict:
@@ -62,7 +71,7 @@ def prompt_batch(n_prompts: int):
     return Batch.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
 
 
-def build_engine(size: str, mixed_precision: str):
+def build_engine(size: str, mixed_precision: str, device: str):
     from hybridflow.engines.config import EngineConfig, OptimConfig
     from hybridflow.engines.train_engine import TrainEngine
     from hybridflow.models.tiny import build_tiny_model
@@ -70,11 +79,41 @@ def build_engine(size: str, mixed_precision: str):
     model = build_tiny_model(size, arch="qwen2", seed=0)
     cfg = EngineConfig(mixed_precision=mixed_precision, micro_batch_size_per_device=64,
                        optim=OptimConfig(lr=1e-3, weight_decay=0.0))  # fmt: skip
-    return TrainEngine(model, cfg)
+    return TrainEngine(model, cfg, device=device)  # the engine's own default is the CPU
+
+
+def device_problems(requested: str, devices: dict, peak_bytes: int) -> list[str]:
+    """Why a computation is no proof of running on `requested` ([] = proof): every place it ran (name ->
+    torch.device) of that type and, for cuda, something allocated there (the allocator's peak). Outputs
+    are no evidence: the engines hand results back on the host whatever computed them."""
+    problems = [f"{name} on {d.type}, not {requested}" for name, d in devices.items() if d.type != requested]
+    if requested == "cuda" and peak_bytes <= 0:
+        problems.append("torch.cuda.max_memory_allocated() is 0: nothing was computed on the GPU")
+    return problems
+
+
+def stage_device(requested: str, engine, gen_device, rehearse: bool) -> dict:
+    """Where the stages computed: the trained parameters, the engine's device, the decoder's. Rehearsing,
+    the cuda check runs against a CPU computation and must refuse it."""
+    import torch
+
+    devices = {f"parameter {k}": p.device for k, p in engine.hf_model.named_parameters()}
+    devices.update({"train engine": engine.device, "generation": gen_device})
+    peak = torch.cuda.max_memory_allocated() if requested == "cuda" else 0
+    problems = device_problems(requested, devices, peak)
+    out = {
+        "rehearsal": rehearse,
+        "requested": requested,
+        "device_types": sorted({d.type for d in devices.values()}),
+        "max_memory_allocated_bytes": peak,
+        "problems": problems[:3] + ([f"... {len(problems) - 3} more"] if len(problems) > 3 else []),
+    }
+    return {**out, "pass": bool(problems) if rehearse else not problems}
 
 
 def generate(engine, prompts, params, dtype):
-    """(rollout batch, seconds of the timed call): one warm-up call first (kernels, weight packing)."""
+    """(rollout batch, seconds of the timed call, the device it decoded on): one warm-up call first
+    (kernels, weight packing)."""
     import torch
 
     from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
@@ -86,7 +125,7 @@ def generate(engine, prompts, params, dtype):
     t0 = time.perf_counter()
     out = rollout.generate(prompts, params)
     sync()
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, rollout._device()
 
 
 def stage_gap(engine, rollout, limit_mean: float | None, limit_max: float | None) -> dict:
@@ -179,6 +218,8 @@ def run(args) -> dict:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_preflight: --device cuda but torch sees no CUDA device")
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t_start = time.perf_counter()
     torch.manual_seed(0)
     prompts = prompt_batch(args.prompts)
@@ -192,14 +233,14 @@ def run(args) -> dict:
         "transformers": transformers.__version__,
         "python": sys.version.split()[0],
     }
-    fp32 = build_engine(args.size, "none")
+    fp32 = build_engine(args.size, "none", args.device)
     result["model"] = f"tiny qwen2 '{args.size}', {fp32.num_params() / 1e6:.2f}M parameters"
-    rollout32, _ = generate(fp32, prompts, params, None)
+    rollout32, _, _ = generate(fp32, prompts, params, None)
     result["log_prob_gap_fp32"] = stage_gap(fp32, rollout32, None, FP32_GAP_MAX)
     del fp32, rollout32
 
-    engine = build_engine(args.size, "bf16")
-    rollout, seconds = generate(engine, prompts, params, torch.bfloat16)
+    engine = build_engine(args.size, "bf16", args.device)
+    rollout, seconds, gen_device = generate(engine, prompts, params, torch.bfloat16)
     tokens = int(rollout["response_mask"].sum())
     result["generate_bf16"] = {
         "rows": len(rollout), "response_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
@@ -208,8 +249,11 @@ def run(args) -> dict:
     result["log_prob_gap_bf16"] = stage_gap(engine, rollout, BF16_GAP_MEAN_MAX, None)
     result["train_step_bf16"] = stage_train(engine, rollout, args.n)
     result["peak_memory"] = peak_memory_gb(engine.device)
+    # rehearsing, the check a cuda run gets is run against this CPU computation
+    checked = "cuda" if args.rehearse else args.device
+    result["device_check"] = stage_device(checked, engine, gen_device, args.rehearse)
     result["wall_s"] = time.perf_counter() - t_start
-    stages = ["log_prob_gap_fp32", "generate_bf16", "log_prob_gap_bf16", "train_step_bf16"]
+    stages = ["log_prob_gap_fp32", "generate_bf16", "log_prob_gap_bf16", "train_step_bf16", "device_check"]
     result["pass"] = all(result[s]["pass"] for s in stages)
     return result
 
@@ -226,6 +270,12 @@ def main(argv=None) -> int:
           f"log-prob gap fp32 mean {g32['mean']:.2e} max {g32['max']:.2e} | bf16 mean {g16['mean']:.2e} "
           f"max {g16['max']:.2e} | bf16 step {t['seconds']:.2f} s, surrogate {t['surrogate_before']:.4f} -> "
           f"{t['surrogate_after']:.4f} | {'PASS' if result['pass'] else 'FAIL'}")  # fmt: skip
+    d = result["device_check"]
+    if args.rehearse:
+        print(f"rehearsal: the cuda device check {'refused' if d['pass'] else 'DID NOT refuse'} this CPU run: "
+              f"{'; '.join(d['problems'][:2]) or 'no problem found'}")  # fmt: skip
+    elif d["problems"]:
+        print(f"preflight: not a {args.device} computation: {'; '.join(d['problems'])}")
     return 0 if result["pass"] else 1
 
 

@@ -3,11 +3,13 @@
 # and transformers preinstalled but no package index, built here for the target's Python and platform.
 #   scripts/offline_wheels.sh DIR [--python-version 3.12] [--platform manylinux2014_x86_64 ...]
 # DIR gets: the wheels of scripts/kit_requirements.txt and their dependencies (pins from
-# constraints.txt; binary wheels only), Ray trimmed by scripts/trim_wheel.py (no Java jar, RLlib, Tune,
-# Serve, Data, Train, AIR, LLM, dashboard web client), pip itself (for an image whose Python has none),
+# constraints.txt; binary wheels only, except the pure-Python sdists in SDIST_ONLY, built into wheels
+# here; sympy and mpmath left out: every torch requires them, so the image has them), Ray trimmed by
+# scripts/trim_wheel.py (no Java jar, RLlib, Tune, Serve, Data, Train, AIR, LLM, dashboard web
+# client), pip itself (for an image whose Python has none),
 # the project's own wheel, and kit.json (what it was built for). Prints the sizes: the bundle plus the
 # repository must stay under 60 MB so both fit the 64 MiB a device machine receives.
-# Then, there: SMOKE_WHEELS=DIR scripts/gpu_smoke.sh (installs with --no-index, never touching torch).
+# Then, there: CHECK_WHEELS=DIR scripts/gpu_check.sh (installs with --no-index, never touching torch).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 usage() { echo "usage: scripts/offline_wheels.sh DIR [--python-version X.Y] [--platform TAG ...]" >&2; exit 2; }
@@ -29,6 +31,8 @@ PY=${KIT_PY:-$ROOT/.venv/bin/python}
 # Folders of Ray's wheel that hybridflow never imports (it uses ray.init/remote/get/wait, actors,
 # placement groups and scheduling strategies; tests/test_gpu_kit.py runs them on the trimmed wheel).
 RAY_DROP=(ray/jars ray/rllib ray/tune ray/serve ray/data ray/train ray/air ray/llm ray/dashboard/client)
+# Pinned dependencies PyPI has no wheel of (pure Python): built into a wheel here, at constraints.txt's pin.
+SDIST_ONLY=(antlr4-python3-runtime)
 
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
@@ -38,12 +42,20 @@ trap 'rm -rf "$RAW"' EXIT
 PLAT_ARGS=()
 for p in "${PLATFORMS[@]}"; do PLAT_ARGS+=(--platform "$p"); done
 
+echo "== building wheels of ${SDIST_ONLY[*]}"
+for name in "${SDIST_ONLY[@]}"; do
+  pin=$(grep -i "^$name==" "$ROOT/constraints.txt") || {
+    echo "offline_wheels: no pin of $name in constraints.txt"; exit 1; }
+  "$PY" -m pip wheel -q --no-deps "$pin" -w "$RAW/local"
+done
+
 echo "== downloading for Python $PYV, ${PLATFORMS[*]}"
 "$PY" -m pip download -q --only-binary=:all: --python-version "$PYV" --implementation cp "${PLAT_ARGS[@]}" \
-  -c "$ROOT/constraints.txt" -r "$ROOT/scripts/kit_requirements.txt" pip -d "$RAW/dl"
+  --find-links "$RAW/local" -c "$ROOT/constraints.txt" -r "$ROOT/scripts/kit_requirements.txt" pip -d "$RAW/dl"
 for whl in "$RAW"/dl/*.whl; do
   case $(basename "$whl") in
     ray-*) "$PY" "$ROOT/scripts/trim_wheel.py" "$whl" "$DIR" --drop "${RAY_DROP[@]}" ;;
+    sympy-*|mpmath-*) ;;  # torch's own requirements: the image has them (7 MB)
     *) cp "$whl" "$DIR/" ;;
   esac
 done
