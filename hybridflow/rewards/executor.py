@@ -8,8 +8,9 @@ module that raises, exits or hangs at import fails the run before any training w
 
 Failures are never silent: an exception (sample id + traceback), a bad return value, a score that is
 not finite as float32 or beyond reward.max_abs_score, a timeout (the worker is killed and replaced) or
-a dead worker each yield a `RewardError`, logged as a warning, counted in the metrics, and scored per
-`on_error`; when more than reward.max_error_fraction of a batch fails, `score` raises RewardFailureError
+a worker lost twice on a sample each yield a `RewardError` (a worker that dies, idle or busy, or falls
+silent is replaced and its samples in flight retried once: `reward/worker_restarts`), logged as a
+warning, counted in the metrics, and scored per `on_error`; when more than reward.max_error_fraction of a batch fails, `score` raises RewardFailureError
 (a one-line RunStopped: hybridflow/errors.py), so a run whose reward is broken cannot finish with exit 0.
 
 num_workers=0 scores in the calling process, for built-in (trusted) rewards only: a user function
@@ -34,6 +35,7 @@ from hybridflow.rewards.conventions import VERL, calling_convention, missing_col
 from hybridflow.rewards.pool import RewardError, WorkerPool
 from hybridflow.rewards.registry import (
     Item,
+    Unscored,
     absolute_spec,
     check_spec,
     is_builtin_spec,
@@ -75,7 +77,7 @@ def _describe(errors: list[RewardError], n: int) -> str:
 
 @dataclass
 class RewardResult:
-    scores: np.ndarray  # (B,) float32, failed samples scored per on_error
+    scores: np.ndarray  # (B,) float32, failed samples scored per on_error, NaN where the fn returned None
     errors: list[RewardError]
     metrics: dict[str, float]
     extras: list[dict] = field(default_factory=list)  # per sample: the reward fn's other returned keys
@@ -189,9 +191,12 @@ class RewardExecutor:
         extra_infos: Sequence | None = None,
         sample_ids: Sequence | None = None,
         prompts: Sequence[str] | None = None,
+        completion_ids: Sequence[list[int]] | None = None,
+        trainer_state: dict | None = None,
     ) -> RewardResult:
         """Score B samples. data_sources may be one string for all. Returns scores (B,), errors, metrics.
-        prompts: the rendered prompt texts (a TRL-convention function's `prompts`)."""
+        prompts: the rendered prompt texts (a TRL-convention function's `prompts`); completion_ids and
+        trainer_state ({global_step, max_steps}): what TRL passes besides (conventions.py)."""
         n = len(solution_strs)
         if isinstance(data_sources, str):
             data_sources = [data_sources] * n
@@ -205,11 +210,13 @@ class RewardExecutor:
         }
         if any(v != n for v in lengths.values()):
             raise ValueError(f"reward inputs disagree on the batch size: solution_strs={n}, {lengths}")
+        token_ids = [None] * n if completion_ids is None else completion_ids
         items = [
-            (i, data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i], prompts[i])
-            for i in range(n)
+            (i, data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i], prompts[i], *more)
+            for i, more in enumerate(zip(token_ids, [trainer_state] * n))
         ]
         start = time.perf_counter()
+        replaced = self._pool.replaced if self._pool is not None else 0
         scores_by_idx, errors = self._run_in_process(items) if self.in_process else self._run_in_pool(items)
         elapsed = time.perf_counter() - start
 
@@ -238,12 +245,14 @@ class RewardExecutor:
             "reward/num_timeouts": float(n_timeouts),
             "reward/timeout_waits": float(waits),
             "reward/fn_time_s": elapsed,
+            # workers that died, stopped or timed out and were replaced while scoring this batch
+            "reward/worker_restarts": float(self._pool.replaced - replaced if self._pool is not None else 0),
         }
         extras = [getattr(scores_by_idx.get(i), "extra", None) or {} for i in range(n)]
         metrics.update(extra_metrics(extras))
         return RewardResult(scores, errors, metrics, extras)
 
-    def score_batch(self, batch: Batch) -> RewardResult:
+    def score_batch(self, batch: Batch, trainer_state: dict | None = None) -> RewardResult:
         """Score a Batch from its non-tensor fields: response_text, ground_truth (or reward_model
         dicts), data_source, optional extra_info; sample ids are "index (uid=...)" when uid is present."""
         nt = batch.non_tensors
@@ -262,7 +271,13 @@ class RewardExecutor:
         extras = list(nt["extra_info"]) if "extra_info" in nt else None
         ids = [f"{i} (uid={u})" for i, u in enumerate(nt["uid"])] if "uid" in nt else None
         prompts = list(nt["prompt_text"]) if "prompt_text" in nt else None
-        return self.score(sources, list(nt["response_text"]), truths, extras, ids, prompts)
+        completion_ids = None
+        if "responses" in batch and "response_mask" in batch:
+            mask = batch["response_mask"].bool()
+            completion_ids = [row[m].tolist() for row, m in zip(batch["responses"], mask)]
+        return self.score(
+            sources, list(nt["response_text"]), truths, extras, ids, prompts, completion_ids, trainer_state
+        )
 
     def close(self) -> None:
         if self._pool is not None:
@@ -296,11 +311,13 @@ class RewardExecutor:
         return scores, errors
 
     def _check_scores(self, scores: dict[int, float], errors: list[RewardError]) -> None:
-        """A score must stay finite as float32 and within max_abs_score; others become errors."""
+        """A score must stay finite as float32 and within max_abs_score; others become errors. Unscored
+        (None: the function does not apply) stays NaN, which RuleReward leaves out of its sums."""
         limit = self.cfg.max_abs_score
+        scored = {i: s for i, s in scores.items() if not isinstance(s, Unscored)}
         with np.errstate(over="ignore"):  # 1e300 -> inf is exactly what is being checked
-            bad = {i: bool(np.isfinite(np.float32(s))) for i, s in scores.items() if not abs(s) <= limit}
-            bad.update({i: False for i, s in scores.items() if not np.isfinite(np.float32(s))})
+            bad = {i: bool(np.isfinite(np.float32(s))) for i, s in scored.items() if not abs(s) <= limit}
+            bad.update({i: False for i, s in scored.items() if not np.isfinite(np.float32(s))})
         for i, finite in sorted(bad.items()):
             problem = f"exceeds reward.max_abs_score={limit:g}" if finite else "is not finite as float32"
             message = f"the reward function returned {scores.pop(i)!r}, which {problem}"

@@ -185,6 +185,8 @@ class WorkerPool:
         self.cfg, self.registered = cfg, registered
         self.pending: deque = deque()  # (mode, chunk) not yet sent, of the batch being scored
         self.batched = False
+        self.retried: set[int] = set()  # samples of the batch being scored re-queued once already
+        self.replaced = 0  # workers replaced (died, stopped, timed out) since the pool started
         sweep_orphaned_workdirs()
         self.workers = [self._spawn() for _ in range(n)]
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
@@ -197,6 +199,7 @@ class WorkerPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
+        self.replaced += 1
         self.workers[self.workers.index(w)] = self._spawn()
 
     def wait_ready(self) -> tuple[str, tuple[str, ...]]:
@@ -223,18 +226,40 @@ class WorkerPool:
                 )
 
     def _receive(self, w: _Worker, scores: dict, errors: list) -> None:
-        """Handle everything `w` has sent; a dead worker fails its sample in flight (or, starting, the run)."""
+        """Handle everything `w` has sent; a dead worker's samples in flight are retried (or, starting,
+        the run fails)."""
         try:
             while w.conn.poll():
                 self._handle(w, w.conn.recv(), scores, errors)
         except (EOFError, OSError):
-            code = w.proc.wait()
-            if not w.ready:
-                self.close()
-                raise RewardSpecError(
-                    f"reward.fn={self.cfg.fn!r}: the reward worker exited with code {code} while importing it"
-                ) from None
-            self._fail(w, "worker_died", f"the worker process died (exit code {code})", errors)
+            self._died(w, errors)
+
+    def _send(self, w: _Worker, mode: str, chunk: list[Item], errors: list) -> None:
+        """Give `w` a chunk; a worker that died while idle (killed, OOM) is found here, by its broken pipe."""
+        try:
+            w.send(mode, chunk, self.cfg.timeout_s)
+        except OSError:  # BrokenPipeError, ConnectionResetError: the chunk is now `w`'s outstanding
+            self._died(w, errors)
+
+    def _died(self, w: _Worker, errors: list) -> None:
+        code = w.proc.wait()
+        if not w.ready:
+            self.close()
+            raise RewardSpecError(
+                f"reward.fn={self.cfg.fn!r}: the reward worker exited with code {code} while importing it"
+            ) from None
+        self._retry(w, "worker_died", f"the worker process died (exit code {code})", errors)
+
+    def _retry(self, w: _Worker, kind: str, message: str, errors: list) -> None:
+        """The worker itself failed, not a sample (user code runs in its children): `w` is replaced and
+        its samples in flight are queued again, each once; a sample that was already retried fails."""
+        again = [it for i, it in w.outstanding.items() if i not in self.retried]
+        w.outstanding = {i: it for i, it in w.outstanding.items() if i in self.retried}
+        self.retried.update(it[0] for it in again)
+        if again:
+            mode = "batch" if self.batched else "seq"
+            self.pending.appendleft((mode, again))
+        self._fail(w, kind, f"{message}, on this sample's retry", errors)
 
     def _fail(self, w: _Worker, kind: str, message: str, errors: list) -> None:
         """Every sample `w` still owes fails (it died, or its backstop passed); `w` is replaced."""
@@ -258,12 +283,13 @@ class WorkerPool:
         size = cfg.chunk_size or max(1, math.ceil(len(items) / (n_workers * (1 if batched else 4))))
         mode = "batch" if batched else "seq"
         self.pending = deque((mode, items[i : i + size]) for i in range(0, len(items), size))
+        self.retried = set()
         scores: dict[int, float] = {}
         errors: list = []
         while len(scores) + len(errors) < len(items):
-            for w in self.workers:
+            for w in list(self.workers):
                 if w.ready and self.pending and (not w.outstanding or self.pending[0][0] == "fork"):
-                    w.send(*self.pending.popleft(), cfg.timeout_s)
+                    self._send(w, *self.pending.popleft(), errors)
             now = time.monotonic()
             deadlines = [w.deadline if w.ready else w.started + cfg.startup_timeout_s for w in self.workers]
             by_conn = {w.conn: w for w in self.workers}
@@ -272,15 +298,21 @@ class WorkerPool:
             now = time.monotonic()
             for w in list(self.workers):
                 if w.outstanding and now > w.deadline:
-                    n = len(w.outstanding) if w.mode == "batch" else 1
-                    self._fail(
-                        w,
-                        "timeout",
-                        f"no result within {cfg.timeout_s * n:g}s; the worker was killed",
-                        errors,
-                    )
+                    self._silent(w, errors)
             self._check_startup()
         return scores, errors
+
+    def _silent(self, w: _Worker, errors: list) -> None:
+        """`w`'s backstop passed. A batched call runs in the worker itself: its samples timed out. Otherwise
+        the worker times its own samples, so its silence means the worker itself is stuck (stopped, or
+        starved): its samples in flight are retried like a dead worker's."""
+        timeout_s = self.cfg.timeout_s
+        if w.mode == "batch":
+            message = f"no result within {timeout_s * len(w.outstanding):g}s; the worker was killed"
+            self._fail(w, "timeout", message, errors)
+        else:
+            message = f"the worker sent nothing for {timeout_s + BACKSTOP_S:g}s and was killed"
+            self._retry(w, "timeout", message, errors)
 
     def _handle(self, w: _Worker, msg: tuple, scores: dict, errors: list) -> None:
         kind = msg[0]
