@@ -35,7 +35,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import hybridflow
@@ -62,6 +62,23 @@ class CheckpointError(RuntimeError):
 
 class CheckpointDiskFull(CheckpointError):
     """A save that ran out of disk space: discarded, the checkpoints before it intact (one line)."""
+
+
+class CheckpointNotFinite(CheckpointError):
+    """A save refused because a weight or optimizer moment is NaN/inf (engines/checkpoint_io.py): nothing
+    committed, nothing pruned, the checkpoints before it intact (one line)."""
+
+
+def _not_finite_detail(error: BaseException | None) -> str | None:
+    """The writer's "<tensor> is not finite; refusing to save it", here or in a worker (Ray's `cause`)."""
+    for _ in range(8):
+        if error is None:
+            return None
+        for line in str(error).splitlines():
+            if "is not finite; refusing to save it" in line:
+                return line.split("Error: ", 1)[-1].strip()
+        error = getattr(error, "cause", None) or error.__cause__
+    return None
 
 
 def _is_disk_full(error: BaseException | None) -> bool:
@@ -229,8 +246,12 @@ class CheckpointManager:
     def abort(self, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def commit(self, step: int, tmp: Path, meta: dict | None = None) -> Path:
-        """Make the temp directory checkpoint `step`: manifest, fsync, rename, pointer, prune."""
+    def commit(
+        self, step: int, tmp: Path, meta: dict | None = None, before_commit: Callable[[], None] | None = None
+    ) -> Path:
+        """Make the temp directory checkpoint `step`: manifest, fsync, rename, pointer, prune.
+        before_commit: called once all is written, right before the rename that makes the step resumable
+        (the trainer writes the step's metrics row there: a crash on either side of it loses no row)."""
         tmp = Path(tmp)
         parts = {p.name: _list_files(p) for p in sorted(tmp.iterdir()) if p.name != MANIFEST}
         digests = {
@@ -254,6 +275,8 @@ class CheckpointManager:
         }
         fsync_tree(tmp)
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))  # last: marks completeness
+        if before_commit is not None:
+            before_commit()
         final = self.step_dir(step)
         if final.exists():  # re-saving a step (e.g. after resuming from an earlier one)
             _remove_dir(final)
@@ -264,19 +287,28 @@ class CheckpointManager:
         return final
 
     @contextlib.contextmanager
-    def writing(self, step: int, meta: dict | None = None) -> Iterator[Path]:
+    def writing(
+        self, step: int, meta: dict | None = None, before_commit: Callable[[], None] | None = None
+    ) -> Iterator[Path]:
         """`with manager.writing(step) as tmp:` write parts into tmp; committed on exit, discarded
-        (previous checkpoints and `latest` untouched) if the block raises."""
+        (previous checkpoints and `latest` untouched) if the block or `before_commit` raises."""
         tmp = None
         try:
             tmp = self.begin(step)
             yield tmp
-            self.commit(step, tmp, meta)
+            self.commit(step, tmp, meta, before_commit)
         except BaseException as e:
             if tmp is not None:
                 self.abort(tmp)
             if _is_disk_full(e):
                 raise CheckpointDiskFull(self._disk_full_line(step)) from None
+            if detail := _not_finite_detail(e):
+                kept = self.latest()
+                raise CheckpointNotFinite(
+                    f"checkpoint of step {step} not saved: {detail.split(': ', 1)[-1]}; "
+                    f"{f'{kept.name} and `latest` are' if kept else 'no earlier checkpoint is'} intact. The "
+                    "weights went bad: lower the learning rate or check the optimizer settings, then resume"
+                ) from None
             raise
 
     def _disk_full_line(self, step: int) -> str:

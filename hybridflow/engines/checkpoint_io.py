@@ -104,15 +104,43 @@ def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+NOT_FINITE = "is not finite; refusing to save it"  # checkpoint/manager.py names the refusal by this
+
+
+def _not_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The floating tensors of which this rank holds a non-finite value (in its own shard): one isfinite
+    per tensor where it lives, one sync for them all."""
+    from torch.distributed.tensor import DTensor
+
+    local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in tensors.items()}
+    local = {n: t for n, t in local.items() if t.is_floating_point() and t.numel()}
+    if not local:
+        return []
+    finite = torch.stack([torch.isfinite(t).all().cpu() for t in local.values()])
+    return [n for n, ok in zip(local, finite.tolist()) if not ok]
+
+
+def check_finite(engine, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse, on every rank together, a checkpoint holding a non-finite weight or optimizer moment:
+    a poisoned checkpoint would pass its SHA check and be resumed from."""
+    bad = _not_finite(tensors)
+    if engine._all_reduce(float(len(bad)), dist.ReduceOp.MAX):
+        where = f"{bad[0]} (and {len(bad) - 1} more on this rank)" if bad else "a tensor of another rank"
+        raise ValueError(f"step {engine.global_step}: {where} {NOT_FINITE}")
+
+
 def save(engine, directory: str | Path) -> None:
-    """Collective over the engine's group: every rank writes its shards; rank 0 the JSON."""
+    """Collective over the engine's group: every rank writes its shards; rank 0 the JSON. Nothing is
+    written when a tensor is not finite (check_finite)."""
     directory = Path(directory)
     with engine.phase(optimizer=True):
         writes_plain = _stage_writer(engine)
-        save_tensors(model_tensors(engine), directory / "model", writes_plain)
+        model = model_tensors(engine)
+        osd, flat = _optimizer_state(engine) if engine.optimizer is not None else ({}, {})
+        check_finite(engine, {**model, **flat})
+        save_tensors(model, directory / "model", writes_plain)
         state = {"global_step": engine.global_step}
         if engine.optimizer is not None:
-            osd, flat = _optimizer_state(engine)
             save_tensors(flat, directory / "optim", writes_plain)
             state["param_groups"] = _json_ready(osd["param_groups"])
             state["scheduler"] = _json_ready(engine.scheduler.state_dict())

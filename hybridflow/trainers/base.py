@@ -24,10 +24,12 @@ with a checkpoint (Preempted).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -257,6 +259,7 @@ class Trainer(ValidationMixin):
             start = time.perf_counter()
             with self.timers("step"), _at_step(self.global_step):
                 batch, metrics = self.train_step(batch)
+            self._check_poisoned(metrics)
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
             metrics.update(self.resource_metrics(batch))
             if trainer_cfg.rollout_data_dir:
@@ -278,14 +281,33 @@ class Trainer(ValidationMixin):
                 or by_time
                 or stopping
             ):
-                self.save_checkpoint()
-            metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
-            if self.placement.plan is not None:  # the plan's predictions beside the measured stages
-                metrics.update(plan_metrics(self.placement.plan, metrics, self.timers.driver_phases))
-            metrics["trainer/restarts"] = self.restarts
-            self.tracker.log(metrics, self.global_step)
-            history.append({"step": self.global_step, **metrics})
+                self.save_checkpoint(functools.partial(self._log_row, metrics, history))
+            else:
+                self._log_row(metrics, history)
             self._check_skipped(metrics)
+
+    def _log_row(self, metrics: dict, history: list[dict]) -> None:
+        """The step's metrics row. With a checkpoint, written before the commit that makes the step
+        resumable: a crash between the two redoes the step, whose row a resumed JsonlBackend drops first,
+        so every step keeps exactly one row."""
+        metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
+        if self.placement.plan is not None:  # the plan's predictions beside the measured stages
+            metrics.update(plan_metrics(self.placement.plan, metrics, self.timers.driver_phases))
+        metrics["trainer/restarts"] = self.restarts
+        self.tracker.log(metrics, self.global_step)
+        history.append({"step": self.global_step, **metrics})
+
+    def _check_poisoned(self, metrics: dict) -> None:
+        """Stop before anything is saved when an update made a weight non-finite (engines: params_nonfinite,
+        an overflow the step's own guard cannot undo)."""
+        bad = sorted(k for k, v in metrics.items() if k.endswith("/params_nonfinite") and v > 0)
+        if bad:
+            kept = self.latest_checkpoint()
+            raise RunStopped(
+                f"step {self.global_step}: the update made weights non-finite ({', '.join(bad)}); nothing of "
+                f"it is saved and {kept.name if kept else 'no checkpoint'} is the last. Lower the learning "
+                "rate or check the optimizer settings, then resume"
+            )
 
     def _check_skipped(self, metrics: dict) -> None:
         """Stop after trainer.max_skipped_steps consecutive steps whose optimizer step was skipped (a
@@ -325,12 +347,21 @@ class Trainer(ValidationMixin):
     def trainable_groups(self) -> dict:
         return {r: self.groups[r] for r in ("actor_rollout", "critic", "cost_critic") if r in self.groups}
 
-    def save_checkpoint(self) -> Path:
-        """Checkpoint this step (atomic; `latest` moves on success; older ones pruned to keep_last)."""
+    def save_checkpoint(self, before_commit: Callable[[], None] | None = None) -> Path:
+        """Checkpoint this step (atomic; `latest` moves on success; older ones pruned to keep_last).
+        before_commit: called once the checkpoint is written, before the commit makes it the resumable
+        one (the step's metrics row: `_log_row`), with `timing_s/save_checkpoint` measured up to then."""
         m = self.cfg.model
         meta = {"algorithm": self.name, "tokenizer_dir": os.path.abspath(m.tokenizer_path or m.path),
                 "fingerprint": lifecycle.resume_fingerprint(self.cfg)}  # fmt: skip
-        with self.timers("save_checkpoint"), self.ckpt.writing(self.global_step, meta=meta) as tmp:
+        start = time.perf_counter()
+
+        def before_rename() -> None:
+            self.timers.times["timing_s/save_checkpoint"] = time.perf_counter() - start
+            if before_commit is not None:
+                before_commit()
+
+        with self.ckpt.writing(self.global_step, meta=meta, before_commit=before_rename) as tmp:
             for g in self.trainable_groups().values():
                 g.save_checkpoint(str(tmp))  # each writes tmp/<role>/ (a collective over its ranks)
             self.save_driver_parts(tmp)
