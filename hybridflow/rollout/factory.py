@@ -22,14 +22,16 @@ _VLLM = None  # this process's vLLM engine, once built
 
 
 def build_generation_engine(
-    config, model: torch.nn.Module, world_size: int = 1, own_weights: bool = False, dtype=None
+    config, model: torch.nn.Module, world_size: int = 1, own_weights: bool = False, dtype=None, device=None
 ) -> GenerationEngine:
     """config: the actor worker's config (config/roles.ActorWorkerConfig); model: the HF causal LM to
     generate with (the actor's own, whose parameters are full tensors while generating); world_size: ranks
     of the rollout group;
     own_weights: a rollout pool's engine, whose weights change only by load_weights (vLLM then keeps
     its own copy: rollout/vllm_engine.py; the built-in engine reads `model` either way); dtype: the
-    compute dtype to generate in (the actor's: workers/common.model_compute_dtype; None = the model's)."""
+    compute dtype to generate in (the actor's: workers/common.model_compute_dtype; None = the model's);
+    device: where vLLM runs (None: where the model's parameters are; a rollout pool's model is on the
+    meta device)."""
     r = config.rollout
     if r.engine == "builtin":
         from hybridflow.rollout.engine import BuiltinEngine, BuiltinEngineConfig
@@ -57,6 +59,7 @@ def build_generation_engine(
                 own_weights=own_weights,
                 dtype=dtype,
             ),
+            device=device,
         )
         return _VLLM
     raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; choose one of {ENGINES}")

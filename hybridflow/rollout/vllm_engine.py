@@ -35,7 +35,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +46,7 @@ from hybridflow.models.lora import hf_name
 from hybridflow.rollout import vllm_pad
 from hybridflow.rollout.base import GenerationEngine, SamplingParams, build_rollout_batch, check_prompt_batch
 from hybridflow.rollout.tp_group import TPGroup
+from hybridflow.rollout.vllm_memory import kv_cache_bytes, memory_settings  # noqa: F401  (kv_cache_bytes re-exported)
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -94,10 +95,12 @@ class VLLMEngine(GenerationEngine):
 
     model: the HF causal LM whose parameters are full tensors whenever `generate` runs (the actor's
     model inside the worker's generation-weights context, or a plain model). Its config builds vLLM's
-    model; its weights are streamed into vLLM at every call.
+    model; its weights are streamed into vLLM at every call. With own_weights it may be on the meta
+    device (built by models/meta.py): the weights are then read from its directory (`stored_weights`).
+    device: where vLLM runs; None: where the model's parameters are.
     """
 
-    def __init__(self, model: torch.nn.Module, config: VLLMEngineConfig | None = None):
+    def __init__(self, model: torch.nn.Module, config: VLLMEngineConfig | None = None, device=None):
         reason = available()
         if reason is not None:
             raise RuntimeError(f"rollout.engine=vllm: {reason}")
@@ -109,14 +112,14 @@ class VLLMEngine(GenerationEngine):
             pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(cfg.eos_token_id)
         self.pad_token_id = 0 if pad is None else int(pad)
         param = next(model.parameters())
-        self.device = param.device
+        self.device = torch.device(device) if device is not None else param.device
         self.gpu = param.device.type == "cuda"
         self.last_stats: dict[str, float] = {}
         self.sent_bytes = 0  # every tensor load_weights has streamed into vLLM, in the dtype vLLM holds
         self.llm = self._build(cfg, self.config.dtype or param.dtype)
         self._asleep = False
         if self.config.own_weights:
-            self.load_weights((n, _full(p.detach())) for n, p in model.named_parameters())
+            self.load_weights(stored_weights(model))
         elif self.gpu:
             self.sleep()
 
@@ -145,14 +148,13 @@ class VLLMEngine(GenerationEngine):
             seed=c.seed,
             enable_prefix_caching=True,
         )
-        if c.gpu_memory_utilization > 0:
-            kw["gpu_memory_utilization"] = c.gpu_memory_utilization
-        else:
-            kw["kv_cache_memory_bytes"] = kv_cache_bytes(hf_config, dtype, c.max_num_seqs, c.max_model_len)
-            if self.pad_head_dim:
-                kw["kv_cache_memory_bytes"] = (
-                    kw["kv_cache_memory_bytes"] * self.pad_head_dim // vllm_pad.head_dim_of(hf_config)
-                )
+        # auto on a CUDA device: what is free now, before vLLM allocates (the colocated actor's share taken)
+        device_memory = (
+            torch.cuda.mem_get_info(self.device) if self.gpu and not c.gpu_memory_utilization else None
+        )
+        kw.update(
+            memory_settings(hf_config, dtype, c, self.pad_head_dim, device_memory, self._weight_bytes(dtype))
+        )
         if self.gpu:
             kw.update(enable_sleep_mode=not c.own_weights, enforce_eager=False)
         else:
@@ -184,6 +186,11 @@ class VLLMEngine(GenerationEngine):
                 return LLM(model=tmp, **kw)
             finally:
                 torch.set_num_threads = set_threads
+
+    def _weight_bytes(self, dtype: torch.dtype) -> int:
+        """This rank's share of vLLM's weights in `dtype` (a tg-way rank holds about 1/tg of them)."""
+        numel = sum(p.numel() for p in self.model.parameters())
+        return numel * dtype.itemsize // self.config.tensor_parallel_size
 
     # ---- GenerationEngine --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -394,17 +401,6 @@ def outputs_to_tensors(outputs, params: SamplingParams, pad_token_id: int):
     return responses, lengths, logps
 
 
-def kv_cache_bytes(hf_config, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
-    """K and V for max_num_seqs full-length sequences, in vLLM's 16-token blocks, plus one spare block
-    per sequence (vLLM's scheduler needs a little slack)."""
-    layers = hf_config.num_hidden_layers
-    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    blocks = -(-max_model_len // 16) + 1
-    per_token = 2 * layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-    return max_num_seqs * blocks * 16 * per_token
-
-
 # Megatron-style generation shards (hybrid_engine/resharder.py): split on the output features
 # (column-parallel) or the input features (row-parallel), rank r holding the r-th contiguous block, as
 # vLLM's QKV/merged-column/row-parallel linears hold theirs.
@@ -431,6 +427,28 @@ def shard_as_full(name: str, t: torch.Tensor, full_shape: tuple, rank: int, tp) 
     parts = [torch.empty_like(t) for _ in range(tp.size)]
     torch.distributed.all_gather(parts, t.contiguous(), group=tp.group)
     return torch.cat(parts, dim)
+
+
+def stored_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of each parameter, one at a time: the model's own tensor, or for one on the
+    meta device (models/meta.py: a rollout pool's, whose weights vLLM alone holds) the tensor read from
+    its directory's safetensors, so they never sit on the device beside vLLM's copy."""
+    from safetensors import safe_open
+
+    from hybridflow.models.meta import WEIGHTS_ATTR, weight_files
+
+    files = None
+    with contextlib.ExitStack() as stack:
+        handles: dict = {}
+        for name, p in model.named_parameters():
+            if not p.is_meta:
+                yield name, _full(p.detach())
+                continue
+            if files is None:
+                files = weight_files(getattr(model, WEIGHTS_ATTR))
+            if files[name] not in handles:
+                handles[files[name]] = stack.enter_context(safe_open(str(files[name]), framework="pt"))
+            yield name, handles[files[name]].get_tensor(name)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -182,7 +182,9 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
                 self.pool_tp = pool_tp_group(self.rank, self.world_size, self._pool_tg())
             if model is None:
                 model = self.actor.hf_model if not own else self._pool_model(m.path, remote, dtype)
-            self.rollout = build_generation_engine(self.config, model, self.world_size, own, dtype)
+            self.rollout = build_generation_engine(
+                self.config, model, self.world_size, own, dtype, self.device
+            )
             install_agent_objects(self.agent_objects)
             self.agent = build_agent_loop(self.config.rollout.multi_turn, self.tokenizer)
             if own and self.config.rollout.engine == "vllm":
@@ -190,22 +192,11 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
         return info
 
     def _pool_model(self, path: str, remote: dict, dtype: torch.dtype | None) -> torch.nn.Module:
-        """A rollout-only pool's model: whole for tg = 1 (and vLLM, which slices it itself), else only this
-        rank's generation shard (rollout/pool_tp.py), read as safetensors slices when the directory
-        holds every tensor by name (else loaded whole and cut down at once). Stored in the compute dtype
-        `dtype` (None: as loaded): the weight sync then carries that dtype (half the bytes in bf16)."""
-        if self.pool_tp is None:
-            model = load_causal_lm(path, **remote).to(self.device)
-        else:
-            model = load_causal_lm(path, device="meta", **remote)
-            index, tg = self.pool_tp.rank(), self.pool_tp.size
-            if hasattr(model, WEIGHTS_ATTR):
-                model = load_shard(model, index, tg, self.device).to(self.device)  # buffers too
-            else:
-                model = keep_shard(model, index, tg).to(self.device)
-        if dtype is not None:
-            cast_parameters(model, dtype)  # not buffers: the rotary tables stay fp32, as the actor's
-        return model
+        """A rollout-only pool's model (`load_pool_model`), this rank's generation shard for tg > 1."""
+        tp = self.pool_tp
+        index, tg = (tp.rank(), tp.size) if tp is not None else (0, 1)
+        on_device = self.config.rollout.engine != "vllm"
+        return load_pool_model(path, remote, dtype, self.device, index, tg, on_device)
 
     @register(Protocol.ONE_TO_ALL)
     def rollout_param_bytes(self) -> int:
@@ -435,6 +426,27 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
     def save_hf_model(self, path: str) -> None:
         """The actor as a plain HF directory (with the tokenizer), written by rank 0 (collective)."""
         self._engine("actor").save_hf(path, tokenizer=self.tokenizer)
+
+
+def load_pool_model(
+    path: str, remote: dict, dtype: torch.dtype | None, device, index: int, tg: int, on_device: bool
+) -> torch.nn.Module:
+    """A rollout-only pool's model, its parameters in the compute dtype `dtype` (None: as loaded; the
+    weight sync then carries that dtype, half the bytes in bf16) before any byte reaches the device, so
+    the device never holds the model in fp32 beside its cast. Built on the meta device and cast there;
+    then each tensor (TP rank `index` of tg's generation shard only, rollout/pool_tp.py) is read from
+    the safetensors into that dtype on `device`; where the files do not hold every tensor by name, it is
+    loaded whole on the host, cast and cut there, then moved. on_device=False (vLLM, which holds its
+    own weights and cuts its own blocks): left on the meta device (or the host) to name the tensors and
+    their shapes; the engine streams the weights from there once (rollout/vllm_engine.stored_weights)."""
+    model = load_causal_lm(path, device="meta", **remote)
+    if dtype is not None:
+        cast_parameters(model, dtype)  # not buffers: the rotary tables stay fp32, as the actor's
+    if not on_device:
+        return model
+    if hasattr(model, WEIGHTS_ATTR):
+        return load_shard(model, index, tg, device).to(device)  # buffers too
+    return (keep_shard(model, index, tg) if tg > 1 else model).to(device)
 
 
 def _max_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:

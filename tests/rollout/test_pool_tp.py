@@ -88,3 +88,30 @@ def test_a_dimension_tg_does_not_divide_is_one_line():
         shard_of("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 64), 0, 3, False)
     assert split_dim("model.layers.0.self_attn.o_proj.bias", True) is None
     assert split_dim("lm_head.weight", False) is None and split_dim("lm_head.weight", True) == 0
+
+
+@pytest.mark.parametrize("tg", [1, 2])
+def test_a_pool_model_is_cast_before_the_device_and_vllms_is_never_built(tmp_path, tg):
+    """workers/actor.load_pool_model: the built-in engine's pool model is read from the safetensors
+    straight into the compute dtype (exactly the fp32 weights cast, no fp32 model on the device first);
+    vLLM's names the tensors only: every parameter stays on the meta device, in the compute dtype the
+    weight sync carries, and the engine streams the stored fp32 weights from the files one at a time."""
+    from hybridflow.rollout.vllm_engine import stored_weights
+    from hybridflow.workers.actor import load_pool_model
+
+    path = save_tiny_model(tmp_path, "tiny", "llama", seed=0)
+    full = load_causal_lm(path)
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    for rank in range(tg):
+        model = load_pool_model(str(path), {}, bf16, cpu, rank, tg, on_device=True)
+        want = generation_shard(full, rank, tg)
+        assert dict(model.named_parameters()).keys() == want.keys()
+        for name, t in model.named_parameters():
+            assert t.dtype == bf16 and not t.is_meta and torch.equal(t, want[name].to(bf16)), name
+        assert all(b.dtype == torch.float32 for b in model.buffers())  # the rotary tables stay fp32
+    named = load_pool_model(str(path), {}, bf16, cpu, 0, 1, on_device=False)
+    assert all(p.is_meta and p.dtype == bf16 for p in named.parameters())
+    streamed = list(stored_weights(named))
+    assert [n for n, _ in streamed] == [n for n, _ in full.named_parameters()]
+    for (name, t), (_, p) in zip(streamed, full.named_parameters()):
+        assert torch.equal(t, p.detach()), name

@@ -1,15 +1,25 @@
 """vLLM memory hygiene around sleep mode (rollout/vllm_engine.py), without vLLM: a recording stand-in
 for `vllm.LLM` logs the engine's calls. On a CUDA device torch's cached blocks go back to the device
 before each wake_up (weights, then KV cache, with the actor's weights streamed in between); on CPU no
-CUDA function is called at all (a strict stand-in raises if one is)."""
+CUDA function is called at all (a strict stand-in raises if one is). And the memory vLLM is asked for:
+a tg-way rank's KV cache holds its heads only, and the default (gpu_memory_utilization 0) asks for a
+utilisation vLLM's start-up check passes with the device shared, or refuses in one line."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
 
+from hybridflow.errors import ConfigError
 from hybridflow.models import load_causal_lm
+from hybridflow.models.tiny import build_tiny_model
 from hybridflow.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, release_cached_blocks
+from hybridflow.rollout.vllm_memory import auto_memory_utilization, kv_cache_bytes, memory_settings
+
+GIB = 2**30
 
 
 class RecordingLLM:
@@ -81,3 +91,56 @@ def test_cpu_path_makes_no_cuda_call(tiny_model_dir, monkeypatch):
     release_cached_blocks(torch.device("cpu"))  # and directly: no CUDA call
     with pytest.raises(AssertionError, match="CUDA function"):
         release_cached_blocks(torch.device("cuda", 0))  # the stand-in does catch a call
+
+
+def test_kv_budget_is_this_ranks_heads():
+    config = build_tiny_model("tiny", "llama").config  # 2 KV heads; 512 fp32 bytes per token (test_factory)
+    whole = 3 * 8 * 16 * 512  # 3 sequences x (7 blocks of 100 tokens + 1 spare) x 16 tokens
+    assert kv_cache_bytes(config, torch.float32, 3, 100) == whole
+    assert kv_cache_bytes(config, torch.float32, 3, 100, tg=2) == whole // 2  # one head per rank
+    assert kv_cache_bytes(config, torch.float32, 3, 100, tg=4) == whole // 2  # replicated, not split
+    for tg in (1, 2):
+        c = VLLMEngineConfig(max_num_seqs=3, max_model_len=100, tensor_parallel_size=tg)
+        assert memory_settings(config, torch.float32, c) == {"kv_cache_memory_bytes": whole // tg}
+
+
+def test_auto_utilisation_passes_vllms_startup_check_or_refuses():
+    free, total, kv, weights = 20 * GIB, 80 * GIB, 6 * GIB, 4 * GIB
+    assert free < 0.92 * total  # vLLM's default utilisation would refuse this shared device
+    util = auto_memory_utilization(free, total, kv, weights)
+    assert util == 10 / 80 and util * total <= free  # vLLM starts when free >= utilisation x total
+    with pytest.raises(ConfigError) as e:
+        auto_memory_utilization(8 * GIB, total, kv, weights)
+    assert len(e.value.errors) == 1 and "\n" not in e.value.errors[0]
+    assert "needs 10.00 GiB free" in e.value.errors[0] and "8.00 of 80.00 GiB free" in e.value.errors[0]
+    config = build_tiny_model("tiny", "llama").config
+    c = VLLMEngineConfig(max_num_seqs=3, max_model_len=100)
+    got = memory_settings(config, torch.bfloat16, c, device_memory=(free, total), weight_bytes=weights)
+    kv = kv_cache_bytes(config, torch.bfloat16, 3, 100)
+    assert got == {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": (kv + weights) / total}
+    explicit = VLLMEngineConfig(gpu_memory_utilization=0.5)
+    assert memory_settings(config, torch.bfloat16, explicit, device_memory=(free, total)) == {
+        "gpu_memory_utilization": 0.5
+    }
+
+
+def test_gpu_build_asks_vllm_for_what_this_rank_needs(tiny_model_dir, monkeypatch):
+    """The engine's own build on a CUDA device: free/total read there (torch.cuda.mem_get_info), this
+    rank's bf16 weights and KV cache asked for; vLLM itself is a stand-in that records its arguments."""
+    asked: list = []
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (20 * GIB, 80 * GIB)
+    )
+    built: dict = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda model, **kw: built.update(kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    model = load_causal_lm(tiny_model_dir)
+    engine = _engine(model, "cuda:0", [])
+    engine.config = VLLMEngineConfig(max_num_seqs=4, max_model_len=64)
+    engine._build(model.config, torch.bfloat16)
+    kv = kv_cache_bytes(model.config, torch.bfloat16, 4, 64)
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    assert asked == [torch.device("cuda:0")]
+    assert built["kv_cache_memory_bytes"] == kv
+    assert built["gpu_memory_utilization"] == (kv + weights) / (80 * GIB)
