@@ -42,7 +42,7 @@ from hybridflow.config.loader import config_from_dict, load_yaml
 from hybridflow.data.columns import ground_truth_column, rows_of, to_prompt_rows
 from hybridflow.data.files import write_jsonl
 from hybridflow.errors import RewardSpecError
-from hybridflow.rewards.conventions import calling_convention, describe, missing_columns
+from hybridflow.rewards.conventions import CHAT_PROMPT, calling_convention, describe, missing_columns
 from hybridflow.rewards.registry import register_reward
 
 __all__ = ["Run"]
@@ -57,7 +57,10 @@ class Run:
     prompt_column: the prompt (text or chat messages); ground_truth_column: default the first of
     ground_truth, answer, solution the rows have. Every other column reaches TRL-convention rewards.
     tools: typed functions the model may call (or tool specs as rollout.multi_turn.tools takes them);
-    environment: an Environment class or factory instead (agent/environment.py)."""
+    environment: an Environment class or factory instead (agent/environment.py).
+    As TRL's trainers take them: model may be a loaded transformers model (saved as run_dir/model);
+    peft_config a peft LoraConfig (-> model.lora); processing_class a tokenizer (saved as
+    run_dir/tokenizer; default the model's own)."""
 
     def __init__(
         self,
@@ -73,11 +76,22 @@ class Run:
         ground_truth_column: str | None = None,
         tools: Sequence[Callable | str] = (),
         environment: Callable | None = None,
+        peft_config: Any = None,
+        processing_class: Any = None,
     ):
         data = config_data(args)
         _set(data, "algorithm.name", algorithm)
-        if model is not None:
+        loaded = model if model is not None and not isinstance(model, (str, os.PathLike)) else None
+        if loaded is not None and not hasattr(loaded, "save_pretrained"):
+            raise ConfigError(
+                [
+                    f"model: expected a directory, a Hub id or a loaded transformers model, got {type(model).__name__}"
+                ]
+            )
+        if model is not None and loaded is None:
             _set_once(data, "model.path", str(model), "model")
+        if peft_config is not None:
+            _set_once(data, "model.lora", lora_settings(peft_config), "peft_config")
         datasets = {"train": train_dataset, "val": eval_dataset}
         rows = {split: _prompt_rows(ds, prompt_column, ground_truth_column, f"{split}_dataset")
                 for split, ds in datasets.items() if ds is not None}  # fmt: skip
@@ -93,6 +107,20 @@ class Run:
         if not _given(data, "trainer.experiment_name"):  # a run of its own, as TRL's trainers start
             _set(data, "trainer.experiment_name", fresh_name(trainer.output_dir, algorithm))
         run_dir = config_from_dict(data).run_dir
+        if loaded is not None:  # saved where the workers load it from, as TRL's trainers take it in memory
+            _set_once(data, "model.path", save_pretrained(loaded, run_dir, "model"), "model")
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor holds one
+        if isinstance(tokenizer, (str, os.PathLike)):
+            _set_once(data, "model.tokenizer_path", str(tokenizer), "processing_class")
+        elif tokenizer is not None:
+            _set_once(
+                data,
+                "model.tokenizer_path",
+                save_pretrained(tokenizer, run_dir, "tokenizer"),
+                "processing_class",
+            )
+        elif loaded is not None and not _given(data, "model.tokenizer_path"):  # TRL: the model's own name
+            _set(data, "model.tokenizer_path", getattr(loaded.config, "_name_or_path", "") or "")
         for split, prompt_rows in rows.items():
             _set_once(
                 data, f"data.{split}_files", [write_rows(prompt_rows, run_dir, split)], f"{split}_dataset"
@@ -187,6 +215,51 @@ def _given(data: dict, dotted: str) -> bool:
     return True
 
 
+def save_pretrained(obj: Any, run_dir: str, name: str) -> str:
+    """A loaded model or tokenizer saved as run_dir/<name> (an HF directory, as model.path takes one)."""
+    if not hasattr(obj, "save_pretrained"):
+        what = "processing_class" if name == "tokenizer" else name
+        raise ConfigError(
+            [f"{what}: expected a loaded transformers {name} or a path, got {type(obj).__name__}"]
+        )
+    path = os.path.abspath(os.path.join(run_dir, name))
+    obj.save_pretrained(path)
+    return path
+
+
+LORA_KEYS = {
+    "r": "rank",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "target_modules": "target_modules",
+}
+
+
+def lora_settings(peft_config: Any) -> dict:
+    """A peft LoraConfig -> model.lora's keys: r, lora_alpha, lora_dropout and target_modules (None:
+    every linear layer); a setting model.lora has no equivalent for is refused in one line."""
+    if type(peft_config).__name__ != "LoraConfig" or not hasattr(peft_config, "r"):
+        raise ConfigError([f"peft_config: expected a peft LoraConfig, got {type(peft_config).__name__}"])
+    unsupported = {
+        k: getattr(peft_config, k, None)
+        for k in ("use_dora", "use_rslora", "modules_to_save", "layers_to_transform")
+        if getattr(peft_config, k, None)
+    }
+    if getattr(peft_config, "bias", "none") != "none":
+        unsupported["bias"] = peft_config.bias
+    if unsupported:
+        k, v = next(iter(unsupported.items()))
+        raise ConfigError(
+            [f"peft_config: {k}={v!r} has no model.lora equivalent (it takes {list(LORA_KEYS)})"]
+        )
+    out = {ours: getattr(peft_config, theirs) for theirs, ours in LORA_KEYS.items()}
+    targets = out["target_modules"]
+    out["target_modules"] = (
+        ["all-linear"] if targets is None else [targets] if isinstance(targets, str) else sorted(targets)
+    )
+    return out
+
+
 def fresh_name(output_dir: str, algorithm: str) -> str:
     """'<algorithm>-<UTC date>-<time>', with -2, -3, ... when output_dir already has that directory."""
     base = f"{algorithm}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
@@ -206,7 +279,8 @@ def reward_columns(rows: list[dict] | None) -> set[str] | None:
     """What a TRL-convention reward may ask for, as the trainer passes it (data/prompts.py reward_columns)."""
     if rows is None:
         return None
-    return {"ground_truth", "data_source"} | {k for r in rows for k in (r.get("extra_info") or {})}
+    keys = {k for r in rows for k in (r.get("extra_info") or {}) if k != CHAT_PROMPT}  # that one: `prompts`
+    return {"ground_truth", "data_source"} | keys
 
 
 def reward_entries(

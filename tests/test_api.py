@@ -30,7 +30,7 @@ def needs_hint(prompts, completions, hint):
     return [0.0] * len(completions)
 
 
-def make(tmp_path, model, **kwargs):
+def make(tmp_path, model=None, **kwargs):
     args = {
         "rollout.n": 2,
         "trainer.output_dir": str(tmp_path),
@@ -38,7 +38,7 @@ def make(tmp_path, model, **kwargs):
         **kwargs.pop("args", {}),
     }
     args = {k: v for k, v in args.items() if v is not None}  # None: the key left to its default
-    return Run("grpo", model=model, args=args, **kwargs)
+    return Run("grpo", model=kwargs.pop("model", model), args=args, **kwargs)
 
 
 def test_rows_columns_and_rewards_become_the_config(tmp_path, tiny_model_dir):
@@ -172,3 +172,73 @@ def test_a_named_run_leaves_another_run_alone(ray_cluster, tmp_path, tiny_model_
         trained(tmp_path, tiny_model_dir, **{"trainer.resume": "1"})
     assert "written with a training set of 6 prompts, this run has 4" in str(e.value)
     assert "trainer.resume=never" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- TRL's reward idioms and arguments ---------------------------------------------------------------
+CHAT = [
+    {"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1), "kind": ("even", "odd")[a % 2]}
+    for a in range(4)
+]
+
+
+def exact_chat(prompts, completions, answer, kind, **kwargs):
+    """TRL's idioms: message lists in a conversational dataset, None where the function does not apply."""
+    return [
+        float(c[0]["content"].strip() == a) if k == "even" and p[-1]["role"] == "user" else None
+        for p, c, a, k in zip(prompts, completions, answer, kind)
+    ]
+
+
+def step_and_length(completions, completion_ids, trainer_state, kind, **kwargs):
+    """TRL's other keyword arguments: the response's token ids and the trainer's step, as a number."""
+    state = 10 * trainer_state.global_step + trainer_state.max_steps
+    return [state + len(ids) / 100 if k == "even" else None for ids, k in zip(completion_ids, kind)]
+
+
+def test_none_scores_and_a_conversational_dataset_as_trl_gives_them(ray_cluster, tmp_path, tiny_model_dir):
+    """Each function is summed over the samples it scored (None: not applicable); the odd rows, which
+    no function scores, are counted and scored 0; completions of chat prompts are message lists."""
+    run = make(tmp_path, tiny_model_dir, reward_funcs=[exact_chat, step_and_length], train_dataset=CHAT,
+               args={**TRAIN, "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4})  # fmt: skip
+    (row,) = [h for h in run.train() if h["step"] == 1]
+    assert row["reward/num_errors"] == 0 and row["reward/unscored_fraction"] == 0.5  # 2 of the 4 prompts
+    assert 11 <= row["reward/step_and_length/mean"] <= 11.02 + 1e-5  # step 1 of 1, at most 2 tokens (float32)
+    assert 0 <= row["reward/exact_chat/mean"] <= 1
+    # the mean over 8 samples of the even ones' weighted sum, the odd ones' 0
+    weighted = (row["reward/exact_chat/mean"] + row["reward/step_and_length/mean"]) / 2
+    assert row["reward/mean"] == pytest.approx(weighted, rel=1e-5)
+
+
+def test_trl_arguments_a_loaded_model_peft_config_and_tokenizer(tmp_path, tiny_model_dir):
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["v_proj", "q_proj"])
+    run = make(tmp_path, model, reward_funcs=exact, train_dataset=ROWS, prompt_column="question",
+               peft_config=lora, processing_class=tokenizer)  # fmt: skip
+    m = run.config.model
+    assert (m.lora.rank, m.lora.alpha, m.lora.dropout, m.lora.target_modules) == (
+        4,
+        8.0,
+        0.05,
+        ["q_proj", "v_proj"],
+    )
+    assert m.path == str(tmp_path / "api" / "model") and os.path.isfile(os.path.join(m.path, "config.json"))
+    assert m.tokenizer_path == str(tmp_path / "api" / "tokenizer")
+    assert (
+        transformers.AutoTokenizer.from_pretrained(m.tokenizer_path)("1+1=").input_ids
+        == tokenizer("1+1=").input_ids
+    )
+    for kwargs, match in [
+        ({"model": torch.nn.Linear(2, 2)}, "model: expected a directory, a Hub id or a loaded transformers model, got Linear"),
+        ({"peft_config": peft.LoraConfig(r=4, use_dora=True)}, "peft_config: use_dora=True has no model.lora equivalent"),
+        ({"processing_class": object()}, "processing_class: expected a loaded transformers tokenizer or a path"),
+    ]:  # fmt: skip
+        kwargs = {"model": tiny_model_dir, "reward_funcs": exact, "train_dataset": ROWS, **kwargs}
+        with pytest.raises(ConfigError) as e:
+            make(tmp_path, prompt_column="question", **kwargs)
+        (line,) = e.value.errors
+        assert match in line and len(line) < 200, line

@@ -3,7 +3,8 @@
 A row names its prompt in one column (text or chat messages); the ground truth is the first of
 `ground_truth`, `answer`, `solution` it has (or the column named); every column but the prompt is kept
 in `extra_info`, from where a TRL-convention reward function receives it as a keyword argument
-(rewards/conventions.py). Rows already in verl's layout (a `reward_model` or `extra_info` column) are
+(rewards/conventions.py); a prompt of chat messages is kept there too (extra_info['prompt']), so that
+such a function gets `prompts` and `completions` as message lists, as TRL gives them. Rows already in verl's layout (a `reward_model` or `extra_info` column) are
 kept as they are. Values must survive JSON (numpy scalars and arrays become numbers and lists): the
 rows are written to a file that the run reads like any other data file, and its config names.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from hybridflow.errors import DatasetError
 
 GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
+CHAT_PROMPT = "prompt"  # extra_info's key for a chat prompt (rewards/conventions.py reads it by this name)
 DEFAULT_SOURCE = "dataset"  # the data_source of rows without one: names their val/<source>/ metrics
 
 
@@ -73,6 +75,8 @@ def to_prompt_rows(rows: list[dict], prompt_column: str, truth_column: str | Non
                 f"{what}: row {i} has no {prompt_column!r} column (prompt_column); it has {sorted(row)}"
             )
         columns = {k: v for k, v in row.items() if k != prompt_column}
+        if isinstance(row[prompt_column], list):  # chat messages: a TRL reward gets them as `prompts`
+            columns.setdefault(CHAT_PROMPT, row[prompt_column])
         converted = {
             "prompt": row[prompt_column],
             "data_source": row.get("data_source", DEFAULT_SOURCE),

@@ -11,14 +11,18 @@ function's dataset columns are checked against the dataset where the trainer kno
 mismatch fails before the first step rather than on every sample of it.
 
 TRL's columns are the row's `extra_info` entries (hybridflow.api keeps every dataset column there) plus
-`ground_truth` and `data_source`; `prompts` are the rendered prompt texts and `completions` plain text,
-also for chat-format prompts (TRL passes message lists there).
+`ground_truth` and `data_source`. As TRL passes them: `prompts` and `completions` are message lists when
+the row's prompt is (hybridflow.api keeps a chat prompt in extra_info['prompt']: `completions[i]` is then
+[{'role': 'assistant', 'content': text}]), else the rendered prompt text and the completion text;
+`completion_ids` the response's token ids and `trainer_state` the step (global_step, max_steps), where
+the trainer gives them (None elsewhere).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.errors import RewardSpecError
@@ -26,7 +30,8 @@ from hybridflow.errors import RewardSpecError
 VERL, VERL_BATCHED, TRL = "verl", "verl_batched", "trl"
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 VERL_BATCHED_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
-TRL_ARGS = ("prompts", "completions")
+TRL_ARGS = ("prompts", "completions", "completion_ids", "trainer_state")
+CHAT_PROMPT = "prompt"  # the extra_info key of a row's chat messages (data/columns.py)
 
 
 def _params(fn: Callable) -> list[inspect.Parameter] | None:
@@ -103,18 +108,41 @@ def trl_columns(items: list, accepts: Callable[[str], bool]) -> dict[str, list[A
         "ground_truth": [it[3] for it in items],
         "data_source": [it[1] for it in items],
     }
-    keys = dict.fromkeys(k for it in items for k in (it[4] or {}))
+    keys = dict.fromkeys(k for it in items for k in (it[4] or {}) if k != CHAT_PROMPT)
     columns.update({k: [(it[4] or {}).get(k) for it in items] for k in keys})
     return {k: v for k, v in columns.items() if accepts(k)}
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What a TRL reward function reads of `trainer_state` (transformers' TrainerState): the step."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+def trl_inputs(items: list) -> dict[str, Any]:
+    """prompts, completions, completion_ids and trainer_state as TRL passes them (see the module doc)."""
+    chats = [(it[4] or {}).get(CHAT_PROMPT) if isinstance(it[4], dict) else None for it in items]
+    if items and all(isinstance(c, list) for c in chats):  # a conversational dataset
+        prompts = chats
+        completions = [[{"role": "assistant", "content": it[2]}] for it in items]
+    else:
+        prompts, completions = [it[5] for it in items], [it[2] for it in items]
+    state = items[0][7] if items and len(items[0]) > 7 and items[0][7] is not None else None
+    return {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": [it[6] if len(it) > 6 else None for it in items],
+        "trainer_state": TrainerState(**state) if state is not None else None,
+    }
+
+
 def call_trl(fn: Callable, items: list, fn_kwargs: dict) -> list:
-    """One TRL-convention call on a batch of items (index, data_source, solution_str, ground_truth,
-    extra_info, prompt) -> the function's list of scores."""
+    """One TRL-convention call on a batch of items (registry.Item) -> the function's list of scores."""
     params = _params(fn) or []
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     names = {p.name for p in params}
     columns = trl_columns(items, lambda k: takes_any or k in names)
-    inputs = {"prompts": [it[5] for it in items], "completions": [it[2] for it in items]}
-    inputs = {k: v for k, v in inputs.items() if takes_any or k in names}
+    inputs = {k: v for k, v in trl_inputs(items).items() if takes_any or k in names}
     return fn(**{**columns, **inputs, **fn_kwargs})

@@ -7,6 +7,7 @@ A function is batched when it carries `batched = True` (the `batched_reward` dec
 reward config says so. Arguments are passed by keyword.
 
 TRL's convention (prompts, completions, **columns) is accepted too (conventions.py tells them apart).
+Either may return None for a sample it does not apply to: that function does not score it (Unscored).
 
 A reward spec (RewardConfig.fn) is one of: "" (dispatch on each sample's data_source), a registered
 name ("gsm8k", "math", "synthetic:arithmetic", ...), "path/to/file.py:function_name", or
@@ -46,6 +47,7 @@ __all__ = [
     "user_registered",
     "RewardSpecError",
     "to_score",
+    "Unscored",
     "run_per_sample",
     "run_batched",
 ]
@@ -53,8 +55,9 @@ __all__ = [
 RewardFn = Callable[..., Any]
 
 
-# (index, data_source, solution_str, ground_truth, extra_info, prompt): one sample as the executor passes it.
-Item = tuple[int, Any, str, Any, Any, str]
+# (index, data_source, solution_str, ground_truth, extra_info, prompt[, completion_ids, trainer_state]):
+# one sample as the executor passes it (the last two for TRL's convention, when the trainer has them).
+Item = tuple
 _REGISTRY: dict[str, RewardFn] = {}
 _BUILTIN: set[str] = set()  # names registered by hybridflow's own modules: trusted, may run in-process
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -250,9 +253,26 @@ class Score(float):
         return obj
 
 
+class Unscored(float):
+    """None from a reward function: it does not score this sample (TRL's convention), so the weighted
+    sum of reward.fns leaves it out (workers/reward.py). A NaN told apart from a NaN score by its type."""
+
+    def __new__(cls):
+        return super().__new__(cls, math.nan)
+
+    def __reduce__(self):  # crosses the worker pipe as itself
+        return (Unscored, ())
+
+    def __repr__(self) -> str:
+        return "None"
+
+
 def to_score(value: Any) -> float:
-    """A reward function's return value as a finite float; raises on anything else (never guesses).
-    A dict's keys besides 'score' (numbers, bools, strings) ride along as a Score's `.extra`."""
+    """A reward function's return value as a finite float, or Unscored for None; raises on anything else
+    (never guesses). A dict's keys besides 'score' (numbers, bools, strings) ride along as a Score's
+    `.extra`."""
+    if value is None:
+        return Unscored()
     extra = None
     if isinstance(value, dict):
         if "score" not in value:

@@ -118,7 +118,9 @@ class Trainer(ValidationMixin):
         if self.owns_run_dir:
             self._claim_run_dir()
         self.rule_reward = (
-            RuleReward(cfg.reward, columns=self.reward_columns()) if cfg.reward.kind == "rule" else None
+            RuleReward(cfg.reward, columns=self.reward_columns(), max_steps=self.total_steps)
+            if cfg.reward.kind == "rule"
+            else None
         )
         self.tracker = None
         self.owns_groups = groups is None

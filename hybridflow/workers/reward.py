@@ -6,10 +6,13 @@ It assumes the reward model shares the policy's tokenizer (the batch's input_ids
 are); re-tokenising for a different reward tokenizer is not implemented.
 
 RuleReward runs in the driver: it hands decoded responses to hybridflow.rewards.RewardExecutor (a
-process pool with per-sample timeouts), one per function of reward.fns, and sums their weighted scores.
+process pool with per-sample timeouts), one per function of reward.fns, and sums their weighted scores
+over the functions that scored each sample (a function returning None does not score it, as in TRL).
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -23,6 +26,8 @@ from hybridflow.engines import TrainEngine
 from hybridflow.models import load_reward_model
 from hybridflow.rewards import RewardExecutor
 from hybridflow.workers.common import engine_config, seed_everything, set_train_layout
+
+logger = logging.getLogger("hybridflow.rewards")
 
 
 class RewardModelWorker(Worker):
@@ -59,10 +64,17 @@ class RuleReward:
     """Scores rollouts with rule functions in the driver process: reward.fn (or `fn`, e.g. Safe-RLHF's
     cost_fn), or the weighted sum of reward.fns, each component logged as reward/<name>/mean.
 
-    columns: the dataset's columns, against which a TRL-convention function's are checked at start-up.
+    columns: the dataset's columns, against which a TRL-convention function's are checked at start-up;
+    max_steps: the run's trainer.total_steps (a TRL function's trainer_state.max_steps).
     """
 
-    def __init__(self, reward_cfg: RewardConfig, fn: str | None = None, columns: set[str] | None = None):
+    def __init__(
+        self,
+        reward_cfg: RewardConfig,
+        fn: str | None = None,
+        columns: set[str] | None = None,
+        max_steps: int = 0,
+    ):
         self.parts: list[tuple[str, float, RewardExecutor]] = []  # (name, weight, executor)
         try:
             if fn is not None or not reward_cfg.fns:
@@ -76,16 +88,25 @@ class RuleReward:
             self.close()  # the workers of the functions already started
             raise
         self.last_extras: list[dict] = []
+        self.max_steps = max_steps  # the run's length: TRL-convention functions' trainer_state.max_steps
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,) float32, metrics). Needs non_tensors response_text and ground_truth."""
-        results = [(name, weight, ex.score_batch(batch)) for name, weight, ex in self.parts]
-        total = sum(weight * r.scores.astype(np.float64) for _, weight, r in results)
-        metrics: dict[str, float] = {}
+        state = {"global_step": int(batch.meta.global_step or 0), "max_steps": self.max_steps}
+        results = [(name, weight, ex.score_batch(batch, state)) for name, weight, ex in self.parts]
+        total, unscored = weighted_sum([(w, r.scores) for _, w, r in results])
+        metrics: dict[str, float] = {
+            "reward/unscored_fraction": float(unscored.mean()) if len(total) else 0.0
+        }
         for name, _, r in results:
             metrics = merge_metrics(metrics, r.metrics)
-            if name:
-                metrics[f"reward/{name}/mean"] = float(r.scores.mean())
+            if name and not np.isnan(r.scores).all():  # the mean over the samples it scored, as TRL logs it
+                metrics[f"reward/{name}/mean"] = float(np.nanmean(r.scores))
+        if unscored.any():
+            logger.warning(
+                "%d of %d samples were scored by no reward function (each returned None): scored 0",
+                int(unscored.sum()), len(total),
+            )  # fmt: skip
         # per sample, for the generations table and maj@n: each function's other returned keys
         self.last_extras = [
             {k: v for _, _, r in results for k, v in r.extras[i].items()} for i in range(len(total))
@@ -95,6 +116,15 @@ class RuleReward:
     def close(self) -> None:
         for _, _, executor in self.parts:
             executor.close()
+
+
+def weighted_sum(parts: list[tuple[float, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """sum of weight * score over the functions that scored each sample (NaN: returned None, TRL's
+    nansum), and the mask of samples no function scored (their sum: 0, as TRL's)."""
+    stacked = np.stack([s.astype(np.float64) for _, s in parts])
+    weights = np.array([w for w, _ in parts], dtype=np.float64)[:, None]
+    scored = ~np.isnan(stacked)
+    return np.where(scored, weights * np.nan_to_num(stacked), 0.0).sum(0), ~scored.any(0)
 
 
 def merge_metrics(into: dict[str, float], more: dict[str, float]) -> dict[str, float]:

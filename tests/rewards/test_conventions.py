@@ -14,7 +14,7 @@ from hybridflow.rewards.conventions import (
     calling_convention,
     missing_columns,
 )
-from hybridflow.rewards.registry import run_batched
+from hybridflow.rewards.registry import Unscored, run_batched
 
 # (index, data_source, solution_str, ground_truth, extra_info, prompt)
 ITEMS = [
@@ -85,3 +85,48 @@ def test_trl_call_passes_columns_per_sample():
     # without **kwargs, a function is passed only what it names
     assert run_batched(trl_exact, ITEMS, {}, TRL) == [1.0, 0.0]
     assert run_batched(lambda completions: [len(c) for c in completions], ITEMS, {}, TRL) == [2.0, 1.0]
+
+
+def test_trl_forms_chat_prompts_token_ids_and_the_step():
+    """As TRL passes them: a chat prompt's completions are message lists; completion_ids and
+    trainer_state are passed, and a function naming them is not refused as wanting dataset columns."""
+    chat = [{"role": "user", "content": "3+4="}]
+    items = [
+        (0, "dataset", " 7", "7", {"answer": "7", "prompt": chat}, "<rendered>", [5, 6], {"global_step": 3})
+    ]
+    seen = {}
+
+    def probe(prompts, completions, completion_ids, trainer_state, **kwargs):
+        seen.update(
+            prompts=prompts, completions=completions, ids=completion_ids, state=trainer_state, **kwargs
+        )
+        return [float(completions[0][0]["content"].strip() == kwargs["answer"][0])]
+
+    assert calling_convention(probe, False, {}) == (TRL, ())
+    assert run_batched(probe, items, {}, TRL) == [1.0]
+    assert seen["prompts"] == [chat] and seen["completions"] == [[{"role": "assistant", "content": " 7"}]]
+    assert seen["ids"] == [[5, 6]] and seen["state"].global_step == 3 and "prompt" not in seen
+    # a text prompt: the rendered text and the completion text, as before
+    assert run_batched(trl_exact, [(*ITEMS[0], [1], None)], {}, TRL) == [1.0]
+
+
+def test_none_is_unscored_not_an_error():
+    """None: the function does not apply to the sample (TRL); it survives the worker pipe as such."""
+    import math
+    import pickle
+
+    scores = run_batched(lambda completions, **kw: [None, 2.0], ITEMS, {}, TRL)
+    assert isinstance(scores[0], Unscored) and math.isnan(scores[0]) and scores[1] == 2.0
+    assert isinstance(pickle.loads(pickle.dumps(scores[0])), Unscored)
+    with pytest.raises(TypeError, match="returned str 'x'; expected a number"):
+        run_batched(lambda completions, **kw: ["x", 1.0], ITEMS, {}, TRL)
+
+
+def test_weighted_sum_skips_unscored_as_trl_nansum():
+    import numpy as np
+
+    from hybridflow.workers.reward import weighted_sum
+
+    nan = float("nan")
+    total, unscored = weighted_sum([(1.0, np.array([1.0, nan, nan])), (0.5, np.array([2.0, 4.0, nan]))])
+    assert total.tolist() == [2.0, 2.0, 0.0] and unscored.tolist() == [False, False, True]
