@@ -10,8 +10,9 @@ arguments) as its child and
   Ctrl-C reaches it once, through here, and the driver's stop semantics are unchanged;
 - reads what the driver reports (supervised.py): its cluster's pids, the last checkpoint it wrote or
   loaded, its own restarts, and its outcome once decided;
-- on a loss (a GCS or raylet gone while the driver runs, before its outcome; or the driver ended by Ray:
-  exit 1 without an outcome): one line, every process below the driver SIGKILLed by pid, then a new
+- on a loss (a GCS or raylet gone while the driver runs, before its outcome; the driver ended by Ray:
+  exit 1 without an outcome; or the driver itself killed by a signal, its cluster with it): one line
+  naming what died, every process below the driver SIGKILLed by pid, then a new
   driver with a fresh embedded cluster resuming from the newest checkpoint (trainer.resume=auto: that
   one, or a newer one its report had not yet announced), within trainer.max_restarts
   (shared with the driver's restarts after a dead worker);
@@ -37,6 +38,7 @@ POLL_S = 0.05
 # Ray call (the final checkpoint written) reports it within that time and ends on its own (exit 0, `done`)
 OUTCOME_GRACE_S = 2.0
 GONE_TIMEOUT_S = 30.0
+CLUSTER = "the embedded Ray cluster"
 
 
 class Driver:
@@ -81,21 +83,26 @@ class Driver:
         ]
 
     def loss(self) -> str | None:
-        """While the driver runs: its cluster lost before its outcome, as a phrase (else None)."""
+        """While the driver runs: its cluster lost before its outcome, as a sentence's subject and verb
+        (else None)."""
         closing = self.state.get("closing")
         if closing is None:
-            return f"lost its {', '.join(lost)}" if (lost := self.lost()) else None
+            return f"{CLUSTER} lost its {', '.join(lost)}" if (lost := self.lost()) else None
         if closing == 1 and self.state.get("lost"):
-            return f"lost its {', '.join(self.state['lost'])}"
+            return f"{CLUSTER} lost its {', '.join(self.state['lost'])}"
         return None
 
     def loss_at_exit(self, rc: int) -> str | None:
-        """After the driver's exit with `rc`: its cluster lost, as a phrase (else None)."""
+        """After the driver's exit with `rc`: what was lost, as a sentence's subject and verb (else None).
+        A driver killed by a signal (the OOM killer, kill -9) takes its embedded cluster down with it: the
+        driver is named, not the GCS and raylet that went after it."""
+        if rc < 0 and "closing" not in self.state:
+            return f"the driver (pid {self.proc.pid}) was killed by {signal.Signals(-rc).name}"
         if (found := self.loss()) is not None or "closing" in self.state:
             return found
         if self.cluster and rc == 1:  # Ray's core worker ended the driver
             gone = self.lost()
-            return f"lost its {', '.join(gone) or 'GCS or raylet'} (Ray ended the driver, exit 1)"
+            return f"{CLUSTER} lost its {', '.join(gone) or 'GCS or raylet'} (Ray ended the driver, exit 1)"
         return None
 
     def kill_tree(self) -> None:
@@ -188,7 +195,7 @@ def supervise(argv: list[str]) -> int:
         signals.driver = None
         state = driver.state
         restarts, limit = int(state.get("restarts", restarts)) + 1, int(state.get("max_restarts", 0))
-        what = f"the embedded Ray cluster {loss}"
+        what = loss
         if signals.received:
             _say(
                 f"{what} after {signal.Signals(signals.received).name}; latest checkpoint: {state['checkpoint']}"
