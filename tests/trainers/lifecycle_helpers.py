@@ -140,7 +140,7 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 600.0, poll: fl
 
 def kill_a_worker_after(run_dir: Path, step: int, proc: subprocess.Popen, pick=min) -> int:
     """SIGKILL one of the run's worker processes (`pick` of their pids) once metrics row `step` is
-    written (its checkpoint, if due, is written before it), i.e. during step + 1; -> the pid."""
+    written (its checkpoint, if due, is committed right after it), i.e. during step + 1; -> the pid."""
     import signal
 
     wait_for(lambda: any(r["step"] == step for r in metric_rows(run_dir)), proc, poll=0.01)

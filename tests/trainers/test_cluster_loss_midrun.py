@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timing  # asserts wall-clock bounds: run alone, after t
 
 def _kill_after_row(proc, run: Path, step: int, kind: str) -> tuple[int, set[int]]:
     """SIGKILL the run's `kind` process (gcs_server / raylet) once metrics row `step` is written (its
-    checkpoint is written before it); -> its pid and the processes below `hybridflow train` then."""
+    checkpoint is committed right after it); -> its pid and the processes below `hybridflow train` then."""
     wait_for(lambda: any(r["step"] == step for r in metric_rows(run)), proc, poll=0.01)
     tree = descendants(proc.pid)
     (victim,) = [p for p in tree if cmdline(p).split(" ")[0].endswith(kind)]
@@ -70,7 +70,7 @@ def test_gcs_then_raylet_lost_mid_run_each_restart_the_cluster_and_resume(tiny_m
     pattern = r"restart {n}/3: the embedded Ray cluster lost its .*{what}.* during training; a new cluster resumes from the newest checkpoint"  # fmt: skip
     assert re.fullmatch(pattern.format(n=1, what=rf"gcs_server \(pid {gcs}\)"), restarts[0]), restarts
     assert re.fullmatch(pattern.format(n=2, what=rf"raylet \(pid {raylet}\)"), restarts[1]), restarts
-    # each new driver resumed from the newest checkpoint before its loss (row k is written after step_k)
+    # each new driver resumed from the newest checkpoint before its loss (row k is written just before step_k's commit)
     resumed = re.findall(r"resumed from step (\d+) \(restart \d/3: .*/run/checkpoints/step_(\d+)\)", text)
     assert len(resumed) == 2 and all(a == b for a, b in resumed), resumed
     assert int(resumed[0][0]) >= 1 and int(resumed[1][0]) >= 3, resumed
