@@ -23,6 +23,9 @@ MAX_SECONDS = 1e9
 MAX_SEED = 2**31 - 1
 # Sizes in MiB become byte limits of setrlimit, a signed 64-bit number (2**63 bytes = 2**43 MiB).
 MAX_MB = 2**42
+# Counts of machines, or of processes or threads on one (far above any cluster or machine): a larger value
+# is not a count at all, and would overflow the C int of torch.set_num_threads or start processes without end.
+MAX_PER_MACHINE = 2**16
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def setting(
     if unit:
         ge, le = 0, 1
     numeric = _is_number(default) or (isinstance(default, list) and default and all(map(_is_number, default)))
-    if numeric or any(b is not None for b in (ge, gt, le, lt)):
+    if choices is None and (numeric or any(b is not None for b in (ge, gt, le, lt))):
         meta["domain"] = Domain(ge=ge, gt=gt, le=le, lt=lt, finite=finite)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)

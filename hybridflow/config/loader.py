@@ -9,13 +9,15 @@ here name the full key path, the expected type, the bad value and -- for typos -
 key, for every problem at once.
 
 Order: dataclass defaults <- YAML file <- overrides (`actor.optim.lr=1e-5`, values parsed as YAML
-flow scalars/lists/maps) -> typed tree -> `resolve_config` (derived values) -> `validate_config`.
+flow scalars/lists/maps) -> typed tree -> each value in its field's domain (hybridflow/fields.py) ->
+`resolve_config` (derived values) -> `validate_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import types
 import typing
@@ -26,10 +28,13 @@ import yaml
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.errors import ConfigError
+from hybridflow.fields import domain_errors
 
 
 # ---- schema introspection ----------------------------------------------------------------------
+@functools.cache
 def _hints(cls) -> dict[str, Any]:
+    """The resolved annotations of a config class (cached: resolving them is most of a load's time)."""
     return typing.get_type_hints(cls)
 
 
@@ -231,9 +236,8 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
         key, value = parse_override(item)
         node = out
         parts = key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
+        for part in parts[:-1]:  # copies on the way down: `data`'s own mappings are the caller's
+            node[part] = dict(node[part]) if isinstance(node.get(part), dict) else {}
             node = node[part]
         node[parts[-1]] = value
     return out
@@ -315,6 +319,8 @@ def load_config(
         for note in verl_notes:
             (notes or _print_note)(note)
     cfg = config_from_dict(apply_overrides(data, overrides))
+    if validate and domain_errors(cfg):  # as given: resolve_config derives from them (critic's from actor's)
+        raise ConfigError(domain_errors(cfg))
     if check_model:  # model names -> absolute local directories (or cached Hub snapshots)
         from hybridflow.models.resolve import resolve_model_paths
 

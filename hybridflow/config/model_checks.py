@@ -80,8 +80,32 @@ def data_and_model_errors(cfg, spec, check_model: bool) -> list[str]:
             errors += [
                 e for e in model_dir_errors(getattr(cfg.model, key), f"model.{key}") if e not in errors
             ]
-        errors += tp_shape_errors(cfg) + lora_model_errors(cfg)
+        errors += embedding_errors(cfg) + tp_shape_errors(cfg) + lora_model_errors(cfg)
     return errors
+
+
+def _model_dirs(cfg) -> dict[str, str]:
+    """key -> directory of each model the config names (the tokenizer directory is not one)."""
+    m = cfg.model
+    keys = ("path", "critic_path", "reward_model_path", "cost_model_path")
+    return {f"model.{k}": getattr(m, k) for k in keys if getattr(m, k) and os.path.isdir(getattr(m, k))}
+
+
+def embedding_errors(cfg) -> list[str]:
+    """config.json's sizes against the weights' shapes, read from the safetensors headers (models/files.py)."""
+    from hybridflow.models.files import embedding_shape_error
+
+    found = {key: embedding_shape_error(path) for key, path in _model_dirs(cfg).items()}
+    return [f"{key}: {why}" for key, why in found.items() if why]
+
+
+def model_weight_errors(cfg) -> list[str]:
+    """Each model directory holds weights: checked by `hybridflow train` only, since `hybridflow plan` and
+    `config show` need no more than its config.json."""
+    from hybridflow.models.files import weight_files_error
+
+    found = {key: weight_files_error(path) for key, path in _model_dirs(cfg).items()}
+    return [f"{key}: {why}" for key, why in found.items() if why]
 
 
 # model types whose generation reads merged LoRA weights: the built-in engine's functional decoder
@@ -93,6 +117,10 @@ def lora_model_errors(cfg) -> list[str]:
     """model.lora on a policy whose generation could not read the merged weights: one line before Ray."""
     config = _read_json(os.path.join(cfg.model.path, "config.json")) if cfg.model.lora.enabled else None
     kind = config.get("model_type") if isinstance(config, dict) else None
+    hidden = config.get("hidden_size") if isinstance(config, dict) else None
+    if isinstance(hidden, int) and cfg.model.lora.rank > hidden:  # B @ A would be larger than the weight
+        return [f"model.lora.rank={cfg.model.lora.rank}: exceeds the model's hidden_size {hidden} "
+                f"({cfg.model.path}/config.json); a rank is at most that, usually 8-64"]  # fmt: skip
     if kind is None or kind in LORA_MODEL_TYPES:
         return []
     return [

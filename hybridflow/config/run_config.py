@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from hybridflow.fields import MAX_SECONDS, MAX_SEED, setting
+from hybridflow.fields import MAX_PER_MACHINE, MAX_SECONDS, MAX_SEED, setting
 
 _f = setting  # a short name keeps the field lists readable
 
@@ -25,8 +25,10 @@ class ResourcesConfig:
         "or a plan file written by `hybridflow plan`",
     )
     device: str = _f("auto", "auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
-    n_gpus_per_node: int = _f(1, "devices per node (on CPU: worker processes per node)", ge=1)
-    nnodes: int = _f(1, "number of nodes", ge=1)
+    n_gpus_per_node: int = _f(
+        1, "devices per node (on CPU: worker processes per node)", ge=1, le=MAX_PER_MACHINE
+    )
+    nnodes: int = _f(1, "number of nodes", ge=1, le=MAX_PER_MACHINE)
     rollout_devices: int = _f(
         0,
         "trainer.rollout_ahead=1: devices of the rollout pool, taken from the n_gpus_per_node * nnodes "
@@ -48,7 +50,9 @@ class ResourcesConfig:
         "machine by `hybridflow calibrate --out FILE` ('' = the device catalogue's datasheet entry)",
     )
     ray_address: str = _f("", "'' = start an embedded local Ray cluster; 'auto' or host:port = join one")
-    ray_num_cpus: int = _f(0, "embedded cluster: logical CPUs to declare (0 = Ray's default)", ge=0)
+    ray_num_cpus: int = _f(
+        0, "embedded cluster: logical CPUs to declare (0 = Ray's default)", ge=0, le=MAX_PER_MACHINE
+    )
     ray_dashboard: bool = _f(False, "embedded cluster: start Ray's dashboard (on 127.0.0.1)")
 
     @property

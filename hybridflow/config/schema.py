@@ -35,7 +35,7 @@ from hybridflow.config.dapo import OverlongBufferConfig
 from hybridflow.config.run_config import ResourcesConfig, TrainerConfig  # the `resources`, `trainer` sections
 from hybridflow.config.sandbox import SandboxConfig
 from hybridflow.engines.config import LoraConfig, OptimConfig, ParallelConfig, lora_errors, optim_errors
-from hybridflow.fields import MAX_SECONDS, MAX_SEED, section, setting
+from hybridflow.fields import MAX_PER_MACHINE, MAX_SECONDS, MAX_SEED, section, setting
 
 _f, _sub = setting, section  # short names keep the field lists readable
 
@@ -258,7 +258,10 @@ class RolloutConfig:
         0, "prompts per generate() call on one device (0 = all at once)", ge=0
     )
     cpu_threads: int = _f(
-        0, "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)", ge=0
+        0,
+        "builtin engine on CPU: torch threads while generating (0 = auto: 1 under 5M params)",
+        ge=0,
+        le=MAX_PER_MACHINE,
     )
     gpu_memory_utilization: float = _f(
         0.0,
@@ -341,7 +344,9 @@ class RewardConfig:
         gt=0,
         le=MAX_SECONDS,
     )
-    num_workers: int = _f(1, "processes scoring rule rewards (0 = built-ins in-process)", ge=0)
+    num_workers: int = _f(
+        1, "processes scoring rule rewards (0 = built-ins in-process)", ge=0, le=MAX_PER_MACHINE
+    )
     chunk_size: int = _f(0, "samples per chunk sent to a worker (0 = automatic)", ge=0)
     on_error: str = _f(
         "score",
@@ -440,7 +445,11 @@ def ref_errors(r: RefConfig) -> list[str]:
 
 
 def reward_errors(r: RewardConfig) -> list[str]:
-    return reward_fns_errors(r)  # reward.sandbox: its fields' domains
+    errors = []
+    if r.on_error == "score" and abs(r.error_score) > r.max_abs_score:
+        errors.append(f"reward.error_score: {r.error_score} is beyond reward.max_abs_score {r.max_abs_score}, "
+                      "a score the run itself counts as failed; choose one within it")  # fmt: skip
+    return errors + reward_fns_errors(r)  # reward.sandbox: its fields' domains
 
 
 def reward_fns_errors(r: RewardConfig) -> list[str]:

@@ -14,6 +14,10 @@ from typing import Any
 from hybridflow.errors import DatasetError
 
 SUFFIXES = (".parquet", ".jsonl", ".json")
+# Python's JSON reader recurses once per level of nesting: past its recursion limit it raises RecursionError
+_TOO_DEEP = (
+    "nested deeper than a JSON reader can follow (lists or objects inside each other past Python's limit)"
+)
 
 
 def where(path: str | os.PathLike, row: int) -> str:
@@ -64,6 +68,8 @@ def _read(path: Path) -> Iterator[tuple[int, Any]]:
                     yield i, json.loads(line)
                 except json.JSONDecodeError as e:
                     yield i, ValueError(f"not valid JSON ({e.msg} at column {e.colno})")
+                except RecursionError:
+                    yield i, ValueError(_TOO_DEEP)
     else:
         try:
             with open(path, encoding="utf-8") as f:
@@ -76,6 +82,8 @@ def _read(path: Path) -> Iterator[tuple[int, Any]]:
             raise DatasetError(
                 f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
             ) from None
+        except RecursionError:
+            raise DatasetError(f"{path}: {_TOO_DEEP}") from None
         yield from enumerate(data if isinstance(data, list) else [data], start=1)
 
 

@@ -44,22 +44,32 @@ def json_file_error(path: str) -> str | None:
     return None
 
 
-def safetensors_error(path: str) -> str | None:
-    """Why `path` is not a readable safetensors file (header and sizes only), or None."""
+def _read_header(path: str) -> tuple[dict | None, str | None, int]:
+    """(the safetensors header of `path`, None, its length) or (None, why it cannot be read, 0)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                return f"{path} is not a safetensors file ({size} bytes, shorter than its header)"
+                return None, f"{path} is not a safetensors file ({size} bytes, shorter than its header)", 0
             (n,) = struct.unpack("<Q", head)
             if n > min(_MAX_HEADER, size - 8):
-                return f"{path} is not a safetensors file (header length {n} exceeds the file's {size} bytes)"
+                why = f"{path} is not a safetensors file (header length {n} exceeds the file's {size} bytes)"
+                return None, why, 0
             header = json.loads(f.read(n).decode("utf-8"))
     except (OSError, ValueError) as e:
-        return f"{path} has an unreadable safetensors header ({_short(e)})"
+        return None, f"{path} has an unreadable safetensors header ({_short(e)})", 0
     if not isinstance(header, dict):
-        return f"{path} has an unreadable safetensors header (not a JSON object)"
+        return None, f"{path} has an unreadable safetensors header (not a JSON object)", 0
+    return header, None, n
+
+
+def safetensors_error(path: str) -> str | None:
+    """Why `path` is not a readable safetensors file (header and sizes only), or None."""
+    header, why, n = _read_header(path)
+    if why:
+        return why
+    size = os.path.getsize(path)
     end = max(
         (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and _entry(t)), default=0
     )
@@ -96,6 +106,64 @@ def model_dir_errors(directory: str, key: str) -> list[str]:
         if why:
             errors.append(f"{key}: {why}")
     return errors
+
+
+# the files transformers loads a model's weights from: one file, or the index of its shards
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# the input embedding's name per family (Llama/Qwen/Mistral, GPT-2, BLOOM): its shape is (vocab, hidden)
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+
+
+def weight_files_error(directory: str) -> str | None:
+    """One line when `directory`, a model directory (it has a config.json), holds no weight file: only
+    training loads the weights, so `hybridflow plan` and `config show` take a config.json alone."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        return None  # not a model directory: the config checks say so
+    if any(n in WEIGHT_FILES or n.endswith(".safetensors") for n in os.listdir(directory)):
+        return None
+    return (
+        f"{directory} has no weight files (none of {', '.join(WEIGHT_FILES)}); save the model there with "
+        "model.save_pretrained(dir)"
+    )
+
+
+def embedding_shape_error(directory: str) -> str | None:
+    """One line when config.json's hidden_size or vocab_size is not the input embedding's shape in the
+    safetensors headers (the weights of another model, or a hand-edited config): loading them would fail in
+    each worker, after Ray started. Reads the headers only; a directory without safetensors passes."""
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None  # reported by model_dir_errors / the config checks
+    if not isinstance(config, dict) or "text_config" in config:
+        return None  # a multimodal config's sizes are its parts'
+    want = {
+        "hidden_size": config.get("hidden_size", config.get("n_embd")),
+        "vocab_size": config.get("vocab_size"),
+    }
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".safetensors")):
+        header, why, _ = _read_header(os.path.join(directory, name))
+        for key, t in (header or {}).items():
+            if key.endswith(_EMBEDDINGS) and _entry(t) and len(t["shape"]) == 2:
+                return _shape_mismatch(directory, name, key, t["shape"], want)
+    return None
+
+
+def _shape_mismatch(directory: str, file: str, key: str, shape: list, want: dict) -> str | None:
+    got = {"vocab_size": shape[0], "hidden_size": shape[1]}
+    for label, value in want.items():
+        if isinstance(value, int) and value != got[label]:
+            return (
+                f"{directory}/config.json has {label} {value}, but {file} holds {key} of shape "
+                f"{shape[0]} x {shape[1]} ({label} {got[label]}): the config and the weights are of different models"
+            )
+    return None
 
 
 # files a Hugging Face tokenizer loads from; a directory with none of them has no tokenizer

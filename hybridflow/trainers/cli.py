@@ -58,12 +58,14 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 
 def check_this_machine(cfg) -> None:
-    """The devices the run asks for exist here (config/run_config.py machine_errors), before Ray starts;
+    """The devices the run asks for exist here (config/run_config.py machine_errors) and its model
+    directories hold weights (config/model_checks.py model_weight_errors), before Ray starts;
     what runs but slowly here (machine_warnings) is one line each on stderr."""
+    from hybridflow.config.model_checks import model_weight_errors
     from hybridflow.config.run_config import machine_errors, machine_warnings
     from hybridflow.errors import ConfigError
 
-    errors = machine_errors(cfg.resources)
+    errors = machine_errors(cfg.resources) + model_weight_errors(cfg)
     if errors:
         raise ConfigError(errors)
     for warning in machine_warnings(cfg.resources):

@@ -246,6 +246,20 @@ def test_non_utf8_rows_and_unreadable_files(tmp_path, tok):
         list(iter_records([tmp_path / "t.parquet"]))
 
 
+def test_rows_nested_past_the_json_readers_limit_are_malformed_rows(tmp_path, tok):
+    """Python's JSON reader recurses per level: a row nested 200,000 deep is a malformed row, not a RecursionError."""
+    deep = "[" * 200_000 + "]" * 200_000
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps(_row("1+1=", "2")) + "\n" + '{"prompt": ' + deep + "}\n")
+    with pytest.raises(DatasetError, match=r"deep.jsonl, row 2: nested deeper than a JSON reader can follow"):
+        build_prompt_dataset(DataConfig(train_files=[str(path)]), tok)
+    ds = build_prompt_dataset(DataConfig(train_files=[str(path)], on_malformed="skip"), tok)
+    assert len(ds) == 1 and ds.stats["malformed"] == 1
+    (tmp_path / "whole.json").write_text("[" + deep + "]")
+    with pytest.raises(DatasetError, match="whole.json: nested deeper than a JSON reader can follow"):
+        list(iter_records([tmp_path / "whole.json"]))
+
+
 def test_registered_dataset_arguments_are_checked():
     from hybridflow.data.registry import build_rows
 

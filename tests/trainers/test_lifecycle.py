@@ -88,10 +88,9 @@ def test_dead_worker_restarts_from_last_checkpoint(ray_cluster, config_file, tmp
     assert len(metric_rows(run)) == 9
     # resuming it by name with another batch size or another model: one line, exit 2, nothing touched
     # (trainer.resume=auto would leave it alone and start run-2: tests/test_api.py)
-    other = tmp_path / "other_model"
-    other.mkdir()
-    cfg_json = (Path(cfg.model.path) / "config.json").read_text()
-    (other / "config.json").write_text(cfg_json.replace('"hidden_size": ', '"hidden_size": 1'))
+    from hybridflow.models.tiny import save_tiny_model
+
+    other = save_tiny_model(tmp_path / "other_model", hidden_size=80)  # a whole model, 80 wide, not 64
     for override, expected in [
         ("data.train_batch_size=8", "written with data.train_batch_size=4, this run has 8"),
         (f"model.path={other} model.tokenizer_path={cfg.model.path}", "step_8's (hidden_size"),
