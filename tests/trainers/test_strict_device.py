@@ -2,9 +2,9 @@
 computes on the stand-in accelerator and raises on a host tensor meeting a device tensor or entering a
 collective; the driver runs with torch.cuda reporting a GPU whose every stateful call raises (no CUDA call in
 the driver). Tiny runs of 2 steps, each layout once (docs/operations.md, "GPU correctness on CPU"): PPO with
-a critic and a reward model on 2 ranks, generating with tools at tg = 2, with a checkpoint and a resume; PPO
-with the actor and the critic on dp = 2 FSDP2 with LoRA and offload; GRPO at pp = 2 with offload; GRPO with
-a rollout pool one step ahead (weight sync); SFT and DPO.
+a critic and a reward model on 2 ranks, generating with tools at tg = 2, offloaded, with a checkpoint and a
+resume; PPO with the actor and the critic on dp = 2 FSDP2 with LoRA and offload; GRPO at pp = 2 with
+offload; GRPO with a rollout pool one step ahead (weight sync); SFT and DPO.
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def test_ppo_with_critic_and_reward_model_on_two_ranks_then_resume(
 ):
     """Generate (colocated, 2 ranks: the reshard metrics' all-reduce) through the agent loop's continuous
     batch with tool calls in a tg = 2 group, old / ref log-probs, values, scores, critic and actor updates,
-    a checkpoint at step 1 and a resume that runs step 2."""
+    a checkpoint at step 1 and a resume that runs step 2; the actor and the reference offloaded (the
+    actor's moments saved from and loaded into the host tier)."""
     args = ("reward.kind=model", f"model.reward_model_path={reward_model_dir}", "algorithm.use_kl_loss=true",
             "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false", "actor.parallel.tp=2", "rollout.tg=2",
-            *AGENT)  # fmt: skip
+            "actor.offload=true", "ref.offload=true", *AGENT)  # fmt: skip
     first = _fit(make_config("ppo", *args, devices=2), stop_after=1)
     assert [h["step"] for h in first] == [1]
     _finite(first, "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "reward/mean")
@@ -85,6 +86,7 @@ def test_ppo_with_critic_and_reward_model_on_two_ranks_then_resume(
     second = _fit(make_config("ppo", *args, "trainer.resume=auto", devices=2))
     assert [h["step"] for h in second] == [2]  # step 1 read back from its checkpoint, step 2 run
     _finite(second, "actor/pg_loss", "critic/vf_loss", "actor/grad_norm")
+    assert second[0]["perf/actor_offload_bytes"] > 0
 
 
 def test_grpo_with_a_rollout_pool_one_step_ahead(strict, ray_cluster, make_config):
@@ -124,7 +126,7 @@ def test_ppo_fsdp_actor_and_critic_with_lora_and_offload(strict, ray_cluster, ma
     reference is the actor with its adapters off) and offload: each phase brings the sharded parameters and
     the moments in from the host tier and sends them out again."""
     args = ("algorithm.use_kl_loss=true", "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false",
-            "model.lora.rank=4", "actor.offload=true", "critic.offload=true", "ref.offload=true")  # fmt: skip
+            "model.lora.rank=4", "actor.offload=true", "critic.offload=true")  # fmt: skip
     history = _fit(make_config("ppo", *args, devices=2))
     assert [h["step"] for h in history] == [1, 2]
     _finite(
