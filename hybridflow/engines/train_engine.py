@@ -382,10 +382,9 @@ class TrainEngine:
                 return self.pipeline.forward_backward(batch, rows, loss_fn, with_entropy, temperature, weigh)
 
     def optimizer_step(self, loss: float = 0.0) -> dict[str, float]:
-        """Clip by the global grad norm, step AdamW and the LR schedule. The update is skipped (gradients
-        dropped, the schedule moved on) when the gradient norm, the learning rate or `loss` is not finite
-        on any rank, so that no bad value reaches the weights. `params_nonfinite` 1: the update made a
-        weight of this rank non-finite even so (an overflow); it cannot be undone here, the trainer stops."""
+        """Clip by the global grad norm, step AdamW and the LR schedule. The update is skipped (grads dropped,
+        the schedule moved on) when the grad norm, the lr or `loss` is not finite on any rank. params_nonfinite
+        1: the update made a weight of this rank non-finite even so (an overflow): the trainer stops."""
         with self.phase(optimizer=True):
             pp_group = self.pipeline.group if self.pipeline is not None else None
             grad_norm = clip_grad_norm_(self.module.parameters(), self.config.optim.grad_clip, pp_group)
@@ -394,19 +393,15 @@ class TrainEngine:
             # the loss is per rank: every rank must take the same decision (the grad norm already is global)
             loss_bad = self._all_reduce(float(not math.isfinite(loss)), dist.ReduceOp.MAX)
             finite = bool(torch.isfinite(grad_norm)) and lrs_finite and not loss_bad
-            poisoned = False
             if finite:
                 self.optimizer.step()
-                poisoned = not params_finite(p for g in self.optimizer.param_groups for p in g["params"])
+            trained = [p for g in self.optimizer.param_groups for p in g["params"]]
+            poisoned = finite and not params_finite(trained)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.global_step += 1
-        return {
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "step_skipped": float(not finite),
-            "params_nonfinite": float(poisoned),
-        }
+        return {"grad_norm": float(grad_norm), "lr": lr, "step_skipped": float(not finite),
+                "params_nonfinite": float(poisoned)}  # fmt: skip
 
     def dp_group(self):
         """The process group of this engine's dp ranks (None without a process group)."""
