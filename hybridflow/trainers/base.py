@@ -261,9 +261,9 @@ class Trainer(ValidationMixin):
             start = time.perf_counter()
             with self.timers("step"), _at_step(self.global_step):
                 batch, metrics = self.train_step(batch)
-            self._check_poisoned(metrics)
             metrics.update(throughput_metrics(batch, time.perf_counter() - start, self.placement.num_devices))
             metrics.update(self.resource_metrics(batch))
+            self._check_poisoned(metrics, history)
             if trainer_cfg.rollout_data_dir:
                 rows = generation_rows(batch, batch_scores(batch))
                 write_generations(trainer_cfg.rollout_data_dir, self.global_step, rows)
@@ -299,11 +299,12 @@ class Trainer(ValidationMixin):
         self.tracker.log(metrics, self.global_step)
         history.append({"step": self.global_step, **metrics})
 
-    def _check_poisoned(self, metrics: dict) -> None:
+    def _check_poisoned(self, metrics: dict, history: list[dict]) -> None:
         """Stop before anything is saved when an update made a weight non-finite (engines: params_nonfinite,
-        an overflow the step's own guard cannot undo)."""
+        an overflow the step's own guard cannot undo); the step's row is logged first."""
         bad = sorted(k for k, v in metrics.items() if k.endswith("/params_nonfinite") and v > 0)
         if bad:
+            self._log_row(metrics, history)
             kept = self.latest_checkpoint()
             raise RunStopped(
                 f"step {self.global_step}: the update made weights non-finite ({', '.join(bad)}); nothing of "

@@ -62,3 +62,26 @@ def test_consecutive_skipped_updates_stop_the_run(ray_cluster, tiny_model_dir, t
     rows = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # the failing steps are logged, not vanished
     assert [r.get("sft/step_skipped", 0) for r in rows] == [0, 1, 1]
+
+
+def test_an_update_that_overflows_the_weights_stops_before_any_save(
+    ray_cluster, tiny_model_dir, tmp_path, capsys
+):
+    """lr 1e39 is a finite float but not a finite fp32 step: step 1's update makes weights inf. The run stops
+    at once in one line, its row logged, no checkpoint of the poisoned weights written (was: saved)."""
+    (tmp_path / "c.yaml").write_text("algorithm: {name: sft}\n")
+    rc, line = _train(
+        [str(tmp_path / "c.yaml"), *BASE, f"model.path={tiny_model_dir}", "data.dataset=synthetic:arithmetic_sft",
+         "actor.optim.lr=1e39", "actor.optim.weight_decay=0", f"trainer.output_dir={tmp_path}",
+         "trainer.total_steps=2", "trainer.save_every=1", "trainer.experiment_name=inf"],
+        capsys,
+    )  # fmt: skip
+    assert rc == 2
+    assert line.startswith(
+        "hybridflow train: step 1: the update made weights non-finite (sft/params_nonfinite)"
+    )
+    rows = [json.loads(x) for x in (tmp_path / "inf" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["sft/params_nonfinite"], r["sft/step_skipped"]) for r in rows] == [(1, 1.0, 0.0)]
+    assert not (tmp_path / "inf" / "checkpoints").exists() or not list(
+        (tmp_path / "inf" / "checkpoints").glob("step_*")
+    )
