@@ -113,7 +113,7 @@ class VLLMEngine(GenerationEngine):
         self.pad_token_id = 0 if pad is None else int(pad)
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
-        self.gpu = param.device.type == "cuda"
+        self.gpu = self.device.type == "cuda"
         self.last_stats: dict[str, float] = {}
         self.sent_bytes = 0  # every tensor load_weights has streamed into vLLM, in the dtype vLLM holds
         self.llm = self._build(cfg, self.config.dtype or param.dtype)

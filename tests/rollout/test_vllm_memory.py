@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from hybridflow.engines.precision import cast_parameters
 from hybridflow.errors import ConfigError
 from hybridflow.models import load_causal_lm
 from hybridflow.models.tiny import build_tiny_model
@@ -124,23 +125,38 @@ def test_auto_utilisation_passes_vllms_startup_check_or_refuses():
     }
 
 
-def test_gpu_build_asks_vllm_for_what_this_rank_needs(tiny_model_dir, monkeypatch):
-    """The engine's own build on a CUDA device: free/total read there (torch.cuda.mem_get_info), this
-    rank's bf16 weights and KV cache asked for; vLLM itself is a stand-in that records its arguments."""
+def test_a_pool_engine_on_cuda_asks_for_what_this_rank_needs_and_streams_from_the_files(
+    tiny_model_dir, monkeypatch
+):
+    """The engine's own constructor on a CUDA device, for a rollout pool (own_weights) whose model is on
+    the meta device in bf16 (workers/actor.load_pool_model): free/total read there
+    (torch.cuda.mem_get_info), this rank's bf16 weights and KV cache asked for, and the weights streamed
+    from the model's safetensors, cast; vLLM itself is a stand-in recording its arguments and weights."""
     asked: list = []
     monkeypatch.setattr(
         torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (20 * GIB, 80 * GIB)
     )
     built: dict = {}
+
+    def llm(model, **kw):
+        built.update(kw)
+        return RecordingLLM([])
+
     fake = types.ModuleType("vllm")
-    fake.LLM = lambda model, **kw: built.update(kw)
+    fake.LLM = llm
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    model = load_causal_lm(tiny_model_dir)
-    engine = _engine(model, "cuda:0", [])
-    engine.config = VLLMEngineConfig(max_num_seqs=4, max_model_len=64)
-    engine._build(model.config, torch.bfloat16)
-    kv = kv_cache_bytes(model.config, torch.bfloat16, 4, 64)
+    bf16 = torch.bfloat16
+    model = load_causal_lm(tiny_model_dir, device="meta")
+    cast_parameters(model, bf16)
+    config = VLLMEngineConfig(max_num_seqs=4, max_model_len=64, own_weights=True, dtype=bf16)
+    engine = VLLMEngine(model, config, device="cuda:0")
+    assert engine.gpu and asked == [torch.device("cuda:0")]
+    kv = kv_cache_bytes(model.config, bf16, 4, 64)
     weights = sum(p.numel() for p in model.parameters()) * 2
-    assert asked == [torch.device("cuda:0")]
     assert built["kv_cache_memory_bytes"] == kv
     assert built["gpu_memory_utilization"] == (kv + weights) / (80 * GIB)
+    stored = dict(load_causal_lm(tiny_model_dir).named_parameters())
+    assert engine.llm.loaded.keys() == stored.keys()
+    for name, t in stored.items():
+        assert torch.equal(engine.llm.loaded[name], t.detach().to(bf16)), name
+    assert all(p.is_meta for p in model.parameters())  # never materialised
