@@ -8,9 +8,10 @@ completed, restarts, the step after which the kill was sent, the step that faile
 checkpoint (goal 0), the steps redone, and whether every step's metrics equal those of one uninterrupted
 reference run of the same config (timings aside). Baseline: the reference run. With --kinds, one run
 per further fault kind (benchmarks/chaos_kinds.py: a hung worker, the raylet and the GCS killed, a
-deleted manifest) with its restarts, steps lost and time to recover.
+deleted manifest, the reward worker killed, the driver killed at a checkpoint's commit) with its
+restarts, steps lost and time to recover.
 
-    .venv/bin/python benchmarks/chaos.py [--runs 3] [--seed 0] [--kinds]
+    .venv/bin/python benchmarks/chaos.py [--runs 3] [--seed 0] [--kinds [--only WORD ...]]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def one_run(config: Path, name: str, kill_step: int | None, rng: random.Random) 
     log = config.parent / f"{name}.log"
     start = time.perf_counter()
     proc = start_train(config, f"trainer.experiment_name={name}", log=log)
-    if kill_step is not None:  # the metrics row of step k-1 follows its checkpoint: kill during step k
+    if kill_step is not None:  # the metrics row of step k-1 is written: kill during step k
         kill_a_worker_after(run, kill_step - 1, proc, pick=rng.choice)
     rc = proc.wait(timeout=1800)
     text = log.read_text()
@@ -79,6 +80,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", action="store_true", help="also one run per fault kind of chaos_kinds.py")
+    parser.add_argument(
+        "--only", nargs="*", help="with --kinds: the kinds whose name holds one of these words"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="hybridflow-chaos-") as tmp:
@@ -118,7 +122,7 @@ def main() -> None:
             f"completed {totals['completed']}/{args.runs}, restarts {totals['restarts']}, steps lost beyond the "
             f"last checkpoint {totals['lost']}, metrics equal to the reference {totals['equal']}/{args.runs}"
         )
-        kinds = chaos_kinds.report(config, STEPS, SAVE_EVERY) if args.kinds else {}
+        kinds = chaos_kinds.report(config, STEPS, SAVE_EVERY, args.only) if args.kinds else {}
         print(json.dumps({"chaos": totals, "runs": args.runs, "kinds": kinds}))
 
 

@@ -1,7 +1,8 @@
 """Fault kinds of benchmarks/chaos.py beyond a killed worker: a hung worker (SIGSTOP, caught by
 trainer.hang_timeout_s), the raylet and the GCS each killed mid-run (recovered by `hybridflow train`'s
-supervisor with a new embedded cluster), the GCS killed after the last checkpoint, and the newest
-checkpoint's manifest deleted before a resume. One real `hybridflow train` run per kind (the
+supervisor with a new embedded cluster), the GCS killed after the last checkpoint, the newest
+checkpoint's manifest deleted before a resume, the reward worker killed while idle (replaced by the
+reward pool) and the driver killed at a checkpoint's commit instant (its row already written). One real `hybridflow train` run per kind (the
 config of chaos.py); reported: exit code, steps done, restarts, steps lost beyond the last checkpoint
 before the fault, and the time to recover (MTTR: from the fault to the `resumed from step` line, or to
 the exit for the GCS kind)."""
@@ -109,21 +110,62 @@ def manifest_deleted(config: Path, steps: int, save_every: int) -> dict:
     return _finish(proc, log, run, steps, save_every, mttr, steps - save_every)  # the newest valid one
 
 
+def reward_worker_killed(config: Path, steps: int, save_every: int) -> dict:
+    """The reward worker (a user reward runs in one) SIGKILLed while idle between steps: replaced by the
+    reward pool itself at its next batch, no restart. MTTR: the scoring phase that replaced it (its
+    `timing_s/reward`); the last column: the step whose row counts the replacement."""
+    run, log = config.parent / "reward_worker", config.parent / "reward_worker.log"
+    proc = start_train(config, "trainer.experiment_name=reward_worker", log=log)
+    _after_row(run, FAULT_AFTER, proc)
+    os.kill(
+        next(p for p in descendants(proc.pid) if "hybridflow.rewards._worker" in cmdline(p)), signal.SIGKILL
+    )
+    r = _finish(proc, log, run, steps, save_every, None, None)
+    replaced = [row for row in metric_rows(run) if row.get("reward/worker_restarts")]
+    r["mttr_s"] = replaced[0].get("timing_s/reward") if replaced else None
+    r["last_line"] = ", ".join(
+        f"step {x['step']}: reward/worker_restarts {x['reward/worker_restarts']:g}" for x in replaced
+    )
+    return r
+
+
+def driver_at_commit(config: Path, steps: int, save_every: int) -> dict:
+    """The training driver SIGKILLed the instant `latest` names a new checkpoint (after the commit,
+    before anything else): the supervisor names the driver and a new one resumes from that checkpoint."""
+    run, log = config.parent / "driver", config.parent / "driver.log"
+    proc = start_train(config, "trainer.experiment_name=driver", log=log)
+    step = (FAULT_AFTER + 1) // save_every * save_every  # the first checkpoint after FAULT_AFTER
+    latest = run / "checkpoints" / "latest"
+    wait_for(lambda: latest.exists() and latest.read_text().strip() == f"step_{step}", proc, poll=0.002)
+    os.kill(
+        next(p for p in descendants(proc.pid) if "-m hybridflow.trainers.cli " in cmdline(p)), signal.SIGKILL
+    )
+    mttr = _time_to_line(log, r"resumed from step \d+ \(restart", proc, time.monotonic())
+    r = _finish(proc, log, run, steps, save_every, mttr, step)
+    r["last_line"] = next((x for x in log.read_text().splitlines() if " restart 1/" in x), r["last_line"])
+    return r
+
+
 KINDS = {
     "hung worker (SIGSTOP, hang_timeout_s=10)": hung_worker,
     "raylet killed mid-run": node_process_kill("raylet"),
     "GCS killed mid-run": node_process_kill("gcs_server"),
     "GCS killed after the last checkpoint": gcs_after_last_checkpoint,
     "newest manifest deleted, then resume=auto": manifest_deleted,
+    "reward worker SIGKILLed while idle": reward_worker_killed,
+    "driver SIGKILLed at a checkpoint's commit": driver_at_commit,
 }
 
 
-def report(config: Path, steps: int, save_every: int) -> dict:
+def report(config: Path, steps: int, save_every: int, only: list[str] | None = None) -> dict:
+    """One run per fault kind (`only`: the kinds whose name holds one of these words)."""
     print()
     print(f"| fault (after step {FAULT_AFTER}) | exit code | steps done | completed | restarts | lost beyond last checkpoint | MTTR s | last line |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     totals = {}
     for name, inject in KINDS.items():
+        if only and not any(word in name for word in only):
+            continue
         r = inject(config, steps, save_every)
         mttr = f"{r['mttr_s']:.1f}" if r["mttr_s"] is not None else "-"
         line = r["last_line"].removeprefix("hybridflow train: ")[:90]
