@@ -10,6 +10,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HYBRIDFLOW_CPU_THREADS", "1")  # one thread per rank: many ranks share 2 cores
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HYBRIDFLOW_VERIFY_SYNC", "1")  # every rollout_ahead weight sync checks its buckets
 
 
 @pytest.fixture(scope="session")

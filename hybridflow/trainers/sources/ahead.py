@@ -34,9 +34,13 @@ from hybridflow.controller import Future
 from hybridflow.trainers.ref_split import RefSplit
 from hybridflow.trainers.sources.base import InFlight, RolloutSource, StepBatch
 from hybridflow.workers.shard_sync import split_dims
-from hybridflow.workers.weight_sync import tensor_bytes
+from hybridflow.workers.weight_sync import tensor_bytes, verify_enabled
 
-SYNC_TIMEOUT_S = 600.0
+# The sync group's collective timeout. Actor rank 0's broadcasts wait in the backend until the rollout pool
+# has finished the generation queued before its receive, so the timeout must outlast the longest generation:
+# shorter, and NCCL's watchdog ends a healthy run. A dead peer is found sooner (_get_both), a hung one by
+# trainer.hang_timeout_s.
+SYNC_TIMEOUT_S = 6 * 3600.0
 
 
 class OneStepAheadSource(RolloutSource):
@@ -206,9 +210,10 @@ class OneStepAheadSource(RolloutSource):
             return
         addr, port = trainer.actor.weight_sync_address()
         world, tg = 1 + self.group.world_size, self.group.weight_sync_tg()  # tg > 1: shard-only sync
+        verify = verify_enabled()
         _get_both(
-            trainer.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S, tg),
-            self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S, tg),
+            trainer.actor.init_weight_sync.future(addr, port, world, 0, SYNC_TIMEOUT_S, tg, verify),
+            self.group.init_weight_sync.future(addr, port, world, 1, SYNC_TIMEOUT_S, tg, verify),
         )
         spec = self.group.weight_spec()
         self._dims = split_dims(spec, trainer.actor.weight_shapes(), tg)  # ValueError: the models differ
