@@ -267,10 +267,12 @@ def load_yaml(path: str | os.PathLike) -> dict:
     except OSError as e:  # no permission, an I/O error
         raise ConfigError([f"config file {str(path)!r} cannot be read: {e.strerror or e}"]) from None
     except yaml.reader.ReaderError as e:  # not UTF-8 (or UTF-16) text, or a control character
-        undecodable = isinstance(e.character, int)  # a byte that does not decode, else a character
-        what = "not UTF-8 text" if undecodable else "not valid YAML: a control character"
-        char = e.character if undecodable else ord(e.character)
-        raise ConfigError([f"{path}: {what} (byte {char:#04x} at offset {e.position})"]) from None
+        if e.encoding != "unicode":  # a byte that does not decode ("unicode": a decoded character refused)
+            raise ConfigError(
+                [f"{path}: not UTF-8 text (byte {e.character:#04x} at offset {e.position})"]
+            ) from None
+        why = f"a control character ({e.character:#04x} at character {e.position})"
+        raise ConfigError([f"{path}: not valid YAML: {why}"]) from None
     except yaml.YAMLError as e:
         raise ConfigError([yaml_error_line(path, e)]) from None
     except RecursionError:

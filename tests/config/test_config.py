@@ -219,3 +219,23 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, tex
     with pytest.raises(ConfigError) as info:
         load_config(str(path))
     assert info.value.errors == [expected.format(path=path)]
+
+
+def test_a_config_file_that_is_not_yaml_text_is_one_line(tmp_path):
+    """Not UTF-8, a control character, a directory, nesting past the reader's recursion: one line each."""
+    cases = {
+        "latin1.yaml": (b"trainer:\n  experiment_name: caf\xe9\n", "not UTF-8 text (byte 0xe9 at offset 31)"),
+        "bell.yaml": (b"a: \x07\n", "not valid YAML: a control character (0x07 at character 3)"),
+        "deep.yaml": (
+            b"a: " + b"[" * 200_000,
+            "not valid YAML: nested deeper than the reader's recursion limit",
+        ),
+    }
+    for name, (data, why) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError) as info:
+            load_config(str(tmp_path / name))
+        assert info.value.errors == [f"{tmp_path / name}: {why}"]
+    with pytest.raises(ConfigError) as info:
+        load_config(str(tmp_path))
+    assert info.value.errors == [f"config file {str(tmp_path)!r} is a directory; name a YAML file in it"]
