@@ -91,6 +91,7 @@ def test_dead_worker_restarts_from_last_checkpoint(ray_cluster, config_file, tmp
     from hybridflow.models.tiny import save_tiny_model
 
     other = save_tiny_model(tmp_path / "other_model", hidden_size=80)  # a whole model, 80 wide, not 64
+    capsys.readouterr()  # its progress bar
     for override, expected in [
         ("data.train_batch_size=8", "written with data.train_batch_size=4, this run has 8"),
         (f"model.path={other} model.tokenizer_path={cfg.model.path}", "step_8's (hidden_size"),
