@@ -40,8 +40,8 @@ class Domain:
     finite: bool = True
 
     def admits(self, v) -> bool:
-        if math.isnan(v) or (self.finite and math.isinf(v)):
-            return False
+        if isinstance(v, float) and (math.isnan(v) or (self.finite and math.isinf(v))):
+            return False  # (an int is finite, and may be too large for math's float conversion)
         return not (
             (self.ge is not None and v < self.ge)
             or (self.gt is not None and v <= self.gt)

@@ -144,7 +144,11 @@ def _coerce(value: Any, tp, path: str, errors: list[str]) -> Any:
         return None
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int past the largest float
+                errors.append(f"{path}: {value} is too large for a float")
+                return None
         if isinstance(value, str):
             # YAML 1.1 reads `1e-5` (no dot) as a string; accept it as the number it obviously is.
             try:

@@ -190,7 +190,12 @@ def test_the_issues_values_are_refused_in_one_line(base):
                                    "a score the run itself counts as failed; choose one within it"),
         ("actor.ppo_mini_batch_size=-1", "actor.ppo_mini_batch_size: must be >= 1, got -1"),  # not the critic's
         ("trainer.seed=-1", "trainer.seed: must be in [0, 2147483647], got -1"),
+        (f"actor.optim.lr={10**400}", f"actor.optim.lr: {10**400} is too large for a float"),  # no OverflowError
+        (f"trainer.keep_last={10**400}", None),  # an int: any size, where its domain has no upper bound
     ]:  # fmt: skip
+        if line is None:
+            assert load_config(data=base, overrides=[override]).trainer.keep_last == 10**400
+            continue
         with pytest.raises(ConfigError) as e:
             load_config(data=base, overrides=[override])
         assert e.value.errors == [line]
