@@ -24,7 +24,7 @@
 # (tiny model, 2 CPU "devices" for the multi-GPU stages) and passes only where those GPU proofs refuse
 # it: what makes sure a CPU computation cannot pass as a GPU one.
 # Knobs: CHECK_ONLY="preflight grpo ..." (stage names; env, install, model always run), CHECK_STEPS,
-# CHECK_SIZE, CHECK_NGPU (rehearsal: 2), CHECK_BUDGET_S (cuda: 450), CHECK_RUN_TIMEOUT (s per run).
+# CHECK_SIZE, CHECK_NGPU (rehearsal: 2), CHECK_BUDGET_S (cuda: 450), CHECK_RUN_TIMEOUT (cuda: 180 s a run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -42,14 +42,16 @@ RESULT=${CHECK_RESULT:-$CHECK_DIR/result.json}
 TABLE=${CHECK_TABLE:-${RESULT%.json}.md}
 if [ "$DEVICE" = cuda ]; then
   # sized for one H100 in 8 minutes with the install: 0.5B shape, 16 prompts x 4 samples x 64 tokens
-  SIZE=${CHECK_SIZE:-qwen2.5-0.5b} STEPS=${CHECK_STEPS:-3} PROMPTS=16 LENGTH=64 BUDGET=${CHECK_BUDGET_S:-450}
+  SIZE=${CHECK_SIZE:-qwen2.5-0.5b} STEPS=${CHECK_STEPS:-2} PROMPTS=16 LENGTH=64
+  BUDGET=${CHECK_BUDGET_S:-450} RUN_TIMEOUT=${CHECK_RUN_TIMEOUT:-180}
   DECODE_ARGS="--prompts 64 --response-length 128 --repeats 3" PREFLIGHT_ARGS=""
-else
-  SIZE=${CHECK_SIZE:-tiny} STEPS=${CHECK_STEPS:-2} PROMPTS=4 LENGTH=8 BUDGET=${CHECK_BUDGET_S:-1800}
-  DECODE_ARGS="--prompts 8 --response-length 16 --repeats 2" PREFLIGHT_ARGS="--size tiny --prompts 8 --response-length 16"
+else  # a loaded 2-core machine can take minutes to start Ray
+  SIZE=${CHECK_SIZE:-tiny} STEPS=${CHECK_STEPS:-2} PROMPTS=4 LENGTH=8
+  BUDGET=${CHECK_BUDGET_S:-3600} RUN_TIMEOUT=${CHECK_RUN_TIMEOUT:-600}
+  DECODE_ARGS="--prompts 8 --response-length 16 --repeats 2"
+  PREFLIGHT_ARGS="--size tiny --prompts 8 --response-length 16"
   export CUDA_VISIBLE_DEVICES=""
 fi
-RUN_TIMEOUT=${CHECK_RUN_TIMEOUT:-180}
 START=$(date +%s)
 STAGES=$CHECK_DIR/stages
 rm -rf "$STAGES"
@@ -114,20 +116,24 @@ print(" | ".join(f"{k} {v}" for k, v in env.items() if k not in ("name", "pass")
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 sys.exit(0 if env["pass"] else 1)
 PY
-[ $? -eq 0 ] || { echo "gpu_check: CHECK_DEVICE=$DEVICE without a CUDA device, or a kit module missing"; finish; }
+[ $? -eq 0 ] || { echo "gpu_check: CHECK_DEVICE=$DEVICE but no CUDA device, or a kit module missing"; finish; }
 NGPU=${CHECK_NGPU:-2}  # the rehearsal's CPU stands in for 2 devices
 if [ "$DEVICE" = cuda ]; then NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())"); fi
 
 if wanted preflight; then
   echo "== preflight (Ray-free, one process)"
-  "$PY" "$ROOT/scripts/gpu_preflight.py" --device "$DEVICE" $REHEARSE $PREFLIGHT_ARGS --out "$STAGES/02_preflight.json" 2>&1 | tail -20
+  "$PY" "$ROOT/scripts/gpu_preflight.py" --device "$DEVICE" $REHEARSE $PREFLIGHT_ARGS \
+    --out "$STAGES/02_preflight.json" 2>&1 | tail -20
   [ -f "$STAGES/02_preflight.json" ] || report stage preflight "$STAGES/02_preflight.json" 0 error="crashed"
 fi
 
 echo "== random model of $SIZE's shape"
 MODEL=$CHECK_DIR/model_$SIZE
-"$PY" -c "from hybridflow.models.tiny import save_tiny_model; save_tiny_model('$MODEL', size='$SIZE', arch='qwen2', seed=0)" \
-  > "$CHECK_DIR/model.log" 2>&1 || { report stage model "$STAGES/03_model.json" 0 error="$(tail -1 "$CHECK_DIR/model.log")"; finish; }
+SAVE="from hybridflow.models.tiny import save_tiny_model; save_tiny_model('$MODEL', '$SIZE', 'qwen2', seed=0)"
+if ! "$PY" -c "$SAVE" > "$CHECK_DIR/model.log" 2>&1; then
+  report stage model "$STAGES/03_model.json" 0 error="$(tail -1 "$CHECK_DIR/model.log")"
+  finish
+fi
 
 if wanted decode; then
   echo "== decode: built-in engine vs transformers generate (bf16)"
@@ -136,11 +142,14 @@ if wanted decode; then
   [ -f "$STAGES/04_decode.json" ] || report stage decode "$STAGES/04_decode.json" 0 error="crashed"
 fi
 
-# run_train FILE_STEM CONFIG DEVICES [smoke_report run options --] [overrides...]
+# run_train FILE_STEM CONFIG DEVICES [--steps N] [smoke_report run options] -- [overrides...]
 run_train() {
   local stem=$1 config=$2 ndev=$3 name=${1#*_} out=$CHECK_DIR/run_${1#*_} smi="" rc=0 t0 limit checks=()
+  local steps=$STEPS
   shift 3
-  while [ $# -gt 0 ] && [ "$1" != -- ]; do checks+=("$1"); shift; done
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do
+    if [ "$1" = --steps ]; then steps=$2; shift 2; else checks+=("$1"); shift; fi
+  done
   [ $# -gt 0 ] && shift
   wanted "$name" || return 0
   limit=$(left); [ "$limit" -lt "$RUN_TIMEOUT" ] || limit=$RUN_TIMEOUT
@@ -151,7 +160,8 @@ run_train() {
   echo "== $name: $config on $ndev device(s) $*"
   rm -rf "$out" && mkdir -p "$out"
   if [ "$DEVICE" = cuda ] && command -v nvidia-smi > /dev/null; then
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/gpu_mem.csv" 2>/dev/null &
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/gpu_mem.csv" \
+      2> /dev/null &
     smi=$!
   fi
   t0=$(date +%s)
@@ -160,10 +170,11 @@ run_train() {
     data.train_batch_size=$((PROMPTS * ndev)) actor.ppo_mini_batch_size=$((PROMPTS * ndev)) \
     actor.micro_batch_size_per_device=64 critic.micro_batch_size_per_device=64 \
     rollout.n=4 rollout.response_length="$LENGTH" data.dataset_kwargs.val_size=8 \
-    trainer.total_steps="$STEPS" trainer.val_every=0 trainer.val_before_train=false trainer.save_every=0 \
-    trainer.output_dir="$out" trainer.loggers=[console,jsonl] "$@" > "$out/train.log" 2>&1 || rc=$?
+    trainer.total_steps="$steps" trainer.val_every=0 trainer.val_before_train=false trainer.save_every=0 \
+    trainer.output_dir="$out" trainer.loggers=[console,jsonl] "$@" > "$out/train.log" 2>&1 \
+    || rc=$?
   if [ -n "$smi" ]; then kill "$smi" 2> /dev/null; wait "$smi" 2> /dev/null; fi
-  report run "$name" "$out" "$STAGES/$stem.json" --rc $rc --steps "$STEPS" --seconds $(( $(date +%s) - t0 )) \
+  report run "$name" "$out" "$STAGES/$stem.json" --rc $rc --steps "$steps" --seconds $(( $(date +%s) - t0 )) \
     --devices "$ndev" --memlog "$out/gpu_mem.csv" --overrides "$*" $REHEARSE "${checks[@]}"
 }
 plan_memory() {  # $1 file stem, $2 the run's stage name: its peak memory against the planner's
@@ -180,12 +191,13 @@ plan_memory 06_grpo_plan_memory grpo
 run_train 07_ppo ppo_tiny.yaml 1 --require perf/memory/critic/host_peak_rss_gb --
 plan_memory 08_ppo_plan_memory ppo
 run_train 09_lora grpo_tiny.yaml 1 -- model.lora.rank=16
-run_train 10_offload grpo_tiny.yaml 1 --require perf/actor_offload_bytes -- actor.offload=true
+run_train 10_offload grpo_tiny.yaml 1 --moved perf/actor_offload_bytes -- actor.offload=true
 if [ "$NGPU" -ge 2 ]; then
   run_train 11_tp2 grpo_tiny.yaml 2 --placement roles.actor_rollout.train.tp=2 -- actor.parallel.tp=2
   run_train 12_pp2 grpo_tiny.yaml 2 --placement roles.actor_rollout.world_size=2 -- actor.parallel.pp=2
-  run_train 13_ahead grpo_tiny.yaml 2 --require sync/bytes --placement roles.rollout.world_size=1 -- \
-    trainer.rollout_ahead=1 resources.rollout_devices=1
+  # one step more: the first sync of updated weights goes out in step 2, for step 3
+  run_train 13_ahead grpo_tiny.yaml 2 --steps $((STEPS + 1)) --require sync/bytes \
+    --placement roles.rollout.world_size=1 -- trainer.rollout_ahead=1 resources.rollout_devices=1
 fi
 if wanted vllm; then
   if "$PY" -c "import vllm" 2> /dev/null; then

@@ -141,10 +141,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rehearse and args.device != "cpu":
         p.error("--rehearse runs on CPU: use it with --device cpu")
-    result = {
-        "name": args.stage.replace("-", "_"),
-        **(decode if args.stage == "decode" else plan_memory)(args),
-    }
+    result = (decode if args.stage == "decode" else plan_memory)(args)  # named by its file (smoke_report.py)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     figures = {k: result.get(k) for k in ("ratio", "predicted_gib", "measured_gib") if k in result}
     problems = result.get("device_check", {}).get("problems", [])

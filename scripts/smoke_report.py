@@ -59,14 +59,18 @@ def config_device(run_dir: Path) -> str | None:
     return None
 
 
-def run_device_problems(rows: list[dict], run_dir: Path) -> list[str]:
-    """Why a run's record is no proof that it computed on a GPU ([] = proof)."""
+def run_device_problems(rows: list[dict], run_dir: Path, moved: list[str] = ()) -> list[str]:
+    """Why a run's record is no proof that it computed on a GPU ([] = proof). `moved`: metrics of bytes
+    moved between host and device (perf/actor_offload_bytes), 0 where the two are one memory."""
     roles = sorted({k.split("/")[2] for r in rows for k in r if k.startswith("perf/memory/")} - {"driver"})
     problems = [] if roles else ["no perf/memory/<role> figures in metrics.jsonl"]
     for role in roles:
         peak = [r.get(f"perf/memory/{role}/max_memory_allocated_gb", 0.0) for r in rows]
         if not max(peak, default=0.0) > 0:
             problems.append(f"{role}: max_memory_allocated_gb absent or 0 (it computed on the CPU)")
+    for key in moved:
+        if not max((r.get(key, 0.0) for r in rows), default=0.0) > 0:
+            problems.append(f"{key}: 0 in every step (nothing moved between host and device)")
     device = config_device(run_dir)
     if device != "cuda":
         problems.append(f"config.yaml resources.device: {device}, not cuda")
@@ -80,11 +84,11 @@ def lookup(data, dotted: str):
 
 
 def expectation_problems(
-    rows: list[dict], run_dir: Path, require: list[str], placement: list[str]
+    rows: list[dict], run_dir: Path, require: list[str], placement: list[str], logged: list[str]
 ) -> list[str]:
     """The stage's own evidence: metrics that must be above 0 in some step (e.g. sync/bytes of a weight
-    sync, perf/actor_offload_bytes) and placement.json entries (KEY=VALUE, dotted)."""
-    problems = []
+    sync), metrics that must be logged (`logged`), placement.json entries (KEY=VALUE, dotted)."""
+    problems = [f"{key}: not logged" for key in logged if not any(key in r for r in rows)]
     for key in require:
         if not max((r.get(key, 0.0) for r in rows), default=0.0) > 0:
             problems.append(f"{key}: absent or 0 in every step")
@@ -146,13 +150,13 @@ def cmd_run(args) -> int:
     rows = read_metrics(run_dir)
     fig = grpo_figures(rows, Path(args.memlog) if args.memlog else None)
     ran = args.rc == 0 and fig["steps"] == args.steps and finite(fig["tokens_per_s_by_step"])
-    expected = expectation_problems(rows, run_dir, args.require, args.placement)
-    device = run_device_problems(rows, run_dir)
+    expected = expectation_problems(rows, run_dir, args.require, args.placement, args.moved)
+    device = run_device_problems(rows, run_dir, args.moved)
     # rehearsing on CPU, the GPU proof must be refused: the check would reject a CPU run
     ok = ran and not expected and (bool(device) if args.rehearse else not device)
     data = {"name": args.name, "pass": ok, "exit_code": args.rc, "seconds": args.seconds,
             "engine": args.engine, "devices": args.devices, "overrides": args.overrides,
-            "expectations": {"checked": args.require + args.placement, "problems": expected},
+            "expectations": {"checked": args.require + args.placement + args.moved, "problems": expected},
             "device_check": {"rehearsal": args.rehearse, "problems": device}, **fig}  # fmt: skip
     log = run_dir / "train.log"
     if not ok and log.is_file():
@@ -273,6 +277,9 @@ def main(argv=None) -> int:
     g.add_argument("--overrides", default="", help="what the stage set, for the record")
     g.add_argument("--require", action="append", default=[], help="a metric above 0 in some step")
     g.add_argument("--placement", action="append", default=[], help="KEY=VALUE of placement.json (dotted)")
+    g.add_argument(
+        "--moved", action="append", default=[], help="bytes moved host<->device: logged; > 0 on a GPU"
+    )
     g.add_argument("--rehearse", action="store_true", help="CPU rehearsal: the GPU proof must be refused")
     c = sub.add_parser("collect")
     c.add_argument("stages_dir")

@@ -159,6 +159,23 @@ def test_a_run_passes_only_with_proof_of_the_gpu_and_rehearsing_only_without(tmp
         "perf/actor_offload_bytes: absent or 0 in every step",
         "placement.json roles.actor_rollout.train.tp: 2, expected 4",
     ]
+    # offload: bytes moved between host and device are 0 where both are one memory (a CPU run)
+    moved = {**step, "perf/actor_offload_bytes": 0.0}
+    cpu_offload = _run_dir(tmp_path, "cpu_offload", "cpu", [moved, moved])
+    gpu_offload = _run_dir(
+        tmp_path, "gpu_offload", "cuda", [{**g, "perf/actor_offload_bytes": 5e8} for g in gpu]
+    )
+    assert _verdict(gpu_offload, tmp_path / "h.json", "--moved", "perf/actor_offload_bytes")["pass"]
+    rehearsed = _verdict(
+        cpu_offload, tmp_path / "i.json", "--moved", "perf/actor_offload_bytes", "--rehearse"
+    )
+    assert (
+        rehearsed["pass"]
+        and "perf/actor_offload_bytes: 0 in every step" in rehearsed["device_check"]["problems"][1]
+    )
+    assert not _verdict(gpu_run, tmp_path / "j.json", "--moved", "perf/actor_offload_bytes")[
+        "pass"
+    ]  # not logged
 
 
 def _fake_wheel(path: Path) -> Path:
