@@ -110,6 +110,16 @@ def manifest_deleted(config: Path, steps: int, save_every: int) -> dict:
     return _finish(proc, log, run, steps, save_every, mttr, steps - save_every)  # the newest valid one
 
 
+def _reward_worker(proc) -> int:
+    """The reward worker process: not the processes it forks to run samples (they share its command line)."""
+    found = [p for p in descendants(proc.pid) if "hybridflow.rewards._worker" in cmdline(p)]
+    return next(p for p in found if _parent(p) not in found)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def reward_worker_killed(config: Path, steps: int, save_every: int) -> dict:
     """The reward worker (a user reward runs in one) SIGKILLed while idle between steps: replaced by the
     reward pool itself at its next batch, no restart. MTTR: the scoring phase that replaced it (its
@@ -117,9 +127,7 @@ def reward_worker_killed(config: Path, steps: int, save_every: int) -> dict:
     run, log = config.parent / "reward_worker", config.parent / "reward_worker.log"
     proc = start_train(config, "trainer.experiment_name=reward_worker", log=log)
     _after_row(run, FAULT_AFTER, proc)
-    os.kill(
-        next(p for p in descendants(proc.pid) if "hybridflow.rewards._worker" in cmdline(p)), signal.SIGKILL
-    )
+    os.kill(_reward_worker(proc), signal.SIGKILL)
     r = _finish(proc, log, run, steps, save_every, None, None)
     replaced = [row for row in metric_rows(run) if row.get("reward/worker_restarts")]
     r["mttr_s"] = replaced[0].get("timing_s/reward") if replaced else None
