@@ -109,15 +109,19 @@ NOT_FINITE = "is not finite; refusing to save it"  # checkpoint/manager.py names
 
 def _not_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The floating tensors of which this rank holds a non-finite value (in its own shard): one isfinite
-    per tensor where it lives, one sync for them all."""
+    per tensor where it lives, one sync per device for them all."""
     from torch.distributed.tensor import DTensor
 
-    local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in tensors.items()}
-    local = {n: t for n, t in local.items() if t.is_floating_point() and t.numel()}
-    if not local:
-        return []
-    finite = torch.stack([torch.isfinite(t).all().cpu() for t in local.values()])
-    return [n for n, ok in zip(local, finite.tolist()) if not ok]
+    by_device: dict[torch.device, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if t.is_floating_point() and t.numel():
+            by_device.setdefault(t.device, {})[name] = t
+    bad = []
+    for local in by_device.values():
+        finite = torch.stack([torch.isfinite(t).all() for t in local.values()]).tolist()
+        bad += [n for n, ok in zip(local, finite) if not ok]
+    return bad
 
 
 def check_finite(engine, tensors: dict[str, torch.Tensor]) -> None:
@@ -125,7 +129,8 @@ def check_finite(engine, tensors: dict[str, torch.Tensor]) -> None:
     a poisoned checkpoint would pass its SHA check and be resumed from."""
     bad = _not_finite(tensors)
     if engine._all_reduce(float(len(bad)), dist.ReduceOp.MAX):
-        where = f"{bad[0]} (and {len(bad) - 1} more on this rank)" if bad else "a tensor of another rank"
+        more = f" (and {len(bad) - 1} more on this rank)" if len(bad) > 1 else ""
+        where = f"{bad[0]}{more}" if bad else "a tensor of another rank"
         raise ValueError(f"step {engine.global_step}: {where} {NOT_FINITE}")
 
 
