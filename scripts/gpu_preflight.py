@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 
 # The fp32 gap is between two code paths computing the same thing in the same precision (KV-cache
 # decode vs one full forward): only summation order differs (CPU: max 1e-6). The bf16 gap is rounding
@@ -97,7 +98,9 @@ def stage_device(requested: str, engine, gen_device, rehearse: bool) -> dict:
     the cuda check runs against a CPU computation and must refuse it."""
     import torch
 
-    devices = {f"parameter {k}": p.device for k, p in engine.hf_model.named_parameters()}
+    # the parameters by device type, so one line says how many are off the device
+    kinds = Counter(str(p.device) for p in engine.hf_model.parameters())
+    devices = {f"{n} parameters": torch.device(kind) for kind, n in kinds.items()}
     devices.update({"train engine": engine.device, "generation": gen_device})
     peak = torch.cuda.max_memory_allocated() if requested == "cuda" else 0
     problems = device_problems(requested, devices, peak)
@@ -106,7 +109,7 @@ def stage_device(requested: str, engine, gen_device, rehearse: bool) -> dict:
         "requested": requested,
         "device_types": sorted({d.type for d in devices.values()}),
         "max_memory_allocated_bytes": peak,
-        "problems": problems[:3] + ([f"... {len(problems) - 3} more"] if len(problems) > 3 else []),
+        "problems": problems,
     }
     return {**out, "pass": bool(problems) if rehearse else not problems}
 

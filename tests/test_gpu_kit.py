@@ -22,6 +22,8 @@ import smoke_report  # noqa: E402
 import torch  # noqa: E402
 import trim_wheel  # noqa: E402
 
+from hybridflow.models.tiny import build_tiny_model  # noqa: E402
+
 CPU_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -86,7 +88,13 @@ def test_preflight_refuses_a_cuda_run_that_computed_on_the_cpu(monkeypatch, tmp_
     check = r["device_check"]
     assert not check["pass"] and not r["pass"]
     assert check["device_types"] == ["cpu"] and check["max_memory_allocated_bytes"] == 0
-    assert check["problems"][0].endswith("on cpu, not cuda")
+    n_params = len(list(build_tiny_model("tiny", arch="qwen2").parameters()))
+    assert check["problems"] == [
+        f"{n_params} parameters on cpu, not cuda",
+        "train engine on cpu, not cuda",
+        "generation on cpu, not cuda",
+        "torch.cuda.max_memory_allocated() is 0: nothing was computed on the GPU",
+    ]
 
 
 def test_rehearsal_of_the_gpu_check_refuses_its_cpu_stages(tmp_path):
