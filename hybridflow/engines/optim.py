@@ -97,12 +97,14 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
 
 
 def params_finite(params) -> bool:
-    """Whether every parameter this rank holds (its local shard of a DTensor) is finite: one max-abs
-    per layout group (the largest |x| cannot overflow as a sum of squares can; NaN propagates), one sync."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    """Whether every parameter this rank holds (its local shard of a DTensor) is finite: one max-abs list
+    kernel and one sync per device (the largest |x| cannot overflow as a sum of squares can; NaN propagates)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        t = p.to_local() if isinstance(p, DTensor) else p
+        if t.numel():
+            by_device[t.device].append(t.detach())
     peaks = [
-        torch.stack(torch._foreach_norm([t.detach() for t in ts if t.numel()], math.inf)).max().float().cpu()
-        for ts in layout_groups(local)
-        if any(t.numel() for t in ts)
+        torch.stack([n.float() for n in torch._foreach_norm(ts, math.inf)]).max() for ts in by_device.values()
     ]
-    return bool(torch.isfinite(torch.stack(peaks)).all()) if peaks else True
+    return all(bool(torch.isfinite(peak)) for peak in peaks)
