@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from hybridflow.controller.device import device_clock, process_mesh
 from hybridflow.engines.parallelize import decoder_layers
 from hybridflow.hybrid_engine.comm import CountedComm, MemoryLedger, tensor_bytes
 from hybridflow.hybrid_engine.cost import METHODS, fsdp_switch_cost
@@ -148,7 +147,7 @@ class Resharder:
         names = ("dp", "gen_tp", "micro_dp") if strided else ("dp", "micro_dp", "gen_tp")
         if self.pp_size > 1:  # the same groups inside each stage's (dp, tp) plane
             shape, names = (self.pp_size, *shape), ("pp", *names)
-        gen_mesh = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
+        gen_mesh = process_mesh(mesh.device_type, shape, names)  # groups shared with other roles' switches
         gen_group = None
         if tg > 1:
             group = gen_mesh["gen_tp"].get_group()
@@ -195,19 +194,20 @@ class Resharder:
         self.comm.reset()
         self.ledger = MemoryLedger(self._resident_bytes())
         with self.engine.phase():
-            start = time.perf_counter()
+            device = self.engine.device  # its clock waits for the queued switch, not just its launch
+            start = device_clock(device)
             weights, sizes = self._to_generation()
             self.sizes = sizes
-            seconds = time.perf_counter() - start
+            seconds = device_clock(device) - start
             try:
                 yield weights, self.gen_group
             finally:
-                start = time.perf_counter()
+                start = device_clock(device)
                 for unit in self._kept:
                     unit.reshard()
                 self._kept = []
                 del weights
-                seconds += time.perf_counter() - start
+                seconds += device_clock(device) - start
         self.stats = self._round_stats(sizes, seconds)
 
     def _round_stats(self, sizes: _Sizes, seconds: float) -> ReshardStats:
