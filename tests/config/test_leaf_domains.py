@@ -68,6 +68,7 @@ ALLOWED: dict[str, dict[str, str]] = {
         "trainer.val_every": _OFF, "trainer.val_generations_to_log": _OFF, "trainer.save_every": _OFF,
         "trainer.save_every_minutes": _OFF, "trainer.max_restarts": _OFF, "trainer.restart_wait_s": _OFF,
         "trainer.min_devices": _OFF, "trainer.stop_grace_s": "no grace", "trainer.hang_timeout_s": _OFF,
+        "trainer.keep_last": "keeps every checkpoint (verl's null)",
     },
     "-1": {
         "rollout.*top_k": "-1 = off", "reward.error_score": "any finite score",

@@ -84,7 +84,7 @@ def test_collect_errors_runs_each_sections_check():
     bad = {"algorithm": "algorithm.gamma=2", "model": "model.share_prompt=true", "data": "data.max_prompt_length=0",
            "actor": "actor.clip_ratio_c=0.5", "rollout": "rollout.top_p=2", "critic": "critic.optim.lr=-1",
            "ref": "ref.micro_batch_size_per_device=0", "reward": "reward.max_abs_score=0",
-           "resources": "resources.nnodes=0", "trainer": "trainer.keep_last=0"}  # fmt: skip
+           "resources": "resources.nnodes=0", "trainer": "trainer.keep_last=-1"}  # fmt: skip
     assert set(bad) == set(SECTION_CHECKS)
     for section, override in bad.items():
         extra = ["model.remove_padding=false"] if section == "model" else []
