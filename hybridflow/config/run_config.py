@@ -114,7 +114,9 @@ class TrainerConfig:
         ge=0,
         le=MAX_SECONDS,
     )
-    keep_last: int = _f(2, "checkpoints to keep (older ones are deleted); 0 keeps every one (verl's null)", ge=0)
+    keep_last: int = _f(
+        2, "checkpoints to keep (older ones are deleted); 0 keeps every one (verl's null)", ge=0
+    )
     resume: str = _f(
         "auto", "auto = continue from the latest checkpoint, never, a step number (12), or a checkpoint path"
     )
