@@ -21,6 +21,17 @@ REWARD_KEYS = ("reward/mean", "critic/score/mean", "critic/rewards/mean")
 THROUGHPUT_KEYS = ("perf/throughput",)
 # the train-vs-rollout log-prob gap (docs/metrics.md): whether generation and training agree
 GAP_KEYS = ("rollout/log_prob_diff_mean",)
+# what an update did: the policy loss of every algorithm (SFT's and DPO's own), the KL to the reference
+# (as a loss, else in the reward), the entropy and the mean response length
+TRAIN_FIELDS = (
+    ("loss", ("actor/pg_loss", "sft/loss", "dpo/loss"), "{:.4g}"),
+    ("kl", ("actor/kl_loss", "actor/reward_kl_penalty"), "{:.2e}"),
+    ("entropy", ("actor/entropy",), "{:.3f}"),
+    ("len", ("response_length/mean",), "{:.0f}"),
+)
+# reward/<function>/mean: one weighted reward function's own mean (workers/reward.py); not these
+_NOT_A_FUNCTION = ("mean", "extra", "std", "max", "min")
+TABLE_ROWS, TABLE_CELL = 4, 60  # the console's validation table: the full one is in the run dir
 
 
 class TrackerError(UserError, RuntimeError):
@@ -40,8 +51,9 @@ class ConsoleBackend:
     """A live tqdm bar (step, ETA, reward, throughput, the train-vs-rollout log-prob gap) on a terminal;
     one line per step otherwise, so captured logs (CI, `make demo | tee`) stay readable."""
 
-    def __init__(self, total_steps: int | None = None, initial_step: int = 0, stream=None):
+    def __init__(self, total_steps: int | None = None, initial_step: int = 0, stream=None, run_dir=None):
         self.stream = stream or sys.stderr
+        self.run_dir = run_dir  # where a table's full rows go (the console shows TABLE_ROWS of them)
         self.total, self.initial = total_steps, initial_step
         self.start = time.monotonic()
         self.bar = None
@@ -57,8 +69,16 @@ class ConsoleBackend:
         reward = _first(metrics, REWARD_KEYS)
         if reward is not None:
             out["reward"] = f"{reward:.3f}"
+        out.update({name: f"{v:.3f}" for name, v in function_means(metrics, "reward/").items()})
+        for label, keys, fmt in TRAIN_FIELDS:
+            value = _first(metrics, keys)
+            if value is not None:
+                out[label] = fmt.format(value)
+        val_fns = function_means(metrics, "val/reward/")
+        out.update({f"val {name}": f"{v:.3f}" for name, v in val_fns.items()})
         for k, v in metrics.items():
-            if k.startswith("val/") and k.endswith("acc@1"):
+            # with weighted functions acc@1 is their weighted sum, not an accuracy: their means say more
+            if k.startswith("val/") and k.endswith("acc@1") and not val_fns:
                 out[k.removeprefix("val/").removesuffix("/acc@1") + " acc"] = f"{v:.3f}"
         tput = _first(metrics, THROUGHPUT_KEYS)
         if tput is not None:
@@ -92,16 +112,49 @@ class ConsoleBackend:
         table = Table(title=f"{name} (step {step})", show_lines=False)
         columns = list(rows[0])
         for c in columns:
-            table.add_column(c, overflow="fold", max_width=60)
-        for r in rows:
-            table.add_row(*(str(r.get(c, "")) for c in columns))
+            table.add_column(c, overflow="ellipsis", no_wrap=True)
+        for r in rows[:TABLE_ROWS]:
+            table.add_row(*(short_cell(c, r.get(c, "")) for c in columns))
         if self.bar is not None:
             self.bar.clear()
         Console(file=self.stream, width=160).print(table)
+        where = write_table(self.run_dir, name, rows, step) if self.run_dir is not None else None
+        if where or len(rows) > TABLE_ROWS:
+            shown = f"{min(len(rows), TABLE_ROWS)} of {len(rows)} rows shown"
+            print(f"{name}: {shown}" + (f"; every row, uncut: {where}" if where else ""), file=self.stream)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def function_means(metrics: dict, prefix: str) -> dict[str, float]:
+    """{function name: mean} from `<prefix><name>/mean` (one per weighted reward function)."""
+    out = {}
+    for k, v in metrics.items():
+        name, _, tail = k.removeprefix(prefix).partition("/")
+        if k.startswith(prefix) and tail == "mean" and name not in _NOT_A_FUNCTION:
+            out[name] = v
+    return out
+
+
+def short_cell(column: str, value) -> str:
+    """One line of at most TABLE_CELL characters; a prompt keeps its end (the question: a chat
+    template's start is the same system header in every row)."""
+    text = " ".join(str(value).split())
+    if len(text) <= TABLE_CELL:
+        return text
+    if column.startswith("prompt"):
+        return "..." + text[-(TABLE_CELL - 3) :]
+    return text[: TABLE_CELL - 3] + "..."
+
+
+def write_table(run_dir, name: str, rows: list[dict], step: int) -> Path:
+    """run_dir/<name>/step_<step>.jsonl: every row of a table, uncut (the console shows a few)."""
+    path = Path(run_dir) / name.replace(":", "_") / f"step_{step}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
+    return path
 
 
 class JsonlBackend:

@@ -48,7 +48,7 @@ class Tracker:
         self.backends = []
         for n in loggers:
             if n == "console":
-                self.backends.append(ConsoleBackend(total_steps, resume_step or 0, stream))
+                self.backends.append(ConsoleBackend(total_steps, resume_step or 0, stream, run_dir))
             elif n == "jsonl":
                 self.backends.append(JsonlBackend(run_dir, resume_step))
             elif n == "tensorboard":

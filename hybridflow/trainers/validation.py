@@ -11,6 +11,7 @@ import numpy as np
 
 from hybridflow.algorithms.eval_metrics import vote_metrics
 from hybridflow.batch import Batch
+from hybridflow.logging.backends import function_means
 from hybridflow.trainers.dump import generation_rows, write_generations
 
 
@@ -21,7 +22,8 @@ class ValidationMixin:
         one, else its score) and, when rollout.val.n > 1,
         mean@n (all samples), best@n (any sample right), maj@n (the majority answer right) and the
         unbiased pass@k for k = 2, 4, ... < n (algorithms/eval_metrics.py); with a reward model
-        val/{data_source}/reward. Also val/reward/mean, a table of sample generations, and with
+        val/{data_source}/reward. Also val/reward/mean (and with weighted reward functions
+        val/reward/<name>/mean, each one's own), a table of sample generations, and with
         trainer.validation_data_dir every generation in <dir>/<step>.jsonl (trainers/dump.py)."""
         if self.val_dataset is None:
             return {}
@@ -31,13 +33,17 @@ class ValidationMixin:
         per_source, rows, dumped = defaultdict(list), [], []  # source -> [(n,) scores of one prompt]
         first = defaultdict(list)  # source -> each prompt's first sample right (its 'acc', else its score)
         votes = defaultdict(list)  # source -> [(answers, correct) of one prompt], for maj@n / pass@k
+        fn_means = defaultdict(list)  # weighted reward function -> [(its mean, samples) of one batch]
         with self.timers("validate"):
             for start in range(0, len(self.val_dataset), size):
                 samples = [
                     self.val_dataset[i] for i in range(start, min(start + size, len(self.val_dataset)))
                 ]
                 gen = self.actor.generate_sequences(self.val_dataset.collate(samples), sampling=sampling)
-                scores = self.score(gen)[0].float()
+                scores, score_metrics = self.score(gen)
+                scores = scores.float()
+                for name, mean in function_means(score_metrics, "reward/").items():
+                    fn_means[name].append((mean, len(scores)))
                 extras = self.rule_reward.last_extras if self.rule_reward is not None else []
                 for i, s in enumerate(scores.view(-1, v.n)):  # rows come interleaved: prompt i's n samples
                     per_source[gen["data_source"][i * v.n]].append(s)
@@ -64,6 +70,8 @@ class ValidationMixin:
                 out[f"val/{src}/mean@{v.n}"] = float(s.mean())
                 out[f"val/{src}/best@{v.n}"] = float(s.max(1).mean())
                 out.update(vote_metrics(f"val/{src}", votes[src], v.n))
+        for name, parts in fn_means.items():  # each weighted function's own mean, as in training
+            out[f"val/reward/{name}/mean"] = sum(m * n for m, n in parts) / sum(n for _, n in parts)
         out["val/reward/mean"] = float(np.mean([float(g.mean()) for gs in per_source.values() for g in gs]))
         return out
 

@@ -47,7 +47,8 @@ def test_tracker_jsonl_console_tensorboard(tmp_path):
     )
     console = out.getvalue()
     assert (
-        "step 2/4 | reward 0.200 | synthetic:arithmetic acc 0.100 | tok/s 102 | logp gap 7.6e-04" in console
+        "step 2/4 | reward 0.200 | entropy 1.800 | len 3 | synthetic:arithmetic acc 0.100 | tok/s 102 | "
+        "logp gap 7.6e-04" in console
     )
     assert "eta" in console and "val/generations (step 4)" in console and "1+1=" in console
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
