@@ -20,6 +20,7 @@ an engine may add meta.rollout_metrics, {name: float} that the trainer logs with
 
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,8 +59,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """Extra tokens that end a sequence (kept in the response, like EOS)."""
     seed: int | None = None
-    """Seed for the sampling RNG; None draws from torch's global RNG. On CPU the output is then a
-    pure function of (weights, prompts, params)."""
+    """Seed of the sampling draws; None draws a seed from torch's global RNG. The built-in engine keys
+    each draw by (seed, prompt id, sample index, position) (`prompt_ids`, sampling.counter_uniforms), so a
+    row's samples do not depend on the batch it shares or on how the batch was split across ranks."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -126,6 +128,16 @@ def check_prompt_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
             "tokenize with padding_side='left'"
         )
     return ids, mask
+
+
+def prompt_ids(batch: Batch) -> torch.Tensor:
+    """(B,) int64 ids in [0, 2^32) that name each prompt whatever rank or chunk it lands in: a CRC-32 of
+    its `uid` (the data loader's "<epoch>-<dataset index>"), else its row in this batch (then the ids, and
+    a seeded run's samples, follow the batch's split)."""
+    uids = batch.non_tensors.get("uid")
+    if uids is None:
+        return torch.arange(len(batch), dtype=torch.int64)
+    return torch.tensor([zlib.crc32(str(u).encode()) for u in uids], dtype=torch.int64)
 
 
 def build_rollout_batch(

@@ -31,12 +31,13 @@ from hybridflow.rollout.base import (
     build_rollout_batch,
     check_prompt_batch,
     load_named_weights,
+    prompt_ids,
 )
 from hybridflow.rollout.continuous import ContinuousBatch
 from hybridflow.rollout.hf_decoder import HFDecoder, PlainReplica
 from hybridflow.rollout.llama_decoder import LlamaFamilyDecoder, unsupported_reason
 from hybridflow.rollout.ragged_decoder import RaggedDecoder
-from hybridflow.rollout.sampling import sample_next
+from hybridflow.rollout.sampling import counter_uniforms, sample_keys, sample_next
 from hybridflow.rollout.tp_group import TPGroup
 
 SMALL_MODEL_PARAMS = 5_000_000
@@ -141,11 +142,16 @@ class BuiltinEngine(GenerationEngine):
             # backward (embedding saves its indices). Neither decoder has dropout on: the functional one
             # has none, the HF fallback's replica is in eval mode.
             with torch.no_grad():
+                # the call's one seed and its prompts' ids key every draw (sampling.sample_keys), so a
+                # row samples alike in any chunk, on any rank
+                seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
+                keys = sample_keys(seed, prompt_ids(batch), params.n, self._device())
                 limit = self.config.max_num_seqs
                 if limit and len(batch) * params.n > limit:
-                    chunks = batch.split(max(1, limit // params.n))
-                    return Batch.concat([self._generate_batch(c, params, decoder) for c in chunks])
-                return self._generate_batch(batch, params, decoder)
+                    per = max(1, limit // params.n)
+                    chunks = zip(batch.split(per), keys.split(per * params.n))
+                    return Batch.concat([self._generate_batch(c, k, params, decoder) for c, k in chunks])
+                return self._generate_batch(batch, keys, params, decoder)
         finally:
             decoder.release()
             torch.set_num_threads(threads)
@@ -196,10 +202,10 @@ class BuiltinEngine(GenerationEngine):
             self._num_params = sum(p.numel() for p in self.model.parameters())
         return self._num_params
 
-    def _generate_batch(self, batch: Batch, params: SamplingParams, decoder) -> Batch:
+    def _generate_batch(self, batch: Batch, keys: torch.Tensor, params: SamplingParams, decoder) -> Batch:
         ids, mask = check_prompt_batch(batch)
         device = self._device()
-        responses, lengths, logps = self._generate(ids.to(device), mask.to(device), params, decoder)
+        responses, lengths, logps = self._generate(ids.to(device), mask.to(device), keys, params, decoder)
         out_device = ids.device
         return build_rollout_batch(
             batch,
@@ -210,24 +216,21 @@ class BuiltinEngine(GenerationEngine):
             self.pad_token_id,
         )
 
-    def _generate(self, ids, mask, params: SamplingParams, decoder):
-        """ids, mask: (B, Lp) on the model's device. Returns responses (B*n, Lr), lengths (B*n,),
+    def _generate(self, ids, mask, keys, params: SamplingParams, decoder):
+        """ids, mask: (B, Lp) on the model's device; keys: (B*n,) each sample's draw key. Returns responses (B*n, Lr), lengths (B*n,),
         log-probs (B*n, Lr); entries past a row's length are garbage (masked by build_rollout_batch)."""
         b0, lp = ids.shape
         n, lr = params.n, params.max_new_tokens
         total, device = b0 * n, ids.device
         stop = torch.tensor(params.stop_ids(self.model.config.eos_token_id), dtype=torch.long, device=device)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=device).manual_seed(params.seed)
         pos = position_ids_from_mask(mask)
         next_pos = (pos[:, -1] + 1).repeat_interleave(n)  # (B*n,)
 
         decoder.start(total, lp + lr, int(next_pos.max()) + lr)
         logits = decoder.prefill(ids, mask, pos, repeat=n).repeat_interleave(n, 0)
-        return self._decode_loop(decoder, logits, next_pos, stop, gen, params)
+        return self._decode_loop(decoder, logits, next_pos, stop, keys, params)
 
-    def _decode_loop(self, decoder, logits, next_pos, stop, gen, params: SamplingParams):
+    def _decode_loop(self, decoder, logits, next_pos, stop, keys, params: SamplingParams):
         total, lr, device = logits.shape[0], params.max_new_tokens, logits.device
 
         responses = torch.full((total, lr), self.pad_token_id, dtype=torch.long, device=device)
@@ -240,7 +243,9 @@ class BuiltinEngine(GenerationEngine):
         is_stop = _stop_test(stop)
         every = stop_check_every(device)
         for t in range(lr):
-            tokens, lp_t = sample_next(logits, params, gen)
+            # response position t of each row: a pure function of its key, whatever rows share the step
+            uniforms = None if params.greedy else counter_uniforms(keys, t)
+            tokens, lp_t = sample_next(logits, params, uniforms=uniforms)
             if tp is not None:  # one generation TP group: the first rank's draw for all
                 tokens, lp_t = tp.agree(tokens, lp_t)
             responses[:, t].index_copy_(0, rows, tokens)
@@ -269,6 +274,7 @@ class BuiltinEngine(GenerationEngine):
                 keep = hole_filling_order(alive, n_alive)
                 decoder.select(keep)
                 rows, tokens, alive, next_pos = rows[keep], tokens[keep], alive[keep], next_pos[keep]
+                keys = keys[keep]
             logits = decoder.decode(tokens, next_pos)
             next_pos = next_pos + 1
         return responses, lengths, logps

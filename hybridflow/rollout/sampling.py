@@ -76,9 +76,18 @@ def row_keys(seed: int, rows: int, device: torch.device | str = "cpu") -> torch.
     return _mix32(base ^ torch.arange(rows, dtype=torch.int64, device=device))
 
 
+def sample_keys(seed: int, prompts: torch.Tensor, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """prompts: (B,) int64 prompt ids in [0, 2^32) (base.prompt_ids) -> (B*n,) keys for `counter_uniforms`,
+    sample j of prompt i at row i*n+j (the rollout batch's order): a hash of (seed, prompt id, j), so a
+    sample's draws are the same whichever rank, replica or chunk generates it."""
+    base = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=device))
+    per_prompt = _mix32(base ^ prompts.to(device))  # (B,)
+    return _mix32(per_prompt[:, None] ^ torch.arange(n, dtype=torch.int64, device=device)).reshape(-1)
+
+
 def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """keys: (B,) int64 from row_keys, counters: (B,) int64 in [0, 2^32) -> (B,) float32 uniforms in [0, 1), a pure function of each (key,
-    counter) pair: a row's draws depend on neither the other rows in the batch nor the order of calls
+    """keys: (B,) int64 from row_keys or sample_keys, counters: (B,) or () int64 in [0, 2^32) -> (B,)
+    float32 uniforms in [0, 1), a pure function of each (key, counter) pair: a row's draws depend on neither the other rows in the batch nor the order of calls
     (counter-based, as Philox is; this 32-bit hash has 24 bits of resolution, float32's own)."""
     h = _mix32((_mix32(keys ^ (counters & _M32)) + keys) & _M32)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))

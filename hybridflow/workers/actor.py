@@ -210,16 +210,15 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
 
     # ---- generation ----------------------------------------------------------------------------------
     def sampling_params(self, overrides: dict | None = None, step: int | None = None) -> SamplingParams:
-        """Rollout settings (+ overrides). The sampling seed depends on (trainer.seed, training step,
-        rank) — not on how many other calls (validation) happened — so ranks draw different samples,
-        reruns repeat exactly, and validating more often does not change the training run."""
+        """Rollout settings (+ overrides). The sampling seed depends on (trainer.seed, training step) — not
+        on how many other calls (validation) happened, nor on the rank: the engine keys each sample's
+        draws by its prompt's uid (rollout/base.prompt_ids), so ranks draw different samples, a rerun at
+        any data-parallel size repeats them, and validating more often does not change the training run."""
         r = self.config.rollout
         kw = dict(n=r.n, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
         kw.update(overrides or {})
         call = step if step is not None else 1_000_000 + self._gen_calls
-        # per generation replica, not per rank: every reshard method draws the same samples per replica
-        replica = self.get_layout("rollout").dp_rank
-        seed = self.config.seed * 1_000_003 + call * 7919 + replica
+        seed = self.config.seed * 1_000_003 + call * 7919
         return SamplingParams(
             max_new_tokens=r.response_length, do_sample=kw["temperature"] > 0, seed=seed, **kw
         )
@@ -233,11 +232,15 @@ class ActorRolloutRefWorker(WeightSyncMixin, Worker):
             raise RuntimeError(f"generate_sequences needs the 'rollout' role; this worker has {self.roles}")
         params = self.sampling_params(sampling, prompts.meta.global_step)
         self._gen_calls += 1
+        keyed = "uid" in prompts.non_tensors
+        if not keyed:  # rows keyed by their place in the call: each replica and chunk its own seed
+            params = dataclasses.replace(params, seed=params.seed + self.get_layout("rollout").dp_rank)
         per_call = self.config.rollout.micro_batch_size_per_device or max(len(prompts), 1)
         with self._generation_weights() as reshard_metrics:
-            # each chunk its own seed: the same one would repeat the same random draws chunk after chunk
             outs = [
-                self._generate(chunk, dataclasses.replace(params, seed=params.seed + 104_729 * i))
+                self._generate(
+                    chunk, params if keyed else dataclasses.replace(params, seed=params.seed + 104_729 * i)
+                )
                 for i, chunk in enumerate(prompts.split(per_call))
             ]
         out = outs[0] if len(outs) == 1 else Batch.concat(outs)  # rollout_metrics: the max over chunks
