@@ -260,10 +260,33 @@ def yaml_error_line(path: str | os.PathLike, error: yaml.YAMLError) -> str:
     return " ".join(line.split())
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last silently,
+    so a setting written twice (an edit that added a key the file already had) would lose one unseen.
+    Keys a merge (`<<: *base`) brings in may still be overridden: that is what merging is for."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        f"in the mapping at line {node.start_mark.line + 1}",
+                        None,
+                        f"found duplicate key {key!r} (first at line {seen[key].line + 1}); keep one",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     try:
         with open(path, "rb") as f:  # bytes: PyYAML reports undecodable text as a YAMLError with its place
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
     except FileNotFoundError:
         raise ConfigError([f"config file {str(path)!r} does not exist"]) from None
     except IsADirectoryError:
@@ -288,6 +311,33 @@ def load_yaml(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"])
     return data
+
+
+# settings that name files or directories: `~` and $VARS in them are expanded, as a shell would (verl's
+# own defaults use `~/data/...`, `~/models/...`)
+PATH_KEYS = (
+    "model.path", "model.tokenizer_path", "model.critic_path", "model.reward_model_path",
+    "model.cost_model_path", "data.train_files", "data.val_files", "reward.fn", "trainer.output_dir",
+    "trainer.rollout_data_dir", "trainer.validation_data_dir", "trainer.resume",
+)  # fmt: skip
+
+
+def expand_paths(data: dict) -> dict:
+    """`data` with ~ and environment variables expanded in the PATH_KEYS values (strings, lists of them)."""
+
+    def expand(v):
+        if isinstance(v, str):
+            return os.path.expandvars(os.path.expanduser(v))
+        return [expand(x) for x in v] if isinstance(v, list) else v
+
+    out = data
+    for key in PATH_KEYS:
+        section, leaf = key.split(".")
+        node = data.get(section)
+        if isinstance(node, dict) and leaf in node and expand(node[leaf]) != node[leaf]:
+            out = out if out is not data else {**data}
+            out[section] = {**out[section], leaf: expand(node[leaf])}
+    return out
 
 
 def _print_note(note: str) -> None:
@@ -315,7 +365,6 @@ def load_config(
     verl: read verl's layout and keys (config/verl.py; None = when a verl-only section appears);
     each verl key without an equivalent is passed to `notes` (default: printed to stderr).
     """
-    from hybridflow.config.validate import derived_conflicts, resolve_config, validate_config
     from hybridflow.config.verl import from_verl, is_verl_config
 
     data = load_yaml(path) if path else dict(data or {})
@@ -324,7 +373,7 @@ def load_config(
         overrides = ()
         for note in verl_notes:
             (notes or _print_note)(note)
-    cfg = config_from_dict(apply_overrides(data, overrides))
+    cfg = config_from_dict(expand_paths(apply_overrides(data, overrides)))
     if validate and domain_errors(cfg):  # as given: resolve_config derives from them (critic's from actor's)
         raise ConfigError(domain_errors(cfg))
     if check_model:  # model names -> absolute local directories (or cached Hub snapshots)
@@ -333,6 +382,10 @@ def load_config(
         errors = resolve_model_paths(cfg.model)
         if errors:
             raise ConfigError(errors)
+    if not (resolve or validate):  # the checks import the rollout engines (torch); this needs none
+        return cfg
+    from hybridflow.config.validate import derived_conflicts, resolve_config, validate_config
+
     if resolve:
         given, cfg = cfg, resolve_config(cfg)
         if validate and derived_conflicts(given, cfg):

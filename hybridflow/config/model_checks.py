@@ -80,8 +80,31 @@ def data_and_model_errors(cfg, spec, check_model: bool) -> list[str]:
             errors += [
                 e for e in model_dir_errors(getattr(cfg.model, key), f"model.{key}") if e not in errors
             ]
-        errors += embedding_errors(cfg) + tp_shape_errors(cfg) + lora_model_errors(cfg)
+        errors += size_errors(cfg) + embedding_errors(cfg) + tp_shape_errors(cfg) + lora_model_errors(cfg)
     return errors
+
+
+# config.json sizes a model is built from (Llama-style names, then GPT-2's): 0 or less builds no layer,
+# or one that fails in each worker, often first in the tokenizer's checks, which then takes the blame
+POSITIVE_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                  "intermediate_size", "vocab_size", "n_embd", "n_head", "n_layer")  # fmt: skip
+
+
+def size_errors(cfg) -> list[str]:
+    """One line per model directory whose config.json has a size that is not a positive integer."""
+    errors = []
+    for key, path in _model_dirs(cfg).items():
+        config = _read_json(os.path.join(path, "config.json"))
+        if not isinstance(config, dict):
+            continue
+        bad = [f"{n}={config[n]!r}" for n in POSITIVE_SIZES if n in config and not _positive(config[n])]
+        if bad:
+            errors.append(f"{key}: {path}/config.json has {', '.join(bad)}; each must be an integer >= 1")
+    return errors
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _model_dirs(cfg) -> dict[str, str]:

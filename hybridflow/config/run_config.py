@@ -164,18 +164,53 @@ def resources_errors(r: ResourcesConfig) -> list[str]:
     return errors
 
 
+CPU_WORKER_MIN_BYTES = 256 << 20
+"""The least one CPU worker process holds before any model: Python with torch and Ray's runtime loaded."""
+
+
 def machine_errors(r: ResourcesConfig) -> list[str]:
     """What this machine must have for the section: checked by `hybridflow train` only, since a config
-    may be written or shown (`hybridflow config show`) on a machine other than the one it runs on."""
-    if r.device == "cuda" and not r.ray_address:  # the embedded cluster runs on this machine's devices
-        import torch
+    may be written or shown (`hybridflow config show`) on a machine other than the one it runs on. A
+    joined cluster (resources.ray_address) is checked against its resources when the pools reserve them
+    (controller/resource_pool.py); the embedded one runs on this machine's devices, checked here, so an
+    impossible count fails at once instead of in a reservation that cannot be met."""
+    if r.ray_address:
+        return []
+    import torch
 
-        if not torch.cuda.is_available():
-            return [
-                "resources.device: cuda, but torch finds no CUDA device on this machine; use auto or cpu, "
-                "or resources.ray_address to join a cluster that has GPUs"
-            ]
+    asked = f"resources.n_gpus_per_node={r.n_gpus_per_node} x nnodes={r.nnodes}"
+    if r.device == "cuda" and not torch.cuda.is_available():
+        return [
+            "resources.device: cuda, but torch finds no CUDA device on this machine; use auto or cpu, "
+            "or resources.ray_address to join a cluster that has GPUs"
+        ]
+    if _uses_cuda(r.device):
+        have = torch.cuda.device_count()
+        if r.num_devices > have:
+            return [f"{asked} asks for {r.num_devices} GPUs, this machine has {have}; ask for at most {have}, "
+                    "or set resources.ray_address to join a cluster that has them"]  # fmt: skip
+        return []
+    most = _physical_memory() // CPU_WORKER_MIN_BYTES
+    if r.num_devices > most:
+        return [
+            f"{asked} asks for {r.num_devices} CPU worker processes, each of {CPU_WORKER_MIN_BYTES >> 20} MiB "
+            f"at least, and this machine's {_physical_memory() / 2**30:.0f} GiB holds at most {most}; ask for "
+            "fewer"
+        ]
     return []
+
+
+def _uses_cuda(device: str) -> bool:
+    """As controller/resource_pool.uses_cuda (a layer above config): cuda, or auto on a machine with one."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def machine_warnings(r: ResourcesConfig) -> list[str]:

@@ -29,13 +29,15 @@ def read_rows(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
 
     A JSONL line that is not valid JSON or not UTF-8 text yields a ValueError instance as its record, so
     the caller decides whether it fails the load or is skipped and reported (data.on_malformed). A file
-    that cannot be read at all (missing, a directory, no permission, not Parquet) is a DatasetError.
+    that cannot be read at all (missing, a directory or FIFO, no permission, not Parquet) is a DatasetError.
     """
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
     if path.is_dir():
         raise DatasetError(f"dataset file {str(path)!r} is a directory; name the data files in it")
+    if not path.is_file():  # a FIFO would block the read until a writer comes, a device never ends
+        raise DatasetError(f"dataset file {str(path)!r} is not a regular file (a FIFO, device or socket)")
     if path.suffix not in SUFFIXES:
         raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use one of {SUFFIXES}")
     try:

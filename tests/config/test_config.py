@@ -206,6 +206,11 @@ def test_reward_section_is_what_the_reward_executor_reads():
             "(while parsing a flow mapping at line 2, column 10)",
         ),
         ("a: b: c\n", "{path}:1:5: not valid YAML: mapping values are not allowed here"),
+        (  # PyYAML alone keeps the last one silently
+            "actor:\n  optim: {lr: 1e-3}\n  ppo_mini_batch_size: 4\n  optim: {lr: 2e-3}\n",
+            "{path}:4:3: not valid YAML: found duplicate key 'optim' (first at line 2); keep one "
+            "(in the mapping at line 2)",
+        ),
         (
             "trainer:\n\tx: 1\n",
             "{path}:2:1: not valid YAML: found character '\\t' that cannot start any token "

@@ -63,6 +63,8 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
     no_gt = _write(root, "no_gt.jsonl", "".join(json.dumps(_row(f"{i}+1=", None)) + "\n" for i in range(8)))
     parquet = _write(root, "broken.parquet", b"PAR1 this is not parquet")
     (root / "dir.jsonl").mkdir(exist_ok=True)
+    if not (root / "fifo.jsonl").exists():
+        os.mkfifo(root / "fifo.jsonl")
     exits = _write(root, "exits.py", "import sys\nsys.exit(5)\n")
     hangs = _write(root, "hangs.py", "import time\ntime.sleep(600)\n")
     raises = _write(root, "raises.py", "x = 1\ny = x / 0\n")
@@ -80,6 +82,9 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
         d = broken[name] = _model_copy(model, root, f"broken_{len(broken)}")
         f = d / name.strip()
         f.write_bytes(damage(f.read_bytes()))
+    no_heads = _model_copy(model, root, "no_heads")  # used to fail in the tokenizer's checks, blamed on it
+    cfg = json.loads((no_heads / "config.json").read_text())
+    (no_heads / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
     weights_only = _model_copy(model, root, "weights_only")  # model.save_pretrained without the tokenizer
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
@@ -87,6 +92,8 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
     return [
         ("missing data file", [f"data.train_files=[{root}/nope.jsonl]"], "nope.jsonl' does not exist"),
         ("directory as data file", [f"data.train_files=[{root}/dir.jsonl]"], "is a directory"),
+        # reading one used to block until a writer came
+        ("FIFO as data file", [f"data.train_files=[{root}/fifo.jsonl]"], "fifo.jsonl' is not a regular file"),
         ("corrupt parquet", [f"data.train_files=[{parquet}]"], "broken.parquet: not a readable Parquet file"),
         ("malformed row", [f"data.train_files=[{bad_row}]"], "bad_row.jsonl, row 2: not valid JSON"),
         ("non-UTF-8 row", [f"data.train_files=[{latin1}]"], "latin1.jsonl, row 2: not UTF-8 text (byte 0xe9"),
@@ -131,6 +138,11 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
             f"{corrupt}/config.json is not a readable JSON file",
         ),
         ("no chat template", [f"model.path={no_template}"], "has no chat template"),
+        (
+            "no attention heads",
+            [f"model.path={no_heads}"],
+            f"model.path: {no_heads}/config.json has num_attention_heads=0; each must be an integer >= 1",
+        ),
         (
             "no tokenizer files",
             [f"model.path={weights_only}"],
@@ -228,6 +240,8 @@ def _bad_values(root: Path) -> list[tuple[str, list[str], str]]:
          "trainer.output_dir: cannot create the run directory /proc/self/runs/default ("),
         ("tp over kv heads", tp4, "actor.parallel.tp=4 does not divide the model's 2 key/value heads"),
         ("cuda without one", ["resources.device=cuda"], "resources.device: cuda, but torch finds no CUDA device"),
+        ("devices beyond the machine", ["resources.n_gpus_per_node=60000"],  # used to wait in Ray's reservation
+         "resources.n_gpus_per_node=60000 x nnodes=1 asks for 60000 CPU worker processes"),
     ]  # fmt: skip
 
 
