@@ -165,7 +165,8 @@ run_train() {
     smi=$!
   fi
   t0=$(date +%s)
-  timeout "$limit" "$PY" -m hybridflow.cli train "$ROOT/examples/configs/$config" \
+  # SIGTERM at the limit lets the run stop at a step's end; what still runs 15 s later is killed
+  timeout -k 15 "$limit" "$PY" -m hybridflow.cli train "$ROOT/examples/configs/$config" \
     model.path="$MODEL" model.dtype=bfloat16 resources.device="$DEVICE" resources.n_gpus_per_node="$ndev" \
     data.train_batch_size=$((PROMPTS * ndev)) actor.ppo_mini_batch_size=$((PROMPTS * ndev)) \
     actor.micro_batch_size_per_device=64 critic.micro_batch_size_per_device=64 \
