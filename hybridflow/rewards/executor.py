@@ -149,8 +149,16 @@ class RewardExecutor:
             result = ex.score(data_sources, responses, ground_truths)   # -> RewardResult
     """
 
-    def __init__(self, config: RewardConfig | None = None, columns: set[str] | None = None, **overrides: Any):
-        """columns: the dataset's columns, when known, against which a TRL function's are checked now."""
+    def __init__(
+        self,
+        config: RewardConfig | None = None,
+        columns: set[str] | None = None,
+        *,
+        output_dir: str | None = None,
+        **overrides: Any,
+    ):
+        """columns: the dataset's columns, when known, against which a TRL function's are checked now;
+        output_dir: where each worker's last output is kept (output_dir/reward_output/worker-PID.log)."""
         cfg = config or RewardConfig()
         # Workers get an absolute path: they resolve the spec themselves, possibly after a chdir.
         cfg = RewardConfig(**{**cfg.__dict__, **overrides, "fn": absolute_spec(overrides.get("fn", cfg.fn))})
@@ -167,14 +175,14 @@ class RewardExecutor:
         self.cfg = cfg
         self.in_process = cfg.num_workers == 0 and is_builtin_spec(cfg.fn)
         self._pool: WorkerPool | None = None
-        self._registered = _pickled(user_registered(cfg.fn))
+        self._registered, self._output_dir = _pickled(user_registered(cfg.fn)), output_dir
         if is_builtin_spec(cfg.fn):  # our own code: resolved here, so a typo fails now
             self.fn, declared = load_reward_fn(cfg.fn)
             batched = declared if cfg.batched is None else cfg.batched
             self.convention, required = calling_convention(self.fn, batched, cfg.fn_kwargs)
         else:  # user code: imported only in the workers, started now so that a bad module fails now
             check_spec(cfg.fn)
-            self.fn, self._pool = None, WorkerPool(cfg, max(1, cfg.num_workers), self._registered)
+            self.fn, self._pool = None, WorkerPool(cfg, max(1, cfg.num_workers), self._registered, output_dir)
             self.convention, required = self._pool.wait_ready()
         self.batched = self.convention != VERL
         refusal = missing_columns(cfg.fn, required, columns)
@@ -327,7 +335,9 @@ class RewardExecutor:
         if not items:
             return {}, []
         if self._pool is None:
-            self._pool = WorkerPool(self.cfg, max(1, self.cfg.num_workers), self._registered)
+            self._pool = WorkerPool(
+                self.cfg, max(1, self.cfg.num_workers), self._registered, self._output_dir
+            )
         try:
             return self._pool.run(items, self.batched)
         except BaseException:

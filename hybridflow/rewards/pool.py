@@ -20,6 +20,10 @@ alone; such a sample is counted and reported like any timeout.
 A worker is started with the reward spec and imports the user's module itself: the trainer process
 never imports user reward code, and an import that raises, exits or hangs is a one-line
 RewardSpecError.
+
+A worker that dies (idle or busy) or falls silent is replaced; its samples in flight are queued again,
+once. Its output goes through a pipe: the first SHOWN_BYTES to stderr, the last TAIL_BYTES kept in
+output_dir/reward_output/ (`_Output`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections import deque
@@ -47,6 +52,8 @@ from hybridflow.rewards.sandbox import remove_cgroup
 
 BACKSTOP_S = 10.0  # beyond the worker's own timing: how long a worker may stay silent before it is killed
 WORKDIR_PREFIX = "hybridflow-reward-"
+SHOWN_BYTES = 64 * 1024  # of a worker's output (reward code's prints included) passed on to stderr
+TAIL_BYTES = 64 * 1024  # of its last output, kept in output_dir/reward_output/ when it ends
 
 if TYPE_CHECKING:  # annotations only: tests/config/test_fields_read.py follows the types
     from hybridflow.config.schema import RewardConfig
@@ -63,22 +70,62 @@ class RewardError:
     )
 
 
+class _Output:
+    """A worker's stdout and stderr, read by a thread: the first SHOWN_BYTES go on to this process's stderr,
+    the rest is counted, and the last TAIL_BYTES are written to `path` once the worker has ended, so a
+    reward function printing in a loop can neither flood the run's log nor block on a full pipe."""
+
+    def __init__(self, stream, name: str, path: str | None):
+        self.stream, self.name, self.path = stream, name, path
+        self.total, self.tail = 0, bytearray()
+        self.thread = threading.Thread(target=self._read, daemon=True, name=f"output of {name}")
+        self.thread.start()
+
+    def _read(self) -> None:
+        while chunk := self.stream.read1(65536):
+            shown = max(0, min(len(chunk), SHOWN_BYTES - self.total))
+            if shown:
+                sys.stderr.write(chunk[:shown].decode(errors="replace"))
+                sys.stderr.flush()
+            self.total += len(chunk)
+            if shown < len(chunk) and self.total - len(chunk) <= SHOWN_BYTES:
+                where = f"; its last {TAIL_BYTES // 1024} KiB go to {self.path}" if self.path else ""
+                print(
+                    f"\n{self.name}: output past {SHOWN_BYTES // 1024} KiB is not shown{where}",
+                    file=sys.stderr,
+                )
+            self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+        self.stream.close()
+        if self.path and self.total:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "wb") as f:
+                f.write(self.tail)
+
+
 class _Worker:
     """One reward worker process and the chunk it is working on."""
 
-    def __init__(self, cfg: RewardConfig, registered: bytes | None):
+    def __init__(self, cfg: RewardConfig, registered: bytes | None, output_dir: str | None = None):
         parent, child = Pipe(duplex=True)
         self.workdir, self.workdir_lock = locked_workdir()  # its working dir and TMPDIR
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = [pkg_root] + [p or os.getcwd() for p in sys.path]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
+        # unbuffered: what a sample's process prints reaches the pipe even when it ends with os._exit
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hybridflow.rewards._worker", str(child.fileno()), str(os.getpid())],
             pass_fds=(child.fileno(),),
             env=env,
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so killing it also kills what it started
         )
+        name = f"reward worker {self.proc.pid}"
+        path = (
+            os.path.join(output_dir, "reward_output", f"worker-{self.proc.pid}.log") if output_dir else None
+        )
+        self.output = _Output(self.proc.stdout, name, path)
         child.close()
         self.conn = parent
         self.conn.send(
@@ -131,6 +178,7 @@ class _Worker:
             self.kill()
 
     def _clean(self) -> None:
+        self.output.thread.join(timeout=1.0)  # its tail written (reward code's orphans may hold the pipe)
         shutil.rmtree(self.workdir, ignore_errors=True)
         os.close(self.workdir_lock)
         remove_cgroup(self.proc.pid)
@@ -180,9 +228,12 @@ def _shutdown(workers: list[_Worker]) -> None:
 class WorkerPool:
     """Persistent workers; `run` feeds them chunks and enforces the per-sample timeout."""
 
-    def __init__(self, cfg: RewardConfig, n: int, registered: bytes | None = None):
-        """registered: the user-registered functions cfg.fn may name, pickled by value (registry.py)."""
-        self.cfg, self.registered = cfg, registered
+    def __init__(
+        self, cfg: RewardConfig, n: int, registered: bytes | None = None, output_dir: str | None = None
+    ):
+        """registered: the user-registered functions cfg.fn may name, pickled by value (registry.py);
+        output_dir: where each worker's last output is kept (the run directory), None: nowhere."""
+        self.cfg, self.registered, self.output_dir = cfg, registered, output_dir
         self.pending: deque = deque()  # (mode, chunk) not yet sent, of the batch being scored
         self.batched = False
         self.retried: set[int] = set()  # samples of the batch being scored re-queued once already
@@ -192,7 +243,7 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.cfg, self.registered)
+        return _Worker(self.cfg, self.registered, self.output_dir)
 
     def close(self) -> None:
         self._finalizer()

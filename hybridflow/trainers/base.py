@@ -117,11 +117,9 @@ class Trainer(ValidationMixin):
         self.restarts, self.run_lock, self.resume_path = supervised.restarts_before(), None, None
         if self.owns_run_dir:
             self._claim_run_dir()
-        self.rule_reward = (
-            RuleReward(cfg.reward, columns=self.reward_columns(), max_steps=self.total_steps)
-            if cfg.reward.kind == "rule"
-            else None
-        )
+        rule = cfg.reward.kind == "rule"
+        self.rule_reward = RuleReward(cfg.reward, columns=self.reward_columns(), max_steps=self.total_steps,
+                                      output_dir=cfg.run_dir) if rule else None  # fmt: skip
         self.tracker = None
         self.owns_groups = groups is None
         if groups is None:
@@ -289,9 +287,8 @@ class Trainer(ValidationMixin):
             self._check_skipped(metrics)
 
     def _log_row(self, metrics: dict, history: list[dict]) -> None:
-        """The step's metrics row. With a checkpoint, written before the commit that makes the step
-        resumable: a crash between the two redoes the step, whose row a resumed JsonlBackend drops first,
-        so every step keeps exactly one row."""
+        """The step's metrics row; with a checkpoint, written just before the commit that makes the step
+        resumable (a crash before it redoes the step, whose row a resumed JsonlBackend drops first)."""
         metrics.update(self.timers.pop())  # the step's phases, then validate / save_checkpoint
         if self.placement.plan is not None:  # the plan's predictions beside the measured stages
             metrics.update(plan_metrics(self.placement.plan, metrics, self.timers.driver_phases))
@@ -300,8 +297,7 @@ class Trainer(ValidationMixin):
         history.append({"step": self.global_step, **metrics})
 
     def _check_poisoned(self, metrics: dict, history: list[dict]) -> None:
-        """Stop before anything is saved when an update made a weight non-finite (engines: params_nonfinite,
-        an overflow the step's own guard cannot undo); the step's row is logged first."""
+        """Stop, the row logged, before a weight made non-finite by an update (an overflow) is saved."""
         bad = sorted(k for k, v in metrics.items() if k.endswith("/params_nonfinite") and v > 0)
         if bad:
             self._log_row(metrics, history)
@@ -350,10 +346,9 @@ class Trainer(ValidationMixin):
     def trainable_groups(self) -> dict:
         return {r: self.groups[r] for r in ("actor_rollout", "critic", "cost_critic") if r in self.groups}
 
-    def save_checkpoint(self, before_commit: Callable[[], None] | None = None) -> Path:
+    def save_checkpoint(self, before_commit: Callable[[], None] = lambda: None) -> Path:
         """Checkpoint this step (atomic; `latest` moves on success; older ones pruned to keep_last).
-        before_commit: called once the checkpoint is written, before the commit makes it the resumable
-        one (the step's metrics row: `_log_row`), with `timing_s/save_checkpoint` measured up to then."""
+        before_commit: run once it is written, before the commit (the step's row, with the save's time)."""
         m = self.cfg.model
         meta = {"algorithm": self.name, "tokenizer_dir": os.path.abspath(m.tokenizer_path or m.path),
                 "fingerprint": lifecycle.resume_fingerprint(self.cfg)}  # fmt: skip
@@ -361,8 +356,7 @@ class Trainer(ValidationMixin):
 
         def before_rename() -> None:
             self.timers.times["timing_s/save_checkpoint"] = time.perf_counter() - start
-            if before_commit is not None:
-                before_commit()
+            before_commit()
 
         with self.ckpt.writing(self.global_step, meta=meta, before_commit=before_rename) as tmp:
             for g in self.trainable_groups().values():

@@ -55,7 +55,9 @@ class SafeRLHFTrainer(PPOTrainer):
         super().__init__(config, placement, groups)
         s = self.cfg.algorithm.safe_rlhf
         self.lagrange = s.lambda_init
-        self.rule_cost = RuleReward(self.cfg.reward, fn=s.cost_fn) if s.cost_fn else None
+        self.rule_cost = (
+            RuleReward(self.cfg.reward, fn=s.cost_fn, output_dir=self.cfg.run_dir) if s.cost_fn else None
+        )
 
     def values(self, batch) -> Pending:
         batch = super().values(batch)

@@ -65,8 +65,8 @@ class RuleReward:
     cost_fn), or the weighted sum of reward.fns, each component logged as reward/<name>/mean.
 
     columns: the dataset's columns, against which a TRL-convention function's are checked at start-up;
-    max_steps: the run's trainer.total_steps (a TRL function's trainer_state.max_steps).
-    """
+    max_steps: the run's trainer.total_steps (a TRL function's trainer_state.max_steps);
+    output_dir: the run directory, where each reward worker's last output is kept (reward_output/)."""
 
     def __init__(
         self,
@@ -74,15 +74,21 @@ class RuleReward:
         fn: str | None = None,
         columns: set[str] | None = None,
         max_steps: int = 0,
+        output_dir: str | None = None,
     ):
         self.parts: list[tuple[str, float, RewardExecutor]] = []  # (name, weight, executor)
+        out = {"output_dir": output_dir}  # the run directory: each reward worker's last output
         try:
             if fn is not None or not reward_cfg.fns:
                 self.parts.append(
-                    ("", 1.0, RewardExecutor(reward_cfg, columns, **({} if fn is None else {"fn": fn})))
+                    (
+                        "",
+                        1.0,
+                        RewardExecutor(reward_cfg, columns, **out, **({} if fn is None else {"fn": fn})),
+                    )
                 )
             for e in [] if fn is not None else reward_cfg.fns:
-                executor = RewardExecutor(reward_cfg, columns, fn=e.fn, fn_kwargs=e.fn_kwargs)
+                executor = RewardExecutor(reward_cfg, columns, **out, fn=e.fn, fn_kwargs=e.fn_kwargs)
                 self.parts.append((reward_fn_name(e), e.weight, executor))
         except BaseException:
             self.close()  # the workers of the functions already started

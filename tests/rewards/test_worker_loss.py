@@ -1,6 +1,6 @@
 """A reward worker lost to the outside world (SIGKILL, SIGSTOP), idle or busy, is replaced and its samples
 in flight are scored on the fresh worker, once; a sample that takes its worker down twice is counted as
-failed. Real worker processes, really killed."""
+failed; a worker's output is capped and its tail kept. Real worker processes, really killed."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from hybridflow.rewards import RewardConfig, RewardExecutor
 from hybridflow.rewards import pool as pool_module
+from hybridflow.rewards.pool import SHOWN_BYTES, TAIL_BYTES
 
 pytestmark = pytest.mark.timing  # real processes killed on a clock: run alone (Makefile)
 
@@ -24,6 +25,10 @@ REWARDS = textwrap.dedent(
     from hybridflow.rewards import batched_reward
 
     def score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "loud":  # ~200 KB of prints
+            for i in range(4000):
+                print(f"line {i:05d} " + "x" * 40)
+            print("LAST LINE")
         if solution_str == "slow":
             time.sleep(0.6)
         return float(solution_str.strip("slow") == ground_truth)
@@ -102,3 +107,16 @@ def test_a_sample_that_kills_its_worker_twice_is_counted_failed_the_rest_scored(
     assert "exit code 9" in result.errors[0].message and "retry" in result.errors[0].message
     assert result.metrics["reward/worker_restarts"] == 2  # the first death, then the retry's
     np.testing.assert_array_equal(again.scores, [1, 0])
+
+
+def test_a_workers_output_is_capped_and_its_tail_kept_in_the_output_dir(reward_file, tmp_path, capsys):
+    cfg = RewardConfig(fn=f"{reward_file}:score", num_workers=1)
+    with RewardExecutor(cfg, output_dir=str(tmp_path)) as ex:
+        pid = _pids(ex)[0]
+        result = ex.score("src", ["loud", "a"], ["", "a"])
+    np.testing.assert_array_equal(result.scores, [0, 1])
+    err = capsys.readouterr().err
+    assert "line 00000 xxx" in err and "LAST LINE" not in err  # was: all ~200 KB, in the run's log
+    assert f"reward worker {pid}: output past 64 KiB is not shown" in err and len(err) < SHOWN_BYTES + 1024
+    tail = (tmp_path / "reward_output" / f"worker-{pid}.log").read_bytes()
+    assert len(tail) == TAIL_BYTES and tail.endswith(b"line 03999 " + b"x" * 40 + b"\nLAST LINE\n")
