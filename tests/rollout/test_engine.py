@@ -196,6 +196,21 @@ def test_n_samples_interleaved_and_seeded(models, tokenizer):
     assert not torch.equal(other["responses"], out["responses"])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_seeded_sample_does_not_depend_on_the_rows_beside_it(models, tokenizer, arch):
+    """Draws are keyed by (seed, prompt uid, sample index, position): a subset of the prompts, in another
+    order, or cut into chunks (max_num_seqs), samples what the whole batch sampled for them, as a prompt
+    does on whichever data-parallel rank it lands."""
+    batch = prompt_batch(tokenizer)
+    params = SamplingParams(max_new_tokens=12, n=2, temperature=1.0, seed=5, eos_token_ids=())
+    whole = BuiltinEngine(models[arch]).generate(batch, params)["responses"].view(len(batch), 2, -1)
+    pick = torch.tensor([4, 1, 3])
+    part = BuiltinEngine(models[arch]).generate(batch.index(pick), params)["responses"].view(3, 2, -1)
+    assert torch.equal(part, whole[pick])
+    chunked = BuiltinEngine(models[arch], BuiltinEngineConfig(max_num_seqs=4)).generate(batch, params)
+    assert torch.equal(chunked["responses"].view(len(batch), 2, -1), whole)
+
+
 @pytest.mark.parametrize("arch,temperature", [("llama", 0.7), ("qwen2", 1.3), ("gpt2", 1.0)])
 def test_rollout_log_probs_match_hf_forward(models, tokenizer, arch, temperature):
     model = models[arch]
