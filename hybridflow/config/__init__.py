@@ -5,6 +5,7 @@ cfg = load_config("examples/configs/grpo_tiny.yaml", ["actor.optim.lr=1e-5"])
 cfg.actor.optim.lr, cfg.rollout.n, cfg.run_dir
 """
 
+from hybridflow._lazy import lazy_exports
 from hybridflow.config.loader import (
     apply_overrides,
     config_from_dict,
@@ -35,8 +36,12 @@ from hybridflow.config.schema import (
     SFTConfig,
     TrainerConfig,
 )
-from hybridflow.config.validate import collect_errors, resolve_config, validate_config
 from hybridflow.errors import ConfigError
+
+# the checks import the rollout engines (torch): only when used, so a command can print before that
+__getattr__ = lazy_exports(
+    __name__, dict.fromkeys(["collect_errors", "resolve_config", "validate_config"], "validate")
+)
 
 __all__ = [
     "ActorConfig",

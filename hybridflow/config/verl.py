@@ -18,6 +18,8 @@ tests/config/test_verl.py runs verl's GSM8K PPO and GRPO quick-start command lin
 from __future__ import annotations
 
 import difflib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +51,36 @@ ADV_ESTIMATORS = {
     "rloo": "rloo",
     "remax": "remax",
 }
+
+
+class NoEffect(str):
+    """A note on a verl key that changes nothing here (a noted key, a sub-tree of them, a refused key at
+    a value under which verl does what runs here): `hybridflow train` counts these in one line and lists
+    them in the run dir (VerlNotes); a composed verl config has two hundred of them."""
+
+
+class VerlNotes:
+    """The `notes` of load_config for `hybridflow train`: a note that says something changed is printed at
+    once; the NoEffect ones are kept, for one summary line and run_dir/verl_ignored.txt (write)."""
+
+    FILE = "verl_ignored.txt"
+
+    def __init__(self, stream=None):
+        self.stream, self.ignored = stream, []
+
+    def __call__(self, note: str) -> None:
+        if isinstance(note, NoEffect):
+            self.ignored.append(str(note))
+        else:
+            print(f"hybridflow: {note}", file=self.stream or sys.stderr, flush=True)
+
+    def write(self, run_dir: str | os.PathLike) -> str:
+        """run_dir/verl_ignored.txt (one note a line) -> the summary line naming it."""
+        path = os.path.join(run_dir, self.FILE)
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write("".join(f"{note}\n" for note in self.ignored))
+        return f"verl: {len(self.ignored)} keys have no effect here and are ignored (each listed in {path})"
 
 
 def _offload(role: str):
@@ -228,7 +260,9 @@ def _token_budgets(flat: dict, mapped: dict, notes: list[str]) -> None:
             mapped[f"{role}.max_tokens_per_micro_batch"] = int(budget)
         elif budget is not None:
             notes.append(
-                f"verl key {budget_key} is ignored, as in verl, without {dynamic_key.rpartition('.')[2]}"
+                NoEffect(
+                    f"verl key {budget_key} is ignored, as in verl, without {dynamic_key.rpartition('.')[2]}"
+                )
             )
 
 
@@ -256,8 +290,10 @@ def _map_key(key: str, value: Any, mapped: dict, notes: list, errors: list[str],
         )
     elif kind[0] == "tree":
         trees.setdefault(kind[1], []).append(key)
+    elif kind[0] == "error":
+        errors.append(kind[1])
     else:
-        (errors if kind[0] == "error" else notes).append(kind[1])
+        notes.append(NoEffect(kind[1]))
 
 
 def _near(key: str) -> str:
@@ -291,8 +327,8 @@ def from_verl(data: dict, overrides=()) -> tuple[dict, list[str]]:
             _map_key(key, value, mapped, notes, errors, trees)
     mapped.update(late)
     for pattern, keys in trees.items():
-        notes.append(f"verl keys {pattern} ({len(keys)}) have no effect on results here and are ignored: "
-                     f"{NOTED_TREES[pattern]}")  # fmt: skip
+        notes.append(NoEffect(f"verl keys {pattern} ({len(keys)}) have no effect on results here and are "
+                              f"ignored: {NOTED_TREES[pattern]}"))  # fmt: skip
     if mapped.get("rollout.engine", "builtin") != "vllm" and "rollout.gpu_memory_utilization" in mapped:
         # a vLLM setting; validation rejects it for the builtin engine (docs/rollout.md)
         value = mapped.pop("rollout.gpu_memory_utilization")

@@ -86,8 +86,39 @@ def say_faster_setting(cfg, load) -> None:
         print(f"hybridflow train: {line}", flush=True)
 
 
+def startup_line(cfg) -> str:
+    """What the run is, before anything heavy starts: the model, the devices and how they are split."""
+    r, actor = cfg.resources, cfg.actor.parallel
+    devices = r.n_gpus_per_node * r.nnodes
+    dp = actor.dp or "auto"
+    pools = (
+        f"rollout pool {r.rollout_devices} + training {devices - r.rollout_devices}"
+        if r.rollout_devices
+        else "one pool"
+    )
+    return (f"{cfg.algorithm.name} on {cfg.model.path}; {devices} device(s) ({r.nnodes} node x {r.n_gpus_per_node}, "
+            f"{r.device}); actor dp {dp} tp {actor.tp} pp {actor.pp}, rollout tg {cfg.rollout.tg}; "
+            f"placement {r.placement}, {pools}; run dir {cfg.run_dir}")  # fmt: skip
+
+
+def say_startup(args: argparse.Namespace) -> None:
+    """The start-up line, from the config as given (no checks, no model look-up: those import torch and
+    take seconds); a config that does not load gets no line here, its one-line error comes from train."""
+    from hybridflow.config import load_config
+    from hybridflow.errors import UserError
+
+    config, overrides = split_config_arg(args.config, list(args.overrides))
+    try:
+        cfg = load_config(config, overrides, resolve=False, validate=False, check_model=False,
+                          verl=True if args.verl else None, notes=lambda note: None)  # fmt: skip
+    except (UserError, OSError):
+        return
+    print(f"hybridflow train: {startup_line(cfg)}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """`hybridflow train` typed by a user supervises a driver (supervisor.py) that runs `train` below."""
+    say_startup(args)
     if getattr(args, "_own_command_line", False):
         from hybridflow.trainers import supervisor
 
@@ -100,6 +131,7 @@ def train(args: argparse.Namespace) -> int:
 
     from hybridflow.compat.versions import log_and_check_versions
     from hybridflow.config import load_config
+    from hybridflow.config.verl import VerlNotes
     from hybridflow.controller import WorkerDiedError
     from hybridflow.trainers import build_trainer, cluster_loss, supervised
     from hybridflow.trainers.elastic import DevicesLost
@@ -110,11 +142,15 @@ def train(args: argparse.Namespace) -> int:
     try:
         log_and_check_versions()  # before Ray or any worker: a too-old torch/transformers fails here, in one line
         config, overrides = split_config_arg(args.config, list(args.overrides))
-        cfg = load_config(config, overrides, verl=True if args.verl else None)
+        verl_notes = VerlNotes()
+        cfg = load_config(config, overrides, verl=True if args.verl else None, notes=verl_notes)
         check_this_machine(cfg)
         if not supervised.restarts_before():  # said once, not again by a restarted driver
             say_faster_setting(
-                cfg, lambda extra: load_config(config, [*overrides, *extra], verl=True if args.verl else None)
+                cfg,
+                lambda extra: load_config(
+                    config, [*overrides, *extra], verl=True if args.verl else None, notes=lambda note: None
+                ),
             )
         if supervised.resume_from():  # a restart after a lost cluster: from its predecessor's last checkpoint
             cfg.trainer.resume = supervised.resume_from()
@@ -130,6 +166,8 @@ def train(args: argparse.Namespace) -> int:
             with signals.running():  # an Abandoned raised as it ends is caught below, not in the shutdown
                 trainer = build_trainer(cfg)
                 cfg.trainer.experiment_name = trainer.cfg.trainer.experiment_name  # it may move (resume=auto)
+                if verl_notes.ignored and not supervised.restarts_before():
+                    print(f"hybridflow: {verl_notes.write(cfg.run_dir)}", file=sys.stderr, flush=True)
                 history = trainer.fit()
             val = {
                 k: round(v, 4) for k, v in (history[-1] if history else {}).items() if k.startswith("val/")

@@ -193,8 +193,13 @@ def test_alias_hints_and_value_aliases():
 
 
 def test_grpo_quickstart_trains_through_the_cli(ray_cluster, tiny_model_dir, gsm8k_like, tmp_path, capsys):
-    """`hybridflow train <verl's GRPO command line>` with sizes cut to the tiny model (same keys)."""
+    """`hybridflow train <verl 0.7.0's composed config> <verl's GRPO command line>` with sizes cut to the
+    tiny model (same keys), as docs/verl.md recommends; what the user sees of it."""
+    from pathlib import Path
+
     from hybridflow.cli import main
+
+    composed = Path(__file__).parent / "verl_fixtures" / "v0.7.0_generated_ppo_trainer.yaml"
 
     train, test = gsm8k_like
     argv = command(
@@ -207,10 +212,21 @@ def test_grpo_quickstart_trains_through_the_cli(ray_cluster, tiny_model_dir, gsm
            "trainer.total_training_steps": "2", "trainer.default_local_dir": str(tmp_path / "runs"), "resources.device": "cpu",
            "reward_model.reward_manager": "naive"},
     )  # fmt: skip
-    assert main(["train", *argv]) == 0
-    err = capsys.readouterr().err
+    assert main(["train", str(composed), *argv]) == 0
+    out, err = capsys.readouterr()
     assert "use_remove_padding" not in err  # mapped to model.remove_padding, which packs this llama model
     run = tmp_path / "runs" / "qwen3_1_7b_function_rm"
+    # first a start-up line (before Ray); the 200 keys without effect here in one line, listed in a file
+    assert out.startswith(
+        f"hybridflow train: grpo on {tiny_model_dir}; 1 device(s) (1 node x 1, cpu); actor dp"
+    )
+    (summary,) = [ln for ln in err.splitlines() if "no effect" in ln]
+    ignored = (run / "verl_ignored.txt").read_text().splitlines()
+    assert summary == (f"hybridflow: verl: {len(ignored)} keys have no effect here and are ignored "
+                       f"(each listed in {run / 'verl_ignored.txt'})") and len(ignored) > 200  # fmt: skip
+    # the step line: loss, the KL loss, entropy and mean response length
+    step = next(ln for ln in err.splitlines() if ln.startswith("step 2/2 |"))
+    assert all(f"| {field} " in step for field in ("reward", "loss", "kl", "entropy", "len")), step
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "actor/kl_loss" in rows[1] or any(k.startswith("actor/") for k in rows[1])
