@@ -59,3 +59,26 @@ def test_validation_table_is_cut_and_written_whole(tmp_path):
     assert f"val/generations: {TABLE_ROWS} of 10 rows shown; every row, uncut: {full}" in text
     assert [json.loads(ln) for ln in full.read_text().splitlines()] == rows
     assert TABLE_CELL < len(rows[0]["response_text"])
+
+
+def test_startup_line_comes_before_torch_is_imported():
+    """`hybridflow train` says what it runs from the config as given: no torch, Ray or model look-up
+    first (those take seconds), so the line is there at once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import argparse, sys\n"
+        "from hybridflow.trainers.cli import add_arguments, say_startup\n"
+        "p = argparse.ArgumentParser(); add_arguments(p)\n"
+        "say_startup(p.parse_args(['examples/configs/grpo_tiny.yaml', 'resources.device=cpu']))\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "hybridflow train: grpo on runs/demo/models/sft; 1 device(s) (1 node x 1, cpu); actor dp auto tp 1 "
+        "pp 1, rollout tg 1; placement colocate, one pool; run dir runs/grpo_tiny",
+        "no torch",
+    ]
