@@ -124,7 +124,9 @@ def geo_mean_loss(
     pessimistically in log space, d'_t = a * min(a d_t, a clip(d_t, -clip_ratio_low, clip_ratio_high)),
     so the bounds are on the log-ratio (the paper's (e^-0.4, e^0.4) is clip_ratio 0.4 both sides);
     then per sequence R_b = exp(mean_t d'_t), A_b = mean_t A_t and loss_b = -A_b R_b, placed on each
-    valid token of b. clip_ratio_c is not used."""
+    valid token of b. is_weights weigh a sequence as verl's geo_mean does: by their geometric mean over
+    its valid tokens, w_b = exp(mean_t log w_t), as the ratio is one; their arithmetic mean would give a
+    sequence with one outlying token a larger weight than verl. clip_ratio_c is not used."""
     del clip_ratio_c
     mask = response_mask.to(log_probs.dtype)
     log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_CLAMP, LOG_CLAMP)
@@ -133,9 +135,11 @@ def geo_mean_loss(
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
     seq_ratio = torch.exp(_seq_mean(pessimistic, mask))  # (B, 1)
     per_token = (-_seq_mean(advantages, mask) * seq_ratio).expand_as(log_probs)
+    if is_weights is not None:  # 1e-10: verl's guard for a weight of 0 (a token the correction masks)
+        per_token = per_token * torch.exp(_seq_mean(torch.log(is_weights + 1e-10), mask))
     active = (clamped != log_ratio).float()
     metrics = _ratio_metrics(active, log_probs - old_log_probs, mask, active * (advantages < 0))
-    return _finish(per_token, mask, agg, norm_length, is_weights, metrics)
+    return _finish(per_token, mask, agg, norm_length, None, metrics)
 
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -86,6 +86,37 @@ def test_geo_mean_clips_in_log_space_by_the_sign_of_the_advantage():
     torch.testing.assert_close(grad, want, atol=1e-6, rtol=0)
 
 
+def verl_geo_mean(log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, weights):
+    """verl 0.9.1's compute_policy_loss_geo_mean, written out: the sequence loss times the geometric
+    mean of the sequence's rollout-correction weights, then a plain mean over the sequences."""
+    neg_kl = log_prob - old_log_prob
+    sgn = torch.sign(advantages)
+    clamp = torch.clamp(neg_kl, -clip_low, clip_high)
+    kl_min = sgn * torch.minimum(sgn * neg_kl, sgn * clamp)
+    n = response_mask.sum(dim=-1)
+    ratio = torch.exp((kl_min * response_mask).sum(dim=-1) / (n + 1e-8))
+    advantage = (advantages * response_mask).sum(dim=-1) / (n + 1e-8)
+    seq_w = torch.exp((torch.log(weights + 1e-10) * response_mask).sum(dim=-1) / (n + 1e-8))
+    return torch.mean(-advantage * ratio * seq_w)
+
+
+def test_geo_mean_weighs_a_sequence_by_the_geometric_mean_of_its_weights_as_verl():
+    gen = torch.Generator().manual_seed(0)
+    B, L = 6, 9
+    mask = (torch.arange(L) < torch.randint(2, L + 1, (B, 1), generator=gen)).float()
+    old = -torch.rand(B, L, generator=gen) * 3
+    log_probs = (old + 0.5 * torch.randn(B, L, generator=gen)).requires_grad_(True)
+    adv = torch.randn(B, 1, generator=gen).expand(B, L)
+    weights = torch.exp(torch.randn(B, L, generator=gen))  # far from uniform: the two means differ
+    weights[0, 1] = 0.0  # a token the correction masks
+    ours, _ = geo_mean_loss(log_probs, old, adv, mask, 0.4, 0.4, None, "seq-mean-token-mean", weights)
+    theirs = verl_geo_mean(log_probs, old, adv, mask, 0.4, 0.4, weights)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    (g_ours,) = torch.autograd.grad(ours, log_probs)
+    (g_theirs,) = torch.autograd.grad(theirs, log_probs)
+    torch.testing.assert_close(g_ours, g_theirs, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo", "geo_mean"])
 def test_every_loss_is_weighted_by_is_weights_and_ignores_padding(name):
     fn = POLICY_LOSSES[name]
