@@ -86,23 +86,27 @@ if [ -n "$WHEELS" ]; then
   TORCH_AFTER=$("$PY" -c "import torch; print(torch.__version__, torch.__file__)")
   ok=1; [ "$TORCH_BEFORE" = "$TORCH_AFTER" ] || ok=0
   cd "$CHECK_DIR"  # from here on, not the repository root: `python -m/-c` would import its hybridflow/ first
-  "$PY" -c "import hybridflow, ray, sys; sys.exit(0 if hybridflow.__file__.startswith('$SITE') else 1)" || ok=0
+  "$PY" -c "import hybridflow, ray, sys; sys.exit(0 if hybridflow.__file__.startswith('$SITE') else 1)" \
+    || ok=0
   report stage install "$STAGES/01_install.json" $ok torch="$TORCH_AFTER" torch_before="$TORCH_BEFORE" \
     kit_bytes="$(du -sb "$WHEELS" | cut -f1)" --merge "$CHECK_DIR/install.json"
-  echo "installed into $SITE: $("$PY" -c "import json; print(' '.join(json.load(open('$CHECK_DIR/install.json'))['installed']))")"
+  INSTALLED="import json; print(' '.join(json.load(open('$CHECK_DIR/install.json'))['installed']))"
+  echo "installed into $SITE: $("$PY" -c "$INSTALLED")"
 else
   export PYTHONPATH=$ROOT
   cd "$CHECK_DIR"
   report stage install "$STAGES/01_install.json" 1 skipped="CHECK_WHEELS not set: $PY's own packages"
 fi
 
-"$PY" - "$STAGES/00_env.json" "$DEVICE" <<'PY' || { report stage env "$STAGES/00_env.json" 0 error="imports failed"; finish; }
+"$PY" - "$STAGES/00_env.json" "$DEVICE" <<'PY' \
+  || { report stage env "$STAGES/00_env.json" 0 error="imports failed"; finish; }
 import importlib.metadata, json, os, platform, sys
 import torch, transformers, ray, hybridflow
 cuda = torch.cuda.is_available()
 env = {"name": "env", "python": sys.version.split()[0], "platform": platform.platform(),
        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,
-       "ray": ray.__version__, "ray_path": ray.__file__, "hybridflow": hybridflow.__file__, "cpu_count": os.cpu_count(),
+       "ray": ray.__version__, "ray_path": ray.__file__, "hybridflow": hybridflow.__file__,
+       "cpu_count": os.cpu_count(),
        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}
 kit = {"cloudpickle": "cloudpickle", "omegaconf": "omegaconf", "math-verify": "math_verify"}
 for dist, mod in kit.items():  # the kit's extras: Python-API rewards and tools, verl configs, MATH answers
@@ -116,7 +120,8 @@ print(" | ".join(f"{k} {v}" for k, v in env.items() if k not in ("name", "pass")
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 sys.exit(0 if env["pass"] else 1)
 PY
-[ $? -eq 0 ] || { echo "gpu_check: CHECK_DEVICE=$DEVICE but no CUDA device, or a kit module missing"; finish; }
+[ $? -eq 0 ] || { echo "gpu_check: CHECK_DEVICE=$DEVICE but no CUDA device, or a kit module is missing"
+                  finish; }
 NGPU=${CHECK_NGPU:-2}  # the rehearsal's CPU stands in for 2 devices
 if [ "$DEVICE" = cuda ]; then NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())"); fi
 

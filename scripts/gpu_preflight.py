@@ -275,7 +275,8 @@ def main(argv=None) -> int:
           f"{t['surrogate_after']:.4f} | {'PASS' if result['pass'] else 'FAIL'}")  # fmt: skip
     d = result["device_check"]
     if args.rehearse:
-        print(f"rehearsal: the cuda device check {'refused' if d['pass'] else 'DID NOT refuse'} this CPU run: "
+        verdict = "refused" if d["pass"] else "DID NOT refuse"
+        print(f"rehearsal: the cuda device check {verdict} this CPU run: "
               f"{'; '.join(d['problems'][:2]) or 'no problem found'}")  # fmt: skip
     elif d["problems"]:
         print(f"preflight: not a {args.device} computation: {'; '.join(d['problems'])}")

@@ -51,7 +51,8 @@ done
 
 echo "== downloading for Python $PYV, ${PLATFORMS[*]}"
 "$PY" -m pip download -q --only-binary=:all: --python-version "$PYV" --implementation cp "${PLAT_ARGS[@]}" \
-  --find-links "$RAW/local" -c "$ROOT/constraints.txt" -r "$ROOT/scripts/kit_requirements.txt" pip -d "$RAW/dl"
+  --find-links "$RAW/local" -c "$ROOT/constraints.txt" -r "$ROOT/scripts/kit_requirements.txt" pip \
+  -d "$RAW/dl"
 for whl in "$RAW"/dl/*.whl; do
   case $(basename "$whl") in
     ray-*) "$PY" "$ROOT/scripts/trim_wheel.py" "$whl" "$DIR" --drop "${RAY_DROP[@]}" ;;
