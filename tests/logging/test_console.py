@@ -82,3 +82,24 @@ def test_startup_line_comes_before_torch_is_imported():
         "pp 1, rollout tg 1; placement colocate, one pool; run dir runs/grpo_tiny",
         "no torch",
     ]
+
+
+def test_a_run_with_weighted_rewards_shows_each_functions_mean(ray_cluster, tiny_model_dir, tmp_path, capsys):
+    """`hybridflow train` with two weighted reward functions: the step line names each one's mean, in
+    training and validation (its acc@1 would be their weighted sum), and the table's rows are written."""
+    from hybridflow.cli import main
+
+    argv = ["examples/configs/grpo_tiny.yaml", f"model.path={tiny_model_dir}",
+            "data.dataset_kwargs={num_samples: 0, val_size: 6, max_operand: 19}", "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=1", "trainer.val_every=1",
+            "trainer.loggers=[console]", f"trainer.output_dir={tmp_path}", "trainer.val_generations_to_log=6",
+            "reward.fns=[{fn: synthetic:arithmetic}, {fn: format, weight: 0.1, fn_kwargs: {fmt: boxed}}]"]  # fmt: skip
+    assert main(["train", *argv]) == 0
+    err = capsys.readouterr().err
+    step = next(ln for ln in err.splitlines() if ln.startswith("step 1/1 |"))
+    for field in ("reward", "arithmetic", "format", "loss", "entropy", "len", "val arithmetic", "val format"):
+        assert f"| {field} " in step, step
+    assert " acc " not in step
+    full = tmp_path / "grpo_tiny" / "val" / "generations" / "step_1.jsonl"
+    assert f"val/generations: {TABLE_ROWS} of 6 rows shown; every row, uncut: {full}" in err
+    assert len(full.read_text().splitlines()) == 6
