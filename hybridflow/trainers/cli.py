@@ -242,7 +242,7 @@ def write_report_if_logged(cfg) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow train")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return train(parser.parse_args(argv))  # the supervised driver: `run` said the start-up line already
 
 
 if __name__ == "__main__":  # the driver `hybridflow train` supervises
