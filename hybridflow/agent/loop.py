@@ -43,7 +43,7 @@ from hybridflow.agent.environment import Environment, StepResult, timed_step
 from hybridflow.agent.parsers import Parser, ToolCall
 from hybridflow.agent.trajectory import Trajectory, build_agent_batch, left_padded
 from hybridflow.batch import Batch
-from hybridflow.rollout.base import GenerationEngine, SamplingParams, check_prompt_batch
+from hybridflow.rollout.base import GenerationEngine, SamplingParams, check_prompt_batch, prompt_ids
 from hybridflow.rollout.continuous import ContinuousBatch  # or rollout/vllm_continuous.py's, same calls
 
 _TURN_SEED_STRIDE = 15_485_863  # each wave its own draws: the same seed would repeat the first wave's
@@ -90,7 +90,7 @@ class AgentLoop:
         longest = max(len(r) for r in rows) + params.max_new_tokens
         with cf.ThreadPoolExecutor(self.limits.max_parallel_calls) as pool:
             with (
-                continuous(params, len(trajs), longest)
+                continuous(params, len(trajs), longest, prompt_ids(batch))
                 if continuous
                 else contextlib.nullcontext() as batch_rows
             ):

@@ -12,9 +12,10 @@ it sampled, the tokens a tool inserted, in order. Each `step`:
 A row that leaves (its turn ended) keeps its cache row and its last token, not yet fed, until it joins
 again. Rows beyond `capacity` cache rows (BuiltinEngineConfig.max_num_seqs) wait for a finished row's.
 
-Draws are counter-based: row r's token at position p uses the uniform hash(seed, r, p)
-(sampling.counter_uniforms), so a row's samples depend neither on which rows share a step nor on when
-its tool answered. Only the logits' rounding does (a matmul over b rows may block differently from one
+Draws are counter-based: row r's token at position p uses the uniform hash(key_r, p)
+(sampling.counter_uniforms), key_r a hash of (seed, its prompt's id, its sample index) when the caller
+names the prompts (sampling.sample_keys), else of (seed, r), so a row's samples depend neither on which
+rows share a step, nor on when its tool answered, nor (prompts named) on the rank it runs on. Only the logits' rounding does (a matmul over b rows may block differently from one
 over b' rows, ~1e-7 in fp32), which can flip a draw that falls that close to a boundary of the CDF.
 
 Under a generation tensor-parallel group (rollout.tg > 1; the decoder's `tp`) every rank of the group
@@ -32,11 +33,12 @@ import torch
 
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.ragged_decoder import RaggedDecoder
-from hybridflow.rollout.sampling import counter_uniforms, row_keys, sample_next
+from hybridflow.rollout.sampling import counter_uniforms, row_keys, sample_keys, sample_next
 
 
 class ContinuousBatch:
-    """rows: trajectories, numbered 0..rows-1; capacity: cache rows (at most rows). Call `join` with a
+    """rows: trajectories, numbered 0..rows-1, n per prompt (a, a, b, b); capacity: cache rows (at most
+    rows); prompts: (rows // n,) the prompts' ids (base.prompt_ids), None to key draws by row. Call `join` with a
     row's tokens to feed, `step` to sample one token for every row in the batch, `leave` when a row's
     turn ends, `finish` when its trajectory does."""
 
@@ -47,6 +49,7 @@ class ContinuousBatch:
         rows: int,
         capacity: int,
         stop_ids: tuple[int, ...],
+        prompts: torch.Tensor | None = None,
     ):
         self.decoder, self.params, self.device = decoder, params, decoder.embed.device
         tp = decoder.tp
@@ -54,7 +57,11 @@ class ContinuousBatch:
         self.stop_ids = frozenset(stop_ids)
         """Tokens that end a trajectory (eos and stop tokens): the caller's to act on."""
         seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
-        self.keys = row_keys(seed, rows, self.device)
+        self.keys = (
+            row_keys(seed, rows, self.device)
+            if prompts is None
+            else sample_keys(seed, prompts, rows // len(prompts), self.device)
+        )
         self.fill = [0] * rows  # tokens in each row's cache
         self.last: dict[int, int] = {}  # row -> its last sampled token, not fed yet
         self.decoding: list[int] = []  # rows that sampled last step and stay: fed by decode

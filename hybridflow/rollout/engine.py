@@ -157,9 +157,11 @@ class BuiltinEngine(GenerationEngine):
             torch.set_num_threads(threads)
 
     @contextlib.contextmanager
-    def continuous(self, params: SamplingParams, rows: int, max_len: int) -> Iterator[ContinuousBatch | None]:
+    def continuous(
+        self, params: SamplingParams, rows: int, max_len: int, prompts: torch.Tensor | None = None
+    ) -> Iterator[ContinuousBatch | None]:
         """A continuous batch (rollout/continuous.py) of `rows` rows of at most `max_len` tokens each
-        (prompt and response), on the weights `generate` would use, tensor-parallel under a generation
+        (prompt and response), their draws keyed by `prompts`' ids (base.prompt_ids) when given, on the weights `generate` would use, tensor-parallel under a generation
         TP group (its ranks agree on each step's rows: rollout/continuous.py); None on the HF fallback
         (its DynamicCache holds one length for all rows), where the caller runs waves of `generate`
         calls instead."""
@@ -176,7 +178,7 @@ class BuiltinEngine(GenerationEngine):
             torch.set_num_threads(self._threads(threads))
             with torch.no_grad():  # not inference_mode: see generate
                 decoder.start(capacity, max_len, max_len)
-                yield ContinuousBatch(decoder, params, rows, capacity, stop)
+                yield ContinuousBatch(decoder, params, rows, capacity, stop, prompts)
         finally:
             decoder.release()
             torch.set_num_threads(threads)

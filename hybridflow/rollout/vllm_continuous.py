@@ -8,8 +8,9 @@ prefills only its new tokens), streamed as it decodes (RequestOutputKind.DELTA).
 has its request aborted at once, so vLLM schedules the others without it. Each `step` runs one vLLM
 engine step and hands out one token per row: a step that returned more tokens for a row keeps the rest
 for the next steps, and they are dropped if the row leaves first (sampled past its call's end; waves
-drop those too). Each request is seeded from (seed, row, context length), so a row's draws do not
-depend on which rows share a vLLM step.
+drop those too). Each request is seeded from (seed, row, context length), the row named by its prompt's
+id and sample index when the caller gives the prompts, so a row's draws do not depend on which rows
+share a vLLM step, nor on the rank it runs on.
 
 Under vLLM tensor parallel (rollout.tg > 1) each rank of the group runs its own LLMEngine over the
 external launcher, and vLLM's engines produce the same outputs only when every rank makes the same
@@ -44,12 +45,18 @@ class VLLMContinuous:
         eos,
         tp: TPGroup | None = None,
         device: torch.device | None = None,
+        prompts: torch.Tensor | None = None,
     ):
         self.engine, self.params, self.max_len, self.eos = engine, params, max_len, eos
         self.tp, self.device = tp, device or torch.device("cpu")
         self.stop_ids = frozenset(stop_ids)
         seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
         self.seed = int(self.share([seed])[0])  # a random seed drawn per rank: the first rank's for all
+        # each row's id in its requests' seeds: sample j of prompt p (prompts named: the same on any rank)
+        n = rows // len(prompts) if prompts is not None else 1
+        self.row_id = (
+            list(range(rows)) if prompts is None else [int(p) * n + j for p in prompts for j in range(n)]
+        )
         self.context: list[list[int]] = [[] for _ in range(rows)]
         self.request: dict[int, str] = {}  # row -> its running request
         self.owner: dict[str, int] = {}  # request id -> row
@@ -75,9 +82,9 @@ class VLLMContinuous:
 
         self.context[row] += tokens
         at = len(self.context[row])
-        seed = (self.seed * 1_000_003 + row * 1_009 + at) % (2**31)
+        seed = (self.seed * 1_000_003 + self.row_id[row] * 1_009 + at) % (2**31)
         turn = dataclasses.replace(self.params, n=1, max_new_tokens=self.max_len - at, seed=seed)
-        vsp = vllm_sampling_params(turn, 1, self.eos)[0]
+        vsp = vllm_sampling_params(turn, [0], self.eos)[0]
         vsp.output_kind = RequestOutputKind.DELTA
         rid = f"{row}.{at}"
         self.request[row], self.owner[rid] = rid, row

@@ -44,7 +44,13 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.models.lora import hf_name
 from hybridflow.rollout import vllm_pad
-from hybridflow.rollout.base import GenerationEngine, SamplingParams, build_rollout_batch, check_prompt_batch
+from hybridflow.rollout.base import (
+    GenerationEngine,
+    SamplingParams,
+    build_rollout_batch,
+    check_prompt_batch,
+    prompt_ids,
+)
 from hybridflow.rollout.tp_group import TPGroup
 from hybridflow.rollout.vllm_memory import kv_cache_bytes, memory_settings  # noqa: F401  (kv_cache_bytes re-exported)
 
@@ -277,7 +283,7 @@ class VLLMEngine(GenerationEngine):
             sync_s = self._wake_and_sync()
             outputs = self.llm.generate(
                 prompts_as_vllm(ids, mask),
-                vllm_sampling_params(params, len(ids), self.eos_ids),
+                vllm_sampling_params(params, prompt_ids(batch).tolist(), self.eos_ids),
                 use_tqdm=False,
             )
         finally:
@@ -295,7 +301,9 @@ class VLLMEngine(GenerationEngine):
         return out
 
     @contextlib.contextmanager
-    def continuous(self, params: SamplingParams, rows: int, max_len: int):
+    def continuous(
+        self, params: SamplingParams, rows: int, max_len: int, prompts: torch.Tensor | None = None
+    ):
         """The agent loop's continuous batch on vLLM's scheduler (rollout/vllm_continuous.py), on the
         weights `generate` would load. Under vLLM tensor parallel (rollout.tg > 1) every rank of the
         group runs it in lockstep, the first rank deciding (`vllm_tp_group`)."""
@@ -310,7 +318,7 @@ class VLLMEngine(GenerationEngine):
             stop = params.stop_ids(self.eos_ids)
             tp = vllm_tp_group() if self.config.tensor_parallel_size > 1 else None
             batch = VLLMContinuous(
-                self.llm.llm_engine, params, rows, max_len, stop, self.eos_ids, tp, self.device
+                self.llm.llm_engine, params, rows, max_len, stop, self.eos_ids, tp, self.device, prompts
             )
             yield batch
         finally:
@@ -359,9 +367,10 @@ def prompts_as_vllm(ids: torch.Tensor, mask: torch.Tensor) -> list[dict]:
     return [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
 
 
-def vllm_sampling_params(params: SamplingParams, num_prompts: int, default_eos) -> list:
-    """One vLLM SamplingParams per prompt. Stop ids are passed explicitly (ignore_eos: vLLM has no
-    tokenizer here), and prompt i gets seed + i * n: vLLM seeds its n samples seed, seed + 1, ..."""
+def vllm_sampling_params(params: SamplingParams, prompts: list[int], default_eos) -> list:
+    """One vLLM SamplingParams per prompt id in `prompts` (base.prompt_ids). Stop ids are passed explicitly
+    (ignore_eos: vLLM has no tokenizer here), and prompt p gets seed + p * n (mod 2^31): vLLM seeds its n
+    samples seed, seed + 1, ..., so a prompt's seeds are the same whichever rank or batch it is in."""
     from vllm import SamplingParams as VSP
 
     common = dict(
@@ -376,7 +385,7 @@ def vllm_sampling_params(params: SamplingParams, num_prompts: int, default_eos) 
         detokenize=False,
     )
     seed = params.seed
-    return [VSP(seed=None if seed is None else seed + i * params.n, **common) for i in range(num_prompts)]
+    return [VSP(seed=None if seed is None else (seed + p * params.n) % 2**31, **common) for p in prompts]
 
 
 def outputs_to_tensors(outputs, params: SamplingParams, pad_token_id: int):
