@@ -96,11 +96,19 @@ def _is_disk_full(error: BaseException | None) -> bool:
 
 # ---- filesystem helpers (the rest in fsutil.py) -----------------------------------------------------
 def _remove_dir(path: Path) -> None:
-    """Delete a directory so that it never appears half-deleted under its own name."""
+    """Delete a directory so that it never appears half-deleted under its own name. A file in its place
+    (a step directory replaced by hand) is deleted too: rmtree would leave it as trash."""
     trash = path.with_name(f".trash-{path.name}-{owner_tag()}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
     fsync_path(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+    _remove_any(trash)
+
+
+def _remove_any(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def config_hash(config) -> str:
@@ -237,8 +245,8 @@ class CheckpointManager:
         removed; a live writer's are left alone)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for p in self.dir.iterdir():
-            if p.name.startswith((".tmp-", ".trash-")) and p.is_dir() and not owner_alive(p.name):
-                shutil.rmtree(p, ignore_errors=True)
+            if p.name.startswith((".tmp-", ".trash-")) and not owner_alive(p.name):
+                _remove_any(p)
         tmp = self.dir / f".tmp-step_{int(step)}-{owner_tag()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         return tmp

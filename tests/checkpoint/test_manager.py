@@ -25,6 +25,7 @@ from hybridflow.checkpoint import (
     restore_rng_state,
     save_trainer_state,
 )
+from hybridflow.checkpoint.fsutil import owner_tag
 
 
 def _save(manager: CheckpointManager, step: int, payload: str = "x") -> None:
@@ -77,6 +78,21 @@ def test_incomplete_step_dir_is_ignored_and_refused(tmp_path):
     assert manager.steps() == [1] and manager.latest_step() == 1
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         manager.resolve(str(manager.dir / "step_9"))
+
+
+def test_a_step_replaced_by_a_file_is_replaced_without_trash_left(tmp_path):
+    """Re-saving a step whose directory was replaced by a file (rmtree alone left it as .trash-step_1-*),
+    and a dead writer's trash file, swept by the next save."""
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    shutil.rmtree(manager.step_dir(1))
+    manager.step_dir(1).write_text("not a checkpoint")
+    _save(manager, 1)
+    assert _visible(manager) == ["latest", "step_1"]
+    host = owner_tag().split("~")[0]
+    (manager.dir / f".trash-step_0-{host}~{_dead_pid()}-0123abcd").write_text("left by a dead writer")
+    _save(manager, 2)
+    assert _visible(manager) == ["latest", "step_1", "step_2"]
 
 
 def test_keep_last_k_and_pointer(tmp_path):
