@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,7 +94,8 @@ class Run:
         if peft_config is not None:
             _set_once(data, "model.lora", lora_settings(peft_config), "peft_config")
         datasets = {"train": train_dataset, "val": eval_dataset}
-        rows = {split: _prompt_rows(ds, prompt_column, ground_truth_column, f"{split}_dataset")
+        targets = target_columns(config_from_dict(data))
+        rows = {split: _prompt_rows(ds, prompt_column, ground_truth_column, f"{split}_dataset", targets)
                 for split, ds in datasets.items() if ds is not None}  # fmt: skip
         funcs = (
             [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
@@ -138,12 +140,17 @@ class Run:
 
     def train(self) -> list[dict]:
         """Train as `hybridflow train` does (an embedded Ray cluster unless one is running or
-        resources.ray_address names one; the report written at the end) -> the per-step metrics."""
+        resources.ray_address names one; the report written at the end) -> the per-step metrics.
+        Ctrl-C (SIGINT) or SIGTERM, as in `hybridflow train`: the step in flight and a checkpoint are
+        finished, one line says where, and the rows trained so far are returned (a later Run with the
+        same arguments and trainer.experiment_name resumes there); a second signal stops at once
+        (KeyboardInterrupt). Signals are handled so only when train() runs in the main thread."""
         import ray
 
         from hybridflow.compat.versions import log_and_check_versions
         from hybridflow.trainers import build_trainer
         from hybridflow.trainers.cli import check_this_machine, write_report_if_logged
+        from hybridflow.trainers.lifecycle import Abandoned, Preempted, StopSignals
 
         log_and_check_versions()  # a too-old torch / transformers: one line, before Ray starts
         check_this_machine(self.config)
@@ -153,7 +160,16 @@ class Run:
             trainer = build_trainer(self.config)
             # resume=auto moves a run whose directory holds another or a finished run (trainers/base.py)
             self.config.trainer.experiment_name = trainer.cfg.trainer.experiment_name
-            history = trainer.fit()
+            # entered once the trainer started Ray: lifecycle.start_ray would otherwise take this process
+            # (a notebook's, a script's) for the run's own and reap everything below it at the end
+            with StopSignals(self.config.trainer.stop_grace_s) as signals, signals.running():
+                history = trainer.fit()
+        except Preempted as e:
+            print(f"hybridflow: {e}", file=sys.stderr, flush=True)
+            history = getattr(e, "history", [])
+        except Abandoned as e:
+            latest = trainer.latest_checkpoint() if trainer is not None else None
+            raise KeyboardInterrupt(f"{e}; latest checkpoint: {latest}") from None
         finally:
             if trainer is not None:
                 trainer.close()
@@ -270,9 +286,15 @@ def fresh_name(output_dir: str, algorithm: str) -> str:
     return name
 
 
-def _prompt_rows(source, prompt_column: str, truth_column: str | None, what: str) -> list[dict]:
+def target_columns(cfg: HybridFlowConfig) -> tuple[str, ...]:
+    """The columns an offline algorithm trains toward (SFT's response, DPO's chosen and rejected)."""
+    name, d = cfg.algorithm.name, cfg.data
+    return (d.response_key,) if name == "sft" else (d.chosen_key, d.rejected_key) if name == "dpo" else ()
+
+
+def _prompt_rows(source, prompt_column: str, truth_column: str | None, what: str, targets=()) -> list[dict]:
     rows = rows_of(source, what)
-    return to_prompt_rows(rows, prompt_column, ground_truth_column(rows, truth_column), what)
+    return to_prompt_rows(rows, prompt_column, ground_truth_column(rows, truth_column), what, targets)
 
 
 def reward_columns(rows: list[dict] | None) -> set[str] | None:

@@ -242,3 +242,71 @@ def test_trl_arguments_a_loaded_model_peft_config_and_tokenizer(tmp_path, tiny_m
             make(tmp_path, prompt_column="question", **kwargs)
         (line,) = e.value.errors
         assert match in line and len(line) < 200, line
+
+
+def test_ctrl_c_in_train_checkpoints_and_returns(ray_cluster, tmp_path, tiny_model_dir, capfd):
+    """SIGINT during Run.train, as `hybridflow train` takes it: the step in flight and a checkpoint are
+    finished, one line says so, train returns the rows so far; the same Run again resumes there."""
+    import signal
+    import threading
+    import time
+
+    scored = tmp_path / "scored"
+
+    def exact_noting(completions, answer, **kwargs):  # reaches the reward worker by value
+        scored.touch()
+        return exact(completions, answer)
+
+    def interrupt_once_a_step_runs():
+        while not scored.exists():  # step 1 is in flight once its rewards are scored
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_a_step_runs, daemon=True).start()
+
+    def the_run():
+        return make(tmp_path, tiny_model_dir, reward_funcs=[exact_noting], train_dataset=ROWS[:4],
+                    prompt_column="question", args={**TRAIN, "trainer.total_steps": 4})  # fmt: skip
+
+    run = the_run()
+    run.history = run.train()
+    steps = [h["step"] for h in run.history if h["step"]]
+    assert steps and steps == list(range(1, len(steps) + 1)) and len(steps) < 4
+    checkpoints = os.listdir(os.path.join(run.run_dir, "checkpoints"))
+    assert f"step_{steps[-1]}" in checkpoints
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if "stopped by SIGINT" in x]
+    assert line.startswith(f"hybridflow: stopped by SIGINT after step {steps[-1]}; checkpoint "), line
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler is back
+    again = the_run()  # the same Run again: resumed from that checkpoint
+    assert again.run_dir == run.run_dir
+    assert [h["step"] for h in again.train() if h["step"]] == list(range(steps[-1] + 1, 5))
+
+
+# ---- offline algorithms ------------------------------------------------------------------------------
+SFT_ROWS = [{"question": f"{a}+1=", "response": str(a + 1)} for a in range(4)]
+DPO_ROWS = [{"prompt": [{"role": "user", "content": f"{a}+1="}], "chosen": str(a + 1), "rejected": str(a)}
+            for a in range(4)]  # fmt: skip
+OFFLINE = {k: v for k, v in TRAIN.items() if not k.startswith(("rollout.", "reward."))}
+
+
+@pytest.mark.parametrize("algorithm, rows", [("sft", SFT_ROWS), ("dpo", DPO_ROWS)])
+def test_sft_and_dpo_train_on_a_list_of_dicts_and_a_dataset(
+    ray_cluster, tmp_path, tiny_model_dir, algorithm, rows
+):
+    """The rows `hybridflow train` reads from a file, given as a list (or a datasets.Dataset): the target
+    columns stay beside the prompt, every other column rides along in extra_info."""
+    import datasets
+
+    args = {**OFFLINE, "trainer.output_dir": str(tmp_path), "trainer.experiment_name": algorithm}
+    run = Run(
+        algorithm, model=tiny_model_dir, train_dataset=rows, prompt_column=next(iter(rows[0])), args=args
+    )
+    written = json.loads(open(run.config.data.train_files[0]).readline())
+    targets = ["response"] if algorithm == "sft" else ["chosen", "rejected"]
+    assert {k: written[k] for k in targets} == {k: rows[0][k] for k in targets}
+    assert not set(targets) & set(written["extra_info"])
+    (row,) = [h for h in run.train() if h["step"] == 1]
+    assert 0 < row[f"{algorithm}/loss"] < 1e3  # finite: the pairs reached the actor
+    again = Run(algorithm, model=tiny_model_dir, train_dataset=datasets.Dataset.from_list(rows),
+                prompt_column=next(iter(rows[0])), args=args)  # fmt: skip
+    assert again.config.data.train_files == run.config.data.train_files  # the same rows, the same file

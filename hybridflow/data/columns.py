@@ -63,8 +63,12 @@ def ground_truth_column(rows: list[dict], named: str | None) -> str | None:
     return next((c for c in GROUND_TRUTH_COLUMNS if c in rows[0]), None)
 
 
-def to_prompt_rows(rows: list[dict], prompt_column: str, truth_column: str | None, what: str) -> list[dict]:
-    """verl-format rows: prompt, data_source, reward_model.ground_truth, extra_info (every other column)."""
+def to_prompt_rows(
+    rows: list[dict], prompt_column: str, truth_column: str | None, what: str, targets: tuple[str, ...] = ()
+) -> list[dict]:
+    """verl-format rows: prompt, data_source, reward_model.ground_truth, extra_info (every other column).
+    targets: SFT's response / DPO's chosen and rejected columns, kept beside the prompt, where the pair
+    datasets (data/pairs.py) read them, as they read a data file's rows."""
     out = []
     for i, row in enumerate(rows, start=1):
         if "reward_model" in row or "extra_info" in row:
@@ -74,7 +78,7 @@ def to_prompt_rows(rows: list[dict], prompt_column: str, truth_column: str | Non
             raise DatasetError(
                 f"{what}: row {i} has no {prompt_column!r} column (prompt_column); it has {sorted(row)}"
             )
-        columns = {k: v for k, v in row.items() if k != prompt_column}
+        columns = {k: v for k, v in row.items() if k != prompt_column and k not in targets}
         if isinstance(row[prompt_column], list):  # chat messages: a TRL reward gets them as `prompts`
             columns.setdefault(CHAT_PROMPT, row[prompt_column])
         converted = {
@@ -82,6 +86,7 @@ def to_prompt_rows(rows: list[dict], prompt_column: str, truth_column: str | Non
             "data_source": row.get("data_source", DEFAULT_SOURCE),
             "reward_model": {"ground_truth": row.get(truth_column) if truth_column else None},
             "extra_info": columns,
+            **{k: row[k] for k in targets if k in row},
         }
         out.append(_json_safe(converted, i, what))
     return out

@@ -252,7 +252,9 @@ class Trainer(ValidationMixin):
             return
         while self.global_step < stop:
             if signum := lifecycle.stop_requested():  # after the step (and its checkpoint) in flight
-                raise lifecycle.Preempted(signum, self.global_step, self.latest_checkpoint())
+                preempted = lifecycle.Preempted(signum, self.global_step, self.latest_checkpoint())
+                preempted.history = history  # Run.train (api.py) returns the rows trained so far
+                raise preempted
             self.global_step += 1
             batch = self.next_prompts()
             batch.meta.global_step = self.global_step
