@@ -106,12 +106,15 @@ def say_startup(args: argparse.Namespace) -> None:
     take seconds); a config that does not load gets no line here, its one-line error comes from train."""
     from hybridflow.config import load_config
     from hybridflow.errors import UserError
+    from hybridflow.fields import domain_errors
 
     config, overrides = split_config_arg(args.config, list(args.overrides))
     try:
         cfg = load_config(config, overrides, resolve=False, validate=False, check_model=False,
                           verl=True if args.verl else None, notes=lambda note: None)  # fmt: skip
     except (UserError, OSError):
+        return
+    if domain_errors(cfg):  # a value out of its range: train's one-line error is all the user sees
         return
     print(f"hybridflow train: {startup_line(cfg)}", flush=True)
 

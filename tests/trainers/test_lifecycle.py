@@ -112,8 +112,8 @@ def test_second_run_refused_sigterm_mid_save_then_three_sigints(config_file, tmp
     wait_for(lambda: (run / ".lock").is_file() and f'"pid": {proc.pid},' in (run / ".lock").read_text(), proc)
     second = start_train(config_file, *settings, log=tmp_path / "second.log")
     assert second.wait(timeout=300) == 2
-    (line,) = _lines(tmp_path / "second.log")
-    assert f"in use by pid {proc.pid} on host" in line
+    start, line = _lines(tmp_path / "second.log")  # the start-up line, then the refusal
+    assert start.startswith("hybridflow train: grpo on") and f"in use by pid {proc.pid} on host" in line
     assert "Traceback" not in (tmp_path / "second.log").read_text()
 
     def saving():  # a temp dir of a step after the current one being written
