@@ -56,3 +56,16 @@ def test_pool_larger_than_cluster_says_what_was_asked_and_what_exists(ray_cluste
         ResourcePool(1000, name="huge")
     with pytest.raises(ValueError, match="asks for 1 GPU device"):
         ResourcePool(1, name="gpu", use_gpu=True)
+
+
+def test_a_reservation_the_cluster_cannot_meet_now_fails_at_its_timeout(ray_cluster):
+    """Every CPU free now held by one pool: the next pool's reservation fails after its timeout_s, in one
+    line naming what is free, not in a wait that never ends."""
+    free = int(ray_cluster.available_resources().get("CPU", 0))
+    with ResourcePool(free, name="all"):
+        start = time.monotonic()
+        with pytest.raises(
+            RuntimeError, match=r"could not reserve 1 x \{'CPU': 1.0\} within 2s; free now: CPU=0"
+        ):
+            ResourcePool(1, name="late", timeout_s=2)
+        assert time.monotonic() - start < 30
