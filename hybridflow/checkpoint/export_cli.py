@@ -40,8 +40,12 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             merge=args.merge,
         )
-    except (CheckpointError, FileExistsError) as e:
+    except CheckpointError as e:
         print(f"hybridflow export: {e}", file=sys.stderr)
+        return 2
+    except FileExistsError:  # export_hf's message names its Python argument; this command has a flag
+        print(f"hybridflow export: {args.output} exists and is not empty; choose another --output "
+              "or pass --overwrite", file=sys.stderr)  # fmt: skip
         return 2
     adapter = (out / "adapter_config.json").is_file()
     loads = "peft PeftModel.from_pretrained(base, dir)" if adapter else "transformers from_pretrained"
