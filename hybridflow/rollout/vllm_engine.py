@@ -43,14 +43,8 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.models.lora import hf_name
-from hybridflow.rollout import vllm_pad
-from hybridflow.rollout.base import (
-    GenerationEngine,
-    SamplingParams,
-    build_rollout_batch,
-    check_prompt_batch,
-    prompt_ids,
-)
+from hybridflow.rollout import base, vllm_pad
+from hybridflow.rollout.base import GenerationEngine, SamplingParams, build_rollout_batch, check_prompt_batch
 from hybridflow.rollout.tp_group import TPGroup
 from hybridflow.rollout.vllm_memory import kv_cache_bytes, memory_settings  # noqa: F401  (kv_cache_bytes re-exported)
 
@@ -283,7 +277,7 @@ class VLLMEngine(GenerationEngine):
             sync_s = self._wake_and_sync()
             outputs = self.llm.generate(
                 prompts_as_vllm(ids, mask),
-                vllm_sampling_params(params, prompt_ids(batch).tolist(), self.eos_ids),
+                vllm_sampling_params(params, base.prompt_ids(batch).tolist(), self.eos_ids),
                 use_tqdm=False,
             )
         finally:
