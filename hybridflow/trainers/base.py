@@ -64,6 +64,7 @@ from hybridflow.trainers.placement import Placement, build_worker_groups, shutdo
 from hybridflow.trainers.plan_metrics import plan_metrics
 from hybridflow.trainers.validation import ValidationMixin
 from hybridflow.workers import RuleReward
+from hybridflow.workers.reward import check_reward_sources
 
 
 def score_batch(batch: Batch, rule: RuleReward | None, model_group, key: str) -> tuple[torch.Tensor, dict]:
@@ -106,6 +107,8 @@ class Trainer(ValidationMixin):
         self.val_dataset = build_prompt_dataset(cfg.data, self.tokenizer, "val", rule, self.tools)
         if cfg.trainer.val_only and self.val_dataset is None:
             raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
+        if rule:  # a data_source no rule function scores: one line now, not in step 1's reward
+            check_reward_sources(cfg.reward, [self.train_loader.dataset, self.val_dataset])
         trainer_cfg = cfg.trainer
         self.total_steps = trainer_cfg.total_steps or trainer_cfg.total_epochs * len(self.train_loader or ())
         self.global_step = self.skipped_in_a_row = 0
@@ -117,7 +120,6 @@ class Trainer(ValidationMixin):
         self.restarts, self.run_lock, self.resume_path = supervised.restarts_before(), None, None
         if self.owns_run_dir:
             self._claim_run_dir()
-        rule = cfg.reward.kind == "rule"
         self.rule_reward = RuleReward(cfg.reward, columns=self.reward_columns(), max_steps=self.total_steps,
                                       output_dir=cfg.run_dir) if rule else None  # fmt: skip
         self.tracker = None

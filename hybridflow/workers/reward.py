@@ -60,6 +60,27 @@ class RewardModelWorker(Worker):
         return Batch({self.score_key: self.engine.compute_scores(batch)})
 
 
+def check_reward_sources(reward_cfg: RewardConfig, datasets) -> None:
+    """A rule reward that dispatches on data_source (reward.fn '', or a reward.fns entry's fn '') has a
+    registered function for every prompt's: else one ConfigError line naming the first prompt without
+    one, before Ray, instead of a failure in the first step's reward."""
+    from hybridflow.config import ConfigError
+    from hybridflow.rewards import get_reward_fn
+
+    specs = [e.fn for e in reward_cfg.fns] if reward_cfg.fns else [reward_cfg.fn]
+    if "" not in specs:
+        return
+    for ds in datasets:
+        first = {}  # data_source -> its first prompt
+        for s in getattr(ds, "samples", ()):
+            first.setdefault(s.data_source, s.index)
+        for source, index in first.items():
+            try:
+                get_reward_fn(source)
+            except KeyError as e:
+                raise ConfigError([f"{ds.name}, prompt {index + 1}: {e.args[0]}"]) from None
+
+
 class RuleReward:
     """Scores rollouts with rule functions in the driver process: reward.fn (or `fn`, e.g. Safe-RLHF's
     cost_fn), or the weighted sum of reward.fns, each component logged as reward/<name>/mean.

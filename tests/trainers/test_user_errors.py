@@ -62,6 +62,11 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
     )
     no_gt = _write(root, "no_gt.jsonl", "".join(json.dumps(_row(f"{i}+1=", None)) + "\n" for i in range(8)))
     parquet = _write(root, "broken.parquet", b"PAR1 this is not parquet")
+    unscored = [
+        {**_row(f"{i}+1="), "data_source": "synthetic:arithmetc" if i == 5 else "arithmetic"}
+        for i in range(8)
+    ]
+    typo = _write(root, "typo.jsonl", "".join(json.dumps(r) + "\n" for r in unscored))
     (root / "dir.jsonl").mkdir(exist_ok=True)
     if not (root / "fifo.jsonl").exists():
         os.mkfifo(root / "fifo.jsonl")
@@ -104,6 +109,12 @@ def _cases(root: Path, model: str) -> list[tuple[str, list[str], str]]:
             "fewer than one batch",
         ),
         ("missing ground truth", [f"data.train_files=[{no_gt}]"], "no_gt.jsonl, row 1: no ground truth"),
+        # used to fail in step 1's reward, after Ray and the workers started
+        (
+            "data_source without a reward",
+            [f"data.train_files=[{typo}]"],
+            f"{typo}, prompt 6: no reward function registered for data_source 'synthetic:arithmetc' (did you mean",
+        ),
         (
             "unknown dataset",
             ["data.train_files=[]", "data.dataset=synthetic:arithmetc"],
