@@ -389,6 +389,9 @@ def check_run_dir(trainer) -> Path | None:
     difference = resume_difference(trainer, path, manifest)
     if auto and difference is None:
         difference = config_difference(trainer, manifest)
+    elif difference is None and (changed := config_difference(trainer, manifest)):  # resumed by name
+        print(f"hybridflow train: warning: {path.name}: {changed}; optimizers resume as saved (their lr, betas, eps, "
+              "weight decay and LR schedule, as in verl), every other setting is this run's", file=sys.stderr)  # fmt: skip
     if difference is not None:
         if auto:  # the run directory is named in the line already
             raise AnotherRun(f"another run ({difference.replace(str(path), path.name)})")

@@ -291,3 +291,31 @@ def test_resuming_another_algorithm_is_one_line_before_ray_starts(setup, capsys)
     (line,) = [x for x in err.splitlines() if x.startswith("hybridflow train:")]
     assert f"{manager.step_dir(1)} was written by algorithm.name=ppo, this run is grpo" in line, line
     assert "Traceback" not in err and (ray_was_up or not ray.is_initialized())
+
+
+def test_resuming_a_checkpoint_by_name_with_another_lr_says_which_lr_applies(setup, capsys):
+    """actor.optim.lr changed, the checkpoint resumed by name: one warning line, before Ray, naming the
+    changed key and saying the saved optimizer settings apply (as verl's resume does), not only a hash."""
+    import ray
+
+    from hybridflow.checkpoint import CheckpointManager, atomic_write_text, save_trainer_state
+    from hybridflow.config import load_config
+    from hybridflow.config.cli import to_yaml
+    from hybridflow.trainers.base import _hashed_config
+
+    root, config = setup
+    before = load_config(str(config), ["trainer.experiment_name=new_lr", "actor.optim.lr=1e-3"])
+    Path(before.run_dir).mkdir(parents=True)
+    atomic_write_text(Path(before.run_dir) / "config.yaml", to_yaml(before) + "\n")
+    manager = CheckpointManager(before.run_dir, config=_hashed_config(before))
+    with manager.writing(1, meta={"algorithm": "grpo"}) as tmp:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "weights.bin").write_bytes(b"w")
+        save_trainer_state(tmp, {"global_step": 1, "algorithm": "grpo"})
+    ray_was_up = ray.is_initialized()
+    overrides = ["trainer.experiment_name=new_lr", "actor.optim.lr=5e-3", "trainer.resume=1"]
+    assert cli_main(["train", str(config), *overrides]) == 0  # step 1 of total_steps 1: finished, no Ray
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("hybridflow train: warning: step_1:")]
+    assert "its config differs: actor.optim.lr; optimizers resume as saved (their lr," in line, line
+    assert "Traceback" not in err and (ray_was_up or not ray.is_initialized())
