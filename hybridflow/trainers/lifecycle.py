@@ -367,26 +367,27 @@ FREE_KEYS = ("total_steps", "total_epochs", "val_every", "save_every", "keep_las
 
 
 def check_run_dir(trainer) -> Path | None:
-    """Before any worker starts (the run directory is locked): the checkpoint trainer.resume names,
-    verified, checked to fit this run -> its path, or None for a fresh start. trainer.resume=auto
-    resumes only this same run unfinished (same config hash, algorithm, batch, model and training set);
-    a finished or different one raises AnotherRun. A checkpoint named explicitly (a step, a path) that
-    cannot be resumed is a one-line CheckpointError; RunFinished when it is the final one (unless
-    trainer.val_only, which validates it)."""
+    """Before any worker starts (the run directory is locked): the checkpoint trainer.resume names, verified,
+    checked to fit this run -> its path, or None for a fresh start. trainer.resume=auto resumes only this
+    same run unfinished (same config hash, algorithm, batch, model and training set); a finished or
+    different one raises AnotherRun. A checkpoint named explicitly (a step, a path) that cannot be resumed
+    is a one-line CheckpointError; RunFinished when it is the final one (unless trainer.val_only)."""
     require = [*trainer.checkpoint_parts(), "trainer_state.json"]
     resume = trainer.cfg.trainer.resume
     auto = str(resume).strip().lower() == "auto"
     own_hash = trainer.ckpt.config_hash
     if auto:  # compared below: another config is another run, not a resume to warn about
         trainer.ckpt.config_hash = None
-    try:
-        path = trainer.ckpt.resolve(resume, require=require)
+    try:  # named: the parts are checked below, after the algorithm (another one wrote other parts)
+        path = trainer.ckpt.resolve(resume, require=require if auto else require[-1:])
     finally:
         trainer.ckpt.config_hash = own_hash
     if path is None:
         return None
     manifest = json.loads((path / "manifest.json").read_text())
     difference = resume_difference(trainer, path, manifest)
+    if difference is None and (missing := [p for p in require if p not in manifest.get("parts", {})]):
+        difference = f"{path} has no '{missing[0]}' part (it holds {sorted(manifest.get('parts', {}))})"
     if auto and difference is None:
         difference = config_difference(trainer, manifest)
     elif difference is None and (changed := config_difference(trainer, manifest)):  # resumed by name

@@ -319,3 +319,24 @@ def test_resuming_a_checkpoint_by_name_with_another_lr_says_which_lr_applies(set
     (line,) = [x for x in err.splitlines() if x.startswith("hybridflow train: warning: step_1:")]
     assert "its config differs: actor.optim.lr; optimizers resume as saved (their lr," in line, line
     assert "Traceback" not in err and (ray_was_up or not ray.is_initialized())
+
+
+def test_resuming_a_grpo_checkpoint_as_ppo_names_the_algorithm_not_a_missing_part(setup, capsys):
+    """PPO needs a critic part the GRPO checkpoint never had: the line says the algorithm differs."""
+    from hybridflow.checkpoint import CheckpointManager, save_trainer_state
+
+    root, config = setup
+    manager = CheckpointManager(root / "runs" / "from_grpo")
+    with manager.writing(1, meta={"algorithm": "grpo"}) as tmp:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "weights.bin").write_bytes(b"w")
+        save_trainer_state(tmp, {"global_step": 1, "algorithm": "grpo"})
+    overrides = [
+        "algorithm.name=ppo",
+        "trainer.experiment_name=from_grpo",
+        "trainer.total_steps=2",
+        "trainer.resume=1",
+    ]
+    assert cli_main(["train", str(config), *overrides]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("hybridflow train:")]
+    assert f"{manager.step_dir(1)} was written by algorithm.name=grpo, this run is ppo" in line, line
