@@ -45,6 +45,9 @@ from hybridflow.planner.specs import (
 
 # --engines: whose layouts the search considers
 ENGINES = {"builtin": ENGINE_LIMITS, "any": EngineLimits()}
+# GRPO scores with rules (a verifier, exact match) as its recipes do; PPO, ReMax and Safe-RLHF, the
+# paper's settings, with learned reward (and cost) models
+RULE_REWARD = ("grpo",)
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--reward-size", default=None, help="reward (and cost) model size (default: the actor's)")
     m.add_argument("--algorithm", default="ppo", choices=ALGORITHMS, help="built-in dataflow")
     m.add_argument(
-        "--no-reward-model", action="store_true", help="rule-based reward: no reward model to place"
+        "--reward-model",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a reward model to place (--no-reward-model: a rule-based reward); default: with one for "
+        f"{', '.join(a for a in ALGORITHMS if a not in RULE_REWARD)}, without for {', '.join(RULE_REWARD)}",
     )
     _add_cluster_arguments(parser)
     _add_engine_arguments(parser)
@@ -186,7 +193,7 @@ def _inputs(args):
         actor,
         critic=critic,
         reward=reward,
-        reward_model=not args.no_reward_model,
+        reward_model=args.algorithm not in RULE_REWARD if args.reward_model is None else args.reward_model,
         samples_per_prompt=args.samples_per_prompt,
         old_log_probs=old[0],
     )

@@ -136,3 +136,18 @@ def test_explain_sets_the_frozen_pools_side_by_side(capsys):
     assert "both <- plan" in rows and "rollout" in rows and "training" in rows
     share = rows["both <- plan"].split("│")[5].strip()
     assert share.endswith("%") and 0 <= int(share[:-1]) <= 100
+
+
+@pytest.mark.parametrize(
+    "flags, has_reward",
+    [(["--algorithm", "grpo"], False), (["--algorithm", "grpo", "--reward-model"], True),
+     (["--algorithm", "ppo"], True), (["--algorithm", "ppo", "--no-reward-model"], False)],
+)  # fmt: skip
+def test_grpo_plans_a_rule_reward_unless_told(tmp_path, flags, has_reward):
+    """GRPO's default is a rule-based reward (no reward model to place), PPO's the paper's reward model;
+    --reward-model / --no-reward-model say otherwise."""
+    out = tmp_path / "plan.yaml"
+    args = ["plan", "--model-size", "7B", "--gpus", "8", "--schedule", "sync", *flags, "--output", str(out)]
+    assert main(args) == 0
+    models = {m.role for m in Plan.load(out).models}
+    assert ("reward" in models) == has_reward and "actor" in models, models
