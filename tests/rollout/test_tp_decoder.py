@@ -25,7 +25,7 @@ ROW = ("o_proj", "down_proj")
 CASES = {
     "greedy": dict(max_new_tokens=6, do_sample=False),
     "sampled": dict(
-        max_new_tokens=6, n=3, temperature=0.8, top_k=20, top_p=0.9, seed=5, stop_token_ids=(7, 9, 11)
+        max_new_tokens=6, n=3, temperature=0.8, top_k=20, top_p=0.9, seed=2, stop_token_ids=(7, 9, 11)
     ),
 }
 
