@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
-from hybridflow.rollout.base import SamplingParams
-from hybridflow.rollout.sampling import apply_top_k, apply_top_p, sample_next
+from hybridflow.batch import Batch
+from hybridflow.rollout.base import SamplingParams, prompt_ids
+from hybridflow.rollout.sampling import apply_top_k, apply_top_p, counter_uniforms, sample_keys, sample_next
 
 PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])  # sorted: 1 (.4), 3 (.3), 4 (.15), 2 (.1), 0 (.05)
 DRAWS = 40_000
@@ -72,3 +75,22 @@ def test_params_validation():
         SamplingParams(max_new_tokens=0)
     assert SamplingParams(temperature=0).greedy and SamplingParams(eos_token_ids=(5,)).stop_ids(2) == (5,)
     assert SamplingParams(stop_token_ids=(9,)).stop_ids([2, 3]) == (2, 3, 9)
+
+
+def test_sample_keys_depend_on_the_prompt_id_and_sample_not_on_the_batch():
+    """A sample's key (so its draws) is the same whether its prompt is alone or among others, in any
+    order; the n samples of a prompt, the prompts and the seeds all get keys of their own."""
+    ids = prompt_ids(Batch.from_dict({"x": torch.zeros(3, 1)}, {"uid": ["0-7", "0-3", "1-7"]}))
+    assert ids.tolist() == [
+        zlib.crc32(u.encode()) for u in ("0-7", "0-3", "1-7")
+    ]  # the same in every process
+    whole = sample_keys(11, ids, 4)
+    assert torch.equal(sample_keys(11, ids[[2, 0]], 4).view(2, 4), whole.view(3, 4)[[2, 0]])
+    assert len(set(whole.tolist())) == 12 and not set(whole.tolist()) & set(sample_keys(12, ids, 4).tolist())
+    u = counter_uniforms(whole, 5)
+    assert u.dtype == torch.float32 and bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(counter_uniforms(whole[:4], 5), u[:4]) and not torch.equal(
+        counter_uniforms(whole, 6), u
+    )
+    # no uid (a direct call): rows are numbered in the call
+    assert prompt_ids(Batch.from_dict({"x": torch.zeros(2, 1)})).tolist() == [0, 1]
