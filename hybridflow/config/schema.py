@@ -340,7 +340,8 @@ class RewardConfig:
     timeout_s: float = _f(
         10.0,
         "seconds one sample may take (hangs are killed and reported; once a sample runs past timeout_s / 10 "
-        "the batch's other samples run concurrently, so a hanging batch costs about 1 x timeout_s)",
+        "the batch's other samples run concurrently, so a hanging batch costs about 1 x timeout_s); "
+        "a batched fn: seconds one call may take",
         gt=0,
         le=MAX_SECONDS,
     )

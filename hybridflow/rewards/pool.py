@@ -3,7 +3,8 @@
 Why persistent workers fed chunks: cheap rewards (string match, ~10 us) must not pay process start-up
 or one round trip per sample, so each worker receives a chunk and streams one small message per sample
 back; the worker times each sample (its clock restarts at each result), and the parent keeps only a
-backstop for a worker that falls silent (BACKSTOP_S past timeout_s).
+backstop for a worker that falls silent (BACKSTOP_S past timeout_s). A batched function's call is one
+sample to the clock: the parent kills its worker timeout_s after sending the chunk.
 
 Why a second mode: a sample that hangs costs timeout_s, and one worker's chunk holds many samples.
 The worker runs user code only in forked children (hybridflow/rewards/_worker.py): one persistent
@@ -148,9 +149,10 @@ class _Worker:
         self.mode = mode
         self.outstanding.update((it[0], it) for it in chunk)
         self.conn.send((mode, chunk) if mode == "batch" else (mode, chunk, timeout_s))
-        # a batched call runs in the worker itself, timed here; otherwise the worker reports a sample
-        # (or its timeout) at least every timeout_s while it has any, and this deadline moves with them
-        self.deadline = time.monotonic() + timeout_s * (len(chunk) if mode == "batch" else 1) + BACKSTOP_S
+        # a batched call runs in the worker itself, timed only here: reward.timeout_s holds per call, as
+        # a user's batched function is one call, however many samples it takes. Otherwise the worker
+        # reports a sample (or its timeout) at least every timeout_s, and this backstop moves with them
+        self.deadline = time.monotonic() + timeout_s + (0.0 if mode == "batch" else BACKSTOP_S)
 
     def heard(self, timeout_s: float) -> None:
         """A message came: the backstop moves (or goes, when nothing is outstanding)."""
@@ -359,7 +361,7 @@ class WorkerPool:
         starved): its samples in flight are retried like a dead worker's."""
         timeout_s = self.cfg.timeout_s
         if w.mode == "batch":
-            message = f"no result within {timeout_s * len(w.outstanding):g}s; the worker was killed"
+            message = f"the batched call gave no result within {timeout_s:g}s; the worker was killed"
             self._fail(w, "timeout", message, errors)
         else:
             message = f"the worker sent nothing for {timeout_s + BACKSTOP_S:g}s and was killed"

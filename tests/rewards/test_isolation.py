@@ -152,6 +152,39 @@ def test_a_batch_that_all_hangs_waits_one_timeout(reward_file):
     np.testing.assert_array_equal(again.scores, [1, 0, 1])
 
 
+def test_a_batched_call_that_hangs_is_killed_after_one_timeout(tmp_path):
+    """reward.timeout_s holds per call of a batched function, not per sample of its chunk: a call on 8
+    samples that hangs is killed after timeout_s, its samples timed out, and the pool scores again."""
+    path = tmp_path / "batched_reward.py"
+    path.write_text(textwrap.dedent(
+        """
+        import time
+        from hybridflow.rewards import batched_reward
+
+        @batched_reward
+        def score(data_sources, solution_strs, ground_truths, extra_infos=None):
+            if "hang" in solution_strs:
+                time.sleep(120)
+            return [float(s == g) for s, g in zip(solution_strs, ground_truths)]
+        """
+    ))  # fmt: skip
+    timeout = 2.0
+    cfg = RewardConfig(fn=f"{path}:score", num_workers=1, timeout_s=timeout, max_error_fraction=1.0)
+    with RewardExecutor(cfg) as ex:
+        assert ex.batched
+        start = time.monotonic()
+        result = ex.score("src", ["hang"] * 8, ["a"] * 8)
+        elapsed = time.monotonic() - start
+        again = ex.score("src", ["a", "b"], ["a", "a"])
+    assert sorted(e.index for e in result.errors) == list(range(8)) and {e.kind for e in result.errors} == {
+        "timeout"
+    }
+    assert f"within {timeout:g}s" in result.errors[0].message
+    # per sample (8 x 2 s) plus the 10 s backstop would be 26 s; one call's timeout is 2 s (+ a restart)
+    assert elapsed < 4 * timeout, elapsed
+    np.testing.assert_array_equal(again.scores, [1, 0])
+
+
 def test_timeout_waits_counts_waits_one_after_another():
     assert timeout_waits([], 2.0) == 0
     assert timeout_waits([10.0, 10.1, 11.9], 2.0) == 1  # all started within the first one's 2 s
