@@ -48,9 +48,9 @@ def test_the_example_trains_with_both_rewards(example_run):
     assert [h["step"] for h in steps] == list(range(1, 11))
     for h in steps:
         # the score is the weighted sum; each function is logged (means of float32 scores of 8 x 8 samples)
-        weighted = h["reward/exact/mean"] + 0.1 * h["reward/brief/mean"]
+        weighted = h["reward/exact/mean"] + 0.1 * h["reward/number/mean"]
         assert h["reward/mean"] == pytest.approx(weighted, abs=1e-6)
-        assert h["reward/brief/mean"] < 0 and 0 <= h["reward/exact/mean"] <= 1
+        assert 0 <= h["reward/number/mean"] <= 1 and 0 <= h["reward/exact/mean"] <= 1
         assert h["reward/num_errors"] == 0
     assert (home / ns["run"].run_dir / "report.png").is_file()
 
@@ -63,4 +63,4 @@ def test_the_run_dir_holds_the_rows_and_the_config(example_run):
     assert first["reward_model"]["ground_truth"] == first["extra_info"]["answer"]  # answer: the ground truth
     assert ns["run"].config.data.train_files == [str(data_file)]
     config = (run_dir / "config.yaml").read_text()
-    assert "name: exact, weight: 1.0" in config and "name: brief, weight: 0.1" in config
+    assert "name: exact, weight: 1.0" in config and "name: number, weight: 0.1" in config
