@@ -84,6 +84,7 @@ class Trainer(ValidationMixin):
     and this trainer does not shut them down."""
 
     name = "base"
+    offline = False  # SFT / DPO (offline.py): the training rows are targets, never scored by a reward
     owns_run_dir = True  # trains: locks the run directory and resumes from it (eval does neither)
     spec: AlgorithmSpec  # what the algorithm needs (config/algorithms.py): the one place that says it
 
@@ -108,7 +109,8 @@ class Trainer(ValidationMixin):
         if cfg.trainer.val_only and self.val_dataset is None:
             raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
         if rule:  # a data_source no rule function scores: one line now, not in step 1's reward
-            check_reward_sources(cfg.reward, [self.train_loader.dataset, self.val_dataset])
+            scored = [self.val_dataset] if self.offline else [self.train_loader.dataset, self.val_dataset]
+            check_reward_sources(cfg.reward, scored)
         trainer_cfg = cfg.trainer
         self.total_steps = trainer_cfg.total_steps or trainer_cfg.total_epochs * len(self.train_loader or ())
         self.global_step = self.skipped_in_a_row = 0

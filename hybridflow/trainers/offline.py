@@ -12,6 +12,7 @@ from hybridflow.trainers.base import Trainer
 
 class _PairTrainer(Trainer):
     kind = ""
+    offline = True
 
     def max_length(self) -> int:
         """Cap on prompt + response tokens of a training pair (0 = only the per-part limits)."""
