@@ -44,7 +44,7 @@ from hybridflow.data.columns import ground_truth_column, rows_of, to_prompt_rows
 from hybridflow.data.files import write_jsonl
 from hybridflow.errors import RewardSpecError
 from hybridflow.rewards.conventions import CHAT_PROMPT, calling_convention, describe, missing_columns
-from hybridflow.rewards.registry import register_reward
+from hybridflow.rewards.registry import PICKLED, get_reward_fn, is_registered, register_reward
 
 __all__ = ["Run"]
 
@@ -109,6 +109,7 @@ class Run:
         if not _given(data, "trainer.experiment_name"):  # a run of its own, as TRL's trainers start
             _set(data, "trainer.experiment_name", fresh_name(trainer.output_dir, algorithm))
         run_dir = config_from_dict(data).run_dir
+        pickled_rewards(data, run_dir)
         if loaded is not None:  # saved where the workers load it from, as TRL's trainers take it in memory
             _set_once(data, "model.path", save_pretrained(loaded, run_dir, "model"), "model")
         tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor holds one
@@ -331,6 +332,24 @@ def reward_entries(
         register_reward(key)(fn)
         entries.append({"fn": key, "weight": float(weight), "name": name})
     return entries
+
+
+def pickled_rewards(data: dict, run_dir: str) -> None:
+    """Each registered reward callable is also written by value to run_dir/rewards/<name>.reward.pkl, which
+    its reward.fns entry then names ('<file>:<name>'), so that `hybridflow eval` and a resumed
+    `hybridflow train` of the run find it from config.yaml, in a process where no Run registered it."""
+    import cloudpickle
+
+    for entry in (data.get("reward") or {}).get("fns") or []:
+        if not is_registered(entry["fn"]) or "name" not in entry:
+            continue  # a spec by name or file: the config names it already
+        blob = cloudpickle.dumps(get_reward_fn(entry["fn"]))
+        path = os.path.abspath(os.path.join(run_dir, "rewards", f"{entry['name']}{PICKLED}"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            f.write(blob)
+        os.replace(path + ".tmp", path)
+        entry["fn"] = f"{path}:{entry['name']}"
 
 
 def agent_settings(tools: Sequence[Callable], environment: Callable | None) -> dict:

@@ -47,7 +47,8 @@ def test_rows_columns_and_rewards_become_the_config(tmp_path, tiny_model_dir):
     cfg = run.config
     fns = [(reward_fn_name(e), e.weight) for e in cfg.reward.fns]
     assert fns == [("exact", 1.0), ("verl_style", 0.5), ("format", 0.1)]
-    assert cfg.reward.fns[0].fn.startswith(f"{__name__}.exact")
+    # recorded by value in the run directory, so config.yaml names it for `hybridflow eval` and resumes
+    assert cfg.reward.fns[0].fn == f"{tmp_path / 'api' / 'rewards' / 'exact.reward.pkl'}:exact"
     (path,) = cfg.data.train_files
     rows = [json.loads(line) for line in open(path)]
     assert rows[2] == {
@@ -73,6 +74,29 @@ def test_a_file_and_rows_without_ground_truth(tmp_path, tiny_model_dir):
         run.config.data.missing_ground_truth == "ignore"
     )  # nothing to compare against: rewards needing none
     assert run.config.reward.fns[0].name == "reward_0"  # a lambda's metrics name
+
+
+def test_a_callable_is_found_from_the_config_alone(tmp_path, tiny_model_dir):
+    """A reward callable defined in a function (nothing to import it by) reaches a process where no Run
+    registered it, as `hybridflow eval RUN_DIR` and a resumed `hybridflow train` start: through the copy
+    that run.config names."""
+    import subprocess
+    import sys
+
+    answer = "42"
+
+    def right(data_source, solution_str, ground_truth, extra_info=None):
+        return float(solution_str.strip() in (ground_truth, answer))
+
+    run = make(tmp_path, tiny_model_dir, reward_funcs=[right], train_dataset=ROWS, prompt_column="question")
+    code = (
+        "import sys; from hybridflow.rewards import RewardConfig, RewardExecutor\n"
+        "with RewardExecutor(RewardConfig(fn=sys.argv[1], num_workers=1)) as ex:\n"
+        "    print(ex.score('src', ['42', '3', 'no'], ['1', '3', '3']).scores.tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code, run.config.reward.fns[0].fn], capture_output=True,
+                         text=True, timeout=120, check=True).stdout  # fmt: skip
+    assert out.strip() == "[1.0, 1.0, 0.0]"
 
 
 def test_datasets_dataset(tmp_path, tiny_model_dir):

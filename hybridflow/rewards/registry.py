@@ -181,14 +181,22 @@ def check_spec(spec: str) -> None:
         path = os.path.abspath(os.path.expanduser(target))
         if not os.path.isfile(path):
             raise RewardSpecError(f"reward.fn={spec!r}: the file {path} does not exist")
-        if not path.endswith(".py"):
+        if not path.endswith((".py", PICKLED)):
             raise RewardSpecError(f"reward.fn={spec!r}: {path} is not a Python file (.py)")
     elif not all(part.isidentifier() for part in target.split(".")):
         raise RewardSpecError(f"reward.fn={spec!r}: {target!r} is neither a .py file nor a module name")
 
 
+PICKLED = ".reward.pkl"  # a Python API callable's copy in its run directory (api.py pickled_rewards)
+
+
 def _load_from_file(path: str, name: str) -> RewardFn:
     path = os.path.abspath(os.path.expanduser(path))
+    if path.endswith(PICKLED):  # written by the run's own Run(...), so as trusted as the run directory
+        import cloudpickle
+
+        with open(path, "rb") as f:
+            return cloudpickle.load(f)
     if not os.path.isfile(path) or not path.endswith(".py"):
         raise RewardSpecError(f"reward function file {path!r} does not exist or is not a .py file")
     # A stable, path-derived module name: two files both called reward.py must not collide.
