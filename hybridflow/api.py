@@ -15,9 +15,9 @@ that config, checked at construction, before Ray starts. What the API adds:
 - reward_funcs: callables in TRL's convention (prompts, completions, **columns) or verl's
   (data_source, solution_str, ground_truth, extra_info), told apart and checked against the dataset's
   columns now (rewards/conventions.py), and reward specs by name ('gsm8k', 'file.py:function'). They
-  become reward.fns entries with reward_weights; a callable is registered by its qualified name and
-  reaches the reward worker processes by value (cloudpickle), so functions defined in a notebook or
-  `python -c` work.
+  become reward.fns entries with reward_weights; a callable is written by value (cloudpickle) to
+  run_dir/rewards/<name>.reward.pkl, which its entry names, so functions defined in a notebook or
+  `python -c` work, and `hybridflow eval` or a resumed `hybridflow train` of the run finds them.
 - tools / environment: typed Python functions the model may call (TRL's `tools=`; each one's JSON schema,
   from its signature and docstring, is checked now and given to the chat template) or an environment
   class / factory (one per trajectory); they turn rollout.multi_turn on and reach the rollout workers by
