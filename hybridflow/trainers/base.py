@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 import sys
 import time
@@ -39,14 +38,12 @@ from hybridflow.agent import tool_schemas
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (
     CheckpointError,
-    CheckpointManager,
     capture_rng_state,
     load_trainer_state,
     restore_rng_state,
     save_trainer_state,
 )
-from hybridflow.checkpoint.run_lock import RunDirLocked, RunLock
-from hybridflow.config import ConfigError, config_to_dict, resolve_config, validate_config
+from hybridflow.config import ConfigError, resolve_config, validate_config
 from hybridflow.config.algorithms import AlgorithmSpec
 from hybridflow.controller import WorkerError
 from hybridflow.controller.future import hang_timeout
@@ -62,6 +59,7 @@ from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
 from hybridflow.trainers.plan_metrics import plan_metrics
+from hybridflow.trainers.run_dir import checkpoint_manager, claim_run_dir
 from hybridflow.trainers.validation import ValidationMixin
 from hybridflow.workers import RuleReward
 from hybridflow.workers.reward import check_reward_sources
@@ -109,19 +107,16 @@ class Trainer(ValidationMixin):
         if cfg.trainer.val_only and self.val_dataset is None:
             raise ConfigError(["trainer.val_only: no validation data; set data.val_files or data.dataset"])
         if rule:  # a data_source no rule function scores: one line now, not in step 1's reward
-            scored = [self.val_dataset] if self.offline else [self.train_loader.dataset, self.val_dataset]
-            check_reward_sources(cfg.reward, scored)
+            loader = None if self.offline else self.train_loader  # eval builds none
+            check_reward_sources(cfg.reward, [getattr(loader, "dataset", None), self.val_dataset])
         trainer_cfg = cfg.trainer
         self.total_steps = trainer_cfg.total_steps or trainer_cfg.total_epochs * len(self.train_loader or ())
         self.global_step = self.skipped_in_a_row = 0
-        # absolute: worker processes write their parts there and need not share the driver's cwd
-        self.ckpt = CheckpointManager(
-            os.path.abspath(cfg.run_dir), keep_last=trainer_cfg.keep_last, config=_hashed_config(cfg)
-        )
+        self.ckpt = checkpoint_manager(cfg)
         self.timers = Timers()
         self.restarts, self.run_lock, self.resume_path = supervised.restarts_before(), None, None
         if self.owns_run_dir:
-            self._claim_run_dir()
+            claim_run_dir(self)
         self.rule_reward = RuleReward(cfg.reward, columns=self.reward_columns(), max_steps=self.total_steps,
                                       output_dir=cfg.run_dir) if rule else None  # fmt: skip
         self.tracker = None
@@ -398,44 +393,6 @@ class Trainer(ValidationMixin):
     def latest_checkpoint(self) -> Path | None:
         return self.ckpt.latest()
 
-    def _claim_run_dir(self) -> None:
-        """Lock the run directory and decide how this run starts there (lifecycle.check_run_dir). With
-        trainer.resume=auto a directory holding a finished or another run is left as it is: this run
-        goes on in <experiment_name>-2 (-3, ...), the first that is free or holds this same run."""
-        first, name = self.cfg.run_dir, self.cfg.trainer.experiment_name
-        why = ""
-        for k in itertools.count(1):
-            if k > 1:
-                self._use_experiment_name(f"{name}-{k}")
-            try:
-                self.run_lock = RunLock(self.cfg.run_dir, pid=supervised.owner_pid())
-            except RunDirLocked:
-                if k == 1:
-                    raise
-                continue  # another process runs there
-            try:
-                self.resume_path = lifecycle.check_run_dir(self)
-            except lifecycle.AnotherRun as e:
-                self.run_lock.release()
-                why = why or str(e)
-                continue
-            except BaseException:
-                self.run_lock.release()
-                raise
-            if k > 1:
-                how = "resumes" if self.resume_path is not None else "starts in"
-                print(f"hybridflow train: {first} holds {why}; this run {how} {self.cfg.run_dir}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            return
-
-    def _use_experiment_name(self, name: str) -> None:
-        self.cfg.trainer.experiment_name = name
-        self.ckpt = CheckpointManager(
-            os.path.abspath(self.cfg.run_dir),
-            keep_last=self.cfg.trainer.keep_last,
-            config=_hashed_config(self.cfg),
-        )
-
     def maybe_resume(self) -> Path | None:
         """Load the checkpoint trainer.resume names (auto: the latest, if any; verified when this trainer
         was built); -> its path or None."""
@@ -489,13 +446,3 @@ def _at_step(step: int, what: str = ""):
         yield
     except RunStopped as e:
         raise RunStopped(f"{what}step {step}: {e}") from None
-
-
-def _hashed_config(cfg) -> dict:
-    """The config as hashed into checkpoint manifests: without run length and logging settings, which a
-    resumed run may change freely (lifecycle.FREE_KEYS). Another hash is another run to trainer.resume=auto;
-    a checkpoint named explicitly is resumed with a warning."""
-    d = config_to_dict(cfg)
-    for k in lifecycle.FREE_KEYS:
-        d["trainer"].pop(k, None)
-    return d

@@ -357,7 +357,7 @@ def cfg_value(cfg, dotted: str):
 
 class AnotherRun(Exception):
     """trainer.resume=auto found a finished run, or another run's checkpoint, in the run directory: it
-    is left as it is and this run goes on in a directory of its own (base.py's _claim_run_dir)."""
+    is left as it is and this run goes on in a directory of its own (run_dir.claim_run_dir)."""
 
 
 # trainer.* settings a resumed run may change: how long it runs, how it saves and logs, where it resumes

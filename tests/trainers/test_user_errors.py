@@ -301,13 +301,13 @@ def test_resuming_a_checkpoint_by_name_with_another_lr_says_which_lr_applies(set
     from hybridflow.checkpoint import CheckpointManager, atomic_write_text, save_trainer_state
     from hybridflow.config import load_config
     from hybridflow.config.cli import to_yaml
-    from hybridflow.trainers.base import _hashed_config
+    from hybridflow.trainers.run_dir import hashed_config
 
     root, config = setup
     before = load_config(str(config), ["trainer.experiment_name=new_lr", "actor.optim.lr=1e-3"])
     Path(before.run_dir).mkdir(parents=True)
     atomic_write_text(Path(before.run_dir) / "config.yaml", to_yaml(before) + "\n")
-    manager = CheckpointManager(before.run_dir, config=_hashed_config(before))
+    manager = CheckpointManager(before.run_dir, config=hashed_config(before))
     with manager.writing(1, meta={"algorithm": "grpo"}) as tmp:
         (tmp / "actor").mkdir()
         (tmp / "actor" / "weights.bin").write_bytes(b"w")
