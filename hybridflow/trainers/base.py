@@ -59,7 +59,7 @@ from hybridflow.trainers.lifecycle import start_ray
 from hybridflow.trainers.metrics import throughput_metrics
 from hybridflow.trainers.placement import Placement, build_worker_groups, shutdown, write_placement
 from hybridflow.trainers.plan_metrics import plan_metrics
-from hybridflow.trainers.run_dir import checkpoint_manager, claim_run_dir
+from hybridflow.trainers.run_dir import checkpoint_manager, claim_run_dir, resume_fingerprint
 from hybridflow.trainers.validation import ValidationMixin
 from hybridflow.workers import RuleReward
 from hybridflow.workers.reward import check_reward_sources
@@ -352,7 +352,7 @@ class Trainer(ValidationMixin):
         before_commit: run once it is written, before the commit (the step's row, with the save's time)."""
         m = self.cfg.model
         meta = {"algorithm": self.name, "tokenizer_dir": os.path.abspath(m.tokenizer_path or m.path),
-                "fingerprint": lifecycle.resume_fingerprint(self.cfg)}  # fmt: skip
+                "fingerprint": resume_fingerprint(self.cfg)}  # fmt: skip
         start = time.perf_counter()
 
         def before_rename() -> None:

@@ -76,7 +76,9 @@ def test_lost_node_continues_on_fewer_dp_ranks_from_the_checkpoint(tiny_model_di
         resumed = [comparable(r) for r in metric_rows(tmp_path / "ref")]
         assert [r["step"] for r in resumed] == [3, 4]
         assert [comparable(r) for r in rows[2:]] == resumed
-        assert rows[2]["actor/pg_loss"] != rows[3]["actor/pg_loss"]  # the curve goes on, not a copy
+        # the curve goes on, not a copy: two real updates of different sizes (pg_loss is exactly 0 on policy
+        # when every response runs to the length limit: each group's two advantages cancel)
+        assert 0 < rows[2]["actor/grad_norm"] != rows[3]["actor/grad_norm"] > 0
     finally:
         cluster.shutdown()
 
