@@ -31,6 +31,12 @@ def test_shrunk_config_rederives_dp_and_checks_the_batch(tiny_model_dir, tmp_pat
     assert tp2.actor.parallel.dp == 1 and cfg_path.is_file()
 
 
+# tells any two different responses apart, so no group's advantages are all 0: every step really updates
+VARIED = """def overlap(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(map(ord, solution_str)) % 13 / 13.0
+"""
+
+
 @pytest.mark.slow
 def test_lost_node_continues_on_fewer_dp_ranks_from_the_checkpoint(tiny_model_dir, tmp_path):
     """A real two-node Ray cluster on this machine: ray.cluster_utils.Cluster's second raylet is the
@@ -48,6 +54,7 @@ def test_lost_node_continues_on_fewer_dp_ranks_from_the_checkpoint(tiny_model_di
             trainer="experiment_name: run, total_steps: 4, save_every: 2, keep_last: 5, loggers: [jsonl], "
             "val_before_train: false, restart_wait_s: 2, min_devices: 2",
         )
+        (tmp_path / "reward.py").write_text(VARIED)
         run = tmp_path / "run"
         proc = start_train(config, log=tmp_path / "run.log")
         wait_for(lambda: any(r["step"] == 2 for r in metric_rows(run)), proc, poll=0.01)
@@ -76,8 +83,7 @@ def test_lost_node_continues_on_fewer_dp_ranks_from_the_checkpoint(tiny_model_di
         resumed = [comparable(r) for r in metric_rows(tmp_path / "ref")]
         assert [r["step"] for r in resumed] == [3, 4]
         assert [comparable(r) for r in rows[2:]] == resumed
-        # the curve goes on, not a copy: two real updates of different sizes (pg_loss is exactly 0 on policy
-        # when every response runs to the length limit: each group's two advantages cancel)
+        # the curve goes on, not a copy: two real updates of different sizes
         assert 0 < rows[2]["actor/grad_norm"] != rows[3]["actor/grad_norm"] > 0
     finally:
         cluster.shutdown()
