@@ -228,5 +228,7 @@ def test_calibrate_writes_a_profile_and_reports_predicted_measured_and_ratio(tmp
         assert getattr(fp32, name) == getattr(bf16, name) == raw["switch_terms"][name] >= 0
     # 2,048 tokens' non-matmul work costs something on any CPU; per dtype, as measured
     assert fp32.activation_s_per_element == raw["float32"]["activation_s_per_element"] > 0
-    assert bf16.activation_s_per_element == raw["bfloat16"]["activation_s_per_element"] > 0
+    # bf16 on a CPU without bf16 units (AVX2 only): its GEMMs, emulated, can account for the whole pass at the
+    # fitted rate, and the fit is clamped at 0
+    assert bf16.activation_s_per_element == raw["bfloat16"]["activation_s_per_element"] >= 0
     assert result["profile"] == profile.name == "cpu-measured"
